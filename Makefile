@@ -1,0 +1,56 @@
+# The front door: set-up, protos, lint, typecheck, test, run, bench, compose check.
+# Every target that needs the virtualenv builds it first, so `make run` and `make test`
+# work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU installs pin this torch (a local CPU build); GPU users: make setup TORCH=torch
+TORCH ?= torch==2.13.0
+PROTO_SRC := $(shell find protos -name '*.proto')
+PROTO_STAMP := pagedkv/.generated
+
+.PHONY: setup protos lint typecheck test test-fast conformance run run-allocator bench bench-full compose-check clean
+
+setup: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+protos: $(PROTO_STAMP)
+$(PROTO_STAMP): $(PROTO_SRC) $(VENV)/.installed
+	rm -rf pagedkv
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_SRC)
+	touch $@
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+typecheck: protos
+	$(VENV)/bin/mypy common allocator_svc executor_svc gateway
+
+test: protos
+	$(PY) -m pytest -q
+
+conformance: protos
+	$(PY) -m pytest -q tests/conformance --executor-addr=$(EXECUTOR_ADDR)
+
+run: protos
+	$(PY) -m gateway.launch
+
+run-allocator: protos
+	$(PY) -m allocator_svc
+
+bench: protos
+	$(PY) -m bench.run
+
+bench-full: protos
+	$(PY) -m bench.run --full
+
+compose-check:
+	docker-compose config -q
+
+clean:
+	rm -rf pagedkv $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Code shared by the three services: logging, errors, the gRPC server lifecycle, settings."""
