@@ -1,0 +1,196 @@
+"""The allocator, seen from the gateway: typed calls over the generated stub.
+
+The only gateway module besides executor_client.py and service.py that touches protobuf.
+Calls that concern one request carry its id as `x-request-id` metadata, so that one id can
+be followed through the logs of all three services.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from common.interceptor import REQUEST_ID_KEY
+from gateway.step import (
+    BlockCopy,
+    Commit,
+    Grant,
+    Preemption,
+    StepCall,
+    StepOutcome,
+    TableDelta,
+)
+from pagedkv.allocator.v1 import allocator_pb2 as pb
+from pagedkv.allocator.v1 import allocator_pb2_grpc as pb_grpc
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    pool_id: str
+    num_blocks: int
+    block_size: int
+    num_cpu_blocks: int
+    model_fingerprint: str
+    executor_instance_id: str
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    pool_id: str
+    num_cached_tokens: int
+    num_free_blocks: int
+    num_running_requests: int
+
+
+def request_metadata(request_id: str | None) -> tuple[tuple[str, str], ...] | None:
+    return ((REQUEST_ID_KEY, request_id),) if request_id else None
+
+
+def _copies(copies: Sequence[pb.BlockCopy]) -> tuple[BlockCopy, ...]:
+    return tuple(BlockCopy(c.src_block_id, c.dst_block_id) for c in copies)
+
+
+def _commits(commits: Sequence[Commit]) -> list[pb.Commit]:
+    return [pb.Commit(request_id=c.request_id, num_computed_tokens=c.num_computed_tokens)
+            for c in commits]
+
+
+def _outcome(response: pb.StepResponse) -> StepOutcome:
+    grants = {
+        g.request_id: Grant(
+            request_id=g.request_id,
+            delta=(
+                TableDelta(g.delta.start_index, tuple(g.delta.block_ids))
+                if g.HasField("delta") else None
+            ),
+            num_cached_tokens=g.num_cached_tokens,
+            num_scheduled_tokens=g.num_scheduled_tokens,
+            start_position=g.start_position,
+            new_request=g.new_request,
+        )
+        for g in response.grants
+    }
+    return StepOutcome(
+        grants=grants,
+        preempted=tuple(
+            Preemption(p.request_id, swapped=p.mode == pb.PREEMPTION_MODE_SWAP)
+            for p in response.preempted
+        ),
+        deferred_request_ids=frozenset(response.deferred_request_ids),
+        copies=_copies(response.copies),
+        swap_out=_copies(response.swap_out),
+        swap_in=_copies(response.swap_in),
+        num_free_blocks=response.num_free_blocks,
+    )
+
+
+class AllocatorClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.AllocatorServiceStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def register_pool(self, spec: PoolSpec) -> int:
+        """Register (or re-register) an executor's pool; returns the epoch to send."""
+        response = await self.stub.RegisterPool(
+            pb.RegisterPoolRequest(
+                pool_id=spec.pool_id,
+                num_blocks=spec.num_blocks,
+                block_size=spec.block_size,
+                num_cpu_blocks=spec.num_cpu_blocks,
+                model_fingerprint=spec.model_fingerprint,
+                executor_instance_id=spec.executor_instance_id,
+                enable_prefix_caching=spec.enable_prefix_caching,
+            )
+        )
+        return int(response.pool.epoch)
+
+    async def create_lease(self, ttl_ms: int) -> tuple[str, int]:
+        response = await self.stub.CreateLease(pb.CreateLeaseRequest(ttl_ms=ttl_ms))
+        return response.lease_id, response.ttl_ms
+
+    async def keep_alive(self, lease_id: str) -> None:
+        await self.stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease_id))
+
+    async def step(self, pool_id: str, epoch: int, lease_id: str, call: StepCall) -> StepOutcome:
+        items = [
+            pb.StepItem(
+                request_id=i.request_id,
+                prompt_token_ids=i.prompt_token_ids,
+                cache_salt=i.cache_salt,
+                num_tokens=i.num_tokens,
+            )
+            if i.is_new
+            else pb.StepItem(
+                request_id=i.request_id, append_token_ids=i.append_token_ids,
+                num_tokens=i.num_tokens,
+            )
+            for i in call.items
+        ]
+        request = pb.StepRequest(
+            pool_id=pool_id,
+            epoch=epoch,
+            lease_id=lease_id,
+            commits=_commits(call.commits),
+            free_request_ids=call.free_request_ids,
+            abort_request_ids=call.abort_request_ids,
+            items=items,
+            preemption_mode=(
+                pb.PREEMPTION_MODE_SWAP if call.swap else pb.PREEMPTION_MODE_RECOMPUTE
+            ),
+        )
+        return _outcome(await self.stub.Step(request))
+
+    async def free(
+        self, pool_id: str, epoch: int, commits: Sequence[Commit], request_ids: Sequence[str]
+    ) -> None:
+        await self.stub.Free(
+            pb.FreeRequest(
+                pool_id=pool_id, epoch=epoch, commits=_commits(commits), request_ids=request_ids
+            ),
+            metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
+        )
+
+    async def abort(self, pool_id: str, epoch: int, request_ids: Sequence[str]) -> None:
+        await self.stub.Abort(
+            pb.AbortRequest(pool_id=pool_id, epoch=epoch, request_ids=request_ids),
+            metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
+        )
+
+    async def fork(
+        self, pool_id: str, epoch: int, parent_id: str, child_ids: Sequence[str],
+        request_id: str,
+    ) -> list[TableDelta]:
+        response = await self.stub.Fork(
+            pb.ForkRequest(
+                pool_id=pool_id, epoch=epoch, parent_request_id=parent_id,
+                child_request_ids=child_ids,
+            ),
+            metadata=request_metadata(request_id),
+        )
+        return [TableDelta(t.start_index, tuple(t.block_ids)) for t in response.child_tables]
+
+    async def match_prefix(
+        self, token_ids: Sequence[int], cache_salt: str, pool_ids: Sequence[str],
+        request_id: str,
+    ) -> list[PrefixMatch]:
+        response = await self.stub.MatchPrefix(
+            pb.MatchPrefixRequest(token_ids=token_ids, cache_salt=cache_salt, pool_ids=pool_ids),
+            metadata=request_metadata(request_id),
+        )
+        return [
+            PrefixMatch(m.pool_id, m.num_cached_tokens, m.num_free_blocks,
+                        m.num_running_requests)
+            for m in response.matches
+        ]

@@ -1,0 +1,139 @@
+"""Assembling the gateway: connect to the allocator and executors, register the pools,
+take a lease, start one engine loop per executor and the public server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import structlog
+
+from common.server import Server, start_server
+from gateway import service
+from gateway.allocator_client import AllocatorClient
+from gateway.engine import Engine
+from gateway.executor_client import ExecutorClient, ExecutorDescription
+from gateway.frontend import Frontend, ModelInfo
+from gateway.lease import Lease
+from gateway.output import OutputProcessor
+from gateway.router import Router
+from gateway.sampling import ModelLimits
+from gateway.scheduler import Budget, Scheduler
+from gateway.settings import GatewaySettings
+from gateway.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Gateway:
+    server: Server
+    frontend: Frontend
+    lease: Lease
+    allocator: AllocatorClient
+    executors: list[ExecutorClient]
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.server.stop(grace)
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.allocator.close()
+        for executor in self.executors:
+            await executor.close()
+
+
+async def _retry(what: str, fn: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+    """Dependencies may still be starting: retry UNAVAILABLE until the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await fn()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                message = f"gateway: {what} failed: {exc.code().name} {exc.details()}"
+                raise SystemExit(message) from exc
+            log.info("waiting_for_dependency", what=what)
+            await asyncio.sleep(0.5)
+
+
+def model_limits(
+    settings: GatewaySettings, tokenizer: Tokenizer, descriptions: list[ExecutorDescription]
+) -> ModelLimits:
+    lens = [d.max_model_len for d in descriptions if d.max_model_len]
+    if settings.max_model_len:
+        lens.append(settings.max_model_len)
+    vocab = min((d.vocab_size for d in descriptions if d.vocab_size), default=0)
+    return ModelLimits(
+        max_model_len=min(lens) if lens else 2048,
+        vocab_size=vocab or tokenizer.vocab_size,
+        max_n=settings.max_n,
+        pool_capacity_tokens=min(d.num_blocks * d.block_size for d in descriptions),
+    )
+
+
+async def start_gateway(settings: GatewaySettings) -> Gateway:
+    tokenizer = Tokenizer.load(settings.model)
+    allocator = AllocatorClient(settings.allocator_addr)
+    executors = [ExecutorClient(a) for a in settings.executor_addrs]
+    descriptions = [
+        await _retry(f"Describe {c.address}", c.describe, settings.connect_timeout_s)
+        for c in executors
+    ]
+    limits = model_limits(settings, tokenizer, descriptions)
+    eos = descriptions[0].eos_token_ids or tokenizer.eos_token_ids
+    lease = Lease(allocator=allocator, ttl_ms=settings.lease_ttl_ms)
+    await _retry("CreateLease", lease.acquire, settings.connect_timeout_s)
+    output = OutputProcessor(decoder=tokenizer, eos_token_ids=frozenset(eos),
+                             max_model_len=limits.max_model_len)
+    router = Router(engines=[], allocator=allocator, max_waiting=settings.max_waiting)
+    for client, description in zip(executors, descriptions, strict=True):
+        budget = Budget(
+            max_num_seqs=min(settings.max_num_seqs, description.max_num_seqs or 1 << 30),
+            max_num_batched_tokens=min(settings.max_num_batched_tokens,
+                                       description.max_num_batched_tokens or 1 << 30),
+        )
+        engine = Engine(
+            pool_id=client.address,
+            executor=client,
+            allocator=allocator,
+            lease=lease,
+            scheduler=Scheduler(budget=budget, block_size=description.block_size,
+                                swap=settings.preemption_mode == "swap"),
+            output=output,
+            description=description,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            on_lost=router.requeue,
+        )
+        await _retry(f"RegisterPool {client.address}", engine.register, settings.connect_timeout_s)
+        router.engines.append(engine)
+    info = ModelInfo(
+        model_name=descriptions[0].model_name or Path(settings.model).name,
+        max_model_len=limits.max_model_len,
+        vocab_size=limits.vocab_size,
+        eos_token_ids=tuple(eos),
+    )
+    frontend = Frontend(tokenizer=tokenizer, limits=limits, router=router, info=info)
+    server = await start_server(
+        [(service.add_to_server, service.GatewayServicer(frontend), service.SERVICE_NAME)],
+        settings.host, settings.port,
+    )
+    gateway = Gateway(server=server, frontend=frontend, lease=lease, allocator=allocator,
+                      executors=executors)
+    loop = asyncio.get_running_loop()
+    gateway.tasks.append(loop.create_task(lease.keep_alive_forever()))
+    gateway.tasks.extend(loop.create_task(e.run()) for e in router.engines)
+    if settings.port_file:
+        tmp = Path(f"{settings.port_file}.tmp")
+        tmp.write_text(f"{server.port}\n")
+        tmp.replace(settings.port_file)  # whole or absent: readers never see half a port
+    log.info("gateway_serving", port=server.port, executors=list(settings.executor_addrs),
+             max_model_len=limits.max_model_len)
+    return gateway

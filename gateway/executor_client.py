@@ -1,0 +1,100 @@
+"""One executor, seen from the gateway: typed calls over the generated stub."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.allocator_client import CHANNEL_OPTIONS
+from gateway.step import BlockCopy, ExecuteCall, ExecuteResult, Sampled, SeqWork
+from pagedkv.executor.v1 import executor_pb2 as pb
+from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorDescription:
+    instance_id: str
+    model_name: str
+    model_fingerprint: str
+    num_blocks: int
+    block_size: int
+    num_cpu_blocks: int
+    backend: str
+    device: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+def _copies(copies: Sequence[BlockCopy]) -> list[pb.BlockCopy]:
+    return [pb.BlockCopy(src_block_id=c.src_block_id, dst_block_id=c.dst_block_id)
+            for c in copies]
+
+
+def _seq(work: SeqWork) -> pb.SequenceWork:
+    seq = pb.SequenceWork(
+        request_id=work.request_id,
+        token_ids=work.token_ids,
+        start_position=work.start_position,
+        sample=work.sample,
+    )
+    if work.delta is not None:
+        seq.delta.start_index = work.delta.start_index
+        seq.delta.block_ids.extend(work.delta.block_ids)
+    if work.sampling is not None:
+        s = work.sampling
+        seq.sampling.temperature = s.temperature
+        seq.sampling.top_p = s.top_p
+        seq.sampling.top_k = s.top_k
+        if s.seed is not None:
+            seq.sampling.seed = s.seed
+    return seq
+
+
+class ExecutorClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.ExecutorServiceStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def describe(self, timeout: float | None = None) -> ExecutorDescription:
+        r = await self.stub.Describe(pb.DescribeRequest(), timeout=timeout)
+        return ExecutorDescription(
+            instance_id=r.instance_id,
+            model_name=r.model_name,
+            model_fingerprint=r.model_fingerprint,
+            num_blocks=r.num_blocks,
+            block_size=r.block_size,
+            num_cpu_blocks=r.num_cpu_blocks,
+            backend=r.backend,
+            device=r.device,
+            max_model_len=r.max_model_len,
+            eos_token_ids=tuple(r.eos_token_ids),
+            vocab_size=r.vocab_size,
+            max_num_batched_tokens=r.max_num_batched_tokens,
+            max_num_seqs=r.max_num_seqs,
+        )
+
+    async def execute(self, call: ExecuteCall) -> ExecuteResult:
+        request = pb.ExecuteRequest(
+            release_request_ids=call.release_request_ids,
+            swap_out=_copies(call.swap_out),
+            swap_in=_copies(call.swap_in),
+            copies=_copies(call.copies),
+            seqs=[_seq(w) for w in call.seqs],
+        )
+        response = await self.stub.Execute(request)
+        return ExecuteResult(
+            tokens=tuple(Sampled(t.request_id, t.token_id, t.logprob) for t in response.tokens),
+            forward_ms=response.timings.forward_ms,
+        )
+
+    async def release(self, request_ids: Sequence[str]) -> None:
+        await self.stub.Release(pb.ReleaseRequest(request_ids=request_ids))

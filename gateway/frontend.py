@@ -1,0 +1,88 @@
+"""The gateway's core behind the servicer: tokenize, validate, submit, collect deltas."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import structlog
+
+from common.errors import AlreadyExists, InvalidArgument
+from gateway.request_state import CompletionDelta, Request
+from gateway.router import Router
+from gateway.sampling import ModelLimits, RawSampling, validate, validate_prompt
+from gateway.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Frontend:
+    tokenizer: Tokenizer
+    limits: ModelLimits
+    router: Router
+    info: ModelInfo
+    active: dict[str, Request] = field(default_factory=dict)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    async def submit(
+        self, text: str | None, token_ids: list[int] | None, raw: RawSampling,
+        cache_salt: str, request_id: str,
+    ) -> Request:
+        """Validate and queue a request; raises the domain error to send back."""
+        if text is not None and token_ids is not None:
+            raise InvalidArgument("prompt: send either text or token_ids, not both")
+        # Empty text is an empty prompt, not a lone BOS token.
+        prompt = self.tokenizer.encode(text) if text else list(token_ids or [])
+        validate_prompt(prompt, self.limits)
+        sampling = validate(raw, len(prompt), self.limits)
+        request_id = self._unique_id(request_id)
+        request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+                          cache_salt=cache_salt)
+        self.active[request_id] = request
+        try:
+            engine = await self.router.submit(request)
+        except BaseException:
+            del self.active[request_id]
+            raise
+        log.info("request_queued", gateway_request_id=request_id, pool_id=engine.pool_id,
+                 num_prompt_tokens=len(prompt), n=sampling.n, max_tokens=sampling.max_tokens)
+        return request
+
+    async def deltas(self, request: Request) -> AsyncIterator[CompletionDelta]:
+        """Every completion delta of the request until all n are finished; errors raise.
+        Leaving early (client gone, deadline) cancels the request."""
+        open_completions = request.sampling.n
+        try:
+            while open_completions:
+                delta = await request.outputs.get()
+                if delta.error is not None:
+                    raise delta.error
+                if delta.finish_reason is not None:
+                    open_completions -= 1
+                yield delta
+        finally:
+            self.active.pop(request.request_id, None)
+            if open_completions:
+                self.router.cancel(request)
+                log.info("request_cancelled", gateway_request_id=request.request_id)
+
+    def _unique_id(self, request_id: str) -> str:
+        if not request_id:
+            bound = structlog.contextvars.get_contextvars().get("request_id")
+            request_id = str(bound) if bound and bound not in self.active else ""
+            return request_id or uuid.uuid4().hex[:16]
+        if request_id in self.active:
+            raise AlreadyExists(f"request_id {request_id!r} is already in flight: use a new one")
+        return request_id

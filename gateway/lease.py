@@ -1,0 +1,51 @@
+"""The gateway's lease with the allocator: every request joins it; keep-alives every ttl/3.
+
+If the gateway dies, the lease expires and the allocator frees every request in it. If a
+keep-alive finds the lease gone (the gateway stalled past the ttl, or the allocator
+restarted), a new lease is taken and `generation` moves on: the engines then readmit their
+requests, since the allocator has forgotten them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from gateway.allocator_client import AllocatorClient
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Lease:
+    allocator: AllocatorClient
+    ttl_ms: int
+    lease_id: str = ""
+    generation: int = 0
+
+    async def acquire(self) -> None:
+        self.lease_id, granted_ms = await self.allocator.create_lease(self.ttl_ms)
+        self.ttl_ms = granted_ms or self.ttl_ms
+        self.generation += 1
+        log.info("lease_acquired", lease_id=self.lease_id, ttl_ms=self.ttl_ms)
+
+    async def keep_alive_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_ms / 3000)
+            try:
+                await self.allocator.keep_alive(self.lease_id)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    log.warning("lease_lost", lease_id=self.lease_id)
+                    await self._reacquire()
+                else:
+                    log.warning("lease_keep_alive_failed", code=exc.code().name)
+
+    async def _reacquire(self) -> None:
+        try:
+            await self.acquire()
+        except grpc.aio.AioRpcError as exc:
+            log.warning("lease_acquire_failed", code=exc.code().name)

@@ -1,0 +1,128 @@
+"""Requests and their sequences: the state machine the scheduler moves them through.
+
+    WAITING --admitted--> RUNNING --finished--> FINISHED
+       ^                   |   |
+       +---preempted-------+   +--swapped out--> SWAPPED --swapped in--> RUNNING
+           (recompute: prompt + generated tokens are recomputed on readmission)
+
+A `Request` is what a client asked for; it owns `n` completions (one `Sequence` each; with
+n > 1 a prefill-only parent sequence computes the shared prompt once and is then forked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from common.errors import ServiceError
+from gateway.detokenizer import Detokenizer
+from gateway.sampling import SamplingOptions
+from gateway.step import ExecSampling
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionDelta:
+    """What one step produced for one completion, queued for the client's stream."""
+
+    index: int
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: ServiceError | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    cache_salt: str
+    outputs: asyncio.Queue[CompletionDelta] = field(default_factory=asyncio.Queue)
+    arrival_time: float = field(default_factory=time.monotonic)
+    num_cached_tokens: int | None = None   # from the first admission
+    num_open_completions: int = 0
+    cancelled: bool = False
+
+    def emit(self, delta: CompletionDelta) -> None:
+        self.outputs.put_nowait(delta)
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One completion (or the n > 1 prefill parent) as the scheduler sees it."""
+
+    seq_id: str
+    request: Request
+    index: int
+    is_prefill_parent: bool = False
+    status: SeqStatus = SeqStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_allocator_tokens: int = 0      # tokens the allocator knows (0: not admitted there)
+    known_to_allocator: bool = False
+    known_to_executor: bool = False
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    seed_offset: int = 0
+    detokenizer: Detokenizer | None = None
+    finish_reason: FinishReason | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token the sequence holds: the prompt, then the generated ones."""
+        if self.is_prefill_parent:
+            return self.request.prompt_token_ids[:-1]
+        return self.request.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        if self.is_prefill_parent:
+            return len(self.request.prompt_token_ids) - 1
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def exec_sampling(self) -> ExecSampling:
+        options = self.request.sampling
+        seed = None if options.seed is None else options.seed + self.seed_offset
+        return ExecSampling(
+            temperature=options.temperature, top_p=options.top_p, top_k=options.top_k, seed=seed
+        )
+
+    def reset_for_recompute(self) -> None:
+        """Forget everything the allocator and executor held: readmission starts over."""
+        self.status = SeqStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_allocator_tokens = 0
+        self.known_to_allocator = False
+        self.block_table.clear()
+        self.num_preemptions += 1

@@ -1,0 +1,95 @@
+"""Routing across executors: a new request goes to the pool with the longest cached prefix
+for it (the allocator knows exactly), then to the least loaded one. Sequences of a lost
+executor are re-queued on a healthy one (recompute), or fail with UNAVAILABLE."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from common.errors import ResourceExhausted, Unavailable
+from gateway.allocator_client import AllocatorClient
+from gateway.engine import Engine
+from gateway.request_state import CompletionDelta, Request, Sequence
+
+log = structlog.get_logger(__name__)
+
+
+def initial_sequences(request: Request) -> list[Sequence]:
+    """n == 1: one sequence. n > 1: a prefill parent that is forked once the prompt (but
+    its last token) is computed; a one-token prompt has nothing to share, so n plain ones."""
+    rid = request.request_id
+    n = request.sampling.n
+    if n == 1:
+        return [Sequence(seq_id=rid, request=request, index=0)]
+    if len(request.prompt_token_ids) >= 2:
+        return [Sequence(seq_id=f"{rid}-prefill", request=request, index=0,
+                         is_prefill_parent=True)]
+    return [Sequence(seq_id=f"{rid}-{i}", request=request, index=i, seed_offset=i)
+            for i in range(n)]
+
+
+@dataclass(slots=True)
+class Router:
+    engines: list[Engine]
+    allocator: AllocatorClient
+    max_waiting: int
+
+    def healthy(self) -> list[Engine]:
+        return [e for e in self.engines if e.healthy]
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(e.scheduler.waiting) for e in self.engines)
+
+    async def submit(self, request: Request) -> Engine:
+        if self.num_waiting >= self.max_waiting:
+            raise ResourceExhausted(
+                f"the waiting queue is full ({self.max_waiting} requests): retry later"
+            )
+        engine = await self.route(request)
+        seqs = initial_sequences(request)
+        request.num_open_completions = request.sampling.n
+        for seq in seqs:
+            engine.submit(seq)
+        return engine
+
+    async def route(self, request: Request) -> Engine:
+        engines = self.healthy()
+        if not engines:
+            raise Unavailable("no executor is available: check the executors' health")
+        if len(engines) == 1:
+            return engines[0]
+        cached: dict[str, int] = {}
+        try:
+            matches = await self.allocator.match_prefix(
+                request.prompt_token_ids, request.cache_salt, [e.pool_id for e in engines],
+                request.request_id,
+            )
+            cached = {m.pool_id: m.num_cached_tokens for m in matches}
+        except grpc.aio.AioRpcError as exc:
+            log.info("match_prefix_failed", code=exc.code().name)
+        return max(engines, key=lambda e: (cached.get(e.pool_id, 0), -e.load))
+
+    def requeue(self, seqs: list[Sequence]) -> None:
+        """Sequences of a lost executor: recompute them on the least loaded healthy one."""
+        engines = self.healthy()
+        for seq in seqs:
+            if not engines:
+                seq.request.emit(CompletionDelta(
+                    index=seq.index,
+                    error=Unavailable("the executor running this request went away and no "
+                                      "other executor is available"),
+                ))
+                continue
+            target = min(engines, key=lambda e: e.load)
+            target.submit(seq, front=True)
+        if seqs:
+            log.warning("requests_requeued", num=len(seqs), num_engines=len(engines))
+
+    def cancel(self, request: Request) -> None:
+        request.cancelled = True
+        for engine in self.engines:
+            engine.cancel()

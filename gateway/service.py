@@ -1,0 +1,125 @@
+"""The public gRPC servicer: decode the proto, call the frontend, encode the answer."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from gateway.engine import Engine
+from gateway.frontend import Frontend
+from gateway.request_state import CompletionDelta, FinishReason, Usage
+from gateway.sampling import RawSampling
+from pagedkv.gateway.v1 import gateway_pb2 as pb
+from pagedkv.gateway.v1 import gateway_pb2_grpc as pb_grpc
+
+FINISH_REASONS = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+
+
+def raw_sampling(params: pb.SamplingParams) -> RawSampling:
+    return RawSampling(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature if params.HasField("temperature") else None,
+        top_p=params.top_p if params.HasField("top_p") else None,
+        top_k=params.top_k,
+        seed=params.seed if params.HasField("seed") else None,
+        stop=tuple(params.stop),
+        stop_token_ids=tuple(params.stop_token_ids),
+        n=params.n,
+        ignore_eos=params.ignore_eos,
+    )
+
+
+def _prompt(request: Any) -> tuple[str | None, list[int] | None]:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return request.text, None
+    if kind == "token_ids":
+        return None, list(request.token_ids.ids)
+    return None, None
+
+
+def _usage(usage: Usage | None) -> pb.Usage | None:
+    if usage is None:
+        return None
+    return pb.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                    cached_prompt_tokens=usage.cached_prompt_tokens)
+
+
+def _executor_info(engine: Engine) -> pb.ExecutorInfo:
+    d = engine.description
+    return pb.ExecutorInfo(address=engine.executor.address, pool_id=engine.pool_id,
+                           num_blocks=d.num_blocks, block_size=d.block_size, backend=d.backend,
+                           device=d.device, healthy=engine.healthy)
+
+
+class GatewayServicer(pb_grpc.GatewayServiceServicer):
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+
+    async def _submit(self, request: Any) -> Any:
+        text, token_ids = _prompt(request)
+        return await self.frontend.submit(
+            text, token_ids, raw_sampling(request.sampling), request.cache_salt,
+            request.request_id,
+        )
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        state = await self._submit(request)
+        async for delta in self.frontend.deltas(state):
+            yield pb.GenerateResponse(
+                request_id=state.request_id,
+                index=delta.index,
+                token_ids=delta.token_ids,
+                text=delta.text,
+                finish_reason=FINISH_REASONS[delta.finish_reason],
+                usage=_usage(delta.usage),
+            )
+
+    async def Complete(  # noqa: N802
+        self, request: pb.CompleteRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CompleteResponse:
+        state = await self._submit(request)
+        completions = [pb.Completion(index=i) for i in range(state.sampling.n)]
+        async for delta in self.frontend.deltas(state):
+            _collect(completions[delta.index], delta)
+        return pb.CompleteResponse(request_id=state.request_id, completions=completions)
+
+    async def Tokenize(  # noqa: N802
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        return pb.TokenizeResponse(token_ids=self.frontend.tokenize(request.text))
+
+    async def GetModelInfo(  # noqa: N802
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        info = self.frontend.info
+        return pb.GetModelInfoResponse(
+            model_name=info.model_name,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids,
+            executors=[_executor_info(e) for e in self.frontend.router.engines],
+        )
+
+
+def _collect(completion: pb.Completion, delta: CompletionDelta) -> None:
+    completion.token_ids.extend(delta.token_ids)
+    completion.text += delta.text
+    if delta.finish_reason is not None:
+        completion.finish_reason = FINISH_REASONS[delta.finish_reason]
+        usage = _usage(delta.usage)
+        if usage is not None:
+            completion.usage.CopyFrom(usage)
+
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GatewayService"].full_name
+add_to_server = pb_grpc.add_GatewayServiceServicer_to_server

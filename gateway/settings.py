@@ -1,0 +1,123 @@
+"""The gateway's typed configuration: flags with PAGEDKV_* environment equivalents."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from common.config import add_flag
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+def parse_bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {raw!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    """Everything the gateway is configured with; validated once at start."""
+
+    host: str
+    port: int
+    port_file: str | None
+    allocator_addr: str
+    executor_addrs: tuple[str, ...]
+    model: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int | None
+    preemption_mode: str
+    max_waiting: int
+    max_n: int
+    lease_ttl_ms: int
+    enable_prefix_caching: bool
+    connect_timeout_s: float
+    log_json: bool
+    log_level: str
+
+    def __post_init__(self) -> None:
+        if not self.executor_addrs:
+            raise ValueError("--executor-addrs is empty: give at least one host:port")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.lease_ttl_ms < 300:
+            raise ValueError("--lease-ttl-ms must be >= 300 (keep-alives go every ttl/3)")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"--preemption-mode must be one of {PREEMPTION_MODES}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("--max-model-len must be >= 2 (or unset: the executors' value)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
+    add_flag(parser, "--host", default="0.0.0.0", help="address to bind")
+    add_flag(parser, "--port", type=int, default=50051, help="port to bind (0: any free port)")
+    add_flag(parser, "--port-file", default=None, help="write the bound port here once serving")
+    add_flag(parser, "--allocator-addr", default="localhost:50052", help="allocator host:port")
+    add_flag(
+        parser, "--executor-addrs", default="localhost:50053",
+        help="comma-separated executor host:port list (one KV pool each)",
+    )
+    add_flag(parser, "--model", default="models/tiny-llama", help="preset/tokenizer directory")
+    add_flag(parser, "--max-num-seqs", type=int, default=256, help="sequences per step")
+    add_flag(
+        parser, "--max-num-batched-tokens", type=int, default=2048,
+        help="tokens per step (long prompts are prefilled in chunks)",
+    )
+    add_flag(
+        parser, "--max-model-len", type=int, default=None,
+        help="prompt + completion limit (capped by the executors')",
+    )
+    add_flag(
+        parser, "--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
+        help="what happens to a request pushed out when the KV pool is short",
+    )
+    add_flag(parser, "--max-waiting", type=int, default=1024, help="bounded waiting queue")
+    add_flag(parser, "--max-n", type=int, default=16, help="largest n (completions per request)")
+    add_flag(parser, "--lease-ttl-ms", type=int, default=10000, help="allocator lease ttl")
+    add_flag(
+        parser, "--enable-prefix-caching", type=parse_bool, default=True,
+        help="share cached prompt blocks between requests (true/false)",
+    )
+    add_flag(
+        parser, "--connect-timeout-s", type=float, default=60.0,
+        help="how long to wait for the allocator and executors at start",
+    )
+    add_flag(parser, "--log-json", action="store_true", help="JSON logs (containers)")
+    add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
+    return parser
+
+
+def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
+    args = build_parser().parse_args(argv)
+    addrs = tuple(a.strip() for a in str(args.executor_addrs).split(",") if a.strip())
+    try:
+        return GatewaySettings(
+            host=args.host,
+            port=args.port,
+            port_file=args.port_file,
+            allocator_addr=args.allocator_addr,
+            executor_addrs=addrs,
+            model=args.model,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            preemption_mode=args.preemption_mode,
+            max_waiting=args.max_waiting,
+            max_n=args.max_n,
+            lease_ttl_ms=args.lease_ttl_ms,
+            enable_prefix_caching=args.enable_prefix_caching,
+            connect_timeout_s=args.connect_timeout_s,
+            log_json=args.log_json,
+            log_level=args.log_level,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"gateway: {exc}") from exc

@@ -1,0 +1,130 @@
+"""What one scheduling step sends and receives, as plain values (the protos stay at the edge).
+
+A step is one allocator `Step` call (a `StepCall` in, a `StepOutcome` out) followed by one
+executor `Execute` call (an `ExecuteCall` in, `Sampled` tokens out). The conversion to and
+from protobuf lives in allocator_client.py and executor_client.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class TableDelta:
+    """Replace a block table from `start_index` on with `block_ids`."""
+
+    start_index: int
+    block_ids: tuple[int, ...]
+
+    def apply(self, table: list[int]) -> None:
+        assert self.start_index <= len(table), (
+            f"delta starts at {self.start_index} past a table of {len(table)} blocks"
+        )
+        del table[self.start_index :]
+        table.extend(self.block_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    src_block_id: int
+    dst_block_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    request_id: str
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepItem:
+    """One request's part of a step; `prompt_token_ids` only when the request is new."""
+
+    request_id: str
+    num_tokens: int
+    prompt_token_ids: tuple[int, ...] = ()
+    cache_salt: str = ""
+    append_token_ids: tuple[int, ...] = ()
+    is_new: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StepCall:
+    commits: tuple[Commit, ...]
+    free_request_ids: tuple[str, ...]
+    abort_request_ids: tuple[str, ...]
+    items: tuple[StepItem, ...]
+    swap: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    request_id: str
+    delta: TableDelta | None
+    num_cached_tokens: int
+    num_scheduled_tokens: int
+    start_position: int
+    new_request: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    request_id: str
+    swapped: bool  # False: recompute (the allocator freed it entirely)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    grants: dict[str, Grant] = field(default_factory=dict)
+    preempted: tuple[Preemption, ...] = ()
+    deferred_request_ids: frozenset[str] = frozenset()
+    copies: tuple[BlockCopy, ...] = ()
+    swap_out: tuple[BlockCopy, ...] = ()
+    swap_in: tuple[BlockCopy, ...] = ()
+    num_free_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ExecSampling:
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class SeqWork:
+    """One sequence's part of an Execute call."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_position: int
+    delta: TableDelta | None
+    sample: bool
+    sampling: ExecSampling | None  # only on the sequence's first Execute
+
+
+@dataclass(frozen=True, slots=True)
+class ExecuteCall:
+    release_request_ids: tuple[str, ...]
+    swap_out: tuple[BlockCopy, ...]
+    swap_in: tuple[BlockCopy, ...]
+    copies: tuple[BlockCopy, ...]
+    seqs: tuple[SeqWork, ...]
+
+    def is_empty(self) -> bool:
+        return not (self.seqs or self.swap_out or self.swap_in or self.copies)
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    request_id: str
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class ExecuteResult:
+    tokens: tuple[Sampled, ...]
+    forward_ms: float

@@ -1,0 +1,72 @@
+"""Incremental detokenization against the offline tiny-llama tokenizer (byte-level BPE)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.detokenizer import Detokenizer
+from gateway.tokenizer import Tokenizer
+
+TEXT = "Hello wörld, ünïcode 日本語 test — done."
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.load("models/tiny-llama")
+
+
+def stream(tok: Tokenizer, prompt: list[int], ids: list[int], stop: tuple[str, ...] = ()):
+    detok = Detokenizer.for_prompt(tok, prompt, stop)
+    deltas = []
+    for t in ids:
+        delta = detok.add(t)
+        deltas.append(delta.text)
+        if delta.stopped:
+            return deltas, True
+    deltas.append(detok.flush())
+    return deltas, False
+
+
+def test_detokenizer_stream_equals_full_decode(tokenizer: Tokenizer):
+    # Token by token, the concatenated deltas equal one decode of all the output tokens.
+    ids = tokenizer.encode(TEXT)
+    prompt, output = ids[:3], ids[3:]
+    deltas, stopped = stream(tokenizer, prompt, output)
+    assert not stopped
+    assert "".join(deltas) == tokenizer.decode(output)
+
+
+def test_detokenizer_never_splits_a_multibyte_character(tokenizer: Tokenizer):
+    # '日本語' takes several byte tokens per character: no delta holds U+FFFD.
+    ids = tokenizer.encode("x 日本語 ü")
+    deltas, _ = stream(tokenizer, ids[:1], ids[1:])
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tokenizer.decode(ids[1:])
+
+
+def test_detokenizer_stop_string_truncates_and_stops(tokenizer: Tokenizer):
+    # The stop string and what follows it never reach the client.
+    ids = tokenizer.encode("alpha beta STOP gamma")
+    deltas, stopped = stream(tokenizer, ids[:1], ids[1:], stop=("STOP",))
+    assert stopped
+    assert "".join(deltas) == tokenizer.decode(ids[1:]).split("STOP")[0]
+
+
+def test_detokenizer_holds_back_a_possible_stop_prefix(tokenizer: Tokenizer):
+    # "ST" could start "STOP": it is held back, then released when the text diverges.
+    ids = tokenizer.encode("a STAR b")
+    detok = Detokenizer.for_prompt(tokenizer, ids[:1], ("STOP",))
+    released = ""
+    for t in ids[1:]:
+        released += detok.add(t).text
+        assert not tokenizer.decode(ids[1:]).startswith(released + "X")  # sanity
+        assert len(detok.text) - len(released) <= 3
+    released += detok.flush()
+    assert released == tokenizer.decode(ids[1:])
+
+
+def test_detokenizer_skips_special_tokens(tokenizer: Tokenizer):
+    # EOS (id 2) adds no text.
+    detok = Detokenizer.for_prompt(tokenizer, [1], ())
+    assert detok.add(2).text == ""
+    assert detok.flush() == ""

@@ -1,0 +1,250 @@
+"""The scheduler against in-memory fakes of the allocator and executor (scheduler_fakes)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scheduler_fakes import FakeModel, FakePool
+
+from gateway.request_state import Request, SeqStatus, Sequence
+from gateway.router import initial_sequences
+from gateway.sampling import SamplingOptions
+from gateway.scheduler import Budget, Scheduler
+from gateway.step import Grant, Preemption, StepOutcome, TableDelta
+
+BLOCK = 4
+
+
+def request(rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1) -> Request:
+    return Request(request_id=rid, prompt_token_ids=prompt,
+                   sampling=SamplingOptions(max_tokens=max_tokens, n=n), cache_salt="")
+
+
+def scheduler(seqs: int = 8, tokens: int = 64) -> Scheduler:
+    return Scheduler(budget=Budget(max_num_seqs=seqs, max_num_batched_tokens=tokens),
+                     block_size=BLOCK)
+
+
+def add(sched: Scheduler, req: Request) -> list[Sequence]:
+    seqs = initial_sequences(req)
+    for seq in seqs:
+        sched.add(seq)
+    return seqs
+
+
+def drive(sched: Scheduler, pool: FakePool, model: FakeModel, max_steps: int = 5000) -> int:
+    """Run every queued sequence to max_tokens; returns the number of steps."""
+    steps = 0
+    while (plan := sched.schedule()) is not None:
+        steps += 1
+        assert steps < max_steps, "no progress"
+        batch = sched.apply_outcome(plan, pool.step(plan.call))
+        result = model.execute(batch.call)
+        for seq, _ in sched.apply_result(batch, result):
+            if len(seq.output_token_ids) >= seq.request.sampling.max_tokens:
+                sched.finish(seq)
+    model.execute(sched.apply_outcome(*_empty_step(sched)).call)  # last releases
+    return steps
+
+
+def _empty_step(sched: Scheduler):  # type: ignore[no-untyped-def]
+    from gateway.scheduler import ScheduledStep
+    from gateway.step import StepCall
+
+    return ScheduledStep(call=StepCall((), (), (), ()), seqs={}), StepOutcome()
+
+
+def test_scheduler_lists_running_decodes_before_waiting_prefills():
+    # One request is decoding; a new one waits: the decode comes first, one token.
+    sched = scheduler()
+    pool, model = FakePool(64, BLOCK), FakeModel()
+    add(sched, request("a", [1, 2, 3]))
+    plan = sched.schedule()
+    assert plan is not None
+    batch = sched.apply_outcome(plan, pool.step(plan.call))
+    sched.apply_result(batch, model.execute(batch.call))
+    add(sched, request("b", [4, 5]))
+    plan = sched.schedule()
+    assert plan is not None
+    items = plan.call.items
+    assert [(i.request_id, i.num_tokens, i.is_new) for i in items] == [
+        ("a", 1, False), ("b", 2, True)
+    ]
+    assert items[0].append_token_ids == (model.reference([1, 2, 3], 1)[0],)
+    assert items[1].prompt_token_ids == (4, 5)
+
+
+def test_scheduler_chunks_prefill_under_the_token_budget():
+    # A 10-token prompt with a budget of 4 tokens per step: chunks 4, 4, 2; sampling at 2.
+    sched = scheduler(tokens=4)
+    pool, model = FakePool(64, BLOCK), FakeModel()
+    add(sched, request("a", list(range(10)), max_tokens=1))
+    chunks = []
+    while (plan := sched.schedule()) is not None and plan.call.items:
+        batch = sched.apply_outcome(plan, pool.step(plan.call))
+        work = batch.call.seqs[0]
+        chunks.append((work.start_position, len(work.token_ids), work.sample))
+        for seq, _ in sched.apply_result(batch, model.execute(batch.call)):
+            sched.finish(seq)
+    assert chunks == [(0, 4, False), (4, 4, False), (8, 2, True)]
+
+
+def test_scheduler_respects_max_num_seqs():
+    # Three waiting requests, two sequences per step: the third waits.
+    sched = scheduler(seqs=2)
+    for rid in "abc":
+        add(sched, request(rid, [1, 2]))
+    plan = sched.schedule()
+    assert plan is not None
+    assert [i.request_id for i in plan.call.items] == ["a", "b"]
+
+
+def test_scheduler_first_execute_carries_sampling_and_full_table():
+    # A new request's first Execute creates its state: sampling and table from index 0.
+    sched = scheduler()
+    pool = FakePool(64, BLOCK)
+    add(sched, request("a", list(range(6))))
+    plan = sched.schedule()
+    assert plan is not None
+    batch = sched.apply_outcome(plan, pool.step(plan.call))
+    (work,) = batch.call.seqs
+    assert work.sampling is not None and work.sample
+    assert work.delta == TableDelta(0, (0, 1))
+    assert work.token_ids == tuple(range(6)) and work.start_position == 0
+
+
+def test_scheduler_outputs_match_reference_without_preemption():
+    # Plenty of blocks: every request's tokens equal the fake model's reference.
+    sched = scheduler(seqs=4, tokens=16)
+    pool, model = FakePool(256, BLOCK), FakeModel()
+    reqs = [request(f"r{i}", [i + 1] * (3 + 5 * i), max_tokens=6) for i in range(6)]
+    seqs = [add(sched, r)[0] for r in reqs]
+    drive(sched, pool, model)
+    for r, seq in zip(reqs, seqs, strict=True):
+        assert seq.output_token_ids == model.reference(r.prompt_token_ids, 6)
+    assert pool.num_preemptions == 0
+    assert sorted(pool.free) == list(range(256)) and not model.held
+
+
+def test_scheduler_recompute_preemption_keeps_outputs_and_returns_blocks():
+    # 10 blocks of 4 tokens for 5 requests of up to 14 tokens: preemption must happen.
+    sched = scheduler(seqs=8, tokens=32)
+    pool, model = FakePool(10, BLOCK), FakeModel()
+    reqs = [request(f"r{i}", [i + 3] * 6, max_tokens=8) for i in range(5)]
+    seqs = [add(sched, r)[0] for r in reqs]
+    drive(sched, pool, model)
+    assert pool.num_preemptions > 0
+    assert sched.num_preemptions == pool.num_preemptions
+    for r, seq in zip(reqs, seqs, strict=True):
+        assert seq.output_token_ids == model.reference(r.prompt_token_ids, 8)
+    assert sorted(pool.free) == list(range(10)) and not model.held
+
+
+def test_scheduler_preempted_request_rejoins_queue_front_and_is_released():
+    # A recompute preemption: state reset, queued first, released at the executor next step.
+    sched = scheduler()
+    pool = FakePool(64, BLOCK)
+    a = add(sched, request("a", [1, 2, 3]))[0]
+    add(sched, request("b", [4]))
+    plan = sched.schedule()
+    assert plan is not None
+    sched.apply_outcome(plan, pool.step(plan.call))
+    a.output_token_ids.append(9)
+    a.num_computed_tokens = 3
+    plan = sched.schedule()
+    assert plan is not None
+    outcome = StepOutcome(preempted=(Preemption("a", swapped=False),),
+                          grants={"b": Grant("b", None, 0, 1, 0, False)})
+    batch = sched.apply_outcome(plan, outcome)
+    assert batch.call.release_request_ids == ("a",)
+    assert list(sched.waiting) == [a] and a.status is SeqStatus.WAITING
+    assert a.num_computed_tokens == 0 and a.block_table == [] and not a.known_to_executor
+    plan = sched.schedule()
+    assert plan is not None
+    new = [i for i in plan.call.items if i.is_new]
+    assert new[0].prompt_token_ids == (1, 2, 3, 9)
+
+
+def test_scheduler_finish_queues_commit_free_and_release():
+    # A finished request: its commit and free ride on the next Step, its release on Execute.
+    sched = scheduler()
+    pool, model = FakePool(64, BLOCK), FakeModel()
+    a = add(sched, request("a", [1, 2, 3, 4, 5]))[0]
+    plan = sched.schedule()
+    assert plan is not None
+    batch = sched.apply_outcome(plan, pool.step(plan.call))
+    sched.apply_result(batch, model.execute(batch.call))
+    sched.finish(a)
+    plan = sched.schedule()
+    assert plan is not None
+    assert plan.call.free_request_ids == ("a",) and plan.call.items == ()
+    assert [(c.request_id, c.num_computed_tokens) for c in plan.call.commits] == [("a", 5)]
+    assert sched.pending.release_ids == ["a"]
+
+
+def test_scheduler_abort_of_waiting_request_sends_nothing():
+    # Cancelled before admission: nothing to abort anywhere.
+    sched = scheduler()
+    a = add(sched, request("a", [1, 2]))[0]
+    sched.abort(a)
+    assert sched.schedule() is None
+    assert not sched.pending.abort_ids and not sched.pending.release_ids
+
+
+def test_scheduler_fork_replaces_parent_with_children_sharing_its_table():
+    # n=3: the parent computes prompt[:-1]; after fork the children append the last token.
+    sched = scheduler()
+    pool, model = FakePool(64, BLOCK), FakeModel()
+    req = request("r", [5, 6, 7, 8, 9, 10], n=3)
+    (parent,) = add(sched, req)
+    assert parent.is_prefill_parent and parent.token_ids == [5, 6, 7, 8, 9]
+    plan = sched.schedule()
+    assert plan is not None
+    batch = sched.apply_outcome(plan, pool.step(plan.call))
+    assert batch.call.seqs[0].sample is False
+    assert sched.apply_result(batch, model.execute(batch.call)) == []
+    assert sched.ready_to_fork(batch) == [parent]
+    children = [Sequence(seq_id=f"r-{i}", request=req, index=i, seed_offset=i) for i in range(3)]
+    sched.fork(parent, children, [TableDelta(0, (0, 1))] * 3)
+    plan = sched.schedule()
+    assert plan is not None
+    assert [(i.request_id, i.append_token_ids, i.num_tokens) for i in plan.call.items] == [
+        ("r-0", (10,), 1), ("r-1", (10,), 1), ("r-2", (10,), 1)
+    ]
+    assert plan.call.free_request_ids == ("r-prefill",)
+    assert children[1].exec_sampling().seed is None
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    prompts=st.lists(st.integers(min_value=1, max_value=14), min_size=1, max_size=6),
+    max_tokens=st.integers(min_value=1, max_value=6),
+    num_blocks=st.integers(min_value=5, max_value=24),
+    budget=st.integers(min_value=1, max_value=20),
+)
+def test_scheduler_any_pool_and_budget_gives_reference_outputs(
+    prompts: list[int], max_tokens: int, num_blocks: int, budget: int
+):
+    # Whatever the pool size and token budget: same tokens, all blocks back, nothing held.
+    sched = scheduler(seqs=4, tokens=budget)
+    pool, model = FakePool(num_blocks, BLOCK), FakeModel()
+    reqs = [request(f"r{i}", [(i * 7 + j) % 90 + 1 for j in range(p)], max_tokens=max_tokens)
+            for i, p in enumerate(prompts)]
+    # Every request must fit the pool alone (the gateway rejects the others up front).
+    reqs = [r for r in reqs if -(-(len(r.prompt_token_ids) + max_tokens) // BLOCK) <= num_blocks]
+    seqs = [add(sched, r)[0] for r in reqs]
+    drive(sched, pool, model)
+    for r, seq in zip(reqs, seqs, strict=True):
+        assert seq.output_token_ids == model.reference(r.prompt_token_ids, max_tokens)
+    assert sorted(pool.free) == list(range(num_blocks)) and not model.held
+
+
+@pytest.mark.parametrize("front", [True, False])
+def test_scheduler_add_puts_sequence_at_the_requested_end(front: bool):
+    # Re-queued sequences (executor lost) go first; new ones last.
+    sched = scheduler()
+    a = add(sched, request("a", [1]))[0]
+    b = Sequence(seq_id="b", request=request("b", [2]), index=0)
+    sched.add(b, front=front)
+    assert list(sched.waiting) == ([b, a] if front else [a, b])
