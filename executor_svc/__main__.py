@@ -1,0 +1,68 @@
+"""`python -m executor_svc`: load the model, size the KV cache, serve until SIGTERM.
+
+With `--port 0` the bound port is logged (`server_started port=...`) and, with `--port-file`,
+written to that file once the server accepts calls (written whole, then renamed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+
+from common.logging import configure_logging
+from common.server import run_until_signal, start_server
+from executor_svc.model_loader import ModelLoadError
+from executor_svc.runner import build_runner
+from executor_svc.service import registration
+from executor_svc.settings import ExecutorSettings, SettingsError, parse_settings
+
+log = structlog.get_logger("executor_svc")
+
+
+def write_port_file(path: str, port: int) -> None:
+    tmp = Path(f"{path}.{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
+
+
+async def serve(settings: ExecutorSettings) -> None:
+    runner = await asyncio.to_thread(build_runner, settings)
+    server = await start_server([registration(runner)], settings.host, settings.port)
+    if settings.port_file:
+        write_port_file(settings.port_file, server.port)
+    info = runner.info
+    log.info(
+        "server_started",
+        host=settings.host,
+        port=server.port,
+        model=info.model_name,
+        backend=info.backend,
+        device=info.device,
+        num_blocks=info.num_blocks,
+        instance_id=info.instance_id,
+    )
+    await run_until_signal(server)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        settings = parse_settings(argv)
+    except SettingsError as exc:
+        print(f"executor_svc: {exc}", file=sys.stderr)  # before logging exists
+        return 2
+    configure_logging("executor", json=settings.log_json, level=settings.log_level)
+    try:
+        asyncio.run(serve(settings))
+    except (SettingsError, ModelLoadError) as exc:
+        log.error("executor_failed_to_start", error=str(exc))
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

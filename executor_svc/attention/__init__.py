@@ -1,0 +1,93 @@
+"""Attention backends behind one interface, plugged into transformers by name.
+
+The model is loaded with `attn_implementation=ATTENTION_NAME`; transformers then calls
+`paged_attention_forward` in every attention layer (after RoPE) with query `[1, Hq, T, D]` and
+key/value `[1, Hkv, T, D]` for the step's packed row. The step's plan travels as an extra
+keyword argument of `model(...)` (STEP_KWARG), never as module state: a backend's `plan()` runs
+once per step, and the returned StepAttention's `forward()` once per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from transformers import AttentionInterface
+
+from executor_svc.attention.metadata import SeqSpan, StepMetadata
+from executor_svc.kv_cache import KVCache
+
+ATTENTION_NAME = "pagedkv"
+STEP_KWARG = "paged_attention"
+
+__all__ = [
+    "ATTENTION_NAME",
+    "STEP_KWARG",
+    "AttentionBackend",
+    "SeqSpan",
+    "StepAttention",
+    "StepMetadata",
+    "make_backend",
+    "register_attention",
+]
+
+
+class StepAttention(Protocol):
+    def forward(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,  # [1, Hq, T, D]
+        key: torch.Tensor,  # [1, Hkv, T, D]
+        value: torch.Tensor,  # [1, Hkv, T, D]
+        scaling: float,
+    ) -> torch.Tensor:  # [1, T, Hq, D]
+        """Write this step's K/V into their slots, then attend over each sequence's blocks."""
+        ...
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def plan(self, metadata: StepMetadata, cache: KVCache) -> StepAttention:
+        """Prepare everything the layers share (once per step)."""
+        ...
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    step: StepAttention | None = kwargs.get(STEP_KWARG)
+    if step is None:
+        raise RuntimeError(
+            f"{ATTENTION_NAME} attention needs `{STEP_KWARG}=` in model(...): "
+            "only the executor's runner can call a model loaded with it"
+        )
+    assert query.shape[0] == 1, f"the step is one packed row, got batch {query.shape[0]}"
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer_idx = module.layer_idx
+    assert isinstance(layer_idx, int), f"{type(module).__name__} has no integer layer_idx"
+    return step.forward(layer_idx, query, key, value, float(scale)), None
+
+
+def register_attention() -> None:
+    """Idempotent: transformers' registry maps the name to our function."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "torch":
+        from executor_svc.attention.torch_backend import TorchBackend
+
+        return TorchBackend()
+    if name == "flashinfer":
+        from executor_svc.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(device)
+    raise ValueError(f"unknown attention backend {name!r}; use torch or flashinfer")

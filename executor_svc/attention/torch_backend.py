@@ -1,0 +1,155 @@
+"""The reference backend (CPU and GPU): gather whole blocks by block table, then SDPA.
+
+Per layer: the step's new K/V are written into their slots first; then
+- decode spans (one new token) are grouped by similar context length, and each group runs as
+  one padded SDPA call over its gathered blocks (a key-padding mask hides the padding);
+- prefill spans run one SDPA call each, causal with the bottom-right offset of their cached
+  prefix (chunked prefill). A span with no cached prefix attends to its own new K/V directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from executor_svc.attention.metadata import SeqSpan, StepMetadata
+from executor_svc.kv_cache import KVCache
+
+# A decode group's padded key length may exceed its real key count by this factor plus a fixed
+# allowance: one more SDPA call costs about as much as a few thousand padded key positions.
+PAD_FACTOR = 1.25
+PAD_ALLOWANCE_TOKENS = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    token_index: torch.Tensor  # [B] long: rows of the packed step
+    block_index: torch.Tensor  # [B, max_blocks] long: block tables, padded with block 0
+    key_mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: True = attend
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpan:
+    query_start: int
+    query_len: int
+    context_len: int
+    block_index: torch.Tensor | None  # [num_blocks] long; None: no cached prefix
+    mask: torch.Tensor | None  # [query_len, context_len] bool; None: plain causal
+
+
+def _decode_groups(
+    spans: list[SeqSpan], block_size: int, device: torch.device
+) -> list[DecodeGroup]:
+    ordered = sorted(spans, key=lambda s: s.context_len, reverse=True)
+    groups: list[list[SeqSpan]] = []
+    for span in ordered:
+        group = groups[-1] if groups else None
+        if group is not None:
+            padded = (len(group) + 1) * group[0].context_len
+            real = sum(s.context_len for s in group) + span.context_len
+            if padded <= PAD_FACTOR * real + PAD_ALLOWANCE_TOKENS:
+                group.append(span)
+                continue
+        groups.append([span])
+    return [_decode_group(group, block_size, device) for group in groups]
+
+
+def _decode_group(group: list[SeqSpan], block_size: int, device: torch.device) -> DecodeGroup:
+    max_blocks = -(-group[0].context_len // block_size)
+    tables = [list(s.block_ids[:max_blocks]) for s in group]
+    tables = [t + [0] * (max_blocks - len(t)) for t in tables]  # pad: masked out below
+    lengths = torch.tensor([s.context_len for s in group], device=device)  # [B]
+    positions = torch.arange(max_blocks * block_size, device=device)  # [L]
+    return DecodeGroup(
+        token_index=torch.tensor([s.query_start for s in group], dtype=torch.long, device=device),
+        block_index=torch.tensor(tables, dtype=torch.long, device=device),
+        key_mask=(positions[None, :] < lengths[:, None])[:, None, None, :],  # [B, 1, 1, L]
+    )
+
+
+def _prefill_span(span: SeqSpan, block_size: int, device: torch.device) -> PrefillSpan:
+    if span.start_position == 0:
+        return PrefillSpan(span.query_start, span.query_len, span.context_len, None, None)
+    num_blocks = -(-span.context_len // block_size)
+    rows = torch.arange(span.query_len, device=device)[:, None]  # [Q, 1]
+    cols = torch.arange(span.context_len, device=device)[None, :]  # [1, K]
+    return PrefillSpan(
+        query_start=span.query_start,
+        query_len=span.query_len,
+        context_len=span.context_len,
+        block_index=torch.tensor(span.block_ids[:num_blocks], dtype=torch.long, device=device),
+        mask=cols <= rows + span.start_position,  # [Q, K] bottom-right aligned causal
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TorchStepAttention:
+    cache: KVCache
+    slot_mapping: torch.Tensor  # [T] long
+    decode_groups: list[DecodeGroup]
+    prefill_spans: list[PrefillSpan]
+
+    def forward(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        key_cache, value_cache = self.cache.layer(layer_idx)  # [NB, S, Hkv, D] each
+        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+        new_k = key[0].transpose(0, 1)  # [T, Hkv, D]
+        new_v = value[0].transpose(0, 1)  # [T, Hkv, D]
+        flat = (num_blocks * block_size, num_kv_heads, head_dim)
+        key_cache.view(flat).index_copy_(0, self.slot_mapping, new_k)
+        value_cache.view(flat).index_copy_(0, self.slot_mapping, new_v)
+
+        q = query[0].transpose(0, 1)  # [T, Hq, D]
+        out = torch.empty_like(q)  # [T, Hq, D]
+        for group in self.decode_groups:
+            batch, max_blocks = group.block_index.shape
+            padded = (batch, max_blocks * block_size, num_kv_heads, head_dim)
+            k = key_cache[group.block_index].view(padded).transpose(1, 2)  # [B, Hkv, L, D]
+            v = value_cache[group.block_index].view(padded).transpose(1, 2)  # [B, Hkv, L, D]
+            qd = q[group.token_index].unsqueeze(2)  # [B, Hq, 1, D]
+            o = F.scaled_dot_product_attention(
+                qd, k, v, attn_mask=group.key_mask, scale=scaling, enable_gqa=True
+            )  # [B, Hq, 1, D]
+            out[group.token_index] = o[:, :, 0]
+        for span in self.prefill_spans:
+            rows = slice(span.query_start, span.query_start + span.query_len)
+            if span.block_index is None:
+                k, v = new_k[rows], new_v[rows]  # [K, Hkv, D]
+            else:
+                k = key_cache[span.block_index].view(-1, num_kv_heads, head_dim)
+                v = value_cache[span.block_index].view(-1, num_kv_heads, head_dim)
+                k, v = k[: span.context_len], v[: span.context_len]  # [K, Hkv, D]
+            o = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1).unsqueeze(0),  # [1, Hq, Q, D]
+                k.transpose(0, 1).unsqueeze(0),  # [1, Hkv, K, D]
+                v.transpose(0, 1).unsqueeze(0),  # [1, Hkv, K, D]
+                attn_mask=span.mask,
+                is_causal=span.mask is None,
+                scale=scaling,
+                enable_gqa=True,
+            )  # [1, Hq, Q, D]
+            out[rows] = o[0].transpose(0, 1)
+        return out.unsqueeze(0)  # [1, T, Hq, D]
+
+
+class TorchBackend:
+    name = "torch"
+
+    def plan(self, metadata: StepMetadata, cache: KVCache) -> TorchStepAttention:
+        device = cache.device
+        decode = [s for s in metadata.spans if s.query_len == 1]
+        prefill = [s for s in metadata.spans if s.query_len > 1]
+        return TorchStepAttention(
+            cache=cache,
+            slot_mapping=metadata.slot_mapping,
+            decode_groups=_decode_groups(decode, metadata.block_size, device) if decode else [],
+            prefill_spans=[_prefill_span(s, metadata.block_size, device) for s in prefill],
+        )

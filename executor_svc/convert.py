@@ -1,0 +1,88 @@
+"""Proto <-> step records. With the servicer, the only module that imports generated code."""
+
+from __future__ import annotations
+
+from executor_svc.runner import ExecutorInfo
+from executor_svc.step import (
+    BlockCopy,
+    BlockTableDelta,
+    SamplingParams,
+    SequenceWork,
+    StepRequest,
+    StepResult,
+)
+from pagedkv.executor.v1 import executor_pb2 as pb
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.top_p != 0.0 else 1.0,  # the contract reads 0 as 1
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+    )
+
+
+def _delta(msg: pb.SequenceWork) -> BlockTableDelta | None:
+    if not msg.HasField("delta") or not msg.delta.block_ids:
+        return None
+    return BlockTableDelta(start_index=msg.delta.start_index, block_ids=tuple(msg.delta.block_ids))
+
+
+def sequence_from_proto(msg: pb.SequenceWork) -> SequenceWork:
+    return SequenceWork(
+        request_id=msg.request_id,
+        token_ids=tuple(msg.token_ids),
+        start_position=msg.start_position,
+        delta=_delta(msg),
+        sampling=sampling_from_proto(msg.sampling) if msg.HasField("sampling") else None,
+        sample=msg.sample,
+    )
+
+
+def _copies(msgs: object) -> tuple[BlockCopy, ...]:
+    return tuple(BlockCopy(m.src_block_id, m.dst_block_id) for m in msgs)  # type: ignore[attr-defined]
+
+
+def step_from_proto(msg: pb.ExecuteRequest) -> StepRequest:
+    return StepRequest(
+        seqs=tuple(sequence_from_proto(s) for s in msg.seqs),
+        release_request_ids=tuple(msg.release_request_ids),
+        swap_out=_copies(msg.swap_out),
+        swap_in=_copies(msg.swap_in),
+        copies=_copies(msg.copies),
+    )
+
+
+def result_to_proto(result: StepResult) -> pb.ExecuteResponse:
+    return pb.ExecuteResponse(
+        tokens=[
+            pb.SampledToken(request_id=t.request_id, token_id=t.token_id, logprob=t.logprob)
+            for t in result.tokens
+        ],
+        timings=pb.Timings(
+            forward_ms=result.timings.forward_ms,
+            sample_ms=result.timings.sample_ms,
+            total_ms=result.timings.total_ms,
+        ),
+        num_tokens=result.num_tokens,
+    )
+
+
+def info_to_proto(info: ExecutorInfo) -> pb.DescribeResponse:
+    return pb.DescribeResponse(
+        instance_id=info.instance_id,
+        model_name=info.model_name,
+        model_fingerprint=info.model_fingerprint,
+        num_blocks=info.num_blocks,
+        block_size=info.block_size,
+        num_cpu_blocks=info.num_cpu_blocks,
+        dtype=info.dtype,
+        backend=info.backend,
+        device=info.device,
+        max_model_len=info.max_model_len,
+        eos_token_ids=list(info.eos_token_ids),
+        vocab_size=info.vocab_size,
+        max_num_batched_tokens=info.max_num_batched_tokens,
+        max_num_seqs=info.max_num_seqs,
+    )

@@ -1,0 +1,88 @@
+"""How many KV blocks fit: the CPU budget (--kv-cache-memory) or a profiled GPU budget.
+
+On CUDA, the weights are loaded first; then one forward pass over the largest step
+(max_num_batched_tokens tokens) measures the activation peak, and the blocks fill what
+--gpu-memory-utilization leaves: total * utilization - peak.
+"""
+
+from __future__ import annotations
+
+import structlog
+import torch
+
+from executor_svc.attention import STEP_KWARG, AttentionBackend, SeqSpan, StepMetadata
+from executor_svc.kv_cache import KVCache, KVCacheSpec
+from executor_svc.model_loader import LoadedModel
+from executor_svc.settings import ExecutorSettings, SettingsError
+
+log = structlog.get_logger(__name__)
+
+
+def forward_once(
+    loaded: LoadedModel,
+    attention_step: object,
+    input_ids: torch.Tensor,  # [T] long
+    positions: torch.Tensor,  # [T] long
+    keep: torch.Tensor,  # [S] long: rows whose logits are returned
+) -> torch.Tensor:  # [S, V]
+    with torch.inference_mode():
+        output = loaded.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            logits_to_keep=keep,
+            **{STEP_KWARG: attention_step},
+        )
+    return output.logits[0]
+
+
+def _profile_peak_bytes(
+    loaded: LoadedModel, spec: KVCacheSpec, backend: AttentionBackend, num_tokens: int
+) -> int:
+    """Peak device memory of one step of `num_tokens` prefill tokens (weights included)."""
+    num_blocks = -(-num_tokens // spec.block_size)
+    cache = KVCache.allocate(spec, num_blocks, 0, loaded.device)
+    span = SeqSpan(0, num_tokens, num_tokens, tuple(range(num_blocks)))
+    metadata = StepMetadata.build((span,), spec.block_size, loaded.device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(loaded.device)
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=loaded.device)  # [T]
+    positions = torch.arange(num_tokens, device=loaded.device)  # [T]
+    keep = torch.tensor([num_tokens - 1], device=loaded.device)  # [1]
+    forward_once(loaded, backend.plan(metadata, cache), ids, positions, keep)
+    torch.cuda.synchronize(loaded.device)
+    peak = (
+        int(torch.cuda.max_memory_allocated(loaded.device))
+        - cache.kv.numel() * cache.kv.element_size()
+    )
+    del cache
+    torch.cuda.empty_cache()
+    return peak
+
+
+def count_blocks(
+    settings: ExecutorSettings,
+    loaded: LoadedModel,
+    spec: KVCacheSpec,
+    backend: AttentionBackend,
+    max_model_len: int,
+) -> tuple[int, int]:
+    """(device blocks, CPU swap blocks) for these settings."""
+    num_cpu_blocks = spec.blocks_for(int(settings.swap_space * 2**30))
+    if settings.num_blocks is not None:
+        return settings.num_blocks, num_cpu_blocks
+    if loaded.device.type == "cuda":
+        num_tokens = min(settings.max_num_batched_tokens, max_model_len)
+        peak = _profile_peak_bytes(loaded, spec, backend, num_tokens)
+        total = torch.cuda.get_device_properties(loaded.device).total_memory
+        budget = int(total * settings.gpu_memory_utilization) - peak
+        log.info("gpu_memory_profiled", total_bytes=total, peak_bytes=peak, kv_bytes=budget)
+    else:
+        budget = settings.kv_cache_memory
+    num_blocks = spec.blocks_for(max(budget, 0))
+    if num_blocks < 1:
+        raise SettingsError(
+            f"the KV budget ({budget} bytes) holds no block of {spec.bytes_per_block} bytes: "
+            "raise --kv-cache-memory / --gpu-memory-utilization or lower --block-size"
+        )
+    return num_blocks, num_cpu_blocks

@@ -1,0 +1,174 @@
+"""Validate a step against the executor's request state, without changing anything.
+
+`plan_step` either raises a domain exception (the caller's mistake, with a remedy) or returns a
+StepPlan that the runner applies. Nothing is mutated before the whole step has been checked, so
+a rejected Execute leaves every request, block table and KV block as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from common.errors import InvalidArgument, NotFound
+from executor_svc.step import (
+    BlockCopy,
+    BlockTableDelta,
+    SamplingParams,
+    SequenceWork,
+    StepRequest,
+)
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the executor holds for one request between steps."""
+
+    request_id: str
+    sampling: SamplingParams
+    generator: torch.Generator | None  # seeded: reproducible sampling; None: shared RNG
+    block_table: list[int]
+    num_tokens: int  # tokens whose K/V are in the cache
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    num_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedSeq:
+    work: SequenceWork
+    block_table: tuple[int, ...]  # the table once this step's delta is applied
+    is_new: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    release_request_ids: tuple[str, ...]  # held requests to drop (unknown ids are ignored)
+    seqs: tuple[PlannedSeq, ...]
+
+
+def check_sampling(params: SamplingParams) -> None:
+    if not (math.isfinite(params.temperature) and params.temperature >= 0.0):
+        raise InvalidArgument(
+            f"temperature {params.temperature} is out of range: use 0 (greedy) or a positive value"
+        )
+    if not (math.isfinite(params.top_p) and 0.0 < params.top_p <= 1.0):
+        raise InvalidArgument(f"top_p {params.top_p} is out of range: use a value in (0, 1]")
+    if params.top_k < 0:
+        raise InvalidArgument(f"top_k {params.top_k} is out of range: use 0 (off) or a positive k")
+
+
+def _check_copies(name: str, copies: tuple[BlockCopy, ...], num_src: int, num_dst: int) -> None:
+    for copy in copies:
+        if not 0 <= copy.src_block_id < num_src:
+            raise InvalidArgument(
+                f"{name}: source block {copy.src_block_id} is outside [0, {num_src})"
+            )
+        if not 0 <= copy.dst_block_id < num_dst:
+            raise InvalidArgument(
+                f"{name}: destination block {copy.dst_block_id} is outside [0, {num_dst})"
+            )
+
+
+def _check_budget(step: StepRequest, limits: Limits) -> None:
+    if len(step.seqs) > limits.max_num_seqs:
+        raise InvalidArgument(
+            f"{len(step.seqs)} sequences in one step; this executor takes at most "
+            f"max_num_seqs={limits.max_num_seqs} (see Describe)"
+        )
+    num_tokens = sum(len(work.token_ids) for work in step.seqs)
+    if num_tokens > limits.max_num_batched_tokens:
+        raise InvalidArgument(
+            f"{num_tokens} tokens in one step; this executor takes at most "
+            f"max_num_batched_tokens={limits.max_num_batched_tokens}: chunk the prefill"
+        )
+    ids = [work.request_id for work in step.seqs]
+    if len(set(ids)) != len(ids):
+        raise InvalidArgument("a request id appears twice in one step; send each once")
+
+
+def _plan_seq(work: SequenceWork, held: RequestState | None, limits: Limits) -> PlannedSeq:
+    rid = work.request_id
+    if not rid:
+        raise InvalidArgument("request_id is empty; give every sequence an id")
+    if held is None and work.sampling is None:
+        raise NotFound(f"request {rid!r} is not held here: send sampling params on its first step")
+    if held is not None and work.sampling is not None:
+        raise InvalidArgument(
+            f"request {rid!r} is already held: send sampling params only on its first step"
+        )
+    if work.sampling is not None:
+        check_sampling(work.sampling)
+    if not work.token_ids:
+        raise InvalidArgument(f"request {rid!r}: token_ids is empty; send at least one token")
+    bad = [t for t in work.token_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidArgument(
+            f"request {rid!r}: token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})"
+        )
+    expected = held.num_tokens if held is not None else None
+    if expected is not None and work.start_position != expected:
+        raise InvalidArgument(
+            f"request {rid!r}: start_position {work.start_position} does not continue the "
+            f"{expected} tokens held; send start_position={expected}"
+        )
+    end = work.start_position + len(work.token_ids)
+    if end > limits.max_model_len:
+        raise InvalidArgument(
+            f"request {rid!r}: {end} tokens exceed max_model_len={limits.max_model_len}"
+        )
+    table = held.block_table if held is not None else []
+    delta = work.delta or BlockTableDelta(start_index=len(table))
+    if delta.start_index > len(table):
+        raise InvalidArgument(
+            f"request {rid!r}: delta start_index {delta.start_index} is past the end of its "
+            f"{len(table)}-block table; start at or before {len(table)}"
+        )
+    bad = [b for b in delta.block_ids if not 0 <= b < limits.num_blocks]
+    if bad:
+        raise InvalidArgument(
+            f"request {rid!r}: block id {bad[0]} is outside [0, {limits.num_blocks})"
+        )
+    new_table = (*table[: delta.start_index], *delta.block_ids)
+    if len(new_table) > limits.max_blocks_per_seq:
+        raise InvalidArgument(
+            f"request {rid!r}: a {len(new_table)}-block table exceeds max_model_len="
+            f"{limits.max_model_len} ({limits.max_blocks_per_seq} blocks of {limits.block_size})"
+        )
+    capacity = len(new_table) * limits.block_size
+    if capacity < end:
+        raise InvalidArgument(
+            f"request {rid!r}: its {len(new_table)} blocks hold {capacity} tokens but the step "
+            f"reaches position {end}; send the missing blocks in delta"
+        )
+    return PlannedSeq(work=work, block_table=new_table, is_new=held is None)
+
+
+def plan_step(step: StepRequest, requests: Mapping[str, RequestState], limits: Limits) -> StepPlan:
+    """Check the whole step in the order it would apply; raise before anything changes."""
+    released = tuple(dict.fromkeys(r for r in step.release_request_ids if r in requests))
+    _check_budget(step, limits)
+    _check_copies("swap_out", step.swap_out, limits.num_blocks, limits.num_cpu_blocks)
+    _check_copies("swap_in", step.swap_in, limits.num_cpu_blocks, limits.num_blocks)
+    _check_copies("copies", step.copies, limits.num_blocks, limits.num_blocks)
+    gone = set(released)
+    seqs = tuple(
+        _plan_seq(work, None if work.request_id in gone else requests.get(work.request_id), limits)
+        for work in step.seqs
+    )
+    return StepPlan(release_request_ids=released, seqs=seqs)

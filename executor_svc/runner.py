@@ -1,0 +1,226 @@
+"""The model runner: one Execute step, from a validated plan to sampled tokens.
+
+A step: plan (validate everything; nothing changes on rejection) -> releases -> swap_out ->
+swap_in -> copies -> one forward pass over a packed [1, num_tokens] row with explicit
+position_ids (each layer writes its new K/V before attending) -> commit request state ->
+sample one token for each sequence whose prompt is complete.
+
+Not thread-safe: the service runs one step at a time.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from executor_svc.attention import AttentionBackend, SeqSpan, StepMetadata, make_backend
+from executor_svc.kv_cache import KVCache, KVCacheSpec
+from executor_svc.memory import count_blocks, forward_once
+from executor_svc.model_loader import LoadedModel, dtype_name, load_model
+from executor_svc.plan import Limits, PlannedSeq, RequestState, plan_step
+from executor_svc.sampler import Sampler, new_generator
+from executor_svc.settings import ExecutorSettings, SettingsError
+from executor_svc.step import SampledToken, StepRequest, StepResult, Timings
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorInfo:
+    """What Describe reports."""
+
+    instance_id: str
+    model_name: str
+    model_fingerprint: str
+    num_blocks: int
+    block_size: int
+    num_cpu_blocks: int
+    dtype: str
+    backend: str
+    device: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardOutput:
+    logits: torch.Tensor  # [S, V]: one row per sequence that samples, in step order
+    sampling_request_ids: tuple[str, ...]
+    num_tokens: int
+
+
+def _ms(start: float, end: float) -> float:
+    return (end - start) * 1e3
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        cache: KVCache,
+        backend: AttentionBackend,
+        limits: Limits,
+        seed: int,
+    ) -> None:
+        self.loaded = loaded
+        self.cache = cache
+        self.backend = backend
+        self.limits = limits
+        self.sampler = Sampler(seed, loaded.device)
+        self.requests: dict[str, RequestState] = {}
+        self.info = ExecutorInfo(
+            instance_id=uuid.uuid4().hex,
+            model_name=loaded.name,
+            model_fingerprint=loaded.fingerprint,
+            num_blocks=cache.num_blocks,
+            block_size=limits.block_size,
+            num_cpu_blocks=cache.num_cpu_blocks,
+            dtype=dtype_name(loaded.dtype),
+            backend=backend.name,
+            device=str(loaded.device),
+            max_model_len=limits.max_model_len,
+            eos_token_ids=loaded.eos_token_ids,
+            vocab_size=loaded.vocab_size,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
+            max_num_seqs=limits.max_num_seqs,
+        )
+
+    def release(self, request_ids: tuple[str, ...]) -> int:
+        """Drop the requests' state; unknown ids are ignored. Returns how many were held."""
+        return sum(self.requests.pop(rid, None) is not None for rid in request_ids)
+
+    def execute(self, step: StepRequest) -> StepResult:
+        start = time.perf_counter()
+        forward = self.run_forward(step)
+        forward_end = time.perf_counter()
+        tokens = self._sample(forward.sampling_request_ids, forward.logits)
+        end = time.perf_counter()
+        timings = Timings(_ms(start, forward_end), _ms(forward_end, end), _ms(start, end))
+        return StepResult(tokens=tokens, timings=timings, num_tokens=forward.num_tokens)
+
+    def run_forward(self, step: StepRequest) -> ForwardOutput:
+        """The step up to the logits (validate, apply, forward, commit); no sampling.
+
+        `execute` adds sampling; tests call this to compare logits with transformers.
+        """
+        plan = plan_step(step, self.requests, self.limits)
+        self.release(plan.release_request_ids)
+        self.cache.swap_out(step.swap_out)
+        self.cache.swap_in(step.swap_in)
+        self.cache.copy_blocks(step.copies)
+        if not plan.seqs:
+            empty = torch.empty(0, self.loaded.vocab_size, device=self.loaded.device)
+            return ForwardOutput(logits=empty, sampling_request_ids=(), num_tokens=0)
+        logits = self._forward(plan.seqs)  # [S, V]
+        self._commit(plan.seqs)
+        return ForwardOutput(
+            logits=logits,
+            sampling_request_ids=tuple(p.work.request_id for p in plan.seqs if p.work.sample),
+            num_tokens=sum(len(p.work.token_ids) for p in plan.seqs),
+        )
+
+    def _forward(self, seqs: tuple[PlannedSeq, ...]) -> torch.Tensor:
+        device = self.loaded.device
+        spans: list[SeqSpan] = []
+        token_ids: list[int] = []
+        positions: list[int] = []
+        keep: list[int] = []
+        for planned in seqs:
+            work = planned.work
+            n = len(work.token_ids)
+            end = work.start_position + n
+            spans.append(SeqSpan(len(token_ids), n, end, planned.block_table))
+            positions.extend(range(work.start_position, end))
+            token_ids.extend(work.token_ids)
+            if work.sample:
+                keep.append(len(token_ids) - 1)
+        metadata = StepMetadata.build(tuple(spans), self.limits.block_size, device)
+        attention_step = self.backend.plan(metadata, self.cache)
+        logits = forward_once(
+            self.loaded,
+            attention_step,
+            torch.tensor(token_ids, dtype=torch.long, device=device),  # [T]
+            torch.tensor(positions, dtype=torch.long, device=device),  # [T]
+            torch.tensor(keep, dtype=torch.long, device=device),  # [S]
+        )  # [S, V]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # honest forward timings
+        return logits
+
+    def _commit(self, seqs: tuple[PlannedSeq, ...]) -> None:
+        for planned in seqs:
+            work = planned.work
+            state = self.requests.get(work.request_id)
+            if planned.is_new:
+                assert work.sampling is not None, "plan_step admits new requests with sampling"
+                seed = work.sampling.seed
+                state = RequestState(
+                    request_id=work.request_id,
+                    sampling=work.sampling,
+                    generator=None if seed is None else new_generator(seed, self.loaded.device),
+                    block_table=[],
+                    num_tokens=0,
+                )
+                self.requests[work.request_id] = state
+            assert state is not None, f"planned request {work.request_id} vanished"
+            state.block_table = list(planned.block_table)
+            state.num_tokens = work.start_position + len(work.token_ids)
+
+    def _sample(
+        self, request_ids: tuple[str, ...], logits: torch.Tensor
+    ) -> tuple[SampledToken, ...]:
+        states = [self.requests[rid] for rid in request_ids]
+        token_ids, logprobs = self.sampler.sample(
+            logits, [s.sampling for s in states], [s.generator for s in states]
+        )
+        return tuple(
+            SampledToken(s.request_id, t, lp)
+            for s, t, lp in zip(states, token_ids, logprobs, strict=True)
+        )
+
+
+def build_runner(settings: ExecutorSettings) -> ModelRunner:
+    """Load the model, size and allocate the KV cache, pick the backend."""
+    loaded = load_model(
+        settings.model, settings.load_format, settings.dtype, settings.device, settings.seed
+    )
+    limit = loaded.max_position_embeddings
+    window = getattr(loaded.config, "sliding_window", None)
+    if window and getattr(loaded.config, "use_sliding_window", True):
+        # NOTE: the paged backends attend to the whole context; capping the length at the
+        # window makes a sliding-window model exact instead of silently different.
+        limit = min(limit, int(window))
+    max_model_len = settings.max_model_len or limit
+    if max_model_len > limit:
+        raise SettingsError(
+            f"--max-model-len {max_model_len} exceeds the model's limit {limit}; lower it"
+        )
+    backend = make_backend(settings.backend, loaded.device)
+    spec = KVCacheSpec.from_config(loaded.config, settings.block_size, loaded.dtype)
+    num_blocks, num_cpu_blocks = count_blocks(settings, loaded, spec, backend, max_model_len)
+    cache = KVCache.allocate(spec, num_blocks, num_cpu_blocks, loaded.device)
+    limits = Limits(
+        num_blocks=num_blocks,
+        num_cpu_blocks=num_cpu_blocks,
+        block_size=settings.block_size,
+        vocab_size=loaded.vocab_size,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+    )
+    log.info(
+        "kv_cache_allocated",
+        num_blocks=num_blocks,
+        num_cpu_blocks=num_cpu_blocks,
+        block_size=settings.block_size,
+        bytes_per_block=spec.bytes_per_block,
+        max_model_len=max_model_len,
+    )
+    return ModelRunner(loaded, cache, backend, limits, settings.seed)

@@ -1,0 +1,142 @@
+"""Executor settings: one frozen object from flags and PAGEDKV_* environment variables.
+
+Validated at start with messages that say how to fix the value; passed explicitly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.config import add_flag
+
+DEFAULT_PORT = 50053
+DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "tiny-llama")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+class SettingsError(ValueError):
+    """A flag or environment value that cannot work; the message says how to fix it."""
+
+
+def parse_bytes(text: str) -> int:
+    """'268435456', '256MiB', '1.5G' -> bytes (binary units)."""
+    match = _SIZE.match(str(text))
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 268435456 or 256MiB")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "")[:1].lower()])
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorSettings:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    port_file: str | None = None  # the bound port is written here once serving (port 0)
+    model: str = DEFAULT_MODEL
+    load_format: str = "auto"  # auto: safetensors from the directory; dummy: seeded random
+    seed: int = 0
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "cpu"
+    backend: str = "torch"
+    block_size: int = 16
+    kv_cache_memory: int = 256 * 2**20  # bytes of KV blocks on CPU
+    num_blocks: int | None = None  # overrides the budget (tests, debugging)
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 0.25  # GiB of CPU blocks for swap-out
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    log_json: bool = False
+    log_level: str = "info"
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def validate(self) -> ExecutorSettings:
+        """Raise SettingsError naming the flag and a working value; return self."""
+        checks: list[tuple[bool, str]] = [
+            (0 <= self.port < 65536, "--port must be in [0, 65535] (0 picks a free port)"),
+            (self.load_format in ("auto", "dummy"), "--load-format must be auto or dummy"),
+            (
+                self.dtype in ("auto", "float32", "bfloat16", "float16"),
+                "--dtype must be auto, float32, bfloat16 or float16",
+            ),
+            (
+                self.device == "cpu" or self.on_cuda,
+                "--device must be cpu, cuda or cuda:N",
+            ),
+            (self.backend in ("torch", "flashinfer"), "--backend must be torch or flashinfer"),
+            (
+                not (self.backend == "flashinfer" and not self.on_cuda),
+                "--backend flashinfer needs --device cuda; use --backend torch on CPU",
+            ),
+            (
+                self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+                "--block-size must be a power of two, e.g. 16",
+            ),
+            (self.kv_cache_memory > 0, "--kv-cache-memory must be positive, e.g. 256MiB"),
+            (
+                self.num_blocks is None or self.num_blocks > 0,
+                "--num-blocks must be positive (or unset to size from the memory budget)",
+            ),
+            (
+                0.0 < self.gpu_memory_utilization <= 1.0,
+                "--gpu-memory-utilization must be in (0, 1], e.g. 0.9",
+            ),
+            (self.swap_space >= 0, "--swap-space must be >= 0 GiB"),
+            (self.max_num_batched_tokens > 0, "--max-num-batched-tokens must be positive"),
+            (self.max_num_seqs > 0, "--max-num-seqs must be positive"),
+            (
+                self.max_model_len is None or self.max_model_len > 0,
+                "--max-model-len must be positive (or unset for the model's own limit)",
+            ),
+            (Path(self.model).is_dir(), f"--model {self.model!r} is not a directory"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SettingsError(message)
+        return self
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m executor_svc", description=__doc__)
+    d = ExecutorSettings()
+    add_flag(p, "--host", default=d.host, help="interface to bind")
+    add_flag(p, "--port", type=int, default=d.port, help="port to bind; 0 picks a free one")
+    add_flag(p, "--port-file", default=None, help="write the bound port here once serving")
+    add_flag(p, "--model", default=d.model, help="model directory (config.json, safetensors)")
+    add_flag(p, "--load-format", default=d.load_format, choices=["auto", "dummy"], help="weights")
+    add_flag(p, "--seed", type=int, default=d.seed, help="seed for dummy weights and sampling")
+    add_flag(p, "--dtype", default=d.dtype, help="auto, float32, bfloat16 or float16")
+    add_flag(p, "--device", default=d.device, help="cpu or cuda[:N]")
+    add_flag(p, "--backend", default=d.backend, choices=["torch", "flashinfer"], help="attention")
+    add_flag(p, "--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    add_flag(p, "--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory, help="CPU KV")
+    add_flag(p, "--num-blocks", type=int, default=None, help="fixed number of KV blocks")
+    add_flag(
+        p,
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="fraction of GPU memory for weights, activations and KV",
+    )
+    add_flag(p, "--swap-space", type=float, default=d.swap_space, help="GiB of CPU swap blocks")
+    add_flag(
+        p, "--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="per step"
+    )
+    add_flag(p, "--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")
+    add_flag(p, "--max-model-len", type=int, default=None, help="longest sequence in tokens")
+    add_flag(p, "--log-json", action="store_true", default=False, help="JSON logs")
+    add_flag(p, "--log-level", default=d.log_level, help="debug, info, warning, error")
+    return p
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> ExecutorSettings:
+    args = build_parser().parse_args(argv)
+    return ExecutorSettings(**vars(args)).validate()

@@ -1,0 +1,136 @@
+"""Test helpers: real presets with seeded random weights, transformers as the oracle.
+
+`Driver` plays the gateway and the allocator for the runner: it hands out physical blocks in a
+deliberately scattered order, sends block-table deltas, chunks prefills and feeds sampled
+tokens back. The oracle is the same weights in transformers' own model with `sdpa` attention.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from executor_svc.runner import ModelRunner
+from executor_svc.settings import ExecutorSettings
+from executor_svc.step import (
+    BlockTableDelta,
+    SamplingParams,
+    SequenceWork,
+    StepRequest,
+)
+
+MODELS = Path(__file__).resolve().parents[2] / "models"
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral"]
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+def make_settings(preset: str = "tiny-llama", **overrides: object) -> ExecutorSettings:
+    base: dict[str, object] = {
+        "model": str(MODELS / preset),
+        "load_format": "dummy",
+        "seed": 1234,
+        "block_size": 16,
+        "num_blocks": 256,
+        "swap_space": 1 / 1024,  # 1 MiB of CPU blocks
+    }
+    base.update(overrides)
+    return ExecutorSettings(**base).validate()  # type: ignore[arg-type]
+
+
+def reference_model(runner: ModelRunner) -> PreTrainedModel:
+    """transformers' own model (sdpa attention, dense cache) with the runner's weights."""
+    config = AutoConfig.from_pretrained(MODELS / runner.info.model_name)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model.load_state_dict(runner.loaded.model.state_dict())
+    model.generation_config.eos_token_id = None  # run every continuation to its full length
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def reference_generate(model: PreTrainedModel, prompt: list[int], num_new: int) -> list[int]:
+    """Greedy continuation from model.generate, one prompt at a time (no padding effects)."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False)
+    continuation = out[0, len(prompt) :].tolist()
+    assert len(continuation) == num_new
+    return continuation
+
+
+def reference_logits(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([tokens]), use_cache=False).logits[0]  # [T, V]
+
+
+def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+@dataclass(slots=True)
+class Driver:
+    """A minimal gateway + allocator around a runner; blocks are handed out scattered."""
+
+    runner: ModelRunner
+    free_blocks: list[int] = field(default_factory=list)
+    tables: dict[str, list[int]] = field(default_factory=dict)
+    num_tokens: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def scattered(cls, runner: ModelRunner, seed: int = 7) -> Driver:
+        blocks = list(range(runner.info.num_blocks))
+        random.Random(seed).shuffle(blocks)
+        return cls(runner=runner, free_blocks=blocks)
+
+    def work(
+        self,
+        rid: str,
+        tokens: list[int],
+        sample: bool,
+        sampling: SamplingParams | None = None,
+    ) -> SequenceWork:
+        """One sequence's work: blocks for its new tokens are appended to its table."""
+        held = self.num_tokens.get(rid, 0)
+        table = self.tables.setdefault(rid, [])
+        needed = -(-(held + len(tokens)) // self.runner.info.block_size) - len(table)
+        new_blocks = [self.free_blocks.pop() for _ in range(max(needed, 0))]
+        delta = BlockTableDelta(len(table), tuple(new_blocks)) if new_blocks else None
+        table.extend(new_blocks)
+        self.num_tokens[rid] = held + len(tokens)
+        first = held == 0 and sampling is None
+        return SequenceWork(
+            request_id=rid,
+            token_ids=tuple(tokens),
+            start_position=held,
+            delta=delta,
+            sampling=SamplingParams() if first else sampling,
+            sample=sample,
+        )
+
+    def generate(
+        self, prompts: dict[str, list[int]], num_new: int, chunk: int | None = None
+    ) -> dict[str, list[int]]:
+        """Prefill all prompts (in chunks when given) in shared steps, then decode greedily."""
+        outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
+        offsets = dict.fromkeys(prompts, 0)
+        while any(offsets[rid] < len(p) for rid, p in prompts.items()):
+            seqs = []
+            for rid, prompt in prompts.items():
+                if offsets[rid] >= len(prompt):
+                    continue
+                end = len(prompt) if chunk is None else min(len(prompt), offsets[rid] + chunk)
+                seqs.append(self.work(rid, prompt[offsets[rid] : end], sample=end == len(prompt)))
+                offsets[rid] = end
+            self._collect(StepRequest(seqs=tuple(seqs)), outputs)
+        for _ in range(num_new - 1):
+            seqs = [self.work(rid, [out[-1]], sample=True) for rid, out in outputs.items()]
+            self._collect(StepRequest(seqs=tuple(seqs)), outputs)
+        return outputs
+
+    def _collect(self, step: StepRequest, outputs: dict[str, list[int]]) -> None:
+        for token in self.runner.execute(step).tokens:
+            outputs[token.request_id].append(token.token_id)
