@@ -1,0 +1,86 @@
+"""Sampling: greedy, top-k, top-p, temperature, seeds and reported log-probabilities."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from executor_svc.runner import ModelRunner
+from executor_svc.sampler import Sampler, new_generator
+from executor_svc.step import SamplingParams, SequenceWork, StepRequest
+
+from .oracle import Driver, random_prompts
+
+CPU = torch.device("cpu")
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+LOGITS = PROBS.log()[None]  # [1, 4]
+
+
+def _draws(params: SamplingParams, num: int, seed: int = 0) -> list[int]:
+    sampler = Sampler(seed=0, device=CPU)
+    generator = new_generator(seed, CPU)
+    return [sampler.sample(LOGITS, [params], [generator])[0][0] for _ in range(num)]
+
+
+def test_sampler_greedy_picks_argmax_and_raw_logprob() -> None:
+    # Greedy takes the largest logit; the logprob is the raw log-softmax of that token.
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 3.0, 0.0]])  # ties pick the lowest id
+    tokens, logprobs = Sampler(0, CPU).sample(logits, [SamplingParams()] * 2, [None, None])
+    assert tokens == [1, 0]
+    expected = torch.log_softmax(logits, dim=-1)[[0, 1], [1, 0]]
+    torch.testing.assert_close(torch.tensor(logprobs), expected)
+
+
+def test_sampler_same_seed_reproduces_and_other_seed_differs() -> None:
+    # 50 draws at temperature 1 from seed 42 twice are equal; seed 43 gives another sequence.
+    params = SamplingParams(temperature=1.0, seed=42)
+    assert _draws(params, 50, seed=42) == _draws(params, 50, seed=42)
+    assert _draws(params, 50, seed=42) != _draws(params, 50, seed=43)
+
+
+def test_sampler_top_k_keeps_only_k_tokens() -> None:
+    # top_k 2 never draws tokens 2 or 3; top_k 1 is greedy.
+    assert set(_draws(SamplingParams(temperature=1.0, top_k=2), 300)) == {0, 1}
+    assert set(_draws(SamplingParams(temperature=5.0, top_k=1), 50)) == {0}
+
+
+def test_sampler_top_p_keeps_smallest_nucleus() -> None:
+    # top_p 0.7: {0, 1} reach 0.8 >= 0.7, so token 2 and 3 never appear; 0.5 keeps only 0.
+    assert set(_draws(SamplingParams(temperature=1.0, top_p=0.7), 300)) == {0, 1}
+    assert set(_draws(SamplingParams(temperature=1.0, top_p=0.5), 50)) == {0}
+
+
+def test_sampler_temperature_one_follows_the_distribution() -> None:
+    # 4,000 draws land within 3 percentage points of each token's probability.
+    counts = Counter(_draws(SamplingParams(temperature=1.0), 4000, seed=5))
+    for token, p in enumerate(PROBS.tolist()):
+        assert abs(counts[token] / 4000 - p) < 0.03, (token, counts)
+
+
+def test_sampler_seeded_requests_reproduce_through_the_runner(
+    make_runner: Callable[..., ModelRunner],
+) -> None:
+    # Two executors, same seeded request (temperature 0.8, top-k 50, top-p 0.9): same tokens,
+    # even when batched with other requests; a different seed diverges.
+    def run(seed: int, with_neighbour: bool) -> list[int]:
+        runner = make_runner()
+        driver = Driver.scattered(runner, seed=seed)
+        prompt, other = random_prompts(runner.info.vocab_size, [12, 9])
+        params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=seed)
+        seqs = [driver.work("s", prompt, sample=True, sampling=params)]
+        if with_neighbour:
+            seqs.append(driver.work("n", other, sample=True, sampling=SamplingParams(1.0)))
+        out: list[int] = []
+        tokens = runner.execute(StepRequest(seqs=tuple(seqs))).tokens
+        for _ in range(15):
+            out.append(tokens[0].token_id)
+            next_seqs: list[SequenceWork] = [driver.work("s", [out[-1]], sample=True)]
+            if with_neighbour:
+                next_seqs.append(driver.work("n", [tokens[1].token_id], sample=True))
+            tokens = runner.execute(StepRequest(seqs=tuple(next_seqs))).tokens
+        return out
+
+    assert run(42, with_neighbour=False) == run(42, with_neighbour=True)
+    assert run(42, with_neighbour=False) != run(7, with_neighbour=False)

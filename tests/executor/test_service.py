@@ -1,0 +1,111 @@
+"""The gRPC servicer on a real server (port 0): conversion, status codes, health."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.server import Server, start_server
+from executor_svc.runner import ModelRunner
+from executor_svc.service import SERVICE_NAME, registration
+from pagedkv.executor.v1 import executor_pb2 as pb
+from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
+
+from .oracle import random_prompts, reference_generate, reference_model
+
+Served = tuple[pb_grpc.ExecutorServiceStub, grpc.Channel, ModelRunner]
+
+
+@pytest.fixture
+def served(make_runner: Callable[..., ModelRunner]) -> Iterator[Served]:
+    """An in-process server on its own event loop thread; a sync client channel."""
+    runner = make_runner(num_blocks=64, max_num_seqs=4)
+    loop = asyncio.new_event_loop()
+    started: Future[Server] = Future()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        started.set_result(
+            loop.run_until_complete(start_server([registration(runner)], "127.0.0.1", 0))
+        )
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    server = started.result(timeout=30)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    yield pb_grpc.ExecutorServiceStub(channel), channel, runner
+    channel.close()
+    asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(timeout=10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+
+
+def _first_step(request_id: str, tokens: list[int], blocks: list[int]) -> pb.ExecuteRequest:
+    return pb.ExecuteRequest(
+        seqs=[
+            pb.SequenceWork(
+                request_id=request_id,
+                sampling=pb.SamplingParams(),
+                token_ids=tokens,
+                delta=pb.BlockTableDelta(start_index=0, block_ids=blocks),
+                sample=True,
+            )
+        ]
+    )
+
+
+def test_service_describe_reports_the_runner(served: Served) -> None:
+    # Describe carries the runner's sizes, model identity and limits.
+    stub, _, runner = served
+    info = stub.Describe(pb.DescribeRequest())
+    assert (info.num_blocks, info.block_size, info.vocab_size) == (64, 16, 512)
+    assert (info.backend, info.device, info.dtype) == ("torch", "cpu", "float32")
+    assert info.model_fingerprint == runner.info.model_fingerprint
+    assert list(info.eos_token_ids) == [2] and info.max_num_seqs == 4
+
+
+def test_service_execute_decodes_like_generate(served: Served) -> None:
+    # Prefill + 5 decode steps over gRPC equal transformers' greedy continuation.
+    stub, _, runner = served
+    prompt = random_prompts(512, [21])[0]
+    reply = stub.Execute(_first_step("r", prompt, [9, 3]))
+    tokens = [reply.tokens[0].token_id]
+    assert reply.num_tokens == 21 and reply.timings.total_ms >= reply.timings.forward_ms > 0
+    for step in range(5):
+        work = pb.SequenceWork(
+            request_id="r", token_ids=[tokens[-1]], start_position=21 + step, sample=True
+        )
+        tokens.append(stub.Execute(pb.ExecuteRequest(seqs=[work])).tokens[0].token_id)
+    assert tokens == reference_generate(reference_model(runner), prompt, 6)
+
+
+def test_service_maps_errors_and_keeps_serving(served: Served) -> None:
+    # NOT_FOUND and INVALID_ARGUMENT come back with their messages; health stays SERVING.
+    stub, channel, _ = served
+    unknown = pb.ExecuteRequest(seqs=[pb.SequenceWork(request_id="ghost", token_ids=[1])])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Execute(unknown)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Execute(_first_step("r", [1, 2], [64]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "outside [0, 64)" in (err.value.details() or "")
+    health = health_pb2_grpc.HealthStub(channel)
+    status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    assert stub.Execute(_first_step("r", [1, 2], [0])).tokens[0].request_id == "r"
+
+
+def test_service_release_counts_held_requests(served: Served) -> None:
+    # Release drops held requests and ignores unknown ids.
+    stub, _, runner = served
+    stub.Execute(_first_step("a", [5, 6, 7], [1]))
+    reply = stub.Release(pb.ReleaseRequest(request_ids=["a", "ghost"]))
+    assert reply.num_released == 1 and runner.requests == {}

@@ -1,0 +1,51 @@
+"""Settings: flags, PAGEDKV_* environment variables, and validation messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from executor_svc.settings import DEFAULT_PORT, SettingsError, parse_bytes, parse_settings
+
+
+def test_settings_defaults_are_the_contract() -> None:
+    # Port 50053, block 16, torch on CPU, the tiny preset.
+    settings = parse_settings([])
+    assert (settings.port, settings.block_size, settings.backend, settings.device) == (
+        DEFAULT_PORT,
+        16,
+        "torch",
+        "cpu",
+    )
+    assert settings.model.endswith("models/tiny-llama")
+
+
+def test_settings_environment_sets_default_and_flag_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    # PAGEDKV_BLOCK_SIZE=32 applies unless --block-size is given.
+    monkeypatch.setenv("PAGEDKV_BLOCK_SIZE", "32")
+    monkeypatch.setenv("PAGEDKV_KV_CACHE_MEMORY", "64MiB")
+    assert parse_settings([]).block_size == 32
+    assert parse_settings([]).kv_cache_memory == 64 * 2**20
+    assert parse_settings(["--block-size", "8"]).block_size == 8
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--block-size", "12"], "--block-size must be a power of two"),
+        (["--backend", "flashinfer"], "--backend flashinfer needs --device cuda"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in"),
+        (["--model", "/nonexistent"], "is not a directory"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be positive"),
+    ],
+)
+def test_settings_rejects_bad_values_with_a_remedy(argv: list[str], message: str) -> None:
+    # Each bad value names its flag and what would work.
+    with pytest.raises(SettingsError, match=message):
+        parse_settings(argv)
+
+
+def test_settings_parse_bytes_understands_units() -> None:
+    # Plain bytes and binary units.
+    assert parse_bytes("1024") == 1024
+    assert parse_bytes("256MiB") == 256 * 2**20
+    assert parse_bytes("1.5G") == 3 * 2**29
