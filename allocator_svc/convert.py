@@ -1,0 +1,164 @@
+"""Proto <-> core conversions: the only allocator module besides the servicer that sees pb2."""
+
+from __future__ import annotations
+
+from allocator_svc.core.events import CacheEvent, EventKind
+from allocator_svc.core.hashing import hash_profile
+from allocator_svc.core.pool import Pool, PoolConfig
+from allocator_svc.core.request import BlockCopy, Commit, Grant, Request
+from allocator_svc.core.step import PreemptionMode, StepItem, StepResult
+from pagedkv.allocator.v1 import allocator_pb2 as pb
+
+_MODES = {
+    pb.PREEMPTION_MODE_UNSPECIFIED: PreemptionMode.RECOMPUTE,
+    pb.PREEMPTION_MODE_RECOMPUTE: PreemptionMode.RECOMPUTE,
+    pb.PREEMPTION_MODE_SWAP: PreemptionMode.SWAP,
+}
+_MODE_TO_PB = {
+    PreemptionMode.RECOMPUTE: pb.PREEMPTION_MODE_RECOMPUTE,
+    PreemptionMode.SWAP: pb.PREEMPTION_MODE_SWAP,
+}
+
+
+def pool_config(msg: pb.RegisterPoolRequest) -> PoolConfig:
+    return PoolConfig(
+        msg.pool_id,
+        msg.num_blocks,
+        msg.block_size,
+        msg.num_cpu_blocks,
+        msg.model_fingerprint,
+        msg.executor_instance_id,
+        msg.enable_prefix_caching,
+    )
+
+
+def pool_info(pool: Pool) -> pb.PoolInfo:
+    c = pool.config
+    profile = hash_profile(c.block_size)
+    return pb.PoolInfo(
+        pool_id=c.pool_id,
+        epoch=pool.epoch,
+        num_blocks=c.num_blocks,
+        block_size=c.block_size,
+        num_cpu_blocks=c.num_cpu_blocks,
+        model_fingerprint=c.model_fingerprint,
+        executor_instance_id=c.executor_instance_id,
+        enable_prefix_caching=c.enable_prefix_caching,
+        hash_profile=pb.HashProfile(
+            version=profile.version,
+            algorithm=profile.algorithm,
+            block_size=profile.block_size,
+            encoding=profile.encoding,
+        ),
+    )
+
+
+def preemption_mode(value: int) -> PreemptionMode:
+    return _MODES.get(value, PreemptionMode.RECOMPUTE)
+
+
+def commits(msgs: list[pb.Commit]) -> list[Commit]:
+    return [Commit(m.request_id, m.num_computed_tokens) for m in msgs]
+
+
+def step_items(msgs: list[pb.StepItem]) -> list[StepItem]:
+    return [
+        StepItem(
+            m.request_id,
+            m.num_tokens,
+            list(m.prompt_token_ids) or None,
+            m.cache_salt,
+            list(m.append_token_ids),
+        )
+        for m in msgs
+    ]
+
+
+def _copies(copies: list[BlockCopy]) -> list[pb.BlockCopy]:
+    return [pb.BlockCopy(src_block_id=c.src_block_id, dst_block_id=c.dst_block_id) for c in copies]
+
+
+def _grant(grant: Grant) -> pb.Grant:
+    return pb.Grant(
+        request_id=grant.request_id,
+        delta=pb.BlockTableDelta(start_index=grant.delta_start, block_ids=grant.block_ids),
+        num_cached_tokens=grant.num_cached_tokens,
+        num_scheduled_tokens=grant.num_scheduled,
+        start_position=grant.start_position,
+        new_request=grant.new_request,
+    )
+
+
+def step_response(result: StepResult, num_free_blocks: int) -> pb.StepResponse:
+    return pb.StepResponse(
+        grants=[_grant(g) for g in result.grants],
+        preempted=[
+            pb.Preemption(request_id=p.request_id, mode=_MODE_TO_PB[p.mode])
+            for p in result.preempted
+        ],
+        deferred_request_ids=result.deferred,
+        copies=_copies(result.copies),
+        swap_out=_copies(result.swap_out),
+        swap_in=_copies(result.swap_in),
+        num_free_blocks=num_free_blocks,
+    )
+
+
+def swap_copies(copies: list[BlockCopy]) -> list[pb.BlockCopy]:
+    return _copies(copies)
+
+
+def child_table(child: Request) -> pb.BlockTableDelta:
+    return pb.BlockTableDelta(start_index=0, block_ids=[b.block_id for b in child.blocks])
+
+
+def pool_stats(pool: Pool) -> pb.PoolStats:
+    blocks = pool.blocks
+    num_free = blocks.num_free
+    return pb.PoolStats(
+        pool_id=pool.config.pool_id,
+        epoch=pool.epoch,
+        num_blocks=pool.config.num_blocks,
+        num_free_blocks=num_free,
+        num_cached_free_blocks=blocks.num_cached_free,
+        num_used_blocks=pool.config.num_blocks - num_free,
+        num_cached_blocks=len(blocks.cached),
+        num_requests=len(pool.requests),
+        num_swapped_requests=sum(1 for r in pool.requests.values() if r.swapped),
+        num_free_cpu_blocks=len(pool.free_cpu_block_ids),
+        num_prefix_queries=pool.num_prefix_queries,
+        num_prefix_hits=pool.num_prefix_hits,
+        num_evictions=blocks.num_evictions,
+        num_preemptions=pool.num_preemptions,
+        event_seq=pool.events.last_seq,
+    )
+
+
+def request_stats(pool: Pool, request: Request) -> pb.RequestStats:
+    written = pool.blocks_for(request.num_computed) - request.num_cached_tokens // pool.block_size
+    return pb.RequestStats(
+        request_id=request.request_id,
+        num_tokens=len(request.token_ids),
+        num_computed_tokens=request.num_computed,
+        num_cached_tokens=request.num_cached_tokens,
+        num_blocks=len(request.blocks) or len(request.cpu_block_ids or ()),
+        num_blocks_written=written,
+        num_preemptions=request.num_preemptions,
+        block_ids=[b.block_id for b in request.blocks],
+    )
+
+
+def cache_event(event: CacheEvent) -> pb.CacheEvent:
+    if event.kind is EventKind.STORED:
+        return pb.CacheEvent(
+            seq=event.seq,
+            stored=pb.BlockStored(
+                block_hash=event.block_hash,
+                parent_block_hash=event.parent_hash or b"",
+                block_id=event.block_id,
+                token_ids=event.token_ids,
+            ),
+        )
+    return pb.CacheEvent(
+        seq=event.seq, removed=pb.BlockRemoved(block_hash=event.block_hash, block_id=event.block_id)
+    )

@@ -1,0 +1,282 @@
+"""The allocator: every registered pool, the leases, and argument validation.
+
+Single writer: the service calls these methods from one asyncio event loop and none of them
+awaits, so every call is atomic without locks. Each call validates all of its arguments
+before it mutates anything, so a rejected call changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from allocator_svc.core.leases import Lease, LeaseTable
+from allocator_svc.core.pool import Pool, PoolConfig
+from allocator_svc.core.request import BlockCopy, Commit, Request
+from allocator_svc.core.step import PreemptionMode, StepItem, StepResult, run_step
+from common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_blocks_per_pool: int = 1 << 22
+    max_block_size: int = 1024
+    max_cpu_blocks_per_pool: int = 1 << 22
+    max_pools: int = 1024
+    max_batch_items: int = 4096
+    default_lease_ttl_s: float = 10.0
+    event_capacity: int = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    pool_id: str
+    num_cached_tokens: int
+    num_free_blocks: int
+    num_running_requests: int
+
+
+class Allocator:
+    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self.clock = clock
+        self.pools: dict[str, Pool] = {}
+        self.leases = LeaseTable()
+
+    # Pools.
+    def register_pool(self, config: PoolConfig) -> tuple[Pool, bool]:
+        """Register (idempotent for the same executor instance); returns (pool, was_reset)."""
+        self._check_pool_config(config)
+        existing = self.pools.get(config.pool_id)
+        if existing is not None and existing.config == config:
+            return existing, False
+        if existing is not None and existing.config.executor_instance_id == (
+            config.executor_instance_id
+        ):
+            raise AlreadyExists(
+                f"pool {config.pool_id!r} exists with another shape for the same executor "
+                "instance; a restarted executor must register with a new executor_instance_id"
+            )
+        if existing is None and len(self.pools) >= self.limits.max_pools:
+            raise ResourceExhausted(f"at most {self.limits.max_pools} pools may be registered")
+        epoch = max(time.time_ns(), existing.epoch + 1 if existing else 0)
+        pool = Pool(config, epoch, self.limits.event_capacity)
+        self.pools[config.pool_id] = pool
+        return pool, existing is not None
+
+    def _check_pool_config(self, config: PoolConfig) -> None:
+        limits = self.limits
+        if not config.pool_id:
+            raise InvalidArgument("pool_id is required")
+        if not 1 <= config.num_blocks <= limits.max_blocks_per_pool:
+            raise InvalidArgument(
+                f"num_blocks={config.num_blocks} is out of range: 1..{limits.max_blocks_per_pool}"
+            )
+        if not 1 <= config.block_size <= limits.max_block_size:
+            raise InvalidArgument(
+                f"block_size={config.block_size} is out of range: 1..{limits.max_block_size}"
+            )
+        if config.num_cpu_blocks > limits.max_cpu_blocks_per_pool:
+            raise InvalidArgument(
+                f"num_cpu_blocks={config.num_cpu_blocks} is out of range: "
+                f"0..{limits.max_cpu_blocks_per_pool}"
+            )
+
+    def pool(self, pool_id: str, epoch: int | None = None) -> Pool:
+        pool = self.pools.get(pool_id)
+        if pool is None:
+            raise NotFound(f"unknown pool {pool_id!r}: register it first")
+        if epoch is not None and epoch != pool.epoch:
+            raise FailedPrecondition(
+                f"pool {pool_id!r} is at epoch {pool.epoch}, not {epoch}: it was reset after an "
+                "executor restart; describe the pool and resubmit its requests"
+            )
+        return pool
+
+    # The hot path.
+    def step(
+        self,
+        pool_id: str,
+        epoch: int,
+        lease_id: str | None,
+        commits: list[Commit],
+        free_ids: list[str],
+        abort_ids: list[str],
+        items: list[StepItem],
+        mode: PreemptionMode,
+    ) -> StepResult:
+        pool = self.pool(pool_id, epoch)
+        if not (items or commits or free_ids or abort_ids):
+            raise InvalidArgument("empty step: send at least one item, commit, free or abort")
+        if len(items) > self.limits.max_batch_items:
+            raise InvalidArgument(
+                f"{len(items)} items exceed the maximum batch of {self.limits.max_batch_items}"
+            )
+        if lease_id is not None:
+            self._live_lease(lease_id)
+        released = self._check_releases(pool, free_ids, abort_ids)
+        self._check_commits(pool, commits)
+        self._check_items(pool, items, released)
+        for commit in commits:
+            pool.commit(pool.requests[commit.request_id], commit.num_computed)
+        for request_id in (*free_ids, *abort_ids):
+            pool.free(pool.requests[request_id])
+        return run_step(pool, items, mode, lease_id)
+
+    def _check_releases(self, pool: Pool, free_ids: list[str], abort_ids: list[str]) -> set[str]:
+        released = set()
+        for request_id in (*free_ids, *abort_ids):
+            if request_id not in pool.requests:
+                raise NotFound(f"unknown request {request_id!r} in pool {pool.config.pool_id!r}")
+            if request_id in released:
+                raise InvalidArgument(f"request {request_id!r} is freed twice in one call")
+            released.add(request_id)
+        return released
+
+    def _check_commits(self, pool: Pool, commits: list[Commit]) -> None:
+        for commit in commits:
+            request = pool.requests.get(commit.request_id)
+            if request is None:
+                raise NotFound(f"commit for unknown request {commit.request_id!r}")
+            if commit.num_computed > request.num_computed:
+                raise InvalidArgument(
+                    f"commit of {commit.num_computed} tokens for {commit.request_id!r}, which "
+                    f"was granted only {request.num_computed}"
+                )
+
+    def _check_items(self, pool: Pool, items: list[StepItem], released: set[str]) -> None:
+        seen: set[str] = set()
+        for item in items:
+            request_id = item.request_id
+            if not request_id:
+                raise InvalidArgument("every item needs a request_id")
+            if request_id in seen:
+                raise InvalidArgument(f"request {request_id!r} appears twice in one step")
+            seen.add(request_id)
+            if request_id in released:
+                raise InvalidArgument(f"request {request_id!r} is both freed and scheduled")
+            _check_token_ids(request_id, item.append_token_ids)
+            known = request_id in pool.requests
+            if item.prompt_token_ids:
+                if known:
+                    raise AlreadyExists(f"request {request_id!r} is already admitted")
+                _check_token_ids(request_id, item.prompt_token_ids)
+                needed = pool.blocks_for(len(item.prompt_token_ids) + len(item.append_token_ids))
+                if needed > pool.config.num_blocks:
+                    raise ResourceExhausted(
+                        f"request {request_id!r} needs {needed} blocks; pool "
+                        f"{pool.config.pool_id!r} has {pool.config.num_blocks} in all"
+                    )
+            elif not known:
+                raise NotFound(
+                    f"unknown request {request_id!r}: a new request must carry prompt_token_ids"
+                )
+
+    # Outside a step.
+    def free(self, pool_id: str, epoch: int, commits: list[Commit], request_ids: list[str]) -> Pool:
+        pool = self.pool(pool_id, epoch)
+        self._check_releases(pool, request_ids, [])
+        self._check_commits(pool, commits)
+        for commit in commits:
+            pool.commit(pool.requests[commit.request_id], commit.num_computed)
+        for request_id in request_ids:
+            pool.free(pool.requests[request_id])
+        return pool
+
+    def abort(self, pool_id: str, epoch: int, request_ids: list[str]) -> Pool:
+        """Free without committing: blocks whose KV was never confirmed are not cached."""
+        return self.free(pool_id, epoch, [], request_ids)
+
+    def fork(self, pool_id: str, epoch: int, parent_id: str, child_ids: list[str]) -> list[Request]:
+        pool = self.pool(pool_id, epoch)
+        parent = pool.requests.get(parent_id)
+        if parent is None:
+            raise NotFound(f"unknown parent request {parent_id!r}")
+        if parent.swapped:
+            raise FailedPrecondition(f"parent {parent_id!r} is swapped out; swap it in first")
+        if not child_ids or len(set(child_ids)) != len(child_ids):
+            raise InvalidArgument("child_request_ids must be non-empty and distinct")
+        for child_id in child_ids:
+            if not child_id:
+                raise InvalidArgument("every child needs a request id")
+            if child_id in pool.requests:
+                raise AlreadyExists(f"request {child_id!r} already exists")
+        return pool.fork(parent, child_ids)
+
+    def swap_out(self, pool_id: str, epoch: int, request_id: str) -> list[BlockCopy]:
+        pool = self.pool(pool_id, epoch)
+        request = pool.requests.get(request_id)
+        if request is None:
+            raise NotFound(f"unknown request {request_id!r}")
+        if request.swapped:
+            raise FailedPrecondition(f"request {request_id!r} is already swapped out")
+        copies = pool.swap_out(request)
+        if copies is None:
+            raise ResourceExhausted(
+                f"pool {pool_id!r} has {len(pool.free_cpu_block_ids)} free CPU blocks; "
+                f"{request_id!r} needs {len(request.blocks)}"
+            )
+        pool.num_preemptions += 1
+        return copies
+
+    def match_prefix(
+        self, token_ids: list[int], cache_salt: str, pool_ids: Iterable[str]
+    ) -> list[PrefixMatch]:
+        _check_token_ids("match_prefix", token_ids)
+        pools = [self.pool(pid) for pid in pool_ids] or list(self.pools.values())
+        matches = []
+        for pool in pools:
+            hits, _ = pool.match_prefix(pool.root(cache_salt), token_ids)
+            matches.append(
+                PrefixMatch(
+                    pool.config.pool_id,
+                    len(hits) * pool.block_size,
+                    pool.blocks.num_free,
+                    len(pool.requests),
+                )
+            )
+        return matches
+
+    # Leases.
+    def create_lease(self, ttl_s: float | None) -> Lease:
+        ttl = ttl_s if ttl_s else self.limits.default_lease_ttl_s
+        return self.leases.create(ttl, self.clock())
+
+    def keep_alive(self, lease_id: str) -> Lease:
+        lease = self.leases.keep_alive(lease_id, self.clock())
+        if lease is None:
+            raise NotFound(f"lease {lease_id!r} is unknown or expired: create a new one")
+        return lease
+
+    def _live_lease(self, lease_id: str) -> Lease:
+        lease = self.leases.get(lease_id, self.clock())
+        if lease is None:
+            raise NotFound(f"lease {lease_id!r} is unknown or expired: create a new one")
+        return lease
+
+    def expire_leases(self) -> list[str]:
+        """Free every request of every expired lease; returns the freed request ids."""
+        expired = set(self.leases.expire(self.clock()))
+        freed = []
+        if expired:
+            for pool in self.pools.values():
+                for request in [r for r in pool.requests.values() if r.lease_id in expired]:
+                    pool.free(request)
+                    freed.append(request.request_id)
+        return freed
+
+    def check_invariants(self) -> None:
+        for pool in self.pools.values():
+            pool.check_invariants()
+
+
+def _check_token_ids(owner: str, token_ids: list[int]) -> None:
+    if token_ids and min(token_ids) < 0:
+        raise InvalidArgument(f"{owner}: token ids must be >= 0, got {min(token_ids)}")

@@ -1,0 +1,114 @@
+"""The block pool: the only code that changes ref counts, the free queue or the hash map.
+
+NOTE: eviction is lazy. "Free" (ref_count 0) and "cached" (has a hash) are independent: a
+freed block keeps its hash and contents until it is popped for reuse, so a later request can
+revive it. Unhashed freed blocks go to the head of the free queue (reused first), hashed ones
+to the tail (evicted last).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from allocator_svc.core.events import EventLog
+from allocator_svc.core.free_queue import Block, FreeQueue
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool, events: EventLog) -> None:
+        self.blocks: list[Block] = [Block(block_id) for block_id in range(num_blocks)]
+        self.free_queue = FreeQueue(self.blocks)
+        self.cached: dict[bytes, Block] = {}  # block_hash -> the block holding it
+        self.enable_caching = enable_caching
+        self.events = events
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return self.free_queue.num_blocks
+
+    def allocate(self, num_blocks: int) -> list[Block] | None:
+        """Take `num_blocks` fresh blocks (ref_count 1), evicting cached ones; None if short."""
+        if num_blocks > self.free_queue.num_blocks:
+            return None
+        taken = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_count = 1
+            taken.append(block)
+        return taken
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take one more reference on each block, reviving it from the free queue if free."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each block, in the given order (callers pass last first)."""
+        for block in blocks:
+            assert block.ref_count > 0, f"block {block.block_id} freed with ref_count 0"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        return self.cached.get(block_hash)
+
+    def cache(
+        self, block: Block, block_hash: bytes, parent_hash: bytes | None, token_ids: list[int]
+    ) -> bool:
+        """Make `block` the prefix-cache entry for `block_hash`; False if another block has it."""
+        if not self.enable_caching or block.block_hash is not None:
+            return False
+        if block_hash in self.cached:
+            return False  # computed twice concurrently: keep the first, this one stays private
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        self.events.stored(block_hash, block.block_id, parent_hash, token_ids)
+        return True
+
+    def _evict(self, block: Block) -> None:
+        block_hash = block.block_hash
+        assert block_hash is not None and self.cached.get(block_hash) is block
+        del self.cached[block_hash]
+        block.block_hash = None
+        self.num_evictions += 1
+        self.events.removed(block_hash, block.block_id)
+
+    @property
+    def num_cached_free(self) -> int:
+        return sum(1 for block in self.free_queue if block.block_hash is not None)
+
+    def check_invariants(self, tables: Iterable[list[Block]]) -> None:
+        """The whole contract; `tables` are every block table that holds blocks of this pool."""
+        refs = [0] * len(self.blocks)
+        for table in tables:
+            for block in table:
+                assert self.blocks[block.block_id] is block, f"foreign block {block.block_id}"
+                refs[block.block_id] += 1
+        queued = 0
+        for block in self.free_queue:
+            assert block.in_free_queue and block.ref_count == 0, f"bad free {block.block_id}"
+            queued += 1
+        assert queued == self.free_queue.num_blocks, "free queue length out of sync"
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]}"
+                " tables holding it"
+            )
+            assert block.in_free_queue == (block.ref_count == 0), (
+                f"block {block.block_id}: free iff ref_count is 0"
+            )
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, (
+                    f"block {block.block_id} carries a hash the map does not point at it for"
+                )
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash, f"hash map entry for block {block.block_id}"

@@ -1,0 +1,227 @@
+"""One executor's pool: block pool, CPU swap blocks and the requests holding blocks of it.
+
+Every operation on a request lives here, so the ways a block table changes are on one page:
+admit (with prefix lookup), allocate (with copy-on-write), commit, free, fork, swap out/in.
+Operations that can fall short return None and change nothing; callers validate arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from allocator_svc.core.block_pool import BlockPool
+from allocator_svc.core.events import EventLog
+from allocator_svc.core.free_queue import Block
+from allocator_svc.core.hashing import hash_block, root_hash
+from allocator_svc.core.request import BlockCopy, Grant, Request
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    pool_id: str
+    num_blocks: int
+    block_size: int
+    num_cpu_blocks: int
+    model_fingerprint: str
+    executor_instance_id: str
+    enable_prefix_caching: bool
+
+
+class Pool:
+    def __init__(self, config: PoolConfig, epoch: int, event_capacity: int) -> None:
+        self.config = config
+        self.epoch = epoch
+        self.block_size = config.block_size
+        self.events = EventLog(event_capacity)
+        self.blocks = BlockPool(config.num_blocks, config.enable_prefix_caching, self.events)
+        self.free_cpu_block_ids: list[int] = list(range(config.num_cpu_blocks - 1, -1, -1))
+        self.requests: dict[str, Request] = {}
+        self.num_prefix_queries = 0  # prompt tokens looked up at admission
+        self.num_prefix_hits = 0  # of which served from the cache
+        self.num_preemptions = 0
+        self._roots: dict[str, bytes] = {}  # cache_salt -> chain root
+
+    def root(self, cache_salt: str) -> bytes:
+        root = self._roots.get(cache_salt)
+        if root is None:
+            root = self._roots[cache_salt] = root_hash(self.config.model_fingerprint, cache_salt)
+        return root
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, root: bytes, token_ids: list[int]) -> tuple[list[Block], list[bytes]]:
+        """Longest run of cached full blocks, capped so the last token is always computed."""
+        hits: list[Block] = []
+        hashes: list[bytes] = []
+        if not self.config.enable_prefix_caching:
+            return hits, hashes
+        bs, parent = self.block_size, root
+        for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
+            parent = hash_block(parent, token_ids[start : start + bs])
+            block = self.blocks.cached.get(parent)
+            if block is None:
+                break
+            hits.append(block)
+            hashes.append(parent)
+        return hits, hashes
+
+    def admit(self, request: Request, num_tokens: int) -> Grant | None:
+        """Admit a new request: cached prefix first, then slots for `num_tokens` more."""
+        hits, hashes = self.match_prefix(request.root_hash, request.token_ids)
+        num_cached = len(hits) * self.block_size
+        num_scheduled = min(num_tokens, len(request.token_ids) - num_cached)
+        num_new = self.blocks_for(num_cached + num_scheduled) - len(hits)
+        num_revived = sum(1 for block in hits if block.ref_count == 0)
+        if num_new + num_revived > self.blocks.num_free:
+            return None
+        self.blocks.touch(hits)
+        fresh = self.blocks.allocate(num_new)
+        assert fresh is not None, "admission checked the free count"
+        request.blocks = hits + fresh
+        request.block_hashes = hashes
+        request.num_cached_tokens = request.num_computed = request.num_committed = num_cached
+        self.num_prefix_queries += len(request.token_ids)
+        self.num_prefix_hits += num_cached
+        self.requests[request.request_id] = request
+        grant = Grant(
+            request.request_id,
+            0,
+            [b.block_id for b in request.blocks],
+            num_scheduled,
+            num_cached,
+            num_cached,
+            new_request=True,
+        )
+        request.num_computed += num_scheduled
+        return grant
+
+    def blocks_needed(self, request: Request, num_tokens: int) -> int:
+        """Free blocks `allocate` would take: new slots plus a copy-on-write copy."""
+        needed = self.blocks_for(request.num_computed + num_tokens) - len(request.blocks)
+        return max(needed, 0) + self._needs_copy(request, num_tokens)
+
+    def _needs_copy(self, request: Request, num_tokens: int) -> int:
+        offset = request.num_computed % self.block_size
+        if num_tokens == 0 or offset == 0:
+            return 0
+        return int(request.blocks[request.num_computed // self.block_size].ref_count > 1)
+
+    def allocate(self, request: Request, num_tokens: int, copies: list[BlockCopy]) -> Grant | None:
+        """Slots for `num_tokens` more tokens of a running request; None if the pool is short."""
+        if self.blocks_needed(request, num_tokens) > self.blocks.num_free:
+            return None
+        delta_start = len(request.blocks)
+        if self._needs_copy(request, num_tokens):
+            # NOTE: a forked child writing into a shared partial block gets its own copy.
+            index = request.num_computed // self.block_size
+            shared = request.blocks[index]
+            (private,) = self.blocks.allocate(1) or ()
+            copies.append(BlockCopy(shared.block_id, private.block_id))
+            self.blocks.free([shared])
+            request.blocks[index] = private
+            delta_start = index
+        num_new = self.blocks_for(request.num_computed + num_tokens) - len(request.blocks)
+        if num_new > 0:
+            fresh = self.blocks.allocate(num_new)
+            assert fresh is not None, "allocate checked the free count"
+            request.blocks.extend(fresh)
+        start = request.num_computed
+        request.num_computed += num_tokens
+        return Grant(
+            request.request_id,
+            delta_start,
+            [b.block_id for b in request.blocks[delta_start:]],
+            num_tokens,
+            start,
+        )
+
+    def commit(self, request: Request, num_computed: int) -> None:
+        """KV of tokens [0, num_computed) is written: cache the full blocks among them."""
+        request.num_committed = max(request.num_committed, num_computed)
+        bs = self.block_size
+        num_full = num_computed // bs
+        hashes = request.block_hashes
+        if len(hashes) >= num_full or request.swapped:
+            return
+        parent = hashes[-1] if hashes else request.root_hash
+        for index in range(len(hashes), num_full):
+            tokens = request.token_ids[index * bs : (index + 1) * bs]
+            block_hash = hash_block(parent, tokens)
+            self.blocks.cache(request.blocks[index], block_hash, parent if index else None, tokens)
+            hashes.append(block_hash)
+            parent = block_hash
+
+    def free(self, request: Request) -> None:
+        """Release every block, last first, so prefix blocks outlive suffix blocks in the LRU."""
+        del self.requests[request.request_id]
+        self.blocks.free(reversed(request.blocks))
+        request.blocks = []
+        if request.cpu_block_ids is not None:
+            self.free_cpu_block_ids.extend(request.cpu_block_ids)
+            request.cpu_block_ids = None
+
+    def fork(self, parent: Request, child_ids: list[str]) -> list[Request]:
+        children = []
+        for child_id in child_ids:
+            child = Request(
+                child_id,
+                parent.lease_id,
+                parent.root_hash,
+                list(parent.token_ids),
+                parent.num_prompt_tokens,
+                parent.num_computed,
+                parent.num_committed,
+                list(parent.blocks),
+                list(parent.block_hashes),
+                num_cached_tokens=parent.num_cached_tokens,
+            )
+            self.blocks.touch(child.blocks)
+            self.requests[child_id] = child
+            children.append(child)
+        return children
+
+    def swap_out(self, request: Request) -> list[BlockCopy] | None:
+        """Move a request's blocks to CPU blocks; None if swap space is short."""
+        if len(request.blocks) > len(self.free_cpu_block_ids):
+            return None
+        cpu_ids = [self.free_cpu_block_ids.pop() for _ in request.blocks]
+        copies = [BlockCopy(b.block_id, c) for b, c in zip(request.blocks, cpu_ids, strict=True)]
+        self.blocks.free(reversed(request.blocks))
+        request.blocks = []
+        request.cpu_block_ids = cpu_ids
+        request.num_preemptions += 1
+        return copies
+
+    def swap_in(self, request: Request, num_tokens: int, swap_in: list[BlockCopy]) -> Grant | None:
+        """Bring a swapped request back with room for `num_tokens` more; None if short."""
+        cpu_ids = request.cpu_block_ids
+        assert cpu_ids is not None, f"{request.request_id} is not swapped out"
+        total = self.blocks_for(request.num_computed + num_tokens)
+        fresh = self.blocks.allocate(total)
+        if fresh is None:
+            return None
+        swap_in.extend(BlockCopy(c, b.block_id) for c, b in zip(cpu_ids, fresh, strict=False))
+        self.free_cpu_block_ids.extend(cpu_ids)
+        request.cpu_block_ids = None
+        request.blocks = fresh
+        bs = self.block_size
+        for index, block_hash in enumerate(request.block_hashes):  # re-enter the prefix cache
+            parent = request.block_hashes[index - 1] if index else None
+            tokens = request.token_ids[index * bs : (index + 1) * bs]
+            self.blocks.cache(fresh[index], block_hash, parent, tokens)
+        start = request.num_computed
+        request.num_computed += num_tokens
+        return Grant(request.request_id, 0, [b.block_id for b in fresh], num_tokens, start)
+
+    def check_invariants(self) -> None:
+        self.blocks.check_invariants(r.blocks for r in self.requests.values())
+        cpu_held = [c for r in self.requests.values() for c in (r.cpu_block_ids or ())]
+        all_cpu = sorted(cpu_held + self.free_cpu_block_ids)
+        assert all_cpu == list(range(self.config.num_cpu_blocks)), "CPU blocks lost or doubled"
+        for request in self.requests.values():
+            if not request.swapped:
+                assert len(request.blocks) == self.blocks_for(request.num_computed), (
+                    f"{request.request_id}: table covers exactly its computed tokens"
+                )
+            assert request.num_committed <= request.num_computed <= len(request.token_ids)

@@ -1,0 +1,58 @@
+"""Per-request allocator state and the records a step returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from allocator_svc.core.free_queue import Block
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    lease_id: str | None
+    root_hash: bytes  # chain root: binds the model fingerprint and the cache salt
+    token_ids: list[int]  # every known token: the prompt, then appended outputs
+    num_prompt_tokens: int
+    num_computed: int = 0  # tokens granted slots (their KV is written by the granting step)
+    num_committed: int = 0  # tokens whose KV the gateway confirmed written
+    blocks: list[Block] = field(default_factory=list)  # the block table (GPU)
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of leading full blocks
+    cpu_block_ids: list[int] | None = None  # the table while swapped out
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_preemptions: int = 0  # swap preemptions survived (recompute ones end the request)
+
+    @property
+    def swapped(self) -> bool:
+        return self.cpu_block_ids is not None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    src_block_id: int
+    dst_block_id: int
+
+
+@dataclass(slots=True)
+class Grant:
+    """What a scheduled request must tell its executor: table delta and token span."""
+
+    request_id: str
+    delta_start: int  # replace the table from this index on ...
+    block_ids: list[int]  # ... with these blocks
+    num_scheduled: int
+    start_position: int
+    num_cached_tokens: int = 0
+    new_request: bool = False
+
+    @property
+    def changes_table(self) -> bool:
+        return bool(self.block_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """KV for tokens [0, num_computed) of the request is written (the commit rule)."""
+
+    request_id: str
+    num_computed: int

@@ -1,0 +1,124 @@
+"""The batched step: a whole scheduling step's allocations for one pool, atomically.
+
+Items arrive in the gateway's priority order. Running requests are served first; when the
+pool is short, a running request preempts the running requests behind it, from the tail of
+the order (or itself, when nobody is behind). Requests waiting for admission (new ones, and
+swapped-out ones coming back) are admitted from free space only, in order, stopping at the
+first that does not fit, and not at all in a step that preempted (as vLLM does). A request
+that cannot be served leaves no trace: it is deferred, or preempted as a whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from allocator_svc.core.pool import Pool
+from allocator_svc.core.request import BlockCopy, Grant, Request
+
+
+class PreemptionMode(Enum):
+    RECOMPUTE = "recompute"  # free everything; the gateway readmits with prompt + output
+    SWAP = "swap"  # move the blocks to CPU; falls back to recompute without swap space
+
+
+@dataclass(frozen=True, slots=True)
+class StepItem:
+    request_id: str
+    num_tokens: int  # tokens to compute this step beyond what is computed (or cached)
+    prompt_token_ids: list[int] | None = None  # set exactly when the request is new
+    cache_salt: str = ""
+    append_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    request_id: str
+    mode: PreemptionMode
+
+
+@dataclass(slots=True)
+class StepResult:
+    grants: list[Grant] = field(default_factory=list)
+    preempted: list[Preemption] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)
+    copies: list[BlockCopy] = field(default_factory=list)
+    swap_out: list[BlockCopy] = field(default_factory=list)
+    swap_in: list[BlockCopy] = field(default_factory=list)
+
+
+def run_step(
+    pool: Pool, items: list[StepItem], mode: PreemptionMode, lease_id: str | None
+) -> StepResult:
+    """Schedule `items` (validated by the caller) and return what changed."""
+    result = StepResult()
+    running: list[tuple[StepItem, Request]] = []
+    admissions: list[StepItem] = []
+    for item in items:
+        request = pool.requests.get(item.request_id)
+        if request is None:
+            admissions.append(item)
+            continue
+        request.token_ids.extend(item.append_token_ids)
+        if request.swapped:
+            admissions.append(item)
+        else:
+            running.append((item, request))
+
+    preempted: set[str] = set()
+    for index, (item, request) in enumerate(running):
+        if item.request_id in preempted:
+            continue
+        num_tokens = min(item.num_tokens, len(request.token_ids) - request.num_computed)
+        while pool.blocks_needed(request, num_tokens) > pool.blocks.num_free:
+            victim = _last_unpreempted(running, index + 1, preempted)
+            if victim is None:
+                break
+            _preempt(pool, victim, mode, result)
+            preempted.add(victim.request_id)
+        grant = pool.allocate(request, num_tokens, result.copies)
+        if grant is None:
+            _preempt(pool, request, mode, result)
+            preempted.add(request.request_id)
+        elif grant.changes_table or grant.num_scheduled != item.num_tokens:
+            result.grants.append(grant)
+
+    for position, item in enumerate(admissions):
+        grant = None if preempted else _admit(pool, item, lease_id, result)
+        if grant is None:
+            result.deferred.extend(i.request_id for i in admissions[position:])
+            break
+        result.grants.append(grant)
+    return result
+
+
+def _last_unpreempted(
+    running: list[tuple[StepItem, Request]], start: int, preempted: set[str]
+) -> Request | None:
+    for item, request in reversed(running[start:]):
+        if item.request_id not in preempted:
+            return request
+    return None
+
+
+def _preempt(pool: Pool, request: Request, mode: PreemptionMode, result: StepResult) -> None:
+    pool.num_preemptions += 1
+    if mode is PreemptionMode.SWAP:
+        copies = pool.swap_out(request)
+        if copies is not None:
+            result.swap_out.extend(copies)
+            result.preempted.append(Preemption(request.request_id, PreemptionMode.SWAP))
+            return
+    pool.free(request)
+    result.preempted.append(Preemption(request.request_id, PreemptionMode.RECOMPUTE))
+
+
+def _admit(pool: Pool, item: StepItem, lease_id: str | None, result: StepResult) -> Grant | None:
+    request = pool.requests.get(item.request_id)
+    if request is not None:  # swapped out: bring it back
+        num_tokens = min(item.num_tokens, len(request.token_ids) - request.num_computed)
+        return pool.swap_in(request, num_tokens, result.swap_in)
+    assert item.prompt_token_ids is not None, "validated: a new request carries its prompt"
+    prompt = list(item.prompt_token_ids)
+    request = Request(item.request_id, lease_id, pool.root(item.cache_salt), prompt, len(prompt))
+    return pool.admit(request, item.num_tokens)

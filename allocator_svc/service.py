@@ -1,0 +1,165 @@
+"""The AllocatorService servicer: decode the proto, call the core, encode the answer.
+
+Every handler runs on the server's one event loop and calls the core synchronously, so each
+RPC is applied atomically (single writer, no locks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import structlog
+
+from allocator_svc import convert
+from allocator_svc.core.allocator import Allocator
+from common.errors import InvalidArgument, NotFound
+from pagedkv.allocator.v1 import allocator_pb2 as pb
+from pagedkv.allocator.v1 import allocator_pb2_grpc
+
+log = structlog.get_logger(__name__)
+Ctx = grpc.aio.ServicerContext
+
+
+class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
+    def __init__(self, allocator: Allocator) -> None:
+        self.allocator = allocator
+
+    async def RegisterPool(
+        self, request: pb.RegisterPoolRequest, context: Ctx
+    ) -> pb.RegisterPoolResponse:
+        pool, reset = self.allocator.register_pool(convert.pool_config(request))
+        log.info(
+            "pool_registered",
+            pool_id=request.pool_id,
+            epoch=pool.epoch,
+            num_blocks=request.num_blocks,
+            block_size=request.block_size,
+            reset=reset,
+        )
+        return pb.RegisterPoolResponse(pool=convert.pool_info(pool), reset=reset)
+
+    async def DescribePool(
+        self, request: pb.DescribePoolRequest, context: Ctx
+    ) -> pb.DescribePoolResponse:
+        return pb.DescribePoolResponse(pool=convert.pool_info(self.allocator.pool(request.pool_id)))
+
+    async def Step(self, request: pb.StepRequest, context: Ctx) -> pb.StepResponse:
+        result = self.allocator.step(
+            request.pool_id,
+            request.epoch,
+            request.lease_id or None,
+            convert.commits(request.commits),
+            list(request.free_request_ids),
+            list(request.abort_request_ids),
+            convert.step_items(request.items),
+            convert.preemption_mode(request.preemption_mode),
+        )
+        if result.preempted:
+            log.info(
+                "requests_preempted",
+                pool_id=request.pool_id,
+                request_ids=[p.request_id for p in result.preempted],
+            )
+        pool = self.allocator.pools[request.pool_id]
+        return convert.step_response(result, pool.blocks.num_free)
+
+    async def Free(self, request: pb.FreeRequest, context: Ctx) -> pb.FreeResponse:
+        pool = self.allocator.free(
+            request.pool_id,
+            request.epoch,
+            convert.commits(request.commits),
+            list(request.request_ids),
+        )
+        return pb.FreeResponse(num_free_blocks=pool.blocks.num_free)
+
+    async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
+        pool = self.allocator.abort(request.pool_id, request.epoch, list(request.request_ids))
+        return pb.AbortResponse(num_free_blocks=pool.blocks.num_free)
+
+    async def Fork(self, request: pb.ForkRequest, context: Ctx) -> pb.ForkResponse:
+        children = self.allocator.fork(
+            request.pool_id,
+            request.epoch,
+            request.parent_request_id,
+            list(request.child_request_ids),
+        )
+        return pb.ForkResponse(child_tables=[convert.child_table(c) for c in children])
+
+    async def SwapOut(self, request: pb.SwapOutRequest, context: Ctx) -> pb.SwapOutResponse:
+        copies = self.allocator.swap_out(request.pool_id, request.epoch, request.request_id)
+        return pb.SwapOutResponse(swap_out=convert.swap_copies(copies))
+
+    async def MatchPrefix(
+        self, request: pb.MatchPrefixRequest, context: Ctx
+    ) -> pb.MatchPrefixResponse:
+        matches = self.allocator.match_prefix(
+            list(request.token_ids), request.cache_salt, list(request.pool_ids)
+        )
+        return pb.MatchPrefixResponse(
+            matches=[
+                pb.PrefixMatch(
+                    pool_id=m.pool_id,
+                    num_cached_tokens=m.num_cached_tokens,
+                    num_free_blocks=m.num_free_blocks,
+                    num_running_requests=m.num_running_requests,
+                )
+                for m in matches
+            ]
+        )
+
+    async def GetStats(self, request: pb.GetStatsRequest, context: Ctx) -> pb.GetStatsResponse:
+        if request.pool_id:
+            pools = [self.allocator.pool(request.pool_id)]
+        else:
+            if request.request_ids:
+                raise InvalidArgument("request_ids need a pool_id")
+            pools = list(self.allocator.pools.values())
+        response = pb.GetStatsResponse(pools=[convert.pool_stats(p) for p in pools])
+        for request_id in request.request_ids:
+            found = pools[0].requests.get(request_id)
+            if found is None:
+                raise NotFound(f"unknown request {request_id!r} in pool {request.pool_id!r}")
+            response.requests.append(convert.request_stats(pools[0], found))
+        return response
+
+    async def GetEvents(self, request: pb.GetEventsRequest, context: Ctx) -> pb.GetEventsResponse:
+        pool = self.allocator.pool(request.pool_id)
+        page = pool.events.after(request.after_seq, request.max_events or 1024)
+        return pb.GetEventsResponse(
+            events=[convert.cache_event(e) for e in page.events],
+            last_seq=page.last_seq,
+            truncated=page.truncated,
+        )
+
+    async def GetSnapshot(
+        self, request: pb.GetSnapshotRequest, context: Ctx
+    ) -> pb.GetSnapshotResponse:
+        pool = self.allocator.pool(request.pool_id)
+        return pb.GetSnapshotResponse(
+            seq=pool.events.last_seq,
+            blocks=[
+                pb.CachedBlock(block_hash=h, block_id=b.block_id)
+                for h, b in pool.blocks.cached.items()
+            ],
+        )
+
+    async def CreateLease(
+        self, request: pb.CreateLeaseRequest, context: Ctx
+    ) -> pb.CreateLeaseResponse:
+        lease = self.allocator.create_lease(request.ttl_ms / 1000 if request.ttl_ms else None)
+        log.info("lease_created", lease_id=lease.lease_id, ttl_s=lease.ttl_s)
+        return pb.CreateLeaseResponse(lease_id=lease.lease_id, ttl_ms=round(lease.ttl_s * 1000))
+
+    async def KeepAlive(self, request: pb.KeepAliveRequest, context: Ctx) -> pb.KeepAliveResponse:
+        lease = self.allocator.keep_alive(request.lease_id)
+        return pb.KeepAliveResponse(ttl_ms=round(lease.ttl_s * 1000))
+
+
+async def sweep_leases(allocator: Allocator, interval_s: float) -> None:
+    """Free the requests of expired leases, forever (cancelled at shutdown)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        freed = allocator.expire_leases()
+        if freed:
+            log.warning("lease_expired_requests_freed", num_requests=len(freed))

@@ -1,0 +1,98 @@
+"""Allocator settings: flags with PAGEDKV_* environment equivalents, validated at start."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from allocator_svc.core.allocator import Limits
+from common.config import add_flag
+
+_DEFAULTS = Limits()
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatorSettings:
+    host: str
+    port: int
+    port_file: str | None
+    log_json: bool
+    log_level: str
+    lease_check_interval_s: float
+    grace_s: float
+    limits: Limits
+
+
+def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
+    parser = argparse.ArgumentParser(
+        prog="python -m allocator_svc", description="The pagedkv block-allocator service."
+    )
+    add_flag(parser, "--host", default="0.0.0.0", help="address to bind")
+    add_flag(parser, "--port", type=int, default=50052, help="port to bind (0: any free port)")
+    add_flag(parser, "--port-file", default=None, help="write the bound port here once serving")
+    add_flag(parser, "--log-json", action="store_true", help="JSON logs (containers)")
+    add_flag(parser, "--log-level", default="info", help="debug, info, warning or error")
+    add_flag(
+        parser,
+        "--max-blocks-per-pool",
+        type=int,
+        default=_DEFAULTS.max_blocks_per_pool,
+        help="largest pool a client may register",
+    )
+    add_flag(
+        parser,
+        "--max-batch-items",
+        type=int,
+        default=_DEFAULTS.max_batch_items,
+        help="most requests in one Step call",
+    )
+    add_flag(
+        parser,
+        "--default-lease-ttl-ms",
+        type=int,
+        default=10_000,
+        help="lease lifetime when a client asks for none",
+    )
+    add_flag(
+        parser,
+        "--event-capacity",
+        type=int,
+        default=_DEFAULTS.event_capacity,
+        help="cache events kept per pool for observers",
+    )
+    add_flag(
+        parser,
+        "--lease-check-interval-ms",
+        type=int,
+        default=500,
+        help="how often expired leases are swept",
+    )
+    add_flag(parser, "--grace-s", type=float, default=5.0, help="graceful-shutdown grace")
+    args = parser.parse_args(argv)
+    for name in (
+        "max_blocks_per_pool",
+        "max_batch_items",
+        "default_lease_ttl_ms",
+        "event_capacity",
+        "lease_check_interval_ms",
+    ):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.port <= 65535:
+        parser.error("--port must be in 0..65535")
+    limits = Limits(
+        max_blocks_per_pool=args.max_blocks_per_pool,
+        max_batch_items=args.max_batch_items,
+        default_lease_ttl_s=args.default_lease_ttl_ms / 1000,
+        event_capacity=args.event_capacity,
+    )
+    return AllocatorSettings(
+        args.host,
+        args.port,
+        args.port_file,
+        args.log_json,
+        args.log_level,
+        args.lease_check_interval_ms / 1000,
+        args.grace_s,
+        limits,
+    )

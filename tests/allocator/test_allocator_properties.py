@@ -1,0 +1,204 @@
+"""Stateful property test: random operation sequences against a simple reference model.
+
+The reference plays both the gateway (mirrors every block table from the deltas it is sent)
+and the executor (a shadow KV cache: each slot remembers which salt/position/token wrote it,
+and copy/swap operations move those records). After every operation the allocator's
+invariants hold, and every request's computed prefix reads back exactly its own tokens from
+the slots its mirrored table points at: prefix hits, copy-on-write and swap are all checked by
+what an executor would actually read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from allocator_svc.core.allocator import Allocator, Limits
+from allocator_svc.core.pool import PoolConfig
+from allocator_svc.core.request import Commit
+from allocator_svc.core.step import PreemptionMode, StepItem
+
+BLOCK_SIZE = 2
+NUM_BLOCKS = 12
+NUM_CPU_BLOCKS = 6
+SALTS = ("", "tenant")
+
+Slot = tuple[str, int, int]  # (salt, position, token) that wrote the slot
+
+
+@dataclass
+class Mirror:
+    """What the gateway and executor know of one request."""
+
+    salt: str
+    tokens: list[int]
+    computed: int = 0
+    table: list[int] = field(default_factory=list)
+    swapped: bool = False
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocator = Allocator(Limits(max_batch_items=64))
+        self.pool, _ = self.allocator.register_pool(
+            PoolConfig("p", NUM_BLOCKS, BLOCK_SIZE, NUM_CPU_BLOCKS, "fp", "i", True)
+        )
+        self.gpu: dict[int, list[Slot | None]] = {b: [None] * BLOCK_SIZE for b in range(NUM_BLOCKS)}
+        self.cpu: dict[int, list[Slot | None]] = {
+            b: [None] * BLOCK_SIZE for b in range(NUM_CPU_BLOCKS)
+        }
+        self.requests: dict[str, Mirror] = {}
+        self.pending_commits: dict[str, int] = {}
+        self.next_id = 0
+        self.committed_prefixes: dict[str, set[tuple[int, ...]]] = {s: set() for s in SALTS}
+
+    # Helpers: the executor's view.
+    def _read(self, mirror: Mirror, upto: int) -> list[Slot | None]:
+        return [self.gpu[mirror.table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in range(upto)]
+
+    def _expect(self, mirror: Mirror, upto: int) -> list[Slot]:
+        return [(mirror.salt, p, mirror.tokens[p]) for p in range(upto)]
+
+    def _apply(self, result, scheduled: dict[str, int], items: list[StepItem]) -> None:
+        for p in result.preempted:
+            mirror = self.requests[p.request_id]
+            if p.mode is PreemptionMode.SWAP:
+                mirror.swapped, mirror.table = True, []
+            else:
+                del self.requests[p.request_id]
+            self.pending_commits.pop(p.request_id, None)
+        for c in result.swap_out:
+            self.cpu[c.dst_block_id] = list(self.gpu[c.src_block_id])
+        for c in result.swap_in:
+            self.gpu[c.dst_block_id] = list(self.cpu[c.src_block_id])
+        for c in result.copies:
+            self.gpu[c.dst_block_id] = list(self.gpu[c.src_block_id])
+        grants = {g.request_id: g for g in result.grants}
+        skipped = {p.request_id for p in result.preempted} | set(result.deferred)
+        for item in items:
+            if item.request_id in skipped:
+                if item.request_id in self.requests and item.prompt_token_ids:
+                    del self.requests[item.request_id]
+                continue
+            mirror = self.requests[item.request_id]
+            grant = grants.get(item.request_id)
+            if grant is not None:
+                mirror.table[grant.delta_start :] = grant.block_ids
+                mirror.swapped = False
+                start, num = grant.start_position, grant.num_scheduled
+                if grant.new_request:
+                    mirror.computed = grant.num_cached_tokens
+                    prefix = tuple(mirror.tokens[: grant.num_cached_tokens])
+                    assert not prefix or prefix in self.committed_prefixes[mirror.salt], (
+                        "prefix hit on something never committed under this salt"
+                    )
+            else:
+                start, num = mirror.computed, scheduled[item.request_id]
+            assert start == mirror.computed, "grant starts where the request stands"
+            assert self._read(mirror, start) == self._expect(mirror, start), (
+                f"{item.request_id} reads foreign KV"
+            )
+            for p in range(start, start + num):
+                self.gpu[mirror.table[p // BLOCK_SIZE]][p % BLOCK_SIZE] = (
+                    mirror.salt,
+                    p,
+                    mirror.tokens[p],
+                )
+            mirror.computed = start + num
+            self.pending_commits[item.request_id] = mirror.computed
+
+    def _commits(self) -> list[Commit]:
+        commits = [Commit(r, n) for r, n in self.pending_commits.items() if r in self.requests]
+        for c in commits:
+            mirror = self.requests[c.request_id]
+            for end in range(BLOCK_SIZE, c.num_computed + 1, BLOCK_SIZE):
+                self.committed_prefixes[mirror.salt].add(tuple(mirror.tokens[:end]))
+        self.pending_commits = {}
+        return commits
+
+    @rule(
+        prompts=st.lists(
+            st.tuples(
+                st.lists(st.integers(0, 2), min_size=1, max_size=9),
+                st.sampled_from(SALTS),
+                st.integers(1, 9),
+            ),
+            max_size=3,
+        ),
+        decode_tokens=st.lists(st.integers(0, 2), max_size=8),
+        swap=st.booleans(),
+        shuffle=st.randoms(use_true_random=False),
+    )
+    def step(self, prompts, decode_tokens, swap, shuffle) -> None:
+        items, scheduled = [], {}
+        running = [r for r, m in self.requests.items()]
+        shuffle.shuffle(running)
+        for rid, token in zip(running, decode_tokens, strict=False):
+            mirror = self.requests[rid]
+            append = [token] if mirror.computed == len(mirror.tokens) else []
+            mirror.tokens.extend(append)
+            items.append(StepItem(rid, 1, None, "", append))
+            scheduled[rid] = min(1, len(mirror.tokens) - mirror.computed)
+        for prompt, salt, chunk in prompts:
+            rid = f"r{self.next_id}"
+            self.next_id += 1
+            self.requests[rid] = Mirror(salt, list(prompt))
+            items.append(StepItem(rid, chunk, list(prompt), salt))
+        if not items:
+            return
+        mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
+        result = self.allocator.step(
+            "p", self.pool.epoch, None, self._commits(), [], [], items, mode
+        )
+        self._apply(result, scheduled, items)
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), abort=st.booleans())
+    def free(self, data, abort) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        commits = [] if abort else self._commits()
+        if abort:
+            self.allocator.abort("p", self.pool.epoch, [rid])
+            self.pending_commits.pop(rid, None)
+        else:
+            self.allocator.free("p", self.pool.epoch, commits, [rid])
+        del self.requests[rid]
+
+    @precondition(lambda self: any(not m.swapped for m in self.requests.values()))
+    @rule(data=st.data(), num_children=st.integers(1, 2))
+    def fork(self, data, num_children) -> None:
+        rid = data.draw(
+            st.sampled_from(sorted(r for r, m in self.requests.items() if not m.swapped))
+        )
+        parent = self.requests[rid]
+        children = [f"r{self.next_id + i}" for i in range(num_children)]
+        self.next_id += num_children
+        forked = self.allocator.fork("p", self.pool.epoch, rid, children)
+        for child, req in zip(children, forked, strict=True):
+            self.requests[child] = Mirror(
+                parent.salt, list(parent.tokens), parent.computed, [b.block_id for b in req.blocks]
+            )
+            if rid in self.pending_commits:
+                self.pending_commits[child] = self.pending_commits[rid]
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        self.allocator.check_invariants()
+        assert set(self.pool.requests) == set(self.requests)
+
+    def teardown(self) -> None:
+        # No leak: once every request is freed, every block is free again.
+        self.allocator.free("p", self.pool.epoch, [], sorted(self.requests))
+        self.allocator.check_invariants()
+        assert self.pool.blocks.num_free == NUM_BLOCKS
+        assert len(self.pool.free_cpu_block_ids) == NUM_CPU_BLOCKS
+
+
+AllocatorMachine.TestCase.settings = settings(
+    max_examples=250, stateful_step_count=40, deadline=None
+)
+test_allocator_random_operation_sequences = AllocatorMachine.TestCase

@@ -1,0 +1,92 @@
+"""Per-request operations: admission with prefix hits, commit, copy-on-write, swap, free order."""
+
+from allocator_svc.core.step import PreemptionMode
+from tests.allocator.conftest import decode, make_harness, new
+
+
+def test_pool_admit_allocates_on_demand_and_grows_by_block(harness):
+    # 6-token prompt, block size 4: blocks 0,1; decoding 2 more fills block 1, a 3rd opens 2.
+    result = harness.step([new("a", [1, 2, 3, 4, 5, 6])])
+    (grant,) = result.grants
+    assert (grant.delta_start, grant.block_ids, grant.num_scheduled) == (0, [0, 1], 6)
+    assert harness.step([decode("a", 7)], commits={"a": 6}).grants == []
+    assert harness.step([decode("a", 8)], commits={"a": 7}).grants == []
+    (grant,) = harness.step([decode("a", 9)], commits={"a": 8}).grants
+    assert (grant.delta_start, grant.block_ids, grant.start_position) == (2, [2], 8)
+    assert harness.table("a") == [0, 1, 2]
+
+
+def test_pool_prefix_hit_reuses_committed_blocks_and_caps_last_token(harness):
+    # a commits 8 tokens (2 full blocks); b with the same 8-token prompt reuses block 0 only,
+    # because at least its last prompt token must be computed.
+    harness.step([new("a", list(range(8)))])
+    harness.step([], commits={"a": 8}, free=["a"])
+    result = harness.step([new("b", list(range(8)))])
+    (grant,) = result.grants
+    assert (grant.num_cached_tokens, grant.start_position, grant.num_scheduled) == (4, 4, 4)
+    assert grant.block_ids[0] == 0
+    # c shares 8 tokens then diverges: both full blocks hit.
+    harness.step([new("c", list(range(8)) + [99, 98])])
+    assert harness.pool.requests["c"].num_cached_tokens == 8
+    assert harness.table("c")[:2] == [0, 1]
+    assert harness.pool.blocks.blocks[0].ref_count == 2
+
+
+def test_pool_uncommitted_blocks_are_not_cached(harness):
+    # Commit rule: a step that never confirmed its KV leaves nothing in the cache.
+    harness.step([new("a", list(range(8)))])
+    harness.step([], abort=["a"])
+    assert harness.pool.blocks.cached == {}
+    result = harness.step([new("b", list(range(8)))])
+    assert result.grants[0].num_cached_tokens == 0
+
+
+def test_pool_cache_salt_isolates_tenants(harness):
+    # Same prompt, different salt: no hit.
+    harness.step([new("a", list(range(9)), salt="t1")])
+    harness.step([], commits={"a": 9})
+    harness.step([new("b", list(range(9)), salt="t2")])
+    harness.step([new("c", list(range(9)), salt="t1")])
+    assert harness.pool.requests["b"].num_cached_tokens == 0
+    assert harness.pool.requests["c"].num_cached_tokens == 8
+
+
+def test_pool_free_order_keeps_prefix_longest(harness):
+    # Freed last block first: the prefix block 0 sits at the LRU tail, evicted last.
+    harness.step([new("a", list(range(12)))])
+    harness.step([], commits={"a": 12}, free=["a"])
+    tail = [b.block_id for b in harness.pool.blocks.free_queue][-3:]
+    assert tail == [2, 1, 0]
+
+
+def test_pool_fork_copy_on_write_of_shared_partial_block(harness):
+    # Parent holds 6 tokens (blocks 0, 1 partial); two children share both. The first child
+    # to write gets a private copy of block 1; the last holder writes in place.
+    harness.step([new("p", list(range(6)))])
+    harness.allocator.fork("pool-a", harness.pool.epoch, "p", ["c1", "c2"])
+    harness.step([], commits={"p": 6}, free=["p"])
+    assert harness.pool.blocks.blocks[1].ref_count == 2
+    result = harness.step([decode("c1", 50)])
+    assert [(c.src_block_id, c.dst_block_id) for c in result.copies] == [(1, 2)]
+    assert (result.grants[0].delta_start, result.grants[0].block_ids) == (1, [2])
+    assert harness.table("c1") == [0, 2]
+    result = harness.step([decode("c2", 60)])
+    assert result.copies == [] and harness.table("c2") == [0, 1]
+
+
+def test_pool_swap_out_and_in_restores_table_with_copies():
+    # Swap mode: preempted request's 2 blocks go to CPU blocks and come back later.
+    h = make_harness(num_blocks=4, block_size=4, num_cpu_blocks=4)
+    h.mode = PreemptionMode.SWAP
+    h.step([new("a", list(range(8))), new("b", list(range(100, 108)))])
+    h.step([], commits={"a": 8, "b": 8})
+    result = h.step([decode("a", 1), decode("b", 2)])
+    assert [(p.request_id, p.mode) for p in result.preempted] == [("b", PreemptionMode.SWAP)]
+    assert [(c.src_block_id, c.dst_block_id) for c in result.swap_out] == [(2, 0), (3, 1)]
+    assert h.pool.requests["b"].swapped
+    h.step([], commits={"a": 9}, free=["a"])
+    result = h.step([decode("b", 3)])
+    (grant,) = result.grants
+    assert grant.delta_start == 0 and len(grant.block_ids) == 3
+    assert [c.src_block_id for c in result.swap_in] == [0, 1]
+    assert grant.start_position == 8
