@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import grpc
 import pytest
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import Commit
 from allocator_svc.core.step import PreemptionMode, StepItem, StepResult
+from pagedkv.allocator.v1 import allocator_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -70,3 +79,65 @@ def make_harness(
 @pytest.fixture
 def harness() -> Harness:
     return make_harness()
+
+
+@dataclass
+class ServerProcess:
+    """A real `python -m allocator_svc` subprocess on a loopback port."""
+
+    process: subprocess.Popen[bytes]
+    address: str
+
+
+def start_allocator(tmp_path, *flags: str) -> ServerProcess:
+    port_file = tmp_path / "allocator.port"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "allocator_svc",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            *flags,
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while not port_file.exists() or not port_file.read_text():
+        assert process.poll() is None, "allocator exited during start-up"
+        assert time.monotonic() < deadline, "allocator did not start within 30 s"
+        time.sleep(0.05)
+    return ServerProcess(process, f"127.0.0.1:{port_file.read_text()}")
+
+
+def stop_process(server: ServerProcess) -> int:
+    server.process.send_signal(signal.SIGTERM)
+    return server.process.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def allocator_server(tmp_path_factory):
+    server = start_allocator(
+        tmp_path_factory.mktemp("alloc"),
+        "--max-batch-items",
+        "8",
+        "--lease-check-interval-ms",
+        "50",
+        "--max-blocks-per-pool",
+        "100000",
+    )
+    yield server
+    assert stop_process(server) == 0, "allocator did not shut down cleanly on SIGTERM"
+
+
+@pytest.fixture(scope="module")
+def stub(allocator_server):
+    channel = grpc.insecure_channel(allocator_server.address)
+    yield allocator_pb2_grpc.AllocatorServiceStub(channel)
+    channel.close()

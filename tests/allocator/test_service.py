@@ -1,0 +1,333 @@
+"""The allocator service over real gRPC on loopback: the contract and every bad input."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pagedkv.allocator.v1 import allocator_pb2 as pb
+
+_ids = itertools.count()
+
+
+def register(stub, num_blocks=16, block_size=4, num_cpu_blocks=4, instance="inst-1", pool_id=None):
+    pool_id = pool_id or f"pool-{next(_ids)}"
+    return stub.RegisterPool(
+        pb.RegisterPoolRequest(
+            pool_id=pool_id,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_cpu_blocks=num_cpu_blocks,
+            model_fingerprint="tiny",
+            executor_instance_id=instance,
+            enable_prefix_caching=True,
+        )
+    ).pool
+
+
+def step(stub, pool, items=(), commits=None, free=(), abort=(), **kwargs):
+    return stub.Step(
+        pb.StepRequest(
+            pool_id=pool.pool_id,
+            epoch=pool.epoch,
+            items=list(items),
+            commits=[
+                pb.Commit(request_id=k, num_computed_tokens=v) for k, v in (commits or {}).items()
+            ],
+            free_request_ids=list(free),
+            abort_request_ids=list(abort),
+            **kwargs,
+        )
+    )
+
+
+def new(request_id, prompt, num_tokens=None, salt=""):
+    return pb.StepItem(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        cache_salt=salt,
+        num_tokens=len(prompt) if num_tokens is None else num_tokens,
+    )
+
+
+def stats(stub, pool):
+    return stub.GetStats(pb.GetStatsRequest(pool_id=pool.pool_id)).pools[0]
+
+
+def expect_error(code, fn, *args, match=""):
+    with pytest.raises(grpc.RpcError) as info:
+        fn(*args)
+    assert info.value.code() == code, info.value.details()
+    assert match in info.value.details()
+    return info.value.details()
+
+
+def test_service_register_is_idempotent_and_reports_hash_profile(stub):
+    # Same executor instance: same epoch; the hash profile names algorithm and block size.
+    pool = register(stub, pool_id="idem")
+    again = register(stub, pool_id="idem")
+    assert again.epoch == pool.epoch
+    assert (
+        pool.hash_profile.version,
+        pool.hash_profile.algorithm,
+        pool.hash_profile.block_size,
+    ) == ("pagedkv-block-hash-v1", "sha256", 4)
+    assert stub.DescribePool(pb.DescribePoolRequest(pool_id="idem")).pool == pool
+
+
+def test_service_new_executor_instance_resets_pool_and_epoch(stub):
+    # A restarted executor re-registers: requests are dropped, the old epoch is refused.
+    pool = register(stub, pool_id="restart")
+    step(stub, pool, [new("a", [1, 2, 3])])
+    reset = stub.RegisterPool(
+        pb.RegisterPoolRequest(
+            pool_id="restart",
+            num_blocks=16,
+            block_size=4,
+            num_cpu_blocks=4,
+            model_fingerprint="tiny",
+            executor_instance_id="inst-2",
+            enable_prefix_caching=True,
+        )
+    )
+    assert reset.reset and reset.pool.epoch > pool.epoch
+    expect_error(
+        grpc.StatusCode.FAILED_PRECONDITION, step, stub, pool, [new("b", [1])], match="epoch"
+    )
+    assert stats(stub, reset.pool).num_requests == 0
+
+
+def test_service_step_round_trip_with_prefix_hit(stub):
+    # a prefills 9 tokens, commits them and is freed; b with the same prompt hits 8 tokens.
+    pool = register(stub)
+    response = step(stub, pool, [new("a", list(range(9)))])
+    (grant,) = response.grants
+    assert list(grant.delta.block_ids) == [0, 1, 2] and grant.new_request
+    assert response.num_free_blocks == 13
+    step(stub, pool, commits={"a": 9}, free=["a"])
+    match = stub.MatchPrefix(
+        pb.MatchPrefixRequest(token_ids=list(range(9)), pool_ids=[pool.pool_id])
+    )
+    assert match.matches[0].num_cached_tokens == 8
+    (grant,) = step(stub, pool, [new("b", list(range(9)))]).grants
+    assert (grant.num_cached_tokens, grant.start_position, grant.num_scheduled_tokens) == (8, 8, 1)
+    s = stats(stub, pool)
+    assert (s.num_prefix_hits, s.num_prefix_queries, s.num_requests) == (8, 18, 1)
+    detail = stub.GetStats(pb.GetStatsRequest(pool_id=pool.pool_id, request_ids=["b"])).requests[0]
+    assert (detail.num_cached_tokens, detail.num_blocks, detail.num_blocks_written) == (8, 3, 1)
+
+
+def test_service_preemption_and_deferral_reported(stub):
+    # 2 blocks of 4: a and b each hold one full block; both decode: b (the tail) is preempted,
+    # and the new c is deferred in that step.
+    pool = register(stub, num_blocks=2, num_cpu_blocks=0)
+    step(stub, pool, [new("a", [1] * 4), new("b", [2] * 4)])
+    decode = [pb.StepItem(request_id=r, append_token_ids=[5], num_tokens=1) for r in ("a", "b")]
+    response = step(
+        stub,
+        pool,
+        [*decode, new("c", [3])],
+        commits={"a": 4, "b": 4},
+        preemption_mode=pb.PREEMPTION_MODE_RECOMPUTE,
+    )
+    assert [(p.request_id, p.mode) for p in response.preempted] == [
+        ("b", pb.PREEMPTION_MODE_RECOMPUTE)
+    ]
+    assert list(response.deferred_request_ids) == ["c"]
+    assert stats(stub, pool).num_preemptions == 1
+
+
+def test_service_fork_and_swap_out(stub):
+    # Children share the parent's table; swapping a child out returns GPU->CPU copies.
+    pool = register(stub, num_cpu_blocks=4)
+    step(stub, pool, [new("p", [1, 2, 3, 4, 5, 6])])
+    fork = stub.Fork(
+        pb.ForkRequest(
+            pool_id=pool.pool_id,
+            epoch=pool.epoch,
+            parent_request_id="p",
+            child_request_ids=["c1", "c2"],
+        )
+    )
+    assert [list(t.block_ids) for t in fork.child_tables] == [[0, 1], [0, 1]]
+    swap = stub.SwapOut(pb.SwapOutRequest(pool_id=pool.pool_id, epoch=pool.epoch, request_id="c1"))
+    assert [(c.src_block_id, c.dst_block_id) for c in swap.swap_out] == [(0, 0), (1, 1)]
+    s = stats(stub, pool)
+    assert (s.num_swapped_requests, s.num_free_cpu_blocks) == (1, 2)
+    stub.Free(pb.FreeRequest(pool_id=pool.pool_id, epoch=pool.epoch, request_ids=["p", "c1", "c2"]))
+    s = stats(stub, pool)
+    assert (s.num_free_blocks, s.num_free_cpu_blocks, s.num_requests) == (16, 4, 0)
+
+
+def test_service_events_follow_cache_with_cursor_and_snapshot(stub):
+    # Committing 2 full blocks emits 2 BlockStored events; the snapshot agrees.
+    pool = register(stub)
+    step(stub, pool, [new("a", list(range(8)))])
+    step(stub, pool, commits={"a": 8})
+    events = stub.GetEvents(pb.GetEventsRequest(pool_id=pool.pool_id, after_seq=0))
+    assert [e.seq for e in events.events] == [1, 2] and not events.truncated
+    assert [e.stored.block_id for e in events.events] == [0, 1]
+    assert events.events[1].stored.parent_block_hash == events.events[0].stored.block_hash
+    assert list(events.events[0].stored.token_ids) == [0, 1, 2, 3]
+    snapshot = stub.GetSnapshot(pb.GetSnapshotRequest(pool_id=pool.pool_id))
+    assert snapshot.seq == 2 and {b.block_id for b in snapshot.blocks} == {0, 1}
+    after = stub.GetEvents(pb.GetEventsRequest(pool_id=pool.pool_id, after_seq=2))
+    assert list(after.events) == [] and after.last_seq == 2
+
+
+def test_service_lease_expiry_frees_requests(stub):
+    # A lease that is not kept alive expires and its requests' blocks come back.
+    pool = register(stub)
+    lease = stub.CreateLease(pb.CreateLeaseRequest(ttl_ms=200))
+    kept = stub.CreateLease(pb.CreateLeaseRequest(ttl_ms=400))
+    step(stub, pool, [new("gone", [1] * 8)], lease_id=lease.lease_id)
+    step(stub, pool, [new("kept", [2] * 8)], lease_id=kept.lease_id)
+    for _ in range(8):
+        time.sleep(0.1)
+        stub.KeepAlive(pb.KeepAliveRequest(lease_id=kept.lease_id))
+    s = stats(stub, pool)
+    assert (s.num_requests, s.num_free_blocks) == (1, 14)
+    expect_error(
+        grpc.StatusCode.NOT_FOUND,
+        stub.KeepAlive,
+        pb.KeepAliveRequest(lease_id=lease.lease_id),
+        match="expired",
+    )
+    expect_error(
+        grpc.StatusCode.NOT_FOUND,
+        lambda: step(stub, pool, [new("x", [1])], lease_id=lease.lease_id),
+        match="lease",
+    )
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "block_size", "fragment"),
+    [
+        (0, 16, "num_blocks=0"),
+        (10**9, 16, "num_blocks=1000000000"),
+        (8, 0, "block_size=0"),
+        (8, 4096, "block_size=4096"),
+    ],
+)
+def test_service_rejects_zero_or_absurd_pool(stub, num_blocks, block_size, fragment):
+    expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        stub.RegisterPool,
+        pb.RegisterPoolRequest(pool_id="bad", num_blocks=num_blocks, block_size=block_size),
+        match=fragment,
+    )
+
+
+def test_service_bad_input_gets_precise_status_and_changes_nothing(stub):
+    # Each bad call is refused whole: the valid item beside the bad one is not admitted.
+    pool = register(stub)
+    step(stub, pool, [new("a", [1, 2, 3])])
+    before = stats(stub, pool)
+    code = grpc.StatusCode
+    cases = [
+        (
+            code.NOT_FOUND,
+            "unknown pool",
+            lambda: stub.Step(pb.StepRequest(pool_id="nope", epoch=1, items=[new("z", [1])])),
+        ),
+        (
+            code.NOT_FOUND,
+            "unknown request",
+            lambda: step(
+                stub, pool, [new("ok", [1]), pb.StepItem(request_id="ghost", num_tokens=1)]
+            ),
+        ),
+        (
+            code.ALREADY_EXISTS,
+            "already admitted",
+            lambda: step(stub, pool, [new("ok", [1]), new("a", [1])]),
+        ),
+        (code.INVALID_ARGUMENT, ">= 0", lambda: step(stub, pool, [new("neg", [1, -5])])),
+        (code.INVALID_ARGUMENT, "empty step", lambda: step(stub, pool, [])),
+        (
+            code.INVALID_ARGUMENT,
+            "maximum batch",
+            lambda: step(stub, pool, [new(f"n{i}", [1]) for i in range(9)]),
+        ),
+        (code.INVALID_ARGUMENT, "twice", lambda: step(stub, pool, [new("d", [1]), new("d", [1])])),
+        (
+            code.RESOURCE_EXHAUSTED,
+            "needs 17 blocks",
+            lambda: step(stub, pool, [new("big", [1] * 65)]),
+        ),
+        (code.INVALID_ARGUMENT, "granted only", lambda: step(stub, pool, commits={"a": 99})),
+        (code.NOT_FOUND, "unknown request", lambda: step(stub, pool, free=["ghost"])),
+        (code.INVALID_ARGUMENT, "freed twice", lambda: step(stub, pool, free=["a", "a"])),
+        (
+            code.INVALID_ARGUMENT,
+            "both freed and scheduled",
+            lambda: step(stub, pool, [pb.StepItem(request_id="a", num_tokens=1)], free=["a"]),
+        ),
+        (
+            code.NOT_FOUND,
+            "unknown parent",
+            lambda: stub.Fork(
+                pb.ForkRequest(
+                    pool_id=pool.pool_id,
+                    epoch=pool.epoch,
+                    parent_request_id="ghost",
+                    child_request_ids=["c"],
+                )
+            ),
+        ),
+        (
+            code.ALREADY_EXISTS,
+            "already exists",
+            lambda: stub.Fork(
+                pb.ForkRequest(
+                    pool_id=pool.pool_id,
+                    epoch=pool.epoch,
+                    parent_request_id="a",
+                    child_request_ids=["a"],
+                )
+            ),
+        ),
+        (
+            code.NOT_FOUND,
+            "unknown request",
+            lambda: stub.GetStats(pb.GetStatsRequest(pool_id=pool.pool_id, request_ids=["ghost"])),
+        ),
+        (
+            code.INVALID_ARGUMENT,
+            ">= 0",
+            lambda: stub.MatchPrefix(pb.MatchPrefixRequest(token_ids=[-1])),
+        ),
+    ]
+    for status, fragment, call in cases:
+        expect_error(status, call, match=fragment)
+    assert stats(stub, pool) == before
+    # Double free: the first succeeds, the second is NOT_FOUND and nothing else moves.
+    stub.Free(pb.FreeRequest(pool_id=pool.pool_id, epoch=pool.epoch, request_ids=["a"]))
+    expect_error(
+        grpc.StatusCode.NOT_FOUND,
+        stub.Free,
+        pb.FreeRequest(pool_id=pool.pool_id, epoch=pool.epoch, request_ids=["a"]),
+        match="unknown request",
+    )
+    assert stats(stub, pool).num_free_blocks == 16
+
+
+def test_service_stays_up_with_health_and_reflection(allocator_server, stub):
+    # After all the bad input above, the server is SERVING and lists its services.
+    channel = grpc.insecure_channel(allocator_server.address)
+    health = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service="pagedkv.allocator.v1.AllocatorService")
+    )
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    (answer,) = reflection.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    names = {s.name for s in answer.list_services_response.service}
+    assert "pagedkv.allocator.v1.AllocatorService" in names
+    channel.close()
