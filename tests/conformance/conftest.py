@@ -1,0 +1,195 @@
+"""Executor conformance: the contract of pagedkv.executor.v1, checked over gRPC only.
+
+    make conformance EXECUTOR_ADDR=host:port      # an executor you run (yours or ours)
+    pytest -q tests/conformance                   # no address: starts ours as a subprocess
+
+Parity needs a local reference with the executor's weights: `--reference-model DIR` (default:
+models/<model_name from Describe>) loaded from safetensors, or with `--reference-seed N` the
+seeded dummy weights that `--load-format dummy --seed N` gives (the default seed is 0).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from executor_svc.model_loader import load_model
+from pagedkv.executor.v1 import executor_pb2 as pb
+from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 120.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("conformance", "executor conformance suite")
+    group.addoption("--executor-addr", default="", help="host:port of the executor under test")
+    group.addoption("--reference-model", default="", help="model directory for the reference")
+    group.addoption("--reference-seed", type=int, default=0, help="seed of dummy weights")
+
+
+@dataclass(slots=True)
+class Blocks:
+    """Hands out the executor's block ids in a scattered order; tests give them back."""
+
+    free: list[int]
+    free_cpu: list[int]
+
+    def take(self, n: int) -> list[int]:
+        assert len(self.free) >= n, "the executor has too few blocks for the conformance suite"
+        return [self.free.pop() for _ in range(n)]
+
+    def take_cpu(self, n: int) -> list[int]:
+        return [self.free_cpu.pop() for _ in range(n)]
+
+
+@dataclass(slots=True)
+class Executor:
+    """A client for the executor under test plus what Describe said about it."""
+
+    stub: pb_grpc.ExecutorServiceStub
+    channel: grpc.Channel
+    info: pb.DescribeResponse
+    blocks: Blocks
+    tables: dict[str, list[int]] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=dict)
+
+    def work(
+        self, rid: str, tokens: list[int], sample: bool = True, **sampling: float
+    ) -> pb.SequenceWork:
+        """The next SequenceWork for `rid`, with blocks for its new tokens."""
+        start = self.held.get(rid, 0)
+        table = self.tables.setdefault(rid, [])
+        needed = -(-(start + len(tokens)) // self.info.block_size) - len(table)
+        new = self.blocks.take(max(needed, 0))
+        work = pb.SequenceWork(
+            request_id=rid,
+            token_ids=tokens,
+            start_position=start,
+            delta=pb.BlockTableDelta(start_index=len(table), block_ids=new),
+            sample=sample,
+        )
+        if rid not in self.held:
+            work.sampling.CopyFrom(pb.SamplingParams(**sampling))
+        table.extend(new)
+        self.held[rid] = start + len(tokens)
+        return work
+
+    def execute(self, *seqs: pb.SequenceWork, **ops: object) -> pb.ExecuteResponse:
+        return self.stub.Execute(pb.ExecuteRequest(seqs=list(seqs), **ops))  # type: ignore[arg-type]
+
+    def forget(self, *rids: str) -> None:
+        """Release on the executor and give the blocks back."""
+        self.stub.Release(pb.ReleaseRequest(request_ids=list(rids)))
+        for rid in rids:
+            self.blocks.free.extend(self.tables.pop(rid, []))
+            self.held.pop(rid, None)
+
+
+def _start_local_executor(log_path: Path, port_file: Path) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable,
+        "-m",
+        "executor_svc",
+        "--model",
+        str(ROOT / "models" / "tiny-llama"),
+        "--load-format",
+        "dummy",
+        "--seed",
+        "0",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--kv-cache-memory",
+        "8MiB",
+        "--swap-space",
+        "0.002",
+        "--max-num-seqs",
+        "16",
+        "--max-num-batched-tokens",
+        "512",
+        "--log-json",
+    ]
+    with log_path.open("wb") as log:
+        return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_for_port(process: subprocess.Popen[bytes], port_file: Path, log_path: Path) -> int:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if port_file.exists():
+            return int(port_file.read_text())
+        if process.poll() is not None:
+            break
+        time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"executor did not start; its log:\n{log_path.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def executor_addr(
+    pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    addr = pytestconfig.getoption("executor_addr") or os.environ.get("EXECUTOR_ADDR", "")
+    if addr:
+        yield addr
+        return
+    workdir = tmp_path_factory.mktemp("executor")
+    log_path, port_file = workdir / "executor.log", workdir / "port"
+    process = _start_local_executor(log_path, port_file)
+    port = _wait_for_port(process, port_file, log_path)
+    yield f"127.0.0.1:{port}"
+    process.terminate()
+    assert process.wait(timeout=30) == 0, log_path.read_text()[-3000:]
+
+
+@pytest.fixture(scope="session")
+def executor(executor_addr: str) -> Iterator[Executor]:
+    channel = grpc.insecure_channel(executor_addr)
+    grpc.channel_ready_future(channel).result(timeout=30)
+    stub = pb_grpc.ExecutorServiceStub(channel)
+    info = stub.Describe(pb.DescribeRequest(), timeout=30)
+    free = list(range(info.num_blocks))
+    random.Random(0).shuffle(free)
+    blocks = Blocks(free=free, free_cpu=list(range(info.num_cpu_blocks)))
+    yield Executor(stub=stub, channel=channel, info=info, blocks=blocks)
+    channel.close()
+
+
+@pytest.fixture(scope="session")
+def reference(pytestconfig: pytest.Config, executor: Executor) -> PreTrainedModel:
+    """transformers' own model (sdpa attention) with the executor's weights, on CPU."""
+    path = pytestconfig.getoption("reference_model") or str(
+        ROOT / "models" / executor.info.model_name
+    )
+    seed = pytestconfig.getoption("reference_seed")
+    has_weights = any(Path(path).glob("*.safetensors"))
+    loaded = load_model(path, "auto" if has_weights else "dummy", "float32", "cpu", seed)
+    model = loaded.model
+    model.set_attn_implementation("sdpa")
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def reference_generate(model: PreTrainedModel, prompt: list[int], num_new: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def reference_logprobs(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)  # [T, V]

@@ -1,0 +1,201 @@
+"""Describe, parity with the reference, copies, swaps and release: the executor contract."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from transformers import PreTrainedModel
+
+from pagedkv.executor.v1 import executor_pb2 as pb
+
+from .conftest import Executor, reference_generate, reference_logprobs
+
+SERVICE = "pagedkv.executor.v1.ExecutorService"
+pytestmark = pytest.mark.conformance
+
+
+def _prompts(vocab_size: int, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
+
+
+def _decode(executor: Executor, outputs: dict[str, list[int]], steps: int) -> None:
+    for _ in range(steps):
+        seqs = [executor.work(rid, [out[-1]]) for rid, out in outputs.items()]
+        for token in executor.execute(*seqs).tokens:
+            outputs[token.request_id].append(token.token_id)
+
+
+def test_describe_reports_a_usable_executor(executor: Executor, reference: PreTrainedModel) -> None:
+    # Sizes, identity and limits are present and agree with the model's config.
+    info = executor.info
+    assert info.instance_id and info.model_name and info.model_fingerprint
+    assert info.num_blocks > 0 and info.block_size > 0
+    assert info.dtype in ("float32", "bfloat16", "float16")
+    assert info.backend and info.device
+    assert info.vocab_size == reference.config.vocab_size
+    assert 0 < info.max_model_len <= reference.config.max_position_embeddings
+    assert list(info.eos_token_ids), "EOS ids let the gateway stop requests"
+    assert info.max_num_batched_tokens > 0 and info.max_num_seqs > 0
+    again = executor.stub.Describe(pb.DescribeRequest())
+    assert again.instance_id == info.instance_id, "instance_id changes only on restart"
+
+
+def test_health_and_reflection_name_the_service(executor: Executor) -> None:
+    # The standard health service says SERVING; reflection lists the executor service.
+    health = health_pb2_grpc.HealthStub(executor.channel)
+    reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE))
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(executor.channel)
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    response = next(iter(reflection.ServerReflectionInfo(iter([request]))))
+    assert SERVICE in [s.name for s in response.list_services_response.service]
+
+
+def test_prefill_and_decode_match_reference(executor: Executor, reference: PreTrainedModel) -> None:
+    # Three mixed-length prompts in one step, then 15 decode steps: greedy tokens equal the
+    # reference's generate, and each prefill logprob equals the reference's log-softmax.
+    prompts = _prompts(executor.info.vocab_size, [5, 23, 40], seed=1)
+    rids = [f"parity-{i}" for i in range(3)]
+    reply = executor.execute(*(executor.work(r, p) for r, p in zip(rids, prompts, strict=True)))
+    assert reply.num_tokens == sum(map(len, prompts))
+    assert [t.request_id for t in reply.tokens] == rids
+    outputs = {t.request_id: [t.token_id] for t in reply.tokens}
+    for token, prompt in zip(reply.tokens, prompts, strict=True):
+        expected = reference_logprobs(reference, prompt)[-1, token.token_id].item()
+        assert token.logprob == pytest.approx(expected, abs=1e-3)
+    _decode(executor, outputs, 15)
+    for rid, prompt in zip(rids, prompts, strict=True):
+        assert outputs[rid] == reference_generate(reference, prompt, 16), (
+            f"{rid} diverged: are the reference weights the executor's "
+            "(--reference-model / --reference-seed)?"
+        )
+    executor.forget(*rids)
+
+
+def test_chunked_prefill_matches_reference(executor: Executor, reference: PreTrainedModel) -> None:
+    # A 50-token prompt in chunks of 13 (only the last samples), then 7 decode steps.
+    prompt = _prompts(executor.info.vocab_size, [50], seed=2)[0]
+    for start in range(0, 39, 13):
+        reply = executor.execute(executor.work("chunked", prompt[start : start + 13], sample=False))
+        assert list(reply.tokens) == []
+    reply = executor.execute(executor.work("chunked", prompt[39:]))
+    outputs = {"chunked": [reply.tokens[0].token_id]}
+    _decode(executor, outputs, 7)
+    assert outputs["chunked"] == reference_generate(reference, prompt, 8)
+    executor.forget("chunked")
+
+
+def test_copy_on_write_fork_matches_reference(
+    executor: Executor, reference: PreTrainedModel
+) -> None:
+    # A child forks a parent mid-block: shares its full blocks, gets a copy of the partial one.
+    size = executor.info.block_size
+    prompt = _prompts(executor.info.vocab_size, [size + size // 2 + 1], seed=3)[0]
+    first = executor.execute(executor.work("parent", prompt)).tokens[0].token_id
+    *shared, partial = executor.tables["parent"]
+    (copy_dst,) = executor.blocks.take(1)
+    child = pb.SequenceWork(
+        request_id="child",
+        sampling=pb.SamplingParams(),
+        token_ids=[first],
+        start_position=len(prompt),
+        delta=pb.BlockTableDelta(start_index=0, block_ids=[*shared, copy_dst]),
+        sample=True,
+    )
+    executor.tables["child"], executor.held["child"] = [copy_dst], len(prompt) + 1
+    reply = executor.execute(
+        executor.work("parent", [first]),
+        child,
+        copies=[pb.BlockCopy(src_block_id=partial, dst_block_id=copy_dst)],
+    )
+    outputs = {t.request_id: [first, t.token_id] for t in reply.tokens}
+    executor.tables["child"] = [*shared, copy_dst]
+    _decode(executor, outputs, 6)
+    expected = reference_generate(reference, prompt, 8)
+    assert outputs == {"parent": expected, "child": expected}
+    executor.tables["child"] = [copy_dst]  # the shared blocks go back once, with the parent
+    executor.forget("parent", "child")
+
+
+def test_swap_out_and_in_matches_reference(executor: Executor, reference: PreTrainedModel) -> None:
+    # Swap a request's blocks to CPU, let another request overwrite them, swap them back into
+    # other blocks (table replaced by the delta), and continue like the reference.
+    size = executor.info.block_size
+    prompt = _prompts(executor.info.vocab_size, [2 * size + 3], seed=4)[0]
+    outputs = {"swapped": [executor.execute(executor.work("swapped", prompt)).tokens[0].token_id]}
+    _decode(executor, outputs, 2)
+    old = executor.tables["swapped"]
+    if executor.info.num_cpu_blocks < len(old):
+        pytest.skip(
+            f"the executor reports {executor.info.num_cpu_blocks} CPU blocks; need {len(old)}"
+        )
+    cpu = executor.blocks.take_cpu(len(old))
+    executor.execute(
+        swap_out=[
+            pb.BlockCopy(src_block_id=g, dst_block_id=c) for g, c in zip(old, cpu, strict=True)
+        ]
+    )
+    executor.blocks.free.extend(old)
+    intruder = _prompts(executor.info.vocab_size, [len(old) * size], seed=5)[0]
+    executor.execute(executor.work("intruder", intruder, sample=False))
+    new = executor.blocks.take(len(old))
+    resume = pb.SequenceWork(
+        request_id="swapped",
+        token_ids=[outputs["swapped"][-1]],
+        start_position=executor.held["swapped"],
+        delta=pb.BlockTableDelta(start_index=0, block_ids=new),
+        sample=True,
+    )
+    reply = executor.execute(
+        resume,
+        release_request_ids=["intruder"],
+        swap_in=[
+            pb.BlockCopy(src_block_id=c, dst_block_id=g) for c, g in zip(cpu, new, strict=True)
+        ],
+    )
+    executor.blocks.free.extend(executor.tables.pop("intruder"))
+    executor.held.pop("intruder")
+    executor.tables["swapped"], executor.held["swapped"] = new, executor.held["swapped"] + 1
+    executor.blocks.free_cpu.extend(cpu)
+    outputs["swapped"].append(reply.tokens[0].token_id)
+    _decode(executor, outputs, 3)
+    assert outputs["swapped"] == reference_generate(reference, prompt, 7)
+    executor.forget("swapped")
+
+
+def test_release_drops_request_state(executor: Executor) -> None:
+    # Released ids are unknown afterwards (NOT_FOUND); Release counts only held ids.
+    vocab = executor.info.vocab_size
+    a, b = _prompts(vocab, [4, 4], seed=6)
+    executor.execute(executor.work("rel-a", a), executor.work("rel-b", b))
+    executor.execute(release_request_ids=["rel-a"])
+    reply = executor.stub.Release(pb.ReleaseRequest(request_ids=["rel-a", "rel-b", "never-seen"]))
+    assert reply.num_released == 1
+    for rid in ("rel-a", "rel-b"):
+        work = pb.SequenceWork(request_id=rid, token_ids=[5], start_position=4, sample=True)
+        with pytest.raises(grpc.RpcError) as err:
+            executor.execute(work)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    executor.forget("rel-a", "rel-b")
+
+
+def test_sampling_with_a_seed_reproduces(executor: Executor) -> None:
+    # The same seeded request twice gives the same tokens and finite logprobs.
+    prompt = _prompts(executor.info.vocab_size, [9], seed=7)[0]
+    runs = []
+    for rid in ("seeded-1", "seeded-2"):
+        reply = executor.execute(
+            executor.work(rid, prompt, temperature=1.0, top_p=0.9, top_k=40, seed=1234)
+        )
+        outputs = {rid: [reply.tokens[0].token_id]}
+        assert torch.isfinite(torch.tensor(reply.tokens[0].logprob))
+        _decode(executor, outputs, 5)
+        runs.append(outputs[rid])
+        executor.forget(rid)
+    assert runs[0] == runs[1]

@@ -1,0 +1,183 @@
+"""Bad input gets a precise status, changes nothing, and the executor keeps serving."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import grpc
+import pytest
+from transformers import PreTrainedModel
+
+from pagedkv.executor.v1 import executor_pb2 as pb
+
+from .conftest import Executor, reference_generate
+
+pytestmark = pytest.mark.conformance
+INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
+
+# Each case builds a bad ExecuteRequest from (executor, the witness's next decode work).
+Case = Callable[[Executor, pb.SequenceWork], pb.ExecuteRequest]
+
+
+def _new(executor: Executor, rid: str = "bad-new", **fields: object) -> pb.SequenceWork:
+    work = pb.SequenceWork(
+        request_id=rid,
+        sampling=pb.SamplingParams(),
+        token_ids=[5, 6],
+        delta=pb.BlockTableDelta(start_index=0, block_ids=[0]),
+        sample=True,
+    )
+    for name, value in fields.items():
+        if isinstance(value, pb.BlockTableDelta | pb.SamplingParams):
+            getattr(work, name).CopyFrom(value)
+        elif isinstance(value, list):
+            del getattr(work, name)[:]
+            getattr(work, name).extend(value)
+        else:
+            setattr(work, name, value)
+    return work
+
+
+def _with(witness: pb.SequenceWork, **fields: object) -> pb.SequenceWork:
+    work = pb.SequenceWork()
+    work.CopyFrom(witness)
+    for name, value in fields.items():
+        if isinstance(value, list):
+            del getattr(work, name)[:]
+            getattr(work, name).extend(value)
+        elif isinstance(value, pb.SamplingParams | pb.BlockTableDelta):
+            getattr(work, name).CopyFrom(value)
+        else:
+            setattr(work, name, value)
+    return work
+
+
+def _copy(src: int, dst: int) -> pb.BlockCopy:
+    return pb.BlockCopy(src_block_id=src, dst_block_id=dst)
+
+
+CASES: dict[str, tuple[Case, grpc.StatusCode]] = {
+    "block_id_out_of_range": (
+        lambda e, w: pb.ExecuteRequest(
+            seqs=[_new(e, delta=pb.BlockTableDelta(block_ids=[e.info.num_blocks]))]
+        ),
+        INVALID,
+    ),
+    "copy_block_out_of_range": (
+        lambda e, w: pb.ExecuteRequest(seqs=[w], copies=[_copy(0, e.info.num_blocks)]),
+        INVALID,
+    ),
+    "swap_out_cpu_block_out_of_range": (
+        lambda e, w: pb.ExecuteRequest(seqs=[w], swap_out=[_copy(0, e.info.num_cpu_blocks)]),
+        INVALID,
+    ),
+    "swap_in_cpu_block_out_of_range": (
+        lambda e, w: pb.ExecuteRequest(seqs=[w], swap_in=[_copy(e.info.num_cpu_blocks, 0)]),
+        INVALID,
+    ),
+    "start_position_behind": (
+        lambda e, w: pb.ExecuteRequest(seqs=[_with(w, start_position=w.start_position - 1)]),
+        INVALID,
+    ),
+    "start_position_ahead": (
+        lambda e, w: pb.ExecuteRequest(seqs=[_with(w, start_position=w.start_position + 1)]),
+        INVALID,
+    ),
+    "unknown_request_id": (
+        lambda e, w: pb.ExecuteRequest(seqs=[_with(w, request_id="never-seen")]),
+        NOT_FOUND,
+    ),
+    "sampling_for_active_request": (
+        lambda e, w: pb.ExecuteRequest(seqs=[_with(w, sampling=pb.SamplingParams())]),
+        INVALID,
+    ),
+    "over_max_num_batched_tokens": (
+        lambda e, w: pb.ExecuteRequest(
+            seqs=[w, _new(e, token_ids=[5] * e.info.max_num_batched_tokens)]
+        ),
+        INVALID,
+    ),
+    "over_max_num_seqs": (
+        lambda e, w: pb.ExecuteRequest(
+            seqs=[w, *(_new(e, f"bad-{i}", token_ids=[5]) for i in range(e.info.max_num_seqs))]
+        ),
+        INVALID,
+    ),
+    "empty_token_ids": (lambda e, w: pb.ExecuteRequest(seqs=[_with(w, token_ids=[])]), INVALID),
+    "negative_temperature": (
+        lambda e, w: pb.ExecuteRequest(
+            seqs=[w, _new(e, sampling=pb.SamplingParams(temperature=-1.0))]
+        ),
+        INVALID,
+    ),
+    "top_p_above_one": (
+        lambda e, w: pb.ExecuteRequest(seqs=[w, _new(e, sampling=pb.SamplingParams(top_p=1.5))]),
+        INVALID,
+    ),
+    "top_p_negative": (
+        lambda e, w: pb.ExecuteRequest(seqs=[w, _new(e, sampling=pb.SamplingParams(top_p=-0.1))]),
+        INVALID,
+    ),
+    "table_longer_than_max_model_len": (
+        lambda e, w: pb.ExecuteRequest(
+            seqs=[
+                _new(
+                    e,
+                    delta=pb.BlockTableDelta(
+                        block_ids=[0] * (-(-e.info.max_model_len // e.info.block_size) + 1)
+                    ),
+                )
+            ]
+        ),
+        INVALID,
+    ),
+    "token_id_outside_vocab": (
+        lambda e, w: pb.ExecuteRequest(seqs=[_with(w, token_ids=[e.info.vocab_size])]),
+        INVALID,
+    ),
+    "duplicate_request_in_step": (lambda e, w: pb.ExecuteRequest(seqs=[w, w]), INVALID),
+}
+
+
+@pytest.fixture
+def witness(executor: Executor, reference: PreTrainedModel) -> tuple[list[int], list[int]]:
+    """A held request (prompt + its first sampled token) that every bad step must not disturb."""
+    prompt = [random.Random(11).randrange(3, executor.info.vocab_size) for _ in range(21)]
+    executor.forget("witness")
+    reply = executor.execute(executor.work("witness", prompt))
+    return prompt, [reply.tokens[0].token_id]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_execute_is_rejected_without_effect(
+    executor: Executor,
+    reference: PreTrainedModel,
+    witness: tuple[list[int], list[int]],
+    case: str,
+) -> None:
+    # The bad step (which carries the witness's valid decode) fails with its status; then the
+    # witness continues exactly like the reference, and no other state appeared.
+    prompt, output = witness
+    build, code = CASES[case]
+    next_work = pb.SequenceWork(
+        request_id="witness",
+        token_ids=[output[-1]],
+        start_position=len(prompt),
+        sample=True,
+    )
+    assert executor.execute().num_tokens == 0  # an empty step is valid
+    with pytest.raises(grpc.RpcError) as err:
+        executor.stub.Execute(build(executor, next_work))
+    assert err.value.code() == code, err.value.details()
+    assert err.value.details(), "the status carries a message saying what was wrong"
+    reply = executor.execute(next_work)
+    output.append(reply.tokens[0].token_id)
+    executor.held["witness"] += 1
+    for _ in range(2):
+        output.append(executor.execute(executor.work("witness", [output[-1]])).tokens[0].token_id)
+    assert output == reference_generate(reference, prompt, 4)
+    with pytest.raises(grpc.RpcError) as err:  # the bad step's new request was not created
+        executor.execute(_with(next_work, request_id="bad-new", start_position=2))
+    assert err.value.code() == NOT_FOUND
+    executor.forget("witness")
