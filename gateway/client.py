@@ -1,0 +1,66 @@
+"""`python -m gateway.client "prompt"`: stream a completion from the gateway to the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from pagedkv.gateway.v1 import gateway_pb2 as pb
+from pagedkv.gateway.v1 import gateway_pb2_grpc as pb_grpc
+
+
+def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(
+        max_tokens=args.max_tokens, top_k=args.top_k, stop=args.stop, n=args.n,
+        ignore_eos=args.ignore_eos,
+    )
+    if args.temperature is not None:
+        sampling.temperature = args.temperature
+    if args.top_p is not None:
+        sampling.top_p = args.top_p
+    if args.seed is not None:
+        sampling.seed = args.seed
+    return pb.GenerateRequest(text=args.prompt, sampling=sampling, cache_salt=args.cache_salt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gateway.client", description=__doc__)
+    parser.add_argument("prompt")
+    parser.add_argument("--addr", default="localhost:50051", help="gateway host:port")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=None, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("-n", type=int, default=1, help="completions")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--cache-salt", default="")
+    parser.add_argument("--timeout-s", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    with grpc.insecure_channel(args.addr) as channel:
+        stub = pb_grpc.GatewayServiceStub(channel)
+        try:
+            for response in stub.Generate(build_request(args), timeout=args.timeout_s):
+                prefix = f"[{response.index}] " if args.n > 1 and response.text else ""
+                sys.stdout.write(prefix + response.text)
+                sys.stdout.flush()
+                if response.finish_reason:
+                    u = response.usage
+                    finish = pb.FinishReason.Name(response.finish_reason)
+                    print(
+                        f"\n-- [{response.index}] {finish}: prompt {u.prompt_tokens}, "
+                        f"completion {u.completion_tokens}, cached {u.cached_prompt_tokens} "
+                        f"tokens (request {response.request_id})",
+                        file=sys.stderr,
+                    )
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""`python -m gateway.health_probe HOST:PORT`: exit 0 when the gRPC health service says
+SERVING (used by the launcher and by the compose health checks)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def is_serving(address: str, timeout_s: float = 2.0, service: str = "") -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            response = stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                  timeout=timeout_s)
+    except grpc.RpcError:
+        return False
+    return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m gateway.health_probe")
+    parser.add_argument("address", help="host:port of a gRPC server")
+    parser.add_argument("--service", default="", help="service name ('' = the server)")
+    parser.add_argument("--timeout-s", type=float, default=2.0)
+    args = parser.parse_args()
+    return 0 if is_serving(args.address, args.timeout_s, args.service) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""`python -m gateway.launch`: allocator, executor(s) and gateway as local subprocesses.
+
+Starts them in dependency order, waits until each reports SERVING on the gRPC health
+service, prints how to call the gateway, and stops everything on Ctrl-C / SIGTERM (or when
+any of them exits). The e2e tests start their stacks with the same `Stack` (port 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from common.config import add_flag
+from gateway.health_probe import is_serving
+
+HOST = "127.0.0.1"
+REPO_ROOT = Path(__file__).resolve().parents[1]  # `python -m <service>` runs from here
+
+
+class StackError(RuntimeError):
+    """A service did not come up; the message names it and points at its log."""
+
+
+@dataclass(frozen=True, slots=True)
+class StackSpec:
+    model: str = "models/tiny-llama"
+    num_executors: int = 1
+    allocator_port: int = 50052
+    executor_port: int = 50053   # the first; the others follow (0: any free ports)
+    gateway_port: int = 50051
+    allocator_args: tuple[str, ...] = ()
+    executor_args: tuple[str, ...] = ("--load-format", "dummy")
+    gateway_args: tuple[str, ...] = ()
+    log_dir: str | None = None   # None: children log to this terminal
+    startup_timeout_s: float = 120.0
+
+
+@dataclass(slots=True)
+class Service:
+    name: str
+    process: subprocess.Popen[bytes]
+    port_file: Path
+    log_path: str | None
+    address: str = ""  # host:port, once the port file says which
+
+
+@dataclass(slots=True)
+class Stack:
+    spec: StackSpec
+    services: list[Service] = field(default_factory=list)
+    run_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pagedkv-"))
+
+    @property
+    def gateway_addr(self) -> str:
+        return self.by_name("gateway").address
+
+    @property
+    def allocator_addr(self) -> str:
+        return self.by_name("allocator").address
+
+    def executor_addrs(self) -> list[str]:
+        return [s.address for s in self.services if s.name.startswith("executor")]
+
+    def by_name(self, name: str) -> Service:
+        return next(s for s in self.services if s.name == name)
+
+    def start(self) -> Stack:
+        spec = self.spec
+        try:
+            self._start("allocator", "allocator_svc", spec.allocator_port, spec.allocator_args)
+            for i in range(spec.num_executors):
+                port = spec.executor_port + i if spec.executor_port else 0
+                self._start(f"executor-{i}", "executor_svc", port,
+                            ("--model", spec.model, *spec.executor_args))
+            for service in self.services:
+                self._wait_healthy(service)
+            gateway_args = (
+                "--allocator-addr", self.allocator_addr,
+                "--executor-addrs", ",".join(self.executor_addrs()),
+                "--model", spec.model, *spec.gateway_args,
+            )
+            self._wait_healthy(self._start("gateway", "gateway", spec.gateway_port, gateway_args))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, name: str, module: str, port: int, args: tuple[str, ...]) -> Service:
+        port_file = os.path.join(self.run_dir, f"{name}.port")
+        argv = [sys.executable, "-m", module, "--port", str(port), "--port-file", port_file,
+                *args]
+        log_path: str | None = None
+        out: IO[bytes] | None = None
+        if self.spec.log_dir:
+            log_path = os.path.join(self.spec.log_dir, f"{name}.log")
+            out = open(log_path, "ab")  # noqa: SIM115 - owned by the child process
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                   cwd=REPO_ROOT, start_new_session=True)
+        service = Service(name=name, process=process, port_file=Path(port_file),
+                          log_path=log_path)
+        self.services.append(service)
+        return service
+
+    def _wait_healthy(self, service: Service) -> None:
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        while time.monotonic() < deadline:
+            if service.process.poll() is not None:
+                raise StackError(f"{service.name} exited with {service.process.returncode}"
+                                 f"{_see(service)}")
+            if not service.address and service.port_file.exists():
+                text = service.port_file.read_text().strip()
+                if text:
+                    service.address = f"{HOST}:{int(text)}"
+            if service.address and is_serving(service.address, timeout_s=1.0):
+                return
+            time.sleep(0.1)
+        raise StackError(f"{service.name} not healthy after {self.spec.startup_timeout_s}s"
+                         f"{_see(service)}")
+
+    def kill(self, name: str) -> None:
+        """Kill one service abruptly (tests: an executor that goes away)."""
+        service = self.by_name(name)
+        service.process.kill()
+        service.process.wait(10)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM in reverse start order (gateway first), then SIGKILL what lingers."""
+        for service in reversed(self.services):
+            if service.process.poll() is None:
+                service.process.send_signal(signal.SIGTERM)
+                try:
+                    service.process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    service.process.kill()
+                    service.process.wait(5)
+
+    def first_exited(self) -> Service | None:
+        return next((s for s in self.services if s.process.poll() is not None), None)
+
+
+def _see(service: Service) -> str:
+    return f" (see {service.log_path})" if service.log_path else ""
+
+
+def usage_text(stack: Stack) -> str:
+    addr = stack.gateway_addr.replace(HOST, "localhost")
+    return (
+        f"\npagedkv is up: gateway {addr}, allocator {stack.allocator_addr}, "
+        f"executors {', '.join(stack.executor_addrs())}\n\n"
+        f"  .venv/bin/python -m gateway.client --addr {addr} \"The quick brown fox\" "
+        "--max-tokens 32 --temperature 0\n"
+        f"  grpcurl -plaintext -d '{{\"text\": \"Hello\", \"sampling\": {{\"max_tokens\": 16}}}}' "
+        f"{addr} pagedkv.gateway.v1.GatewayService/Generate\n\n"
+        "Ctrl-C stops everything.\n"
+    )
+
+
+def parse_spec(argv: list[str] | None = None) -> StackSpec:
+    p = argparse.ArgumentParser(prog="python -m gateway.launch", description=__doc__)
+    add_flag(p, "--model", default="models/tiny-llama", help="model preset directory")
+    add_flag(p, "--num-executors", type=int, default=1, help="executors (one KV pool each)")
+    add_flag(p, "--gateway-port", type=int, default=50051, help="gateway port")
+    add_flag(p, "--allocator-port", type=int, default=50052, help="allocator port")
+    add_flag(p, "--executor-port", type=int, default=50053, help="first executor port")
+    add_flag(p, "--load-format", default="dummy", help="executor weights: dummy or auto")
+    add_flag(p, "--log-dir", default=None, help="write each service's log here")
+    args, extra = p.parse_known_args(argv)
+    return StackSpec(
+        model=args.model, num_executors=args.num_executors, gateway_port=args.gateway_port,
+        allocator_port=args.allocator_port, executor_port=args.executor_port,
+        executor_args=("--load-format", args.load_format), gateway_args=tuple(extra),
+        log_dir=args.log_dir,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec = parse_spec(argv)
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stack = Stack(spec)
+    try:
+        stack.start()
+    except StackError as exc:
+        print(f"launch: {exc}", file=sys.stderr)
+        return 1
+    print(usage_text(stack), flush=True)
+    exited: Service | None = None
+    while not stopping and (exited := stack.first_exited()) is None:
+        time.sleep(0.2)
+    if exited is not None:
+        print(f"launch: {exited.name} exited ({exited.process.returncode}); stopping",
+              file=sys.stderr)
+    stack.stop()
+    print("launch: stopped", file=sys.stderr)
+    return 1 if exited is not None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Helpers for the end-to-end tests: real subprocesses on loopback, a transformers oracle."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from gateway.launch import Stack, StackSpec
+from pagedkv.allocator.v1 import allocator_pb2 as apb
+from pagedkv.allocator.v1 import allocator_pb2_grpc as apb_grpc
+from pagedkv.gateway.v1 import gateway_pb2 as gpb
+from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = str(ROOT / "models" / "tiny-llama")
+DUMMY_SEED = 0
+
+
+def start_stack(log_dir: Path, **spec: Any) -> Stack:
+    spec.setdefault("allocator_port", 0)
+    spec.setdefault("executor_port", 0)
+    spec.setdefault("gateway_port", 0)
+    spec.setdefault("model", MODEL)
+    return Stack(StackSpec(log_dir=str(log_dir), **spec)).start()
+
+
+@dataclass(slots=True)
+class Clients:
+    stack: Stack
+    channels: list[grpc.Channel] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.channels = [grpc.insecure_channel(self.stack.gateway_addr),
+                         grpc.insecure_channel(self.stack.allocator_addr)]
+
+    @property
+    def gateway(self) -> gpb_grpc.GatewayServiceStub:
+        return gpb_grpc.GatewayServiceStub(self.channels[0])
+
+    @property
+    def allocator(self) -> apb_grpc.AllocatorServiceStub:
+        return apb_grpc.AllocatorServiceStub(self.channels[1])
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+
+    def pools(self) -> list[apb.PoolStats]:
+        return list(self.allocator.GetStats(apb.GetStatsRequest()).pools)
+
+    def wait_all_blocks_back(self, timeout_s: float = 10.0) -> list[apb.PoolStats]:
+        """Every pool: no request left, no block referenced (cached free blocks are free)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pools = self.pools()
+            if all(p.num_requests == 0 and p.num_used_blocks == 0 for p in pools):
+                return pools
+            if time.monotonic() > deadline:
+                raise AssertionError(f"blocks still in use: {pools}")
+            time.sleep(0.1)
+
+
+def sampling(max_tokens: int, **kwargs: Any) -> gpb.SamplingParams:
+    kwargs.setdefault("temperature", 0.0)
+    return gpb.SamplingParams(max_tokens=max_tokens, **kwargs)
+
+
+@dataclass(slots=True)
+class Streamed:
+    """One completion collected from a Generate stream."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: int = 0
+    usage: gpb.Usage | None = None
+    num_responses: int = 0
+
+
+def generate(stub: gpb_grpc.GatewayServiceStub, request: gpb.GenerateRequest,
+             timeout: float = 120.0) -> dict[int, Streamed]:
+    out: dict[int, Streamed] = {}
+    for response in stub.Generate(request, timeout=timeout):
+        done = out.setdefault(response.index, Streamed())
+        done.token_ids.extend(response.token_ids)
+        done.text += response.text
+        done.num_responses += 1
+        if response.finish_reason:
+            assert not done.finish_reason, "two final responses for one completion"
+            done.finish_reason = response.finish_reason
+            done.usage = response.usage
+    return out
+
+
+def generate_many(stub: gpb_grpc.GatewayServiceStub,
+                  requests: list[gpb.GenerateRequest]) -> list[dict[int, Streamed]]:
+    """Concurrent streaming clients, one thread each."""
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        return list(pool.map(lambda r: generate(stub, r), requests))
+
+
+@lru_cache(maxsize=1)
+def tokenizer() -> Any:
+    return AutoTokenizer.from_pretrained(MODEL)
+
+
+@lru_cache(maxsize=1)
+def reference_model() -> Any:
+    """The executor's dummy weights, rebuilt the same way (seeded init from the config)."""
+    config = AutoConfig.from_pretrained(MODEL, local_files_only=True)
+    torch.manual_seed(DUMMY_SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                             attn_implementation="eager")
+    model.generation_config.eos_token_id = None  # per call: see reference_greedy
+    return model.eval()
+
+
+@lru_cache(maxsize=256)
+def reference_greedy(
+    prompt: tuple[int, ...], max_tokens: int, ignore_eos: bool = False
+) -> tuple[int, ...]:
+    """transformers' own greedy generate: the oracle (stops after EOS unless ignore_eos)."""
+    model = reference_model()
+    config = GenerationConfig(
+        max_new_tokens=max_tokens, do_sample=False, pad_token_id=0, bos_token_id=1,
+        eos_token_id=None if ignore_eos else 2,
+    )
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), generation_config=config)
+    return tuple(int(t) for t in out[0, len(prompt):])
+
+
+def prompts(num: int, length: int, seed: int = 0) -> Iterator[list[int]]:
+    """Deterministic prompts of token ids (BOS first), distinct from each other."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(num):
+        body = torch.randint(3, 500, (length - 1,), generator=gen).tolist()
+        yield [1, *body]

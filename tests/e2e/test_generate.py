@@ -1,0 +1,185 @@
+"""The whole system on one executor: greedy parity with transformers, the unary call, prefix
+caching, n > 1, cancellation and bad input. Real subprocesses on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from e2e_stack import (
+    Clients,
+    generate,
+    generate_many,
+    prompts,
+    reference_greedy,
+    sampling,
+    start_stack,
+    tokenizer,
+)
+
+from pagedkv.gateway.v1 import gateway_pb2 as gpb
+
+
+@pytest.fixture(scope="module")
+def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clients]:
+    log_dir: Path = tmp_path_factory.mktemp("stack")
+    stack = start_stack(log_dir, executor_args=("--load-format", "dummy", "--num-blocks", "256"),
+                        gateway_args=("--max-n", "4", "--max-num-batched-tokens", "256"))
+    clients = Clients(stack)
+    yield clients
+    clients.close()
+    stack.stop()
+
+
+def test_generate_greedy_matches_transformers_for_concurrent_streams(clients: Clients):
+    # 8 concurrent streaming clients (mixed lengths, some over the 256-token step budget).
+    batch = [list(p) for p in prompts(4, 20)] + [list(p) for p in prompts(3, 300, seed=1)]
+    text = "The quick brown fox jumps over the lazy dog."
+    requests = [gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=p), sampling=sampling(24))
+                for p in batch]
+    requests.append(gpb.GenerateRequest(text=text, sampling=sampling(24)))
+    batch.append(tokenizer().encode(text))
+    results = generate_many(clients.gateway, requests)
+    for prompt, result in zip(batch, results, strict=True):
+        done = result[0]
+        expected = reference_greedy(tuple(prompt), 24)
+        assert tuple(done.token_ids) == expected
+        assert done.text == tokenizer().decode(list(expected), skip_special_tokens=True)
+        assert done.usage is not None and done.usage.prompt_tokens == len(prompt)
+        assert done.usage.completion_tokens == len(expected)
+        assert done.num_responses == len(expected)  # one response per step with a token
+    clients.wait_all_blocks_back()
+
+
+def test_complete_returns_the_streamed_completion(clients: Clients):
+    # The unary call collects exactly what the stream sends.
+    prompt = next(prompts(1, 12, seed=5))
+    response = clients.gateway.Complete(
+        gpb.CompleteRequest(token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(10)),
+        timeout=60,
+    )
+    (completion,) = response.completions
+    assert tuple(completion.token_ids) == reference_greedy(tuple(prompt), 10)
+    assert completion.finish_reason in (gpb.FINISH_REASON_LENGTH, gpb.FINISH_REASON_STOP)
+
+
+def test_tokenize_and_model_info(clients: Clients):
+    # Tokenize uses the preset's tokenizer; model info reports the executor and its pool.
+    text = "Hello wörld"
+    assert list(clients.gateway.Tokenize(gpb.TokenizeRequest(text=text)).token_ids) == \
+        tokenizer().encode(text)
+    info = clients.gateway.GetModelInfo(gpb.GetModelInfoRequest())
+    assert info.max_model_len == 2048 and info.vocab_size == 512
+    assert list(info.eos_token_ids) == [2]
+    (executor,) = info.executors
+    assert executor.num_blocks == 256 and executor.block_size == 16 and executor.healthy
+
+
+def test_generate_stop_string_ends_completion(clients: Clients):
+    # A stop string taken from the greedy output ends it there; the text stops before it.
+    prompt = next(prompts(1, 10, seed=7))
+    full = generate(clients.gateway, gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(16, ignore_eos=True)))[0]
+    stop = full.text[5:8]
+    assert stop.strip(), f"need a visible stop string in {full.text!r}"
+    done = generate(clients.gateway, gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(16, stop=[stop], ignore_eos=True)))
+    assert done[0].finish_reason == gpb.FINISH_REASON_STOP
+    assert done[0].text == full.text[: full.text.find(stop)]
+
+
+def test_generate_prefix_cache_hit_keeps_output_and_salts_never_share(clients: Clients):
+    # Two prompts share 160 tokens: the second reports cached tokens; another salt gets none.
+    shared = next(prompts(1, 160, seed=11))
+    first = shared + [7, 8, 9]
+    second = shared + [10, 11, 12, 13]
+    for prompt in (first, second):
+        done = generate(clients.gateway, gpb.GenerateRequest(
+            token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(8), cache_salt="tenant-a"))[0]
+        assert tuple(done.token_ids) == reference_greedy(tuple(prompt), 8)
+    assert done.usage is not None and done.usage.cached_prompt_tokens == 160
+    other = generate(clients.gateway, gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=second), sampling=sampling(8), cache_salt="tenant-b"))[0]
+    assert other.usage is not None and other.usage.cached_prompt_tokens == 0
+    assert tuple(other.token_ids) == reference_greedy(tuple(second), 8)
+    clients.wait_all_blocks_back()
+
+
+def test_generate_n_with_seed_is_reproducible_and_children_differ(clients: Clients):
+    # n=4 sampled completions of one prompt, seed 1234: same outputs twice, not all equal.
+    prompt = next(prompts(1, 40, seed=13))
+    request = gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=prompt),
+        sampling=gpb.SamplingParams(max_tokens=12, temperature=1.0, seed=1234, n=4,
+                                    ignore_eos=True),
+    )
+    first = generate(clients.gateway, request)
+    second = generate(clients.gateway, request)
+    assert sorted(first) == [0, 1, 2, 3]
+    outputs = [tuple(first[i].token_ids) for i in range(4)]
+    assert outputs == [tuple(second[i].token_ids) for i in range(4)]
+    assert len(set(outputs)) > 1 and all(len(o) == 12 for o in outputs)
+    assert all(first[i].usage.prompt_tokens == 40 for i in range(4))  # type: ignore[union-attr]
+    clients.wait_all_blocks_back()
+
+
+def test_generate_cancelled_stream_gives_every_block_back(clients: Clients):
+    # The client closes the stream after 3 responses of a long completion.
+    prompt = next(prompts(1, 50, seed=17))
+    call = clients.gateway.Generate(gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(1500, ignore_eos=True)))
+    for i, _ in enumerate(call):
+        if i == 2:
+            break
+    call.cancel()
+    pools = clients.wait_all_blocks_back()
+    assert pools[0].num_free_blocks == 256
+
+
+def test_generate_deadline_exceeded_gives_every_block_back(clients: Clients):
+    # A deadline that expires mid-stream: DEADLINE_EXCEEDED, then all blocks are back.
+    prompt = next(prompts(1, 30, seed=19))
+    with pytest.raises(grpc.RpcError) as err:
+        generate(clients.gateway, gpb.GenerateRequest(
+            token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(1500, ignore_eos=True)),
+            timeout=1.0)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    clients.wait_all_blocks_back()
+
+
+BAD_INPUTS = [
+    (gpb.GenerateRequest(text="", sampling=sampling(4)), "prompt"),
+    (gpb.GenerateRequest(sampling=sampling(4)), "prompt"),
+    (gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[1] * 2048), sampling=sampling(4)),
+     "max_model_len"),
+    (gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[1, 9999]), sampling=sampling(4)),
+     "prompt token_ids"),
+    (gpb.GenerateRequest(text="hi", sampling=gpb.SamplingParams(temperature=-1)),
+     "sampling.temperature"),
+    (gpb.GenerateRequest(text="hi", sampling=gpb.SamplingParams(top_p=0)), "sampling.top_p"),
+    (gpb.GenerateRequest(text="hi", sampling=gpb.SamplingParams(top_p=1.01)), "sampling.top_p"),
+    (gpb.GenerateRequest(text="hi", sampling=gpb.SamplingParams(n=5)), "sampling.n"),
+    (gpb.GenerateRequest(text="hi", sampling=gpb.SamplingParams(stop_token_ids=[512])),
+     "sampling.stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize(("request_", "field"), BAD_INPUTS)
+def test_generate_bad_input_is_invalid_argument_naming_the_field(
+    clients: Clients, request_: gpb.GenerateRequest, field: str
+):
+    # Each malformed request: INVALID_ARGUMENT with the field in the message.
+    with pytest.raises(grpc.RpcError) as err:
+        generate(clients.gateway, request_)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (err.value.details() or "")
+
+
+def test_gateway_keeps_serving_after_bad_input(clients: Clients):
+    # After every rejection above, a good request still gets its reference output.
+    prompt = next(prompts(1, 9, seed=23))
+    done = generate(clients.gateway, gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(6)))[0]
+    assert tuple(done.token_ids) == reference_greedy(tuple(prompt), 6)
