@@ -7,9 +7,10 @@ from allocator_svc.core.hashing import hash_profile
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import BlockCopy, Commit, Grant, Request
 from allocator_svc.core.step import PreemptionMode, StepItem, StepResult
+from common.errors import InvalidArgument
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 
-_MODES = {
+_MODES: dict[int, PreemptionMode] = {
     pb.PREEMPTION_MODE_UNSPECIFIED: PreemptionMode.RECOMPUTE,
     pb.PREEMPTION_MODE_RECOMPUTE: PreemptionMode.RECOMPUTE,
     pb.PREEMPTION_MODE_SWAP: PreemptionMode.SWAP,
@@ -61,17 +62,26 @@ def commits(msgs: list[pb.Commit]) -> list[Commit]:
     return [Commit(m.request_id, m.num_computed_tokens) for m in msgs]
 
 
-def step_items(msgs: list[pb.StepItem]) -> list[StepItem]:
-    return [
-        StepItem(
-            m.request_id,
-            m.num_tokens,
-            list(m.prompt_token_ids) or None,
-            m.cache_salt,
-            list(m.append_token_ids),
+def step_items(msg: pb.StepRequest) -> list[StepItem]:
+    """The compact decode items first, then the general ones, in priority order."""
+    ids, tokens = msg.decode_request_ids, msg.decode_token_ids
+    if len(ids) != len(tokens):
+        raise InvalidArgument(
+            f"decode_request_ids has {len(ids)} entries but decode_token_ids has {len(tokens)}"
         )
-        for m in msgs
-    ]
+    items = [StepItem(r, 1, None, "", [t]) for r, t in zip(ids, tokens, strict=True)]
+    for m in msg.items:
+        prompt = m.prompt_token_ids
+        items.append(
+            StepItem(
+                m.request_id,
+                m.num_tokens,
+                list(prompt) if prompt else None,
+                m.cache_salt,
+                list(m.append_token_ids),
+            )
+        )
+    return items
 
 
 def _copies(copies: list[BlockCopy]) -> list[pb.BlockCopy]:

@@ -7,6 +7,7 @@ RPC is applied atomically (single writer, no locks).
 from __future__ import annotations
 
 import asyncio
+from typing import TypeAlias
 
 import grpc
 import structlog
@@ -18,7 +19,7 @@ from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
 
 log = structlog.get_logger(__name__)
-Ctx = grpc.aio.ServicerContext
+Ctx: TypeAlias = grpc.aio.ServicerContext
 
 
 class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
@@ -52,8 +53,9 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
             convert.commits(request.commits),
             list(request.free_request_ids),
             list(request.abort_request_ids),
-            convert.step_items(request.items),
+            convert.step_items(request),
             convert.preemption_mode(request.preemption_mode),
+            request.commit_previous_step,
         )
         if result.preempted:
             log.info(

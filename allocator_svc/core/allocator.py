@@ -111,7 +111,10 @@ class Allocator:
         abort_ids: list[str],
         items: list[StepItem],
         mode: PreemptionMode,
+        commit_previous: bool = False,
     ) -> StepResult:
+        """One scheduling step. `commit_previous`: the previous step's grants were executed,
+        so commit every request it scheduled (the compact form of a Commit per request)."""
         pool = self.pool(pool_id, epoch)
         if not (items or commits or free_ids or abort_ids):
             raise InvalidArgument("empty step: send at least one item, commit, free or abort")
@@ -124,6 +127,15 @@ class Allocator:
         released = self._check_releases(pool, free_ids, abort_ids)
         self._check_commits(pool, commits)
         self._check_items(pool, items, released)
+        if commit_previous:
+            requests, bs = pool.requests, pool.block_size
+            for request in pool.last_scheduled:
+                if requests.get(request.request_id) is not request:
+                    continue
+                if request.num_computed // bs > len(request.block_hashes):
+                    pool.commit(request, request.num_computed)
+                else:  # no block filled up: nothing to hash (most decode steps)
+                    request.num_committed = request.num_computed
         for commit in commits:
             pool.commit(pool.requests[commit.request_id], commit.num_computed)
         for request_id in (*free_ids, *abort_ids):
@@ -152,18 +164,21 @@ class Allocator:
                 )
 
     def _check_items(self, pool: Pool, items: list[StepItem], released: set[str]) -> None:
-        seen: set[str] = set()
+        seen = {item.request_id for item in items}
+        if len(seen) != len(items) or "" in seen:
+            _raise_bad_ids(items)
+        if released and not released.isdisjoint(seen):
+            raise InvalidArgument(
+                f"requests {sorted(released & seen)} are both freed and scheduled"
+            )
+        requests = pool.requests
         for item in items:
             request_id = item.request_id
-            if not request_id:
-                raise InvalidArgument("every item needs a request_id")
-            if request_id in seen:
-                raise InvalidArgument(f"request {request_id!r} appears twice in one step")
-            seen.add(request_id)
-            if request_id in released:
-                raise InvalidArgument(f"request {request_id!r} is both freed and scheduled")
-            _check_token_ids(request_id, item.append_token_ids)
-            known = request_id in pool.requests
+            if item.append_token_ids and min(item.append_token_ids) < 0:
+                _check_token_ids(request_id, item.append_token_ids)
+            known = request_id in requests
+            if known and not item.prompt_token_ids:
+                continue
             if item.prompt_token_ids:
                 if known:
                     raise AlreadyExists(f"request {request_id!r} is already admitted")
@@ -275,6 +290,16 @@ class Allocator:
     def check_invariants(self) -> None:
         for pool in self.pools.values():
             pool.check_invariants()
+
+
+def _raise_bad_ids(items: list[StepItem]) -> None:
+    seen: set[str] = set()
+    for item in items:
+        if not item.request_id:
+            raise InvalidArgument("every item needs a request_id")
+        if item.request_id in seen:
+            raise InvalidArgument(f"request {item.request_id!r} appears twice in one step")
+        seen.add(item.request_id)
 
 
 def _check_token_ids(owner: str, token_ids: list[int]) -> None:

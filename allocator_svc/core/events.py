@@ -16,14 +16,14 @@ class EventKind(Enum):
     REMOVED = "removed"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CacheEvent:
     seq: int
     kind: EventKind
     block_hash: bytes
     block_id: int
     parent_hash: bytes | None = None  # STORED only; None for a chain's first block
-    token_ids: tuple[int, ...] = ()  # STORED only
+    token_ids: list[int] | None = None  # STORED only (the caller's slice, never mutated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +45,7 @@ class EventLog:
         self.last_seq += 1
         self._events.append(
             CacheEvent(
-                self.last_seq, EventKind.STORED, block_hash, block_id, parent_hash, tuple(token_ids)
+                self.last_seq, EventKind.STORED, block_hash, block_id, parent_hash, token_ids
             )
         )
 

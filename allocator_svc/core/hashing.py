@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from dataclasses import dataclass
 
 HASH_VERSION = "pagedkv-block-hash-v1"
@@ -57,6 +59,31 @@ def root_hash(model_fingerprint: str, cache_salt: str) -> BlockHash:
 def hash_block(parent: BlockHash, token_ids: list[int]) -> BlockHash:
     """Hash one full block given its parent's hash."""
     return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
+
+
+class BlockHasher:
+    """Chained hashing for one block size, packing tokens once per call (the hot path)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._stride = 4 * block_size
+
+    def chain(self, parent: BlockHash, token_ids: list[int], num_blocks: int) -> list[BlockHash]:
+        """Hashes of the first `num_blocks` full blocks of `token_ids`, chained from `parent`."""
+        packed = pack_tokens(token_ids[: num_blocks * self.block_size])
+        stride, sha256, hashes = self._stride, hashlib.sha256, []
+        for start in range(0, num_blocks * stride, stride):
+            parent = sha256(parent + packed[start : start + stride]).digest()
+            hashes.append(parent)
+        return hashes
+
+
+def pack_tokens(token_ids: list[int]) -> bytes:
+    """u32le of each token id, as the profile's encoding says."""
+    packed = array("I", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def hash_chain(root: BlockHash, token_ids: list[int], block_size: int) -> list[BlockHash]:

@@ -7,12 +7,13 @@ Operations that can fall short return None and change nothing; callers validate 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from allocator_svc.core.block_pool import BlockPool
 from allocator_svc.core.events import EventLog
 from allocator_svc.core.free_queue import Block
-from allocator_svc.core.hashing import hash_block, root_hash
+from allocator_svc.core.hashing import BlockHasher, pack_tokens, root_hash
 from allocator_svc.core.request import BlockCopy, Grant, Request
 
 
@@ -40,6 +41,8 @@ class Pool:
         self.num_prefix_hits = 0  # of which served from the cache
         self.num_preemptions = 0
         self._roots: dict[str, bytes] = {}  # cache_salt -> chain root
+        self.hash_block = BlockHasher(config.block_size)
+        self.last_scheduled: list[Request] = []  # granted tokens by the latest step
 
     def root(self, cache_salt: str) -> bytes:
         root = self._roots.get(cache_salt)
@@ -56,10 +59,12 @@ class Pool:
         hashes: list[bytes] = []
         if not self.config.enable_prefix_caching:
             return hits, hashes
-        bs, parent = self.block_size, root
-        for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
-            parent = hash_block(parent, token_ids[start : start + bs])
-            block = self.blocks.cached.get(parent)
+        num_blocks = (len(token_ids) - 1) // self.block_size
+        packed = pack_tokens(token_ids[: num_blocks * self.block_size])
+        stride, cached, parent = 4 * self.block_size, self.blocks.cached, root
+        for start in range(0, len(packed), stride):
+            parent = hashlib.sha256(parent + packed[start : start + stride]).digest()
+            block = cached.get(parent)
             if block is None:
                 break
             hits.append(block)
@@ -116,7 +121,9 @@ class Pool:
             # NOTE: a forked child writing into a shared partial block gets its own copy.
             index = request.num_computed // self.block_size
             shared = request.blocks[index]
-            (private,) = self.blocks.allocate(1) or ()
+            taken = self.blocks.allocate(1)
+            assert taken is not None, "allocate checked the free count"
+            private = taken[0]
             copies.append(BlockCopy(shared.block_id, private.block_id))
             self.blocks.free([shared])
             request.blocks[index] = private
@@ -145,10 +152,18 @@ class Pool:
         if len(hashes) >= num_full or request.swapped:
             return
         parent = hashes[-1] if hashes else request.root_hash
-        for index in range(len(hashes), num_full):
-            tokens = request.token_ids[index * bs : (index + 1) * bs]
-            block_hash = hash_block(parent, tokens)
-            self.blocks.cache(request.blocks[index], block_hash, parent if index else None, tokens)
+        first = len(hashes)
+        tokens = request.token_ids[first * bs : num_full * bs]
+        for offset, block_hash in enumerate(
+            self.hash_block.chain(parent, tokens, num_full - first)
+        ):
+            index = first + offset
+            self.blocks.cache(
+                request.blocks[index],
+                block_hash,
+                parent if index else None,
+                tokens[offset * bs : (offset + 1) * bs],
+            )
             hashes.append(block_hash)
             parent = block_hash
 

@@ -50,7 +50,7 @@ class Grant:
         return bool(self.block_ids)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Commit:
     """KV for tokens [0, num_computed) of the request is written (the commit rule)."""
 

@@ -22,7 +22,7 @@ class PreemptionMode(Enum):
     SWAP = "swap"  # move the blocks to CPU; falls back to recompute without swap space
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepItem:
     request_id: str
     num_tokens: int  # tokens to compute this step beyond what is computed (or cached)
@@ -66,10 +66,28 @@ def run_step(
             running.append((item, request))
 
     preempted: set[str] = set()
+    scheduled: list[Request] = []
+    bs = pool.block_size
     for index, (item, request) in enumerate(running):
-        if item.request_id in preempted:
+        if preempted and item.request_id in preempted:
             continue
-        num_tokens = min(item.num_tokens, len(request.token_ids) - request.num_computed)
+        computed = request.num_computed
+        num_tokens = len(request.token_ids) - computed
+        if item.num_tokens < num_tokens:
+            num_tokens = item.num_tokens
+        if num_tokens <= 0:
+            continue
+        scheduled.append(request)
+        offset = computed % bs
+        if (
+            offset
+            and offset + num_tokens <= bs
+            and request.blocks[computed // bs].ref_count == 1
+            and num_tokens == item.num_tokens
+        ):
+            # Fast path (most decode steps): the tokens fit the private last block.
+            request.num_computed = computed + num_tokens
+            continue
         while pool.blocks_needed(request, num_tokens) > pool.blocks.num_free:
             victim = _last_unpreempted(running, index + 1, preempted)
             if victim is None:
@@ -89,6 +107,9 @@ def run_step(
             result.deferred.extend(i.request_id for i in admissions[position:])
             break
         result.grants.append(grant)
+        if grant.num_scheduled:
+            scheduled.append(pool.requests[item.request_id])
+    pool.last_scheduled = scheduled
     return result
 
 

@@ -131,9 +131,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         ),
         decode_tokens=st.lists(st.integers(0, 2), max_size=8),
         swap=st.booleans(),
+        commit_previous=st.booleans(),
         shuffle=st.randoms(use_true_random=False),
     )
-    def step(self, prompts, decode_tokens, swap, shuffle) -> None:
+    def step(self, prompts, decode_tokens, swap, commit_previous, shuffle) -> None:
         items, scheduled = [], {}
         running = [r for r, m in self.requests.items()]
         shuffle.shuffle(running)
@@ -151,8 +152,17 @@ class AllocatorMachine(RuleBasedStateMachine):
         if not items:
             return
         mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
+        commits = self._commits()
         result = self.allocator.step(
-            "p", self.pool.epoch, None, self._commits(), [], [], items, mode
+            "p",
+            self.pool.epoch,
+            None,
+            [] if commit_previous else commits,
+            [],
+            [],
+            items,
+            mode,
+            commit_previous=commit_previous,
         )
         self._apply(result, scheduled, items)
 

@@ -56,3 +56,17 @@ def test_hashing_profile_names_version_and_block_size():
         "sha256",
         32,
     )
+
+
+def test_hashing_fast_chain_equals_reference_chain():
+    # The packed hot-path hasher and the pool's cache entries agree with the reference.
+    from allocator_svc.core.hashing import BlockHasher
+    from tests.allocator.conftest import make_harness, new
+
+    root = root_hash("fp", "")
+    tokens = list(range(1000, 1040))
+    assert BlockHasher(4).chain(root, tokens, 10) == hash_chain(root, tokens, 4)
+    h = make_harness(num_blocks=16, block_size=4)
+    h.step([new("a", tokens)])
+    h.step([], commits={"a": 40})
+    assert set(h.pool.blocks.cached) == set(hash_chain(root, tokens, 4))

@@ -331,3 +331,42 @@ def test_service_stays_up_with_health_and_reflection(allocator_server, stub):
     names = {s.name for s in answer.list_services_response.service}
     assert "pagedkv.allocator.v1.AllocatorService" in names
     channel.close()
+
+
+def test_service_compact_decode_form_and_commit_previous(stub):
+    # decode_request_ids/decode_token_ids mean one decode item each; commit_previous_step
+    # commits what the previous step granted, so a later request hits the committed block.
+    pool = register(stub)
+    step(stub, pool, [new("a", [1, 2, 3])])
+    response = stub.Step(
+        pb.StepRequest(
+            pool_id=pool.pool_id,
+            epoch=pool.epoch,
+            commit_previous_step=True,
+            decode_request_ids=["a"],
+            decode_token_ids=[4],
+        )
+    )
+    assert list(response.grants) == []  # the token fit the private last block
+    stub.Step(
+        pb.StepRequest(
+            pool_id=pool.pool_id,
+            epoch=pool.epoch,
+            commit_previous_step=True,
+            decode_request_ids=["a"],
+            decode_token_ids=[5],
+        )
+    )
+    (grant,) = step(stub, pool, [new("b", [1, 2, 3, 4, 9])]).grants
+    assert grant.num_cached_tokens == 4
+    expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        stub.Step,
+        pb.StepRequest(
+            pool_id=pool.pool_id,
+            epoch=pool.epoch,
+            decode_request_ids=["a", "b"],
+            decode_token_ids=[1],
+        ),
+        match="decode_token_ids has 1",
+    )

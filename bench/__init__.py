@@ -1,0 +1,1 @@
+"""Benchmarks: figures, not tests. Each script prints a table and writes bench/results/."""
