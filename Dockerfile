@@ -1,0 +1,37 @@
+# One image for the three services (allocator_svc, executor_svc, gateway); docker-compose.yml
+# picks the command. CPU by default: torch is pinned by a build argument, and any package
+# index options go in PIP_EXTRA_ARGS (for example a CPU-only wheel index), e.g.
+#   docker compose build --build-arg PIP_EXTRA_ARGS="--index-url <your CPU wheel index>"
+FROM python:3.11-slim
+
+ARG TORCH_SPEC=torch==2.13.0
+ARG PIP_EXTRA_ARGS=""
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PAGEDKV_LOG_JSON=true
+
+WORKDIR /app
+
+# Heavy, rarely changing layers first: torch, then the project's dependencies.
+RUN pip install ${PIP_EXTRA_ARGS} "${TORCH_SPEC}"
+COPY pyproject.toml ./
+RUN pip install ${PIP_EXTRA_ARGS} .
+
+COPY protos ./protos
+RUN python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. \
+        $(find protos -name '*.proto')
+
+COPY common ./common
+COPY models ./models
+COPY allocator_svc ./allocator_svc
+COPY executor_svc ./executor_svc
+COPY gateway ./gateway
+
+RUN useradd --system --uid 10001 pagedkv
+USER pagedkv
+
+EXPOSE 50051 50052 50053
+CMD ["python", "-m", "gateway.launch", "--log-dir", "/tmp"]
