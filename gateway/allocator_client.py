@@ -124,6 +124,7 @@ class AllocatorClient:
         await self.stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease_id))
 
     async def step(self, pool_id: str, epoch: int, lease_id: str, call: StepCall) -> StepOutcome:
+        decodes = call.items[: call.num_decodes]
         items = [
             pb.StepItem(
                 request_id=i.request_id,
@@ -136,7 +137,7 @@ class AllocatorClient:
                 request_id=i.request_id, append_token_ids=i.append_token_ids,
                 num_tokens=i.num_tokens,
             )
-            for i in call.items
+            for i in call.items[call.num_decodes :]
         ]
         request = pb.StepRequest(
             pool_id=pool_id,
@@ -149,6 +150,9 @@ class AllocatorClient:
             preemption_mode=(
                 pb.PREEMPTION_MODE_SWAP if call.swap else pb.PREEMPTION_MODE_RECOMPUTE
             ),
+            commit_previous_step=call.commit_previous_step,
+            decode_request_ids=[i.request_id for i in decodes],
+            decode_token_ids=[i.append_token_ids[0] for i in decodes],
         )
         return _outcome(await self.stub.Step(request))
 

@@ -16,6 +16,7 @@ import structlog
 from common.server import Server, start_server
 from gateway import service
 from gateway.allocator_client import AllocatorClient
+from gateway.batch import Budget
 from gateway.engine import Engine
 from gateway.executor_client import ExecutorClient, ExecutorDescription
 from gateway.frontend import Frontend, ModelInfo
@@ -23,8 +24,9 @@ from gateway.lease import Lease
 from gateway.output import OutputProcessor
 from gateway.router import Router
 from gateway.sampling import ModelLimits
-from gateway.scheduler import Budget, Scheduler
+from gateway.scheduler import Scheduler
 from gateway.settings import GatewaySettings
+from gateway.step_stats import StepStats
 from gateway.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -111,6 +113,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
             description=description,
             enable_prefix_caching=settings.enable_prefix_caching,
             on_lost=router.requeue,
+            stats=StepStats(window=settings.stats_every_steps),
         )
         await _retry(f"RegisterPool {client.address}", engine.register, settings.connect_timeout_s)
         router.engines.append(engine)

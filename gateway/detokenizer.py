@@ -1,18 +1,22 @@
 """Incremental detokenization with stop strings, one per completion.
 
-Text is released only when it is stable: never half of a multi-byte character (the decoded
-tail ends with U+FFFD until the character is complete), and never the first characters of
-what could still become a stop string (the last `max(len(stop)) - 1` characters are held back
-until the completion finishes). Each step decodes a short window of tokens, not the whole
-output: the window starts a few tokens before the unreleased ones so that tokenizers which
-strip or merge leading spaces decode the same text as a full decode would.
+Text is released only when it is stable: never half of a multi-byte character, and never the
+first characters of what could still become a stop string (the last `max(len(stop)) - 1`
+characters are held back until the completion finishes).
+
+Two text streams turn tokens into text pieces:
+- `RustStream`: the tokenizers library's DecodeStream (about 1 us a token), primed with the
+  prompt's last tokens; it holds bytes back until they form whole characters;
+- `WindowStream`: any tokenizer with `decode`, by decoding a short window of tokens twice
+  (vLLM's method): the window starts a few tokens before the unreleased ones, so that
+  tokenizers which strip or merge leading spaces decode the same text as a full decode.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_TOKENS = 5
@@ -20,6 +24,74 @@ CONTEXT_TOKENS = 5
 
 class Decoder(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class TextStream(Protocol):
+    def step(self, token_id: int) -> str: ...
+    def flush(self) -> str: ...
+
+
+@dataclass(slots=True)
+class RustStream:
+    stream: Any      # tokenizers.decoders.DecodeStream
+    tokenizer: Any   # tokenizers.Tokenizer
+    decoder: Decoder
+    held: list[int] = field(default_factory=list)  # tokens of an unfinished character
+
+    def step(self, token_id: int) -> str:
+        piece = self.stream.step(self.tokenizer, token_id)
+        if piece is None:
+            self.held.append(token_id)
+            return ""
+        self.held.clear()
+        return str(piece)
+
+    def flush(self) -> str:
+        """An unfinished character at the end decodes as U+FFFD, like a full decode."""
+        text = self.decoder.decode(self.held, skip_special_tokens=True) if self.held else ""
+        self.held.clear()
+        return text
+
+
+@dataclass(slots=True)
+class WindowStream:
+    decoder: Decoder
+    token_ids: list[int]   # prompt context, then every output token
+    prefix_offset: int     # start of the decoding window
+    read_offset: int       # tokens before this one are already decoded
+
+    def step(self, token_id: int) -> str:
+        self.token_ids.append(token_id)
+        return self._decode(final=False)
+
+    def flush(self) -> str:
+        return self._decode(final=True) if self.read_offset < len(self.token_ids) else ""
+
+    def _decode(self, final: bool) -> str:
+        prefix = self.decoder.decode(
+            self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True
+        )
+        full = self.decoder.decode(self.token_ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and (final or not full.endswith(REPLACEMENT_CHAR)):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            return full[len(prefix) :]
+        return ""
+
+
+def text_stream(decoder: Any, prompt_token_ids: Sequence[int]) -> TextStream:
+    """The fastest stream the tokenizer allows, primed with the end of the prompt."""
+    context = list(prompt_token_ids[-CONTEXT_TOKENS:])
+    fast = getattr(decoder, "fast", None)
+    if fast is None:
+        return WindowStream(decoder, context, prefix_offset=0, read_offset=len(context))
+    from tokenizers.decoders import DecodeStream
+
+    # NOTE: DecodeStream re-emits its priming text when that text ends in an unfinished
+    # character; prime it with the longest clean tail of the prompt (or nothing).
+    while context and REPLACEMENT_CHAR in decoder.decode(context, skip_special_tokens=True):
+        context = context[1:]
+    return RustStream(DecodeStream(ids=context, skip_special_tokens=True), fast, decoder)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +104,8 @@ class TextDelta:
 
 @dataclass(slots=True)
 class Detokenizer:
-    decoder: Decoder
+    stream: TextStream
     stop: tuple[str, ...]
-    token_ids: list[int]              # prompt context, then every output token
-    prefix_offset: int                # start of the decoding window
-    read_offset: int                  # tokens before this one are already in `text`
     text: str = ""                    # all decoded output text (stable part)
     num_released_chars: int = 0       # how much of `text` the client has seen
     stopped: bool = False
@@ -47,46 +116,27 @@ class Detokenizer:
 
     @classmethod
     def for_prompt(
-        cls, decoder: Decoder, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()
+        cls, decoder: Any, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()
     ) -> Detokenizer:
-        context = list(prompt_token_ids[-CONTEXT_TOKENS:])
-        return cls(
-            decoder=decoder,
-            stop=tuple(stop),
-            token_ids=context,
-            prefix_offset=0,
-            read_offset=len(context),
-        )
+        return cls(stream=text_stream(decoder, prompt_token_ids), stop=tuple(stop))
 
     def add(self, token_id: int) -> TextDelta:
         """Append one output token; returns the newly releasable text."""
         assert not self.stopped, "token added after a stop string ended the completion"
-        self.token_ids.append(token_id)
-        window = self.token_ids[self.prefix_offset :]
-        prefix = self.decoder.decode(
-            self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True
-        )
-        full = self.decoder.decode(window, skip_special_tokens=True)
-        if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
+        piece = self.stream.step(token_id)
+        if piece:
             previous_len = len(self.text)
-            self.text += full[len(prefix) :]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.token_ids)
+            self.text += piece
             if self._cut_at_stop(previous_len):
                 return TextDelta(self._release(len(self.text)), stopped=True)
         return TextDelta(self._release(len(self.text) - self.hold_back), stopped=False)
 
     def flush(self) -> str:
-        """The completion is over: release everything held back, even an incomplete char."""
-        if self.read_offset < len(self.token_ids) and not self.stopped:
-            prefix = self.decoder.decode(
-                self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True
-            )
-            full = self.decoder.decode(
-                self.token_ids[self.prefix_offset :], skip_special_tokens=True
-            )
-            self.text += full[len(prefix) :]
-            self.read_offset = len(self.token_ids)
+        """The completion is over: release everything held back, even an unfinished char."""
+        if not self.stopped:
+            previous_len = len(self.text)
+            self.text += self.stream.flush()
+            self._cut_at_stop(previous_len)
         return self._release(len(self.text))
 
     def _cut_at_stop(self, previous_len: int) -> bool:

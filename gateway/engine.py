@@ -28,11 +28,12 @@ import structlog
 
 from common.errors import ServiceError, Unavailable
 from gateway.allocator_client import AllocatorClient, PoolSpec
+from gateway.batch import Batch, ScheduledStep
 from gateway.executor_client import ExecutorClient, ExecutorDescription
 from gateway.lease import Lease
 from gateway.output import OutputProcessor
 from gateway.request_state import CompletionDelta, Sequence
-from gateway.scheduler import Batch, ScheduledStep, Scheduler
+from gateway.scheduler import Scheduler
 from gateway.step import StepOutcome
 from gateway.step_stats import StepStats
 
@@ -156,7 +157,7 @@ class Engine:
             total_ms=(done - started) * 1e3,
             allocator_ms=(t_alloc - started) * 1e3,
             execute_ms=(t_exec - t_sched) * 1e3,
-            forward_ms=result.forward_ms,
+            compute_ms=result.compute_ms,
             num_seqs=len(batch.scheduled),
         )
         if self.stats.should_report():
@@ -208,6 +209,8 @@ class Engine:
 
     def _restore_housekeeping(self, plan: ScheduledStep) -> None:
         pending = self.scheduler.pending
+        for request_id, num_computed in plan.executed.items():
+            pending.commits.setdefault(request_id, num_computed)
         for commit in plan.call.commits:
             pending.commits.setdefault(commit.request_id, commit.num_computed_tokens)
         pending.free_ids[:0] = plan.call.free_request_ids

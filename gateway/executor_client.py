@@ -93,7 +93,7 @@ class ExecutorClient:
         response = await self.stub.Execute(request)
         return ExecuteResult(
             tokens=tuple(Sampled(t.request_id, t.token_id, t.logprob) for t in response.tokens),
-            forward_ms=response.timings.forward_ms,
+            compute_ms=response.timings.forward_ms + response.timings.sample_ms,
         )
 
     async def release(self, request_ids: Sequence[str]) -> None:

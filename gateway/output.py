@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from gateway.detokenizer import Decoder, Detokenizer
+from gateway.detokenizer import Detokenizer
 from gateway.request_state import CompletionDelta, FinishReason, Sequence, Usage
 
 
 @dataclass(frozen=True, slots=True)
 class OutputProcessor:
-    decoder: Decoder
+    decoder: Any  # gateway.tokenizer.Tokenizer, or anything with decode()
     eos_token_ids: frozenset[int]
     max_model_len: int
 

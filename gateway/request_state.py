@@ -97,6 +97,18 @@ class Sequence:
             return self.request.prompt_token_ids[:-1]
         return self.request.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, stop: int | None = None) -> list[int]:
+        """token_ids[start:stop] without building the whole list (hot path)."""
+        prompt = self.request.prompt_token_ids
+        num_prompt = len(prompt) - 1 if self.is_prefill_parent else len(prompt)
+        stop = self.num_tokens if stop is None else stop
+        if stop <= num_prompt:
+            return prompt[start:stop]
+        outputs = self.output_token_ids
+        if start >= num_prompt:
+            return outputs[start - num_prompt : stop - num_prompt]
+        return prompt[start:num_prompt] + outputs[: stop - num_prompt]
+
     @property
     def num_tokens(self) -> int:
         if self.is_prefill_parent:

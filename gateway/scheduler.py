@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from gateway.batch import Batch, Budget, Pending, ScheduledStep
 from gateway.request_state import SeqStatus, Sequence
 from gateway.step import (
     Commit,
@@ -30,41 +31,6 @@ from gateway.step import (
     StepOutcome,
     TableDelta,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Budget:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-
-
-@dataclass(slots=True)
-class Pending:
-    """Work that rides on the next allocator call (commits, frees, aborts) or Execute."""
-
-    commits: dict[str, int] = field(default_factory=dict)
-    free_ids: list[str] = field(default_factory=list)
-    abort_ids: list[str] = field(default_factory=list)
-    release_ids: list[str] = field(default_factory=list)
-
-    def has_allocator_work(self) -> bool:
-        return bool(self.commits or self.free_ids or self.abort_ids)
-
-
-@dataclass(slots=True)
-class ScheduledStep:
-    """A planned step: the allocator call and the sequences of its items."""
-
-    call: StepCall
-    seqs: dict[str, Sequence]
-
-
-@dataclass(slots=True)
-class Batch:
-    """A granted step: the Execute call and how many tokens each sequence computes."""
-
-    call: ExecuteCall
-    scheduled: list[tuple[Sequence, int]]
 
 
 @dataclass(slots=True)
@@ -102,10 +68,17 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------
 
     def schedule(self) -> ScheduledStep | None:
-        """Choose the step's items under the budgets; None when there is nothing to run."""
+        """Choose the step's items under the budgets; None when there is nothing to run.
+
+        NOTE: running decodes go first, then running prefill chunks, swapped and new
+        requests: decodes travel in the allocator's compact form, which comes before the
+        other items. Under pressure, an old request still prefilling in chunks can therefore
+        be preempted before a newer decoding one (vLLM V1 orders purely by arrival).
+        """
         self._compact()
         tokens_left = self.budget.max_num_batched_tokens
         seqs_left = self.budget.max_num_seqs
+        decodes: list[StepItem] = []
         items: list[StepItem] = []
         seqs: dict[str, Sequence] = {}
         for seq in [*self.running, *self.swapped]:
@@ -114,8 +87,10 @@ class Scheduler:
             num = min(seq.num_uncomputed_tokens, tokens_left)
             if num == 0:
                 continue
-            append = tuple(seq.token_ids[seq.num_allocator_tokens :])
-            items.append(StepItem(seq.seq_id, num, append_token_ids=append))
+            append = tuple(seq.token_slice(seq.num_allocator_tokens))
+            item = StepItem(seq.seq_id, num, append_token_ids=append)
+            is_decode = num == 1 and len(append) == 1 and seq.status is SeqStatus.RUNNING
+            (decodes if is_decode else items).append(item)
             seqs[seq.seq_id] = seq
             tokens_left -= num
             seqs_left -= 1
@@ -124,29 +99,37 @@ class Scheduler:
             if seqs_left == 0 or tokens_left == 0:
                 break
             num = min(seq.num_tokens, tokens_left)
-            prompt = tuple(seq.token_ids)
             items.append(
                 StepItem(
-                    seq.seq_id, num, prompt_token_ids=prompt,
+                    seq.seq_id, num, prompt_token_ids=tuple(seq.token_ids),
                     cache_salt=seq.request.cache_salt, is_new=True,
                 )
             )
             seqs[seq.seq_id] = seq
             tokens_left -= num
             seqs_left -= 1
-        if not items and not self.pending.has_allocator_work():
+        pending = self.pending
+        if not decodes and not items and not pending.has_allocator_work():
             return None
+        commit_previous = bool(decodes or items) and bool(pending.executed)
+        if not commit_previous:
+            for request_id, num_computed in pending.executed.items():
+                pending.commits.setdefault(request_id, num_computed)
         call = StepCall(
-            commits=tuple(Commit(k, v) for k, v in self.pending.commits.items()),
-            free_request_ids=tuple(self.pending.free_ids),
-            abort_request_ids=tuple(self.pending.abort_ids),
-            items=tuple(items),
+            commits=tuple(Commit(k, v) for k, v in pending.commits.items()),
+            free_request_ids=tuple(pending.free_ids),
+            abort_request_ids=tuple(pending.abort_ids),
+            items=(*decodes, *items),
             swap=self.swap,
+            commit_previous_step=commit_previous,
+            num_decodes=len(decodes),
         )
-        self.pending.commits.clear()
-        self.pending.free_ids.clear()
-        self.pending.abort_ids.clear()
-        return ScheduledStep(call=call, seqs=seqs)
+        executed = dict(pending.executed) if commit_previous else {}
+        pending.executed.clear()
+        pending.commits.clear()
+        pending.free_ids.clear()
+        pending.abort_ids.clear()
+        return ScheduledStep(call=call, seqs=seqs, executed=executed)
 
     def apply_outcome(self, step: ScheduledStep, outcome: StepOutcome) -> Batch:
         """Apply the allocator's grants, preemptions and deferrals; build the Execute call."""
@@ -207,11 +190,10 @@ class Scheduler:
         """Advance computed counts; return the sampled (sequence, token) pairs in order."""
         tokens = {t.request_id: t.token_id for t in result.tokens}
         sampled: list[tuple[Sequence, int]] = []
+        executed = self.pending.executed
         for seq, num in batch.scheduled:
-            before = seq.num_computed_tokens
             seq.num_computed_tokens += num
-            if seq.num_computed_tokens // self.block_size > before // self.block_size:
-                self.pending.commits[seq.seq_id] = seq.num_computed_tokens
+            executed[seq.seq_id] = seq.num_computed_tokens
             token = tokens.get(seq.seq_id)
             if token is not None:
                 seq.output_token_ids.append(token)
@@ -244,6 +226,7 @@ class Scheduler:
             return
         seq.status = SeqStatus.FINISHED
         self.pending.commits.pop(seq.seq_id, None)
+        self.pending.executed.pop(seq.seq_id, None)
         if seq.known_to_allocator:
             self.pending.abort_ids.append(seq.seq_id)
             seq.known_to_allocator = False
@@ -307,7 +290,7 @@ class Scheduler:
         seq.known_to_executor = True
         return SeqWork(
             request_id=seq.seq_id,
-            token_ids=tuple(seq.token_ids[start : start + num]),
+            token_ids=tuple(seq.token_slice(start, start + num)),
             start_position=start,
             delta=TableDelta(0, tuple(seq.block_table)) if first else delta,
             sample=not seq.is_prefill_parent and start + num == seq.num_tokens,

@@ -39,6 +39,7 @@ class GatewaySettings:
     lease_ttl_ms: int
     enable_prefix_caching: bool
     connect_timeout_s: float
+    stats_every_steps: int
     log_json: bool
     log_level: str
 
@@ -91,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
         parser, "--connect-timeout-s", type=float, default=60.0,
         help="how long to wait for the allocator and executors at start",
     )
+    add_flag(
+        parser, "--stats-every-steps", type=int, default=500,
+        help="log an engine_step_stats summary (control-plane cost) every N steps; 0: never",
+    )
     add_flag(parser, "--log-json", action="store_true", help="JSON logs (containers)")
     add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
     return parser
@@ -116,6 +121,7 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             lease_ttl_ms=args.lease_ttl_ms,
             enable_prefix_caching=args.enable_prefix_caching,
             connect_timeout_s=args.connect_timeout_s,
+            stats_every_steps=args.stats_every_steps,
             log_json=args.log_json,
             log_level=args.log_level,
         )

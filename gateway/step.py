@@ -54,8 +54,10 @@ class StepCall:
     commits: tuple[Commit, ...]
     free_request_ids: tuple[str, ...]
     abort_request_ids: tuple[str, ...]
-    items: tuple[StepItem, ...]
+    items: tuple[StepItem, ...]  # the first `num_decodes` are plain decodes (compact form)
     swap: bool = False
+    commit_previous_step: bool = False
+    num_decodes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,4 +129,4 @@ class Sampled:
 @dataclass(frozen=True, slots=True)
 class ExecuteResult:
     tokens: tuple[Sampled, ...]
-    forward_ms: float
+    compute_ms: float  # the executor's forward pass + sampling

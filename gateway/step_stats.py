@@ -6,33 +6,40 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-WINDOW = 512
-REPORT_EVERY = 500
+DEFAULT_WINDOW = 500
 
 
 @dataclass(slots=True)
 class StepStats:
-    """A sliding window of recent steps (milliseconds)."""
+    """The last `window` steps (milliseconds), summarised every `window` steps."""
 
-    control_ms: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
-    total_ms: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
-    allocator_ms: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
-    num_seqs: deque[int] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    window: int = DEFAULT_WINDOW  # 0: never summarised
+    control_ms: deque[float] = field(default_factory=deque)
+    total_ms: deque[float] = field(default_factory=deque)
+    allocator_ms: deque[float] = field(default_factory=deque)
+    num_seqs: deque[int] = field(default_factory=deque)
     num_steps: int = 0
 
+    def __post_init__(self) -> None:
+        size = max(self.window, 1)
+        self.control_ms = deque(maxlen=size)
+        self.total_ms = deque(maxlen=size)
+        self.allocator_ms = deque(maxlen=size)
+        self.num_seqs = deque(maxlen=size)
+
     def record(
-        self, total_ms: float, allocator_ms: float, execute_ms: float, forward_ms: float,
+        self, total_ms: float, allocator_ms: float, execute_ms: float, compute_ms: float,
         num_seqs: int,
     ) -> None:
-        # Control plane: everything but the executor's own forward pass + sampling.
-        self.control_ms.append(total_ms - min(forward_ms, execute_ms))
+        # Control plane: everything but the executor's own forward pass and sampling.
+        self.control_ms.append(total_ms - min(compute_ms, execute_ms))
         self.total_ms.append(total_ms)
         self.allocator_ms.append(allocator_ms)
         self.num_seqs.append(num_seqs)
         self.num_steps += 1
 
     def should_report(self) -> bool:
-        return self.num_steps % REPORT_EVERY == 0
+        return self.window > 0 and self.num_steps % self.window == 0
 
     def summary(self) -> dict[str, float]:
         if not self.total_ms:

@@ -138,7 +138,7 @@ class FakeModel:
             held.extend(seq.token_ids)
             if seq.sample:
                 sampled.append(Sampled(seq.request_id, self.next_token(held), 0.0))
-        return ExecuteResult(tokens=tuple(sampled), forward_ms=0.0)
+        return ExecuteResult(tokens=tuple(sampled), compute_ms=0.0)
 
     def reference(self, prompt: list[int], max_tokens: int) -> list[int]:
         tokens = list(prompt)

@@ -10,9 +10,11 @@ from gateway.tokenizer import Tokenizer
 TEXT = "Hello wörld, ünïcode 日本語 test — done."
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.load("models/tiny-llama")
+@pytest.fixture(scope="module", params=["rust-stream", "window"])
+def tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
+    # Both text streams: the tokenizers DecodeStream, and the decode-a-window fallback.
+    loaded = Tokenizer.load("models/tiny-llama")
+    return loaded if request.param == "rust-stream" else Tokenizer(hf=loaded.hf, fast=None)
 
 
 def stream(tok: Tokenizer, prompt: list[int], ids: list[int], stop: tuple[str, ...] = ()):
@@ -65,8 +67,25 @@ def test_detokenizer_holds_back_a_possible_stop_prefix(tokenizer: Tokenizer):
     assert released == tokenizer.decode(ids[1:])
 
 
+def test_detokenizer_invalid_bytes_decode_like_a_full_decode(tokenizer: Tokenizer):
+    # A lone continuation byte, then text, then an unfinished lead byte at the very end.
+    ids = [117, 42, 439, 130, 42, 439, 130]
+    deltas, _ = stream(tokenizer, [1], ids)
+    assert "".join(deltas) == tokenizer.decode(ids)
+
+
 def test_detokenizer_skips_special_tokens(tokenizer: Tokenizer):
     # EOS (id 2) adds no text.
     detok = Detokenizer.for_prompt(tokenizer, [1], ())
     assert detok.add(2).text == ""
     assert detok.flush() == ""
+
+
+def test_detokenizer_prompt_ending_mid_character_does_not_leak_into_output(
+    tokenizer: Tokenizer,
+):
+    # The prompt ends with the first byte of a two-byte character; output is plain text.
+    prompt = [1, 42, 130]
+    output = tokenizer.encode("hello there")[1:]
+    deltas, _ = stream(tokenizer, prompt, output)
+    assert "".join(deltas) == tokenizer.decode(output)

@@ -7,10 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scheduler_fakes import FakeModel, FakePool
 
+from gateway.batch import Budget
 from gateway.request_state import Request, SeqStatus, Sequence
 from gateway.router import initial_sequences
 from gateway.sampling import SamplingOptions
-from gateway.scheduler import Budget, Scheduler
+from gateway.scheduler import Scheduler
 from gateway.step import Grant, Preemption, StepOutcome, TableDelta
 
 BLOCK = 4
@@ -49,7 +50,7 @@ def drive(sched: Scheduler, pool: FakePool, model: FakeModel, max_steps: int = 5
 
 
 def _empty_step(sched: Scheduler):  # type: ignore[no-untyped-def]
-    from gateway.scheduler import ScheduledStep
+    from gateway.batch import ScheduledStep
     from gateway.step import StepCall
 
     return ScheduledStep(call=StepCall((), (), (), ()), seqs={}), StepOutcome()

@@ -1,0 +1,47 @@
+"""What the scheduler carries from one call of a step to the next (plain records)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.request_state import Sequence
+from gateway.step import ExecuteCall, StepCall
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass(slots=True)
+class Pending:
+    """Work that rides on the next allocator call (commits, frees, aborts) or Execute."""
+
+    commits: dict[str, int] = field(default_factory=dict)
+    free_ids: list[str] = field(default_factory=list)
+    abort_ids: list[str] = field(default_factory=list)
+    release_ids: list[str] = field(default_factory=list)
+    # The last step's computed counts, not yet committed: the next Step commits them all
+    # with one flag (commit_previous_step); an idle engine sends them as explicit commits.
+    executed: dict[str, int] = field(default_factory=dict)
+
+    def has_allocator_work(self) -> bool:
+        return bool(self.commits or self.free_ids or self.abort_ids or self.executed)
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    """A planned step: the allocator call and the sequences of its items."""
+
+    call: StepCall
+    seqs: dict[str, Sequence]
+    executed: dict[str, int] = field(default_factory=dict)  # what commit_previous_step covers
+
+
+@dataclass(slots=True)
+class Batch:
+    """A granted step: the Execute call and how many tokens each sequence computes."""
+
+    call: ExecuteCall
+    scheduled: list[tuple[Sequence, int]]
