@@ -1,0 +1,127 @@
+"""Load generator for the gateway's public API (streaming Generate), closed and open loop.
+
+Closed loop: `concurrency` clients, each sends its next request when the last one finished.
+Open loop: request i is sent at its `arrival_s` whatever the system's state (Poisson arrivals
+come from `poisson_arrivals`). Every request is greedy, `ignore_eos`, `max_tokens` = its own
+output length, so it stops at exactly that length. Times are recorded when the client sees
+each streamed response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tempfile
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import grpc
+
+from bench.baselines import BenchRequest, RequestResult
+from gateway.launch import Stack, StackSpec
+from pagedkv.allocator.v1 import allocator_pb2 as apb
+from pagedkv.allocator.v1 import allocator_pb2_grpc as apb_grpc
+from pagedkv.gateway.v1 import gateway_pb2 as gpb
+from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
+
+
+def poisson_arrivals(count: int, rate_per_s: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(count):
+        t += rng.expovariate(rate_per_s)
+        out.append(t)
+    return out
+
+
+def _request(r: BenchRequest, salt: str = "") -> gpb.GenerateRequest:
+    return gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=r.prompt),
+        sampling=gpb.SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True),
+        cache_salt=salt,
+    )
+
+
+async def _one(stub: gpb_grpc.GatewayServiceStub, r: BenchRequest, res: RequestResult,
+               origin: float, salt: str, timeout_s: float) -> None:
+    res.sent_s = time.perf_counter() - origin
+    try:
+        async for response in stub.Generate(_request(r, salt), timeout=timeout_s):
+            if response.token_ids:
+                now = time.perf_counter() - origin
+                if not res.tokens:
+                    res.first_s = now
+                res.tokens.extend(response.token_ids)
+                res.last_s = now
+    except grpc.aio.AioRpcError as exc:
+        res.ok = False
+        res.error = f"{exc.code().name}: {exc.details()}"
+    if res.ok and len(res.tokens) != r.output_len:
+        res.ok = False
+        res.error = f"{len(res.tokens)} tokens, expected {r.output_len}"
+
+
+async def _run(address: str, requests: Sequence[BenchRequest], concurrency: int | None,
+               open_loop: bool, salt: str, timeout_s: float, progress: Any
+               ) -> tuple[list[RequestResult], float]:
+    results = [RequestResult() for _ in requests]
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        stub = gpb_grpc.GatewayServiceStub(channel)
+        origin = time.perf_counter()
+
+        async def tracked(i: int) -> None:
+            await _one(stub, requests[i], results[i], origin, salt, timeout_s)
+            if progress is not None:
+                progress.update(1)
+
+        if open_loop:
+            async def delayed(i: int) -> None:
+                await asyncio.sleep(max(0.0, requests[i].arrival_s - (time.perf_counter()
+                                                                       - origin)))
+                await tracked(i)
+
+            await asyncio.gather(*(delayed(i) for i in range(len(requests))))
+        else:
+            next_index = iter(range(len(requests)))
+
+            async def client() -> None:
+                for i in next_index:
+                    await tracked(i)
+
+            width = min(concurrency or len(requests), len(requests))
+            await asyncio.gather(*(client() for _ in range(width)))
+        return results, time.perf_counter() - origin
+
+
+def run_load(address: str, requests: Sequence[BenchRequest], concurrency: int | None = None,
+             open_loop: bool = False, salt: str = "", timeout_s: float = 900.0,
+             progress: Any = None) -> tuple[list[RequestResult], float]:
+    """Results in request order and the wall time of the whole run."""
+    return asyncio.run(_run(address, requests, concurrency, open_loop, salt, timeout_s,
+                            progress))
+
+
+def pool_stats(allocator_addr: str) -> list[Any]:
+    with grpc.insecure_channel(allocator_addr) as channel:
+        stub = apb_grpc.AllocatorServiceStub(channel)
+        return list(stub.GetStats(apb.GetStatsRequest(), timeout=10).pools)
+
+
+@contextmanager
+def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[str] = (),
+          seed: int = 0, log_dir: str | None = None):
+    """The real three services as subprocesses on free ports; stopped on exit."""
+    spec = StackSpec(
+        model=model, allocator_port=0, executor_port=0, gateway_port=0,
+        executor_args=("--load-format", "dummy", "--seed", str(seed), *executor_args),
+        gateway_args=tuple(gateway_args),
+        log_dir=log_dir or tempfile.mkdtemp(prefix="pagedkv-bench-"),
+    )
+    running = Stack(spec).start()
+    try:
+        yield running
+    finally:
+        running.stop()
