@@ -31,6 +31,7 @@ from gateway.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+DRAIN_S = 2.0
 
 
 @dataclass(slots=True)
@@ -43,13 +44,21 @@ class Gateway:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def stop(self, grace: float = 5.0) -> None:
+        """Stop serving (in-flight streams get `grace` seconds), let the engines abort what
+        was cut off and give its blocks back, then stop the loops. Whatever is left over is
+        freed by the allocator when the lease expires."""
         await self.server.stop(grace)
+        deadline = time.monotonic() + DRAIN_S
+        engines = self.frontend.router.engines
+        while time.monotonic() < deadline and any(e.healthy and e.busy for e in engines):
+            await asyncio.sleep(0.05)
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.allocator.close()
         for executor in self.executors:
             await executor.close()
+        log.info("gateway_stopped")
 
 
 async def _retry(what: str, fn: Callable[[], Awaitable[T]], timeout_s: float) -> T:

@@ -79,6 +79,10 @@ class Engine:
         self.wakeup.set()
 
     @property
+    def busy(self) -> bool:
+        return self._has_work()
+
+    @property
     def load(self) -> int:
         return self.scheduler.num_unfinished
 

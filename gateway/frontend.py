@@ -48,6 +48,8 @@ class Frontend:
         validate_prompt(prompt, self.limits)
         sampling = validate(raw, len(prompt), self.limits)
         request_id = self._unique_id(request_id)
+        # Every event of this call, and the allocator calls about it, carry this id.
+        structlog.contextvars.bind_contextvars(request_id=request_id)
         request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                           cache_salt=cache_salt)
         self.active[request_id] = request
@@ -56,7 +58,7 @@ class Frontend:
         except BaseException:
             del self.active[request_id]
             raise
-        log.info("request_queued", gateway_request_id=request_id, pool_id=engine.pool_id,
+        log.info("request_queued", pool_id=engine.pool_id,
                  num_prompt_tokens=len(prompt), n=sampling.n, max_tokens=sampling.max_tokens)
         return request
 
@@ -64,6 +66,7 @@ class Frontend:
         """Every completion delta of the request until all n are finished; errors raise.
         Leaving early (client gone, deadline) cancels the request."""
         open_completions = request.sampling.n
+        num_tokens = 0
         try:
             while open_completions:
                 delta = await request.outputs.get()
@@ -71,12 +74,16 @@ class Frontend:
                     raise delta.error
                 if delta.finish_reason is not None:
                     open_completions -= 1
+                num_tokens += len(delta.token_ids)
                 yield delta
         finally:
             self.active.pop(request.request_id, None)
             if open_completions:
                 self.router.cancel(request)
-                log.info("request_cancelled", gateway_request_id=request.request_id)
+                log.info("request_cancelled", num_completion_tokens=num_tokens)
+            else:
+                log.info("request_finished", num_completion_tokens=num_tokens,
+                         num_cached_tokens=request.num_cached_tokens or 0)
 
     def _unique_id(self, request_id: str) -> str:
         if not request_id:

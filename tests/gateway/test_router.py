@@ -1,0 +1,111 @@
+"""Routing: longest cached prefix first, then least loaded; backpressure; lost executors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+
+from common.errors import ResourceExhausted, Unavailable
+from gateway.allocator_client import PrefixMatch
+from gateway.request_state import Request, Sequence
+from gateway.router import Router, initial_sequences
+from gateway.sampling import SamplingOptions
+
+
+@dataclass
+class FakeScheduler:
+    waiting: deque[Sequence] = field(default_factory=deque)
+
+
+@dataclass(eq=False)
+class FakeEngine:
+    pool_id: str
+    load: int = 0
+    healthy: bool = True
+    scheduler: FakeScheduler = field(default_factory=FakeScheduler)
+    cancelled: int = 0
+
+    def submit(self, seq: Sequence, front: bool = False) -> None:
+        self.scheduler.waiting.append(seq)
+        self.load += 1
+
+    def cancel(self) -> None:
+        self.cancelled += 1
+
+
+@dataclass
+class FakeAllocator:
+    cached: dict[str, int]
+
+    async def match_prefix(self, token_ids, cache_salt, pool_ids, request_id):  # noqa: ANN001
+        return [PrefixMatch(p, self.cached.get(p, 0), 0, 0) for p in pool_ids]
+
+
+def request(rid: str = "r", prompt: list[int] | None = None, n: int = 1) -> Request:
+    return Request(request_id=rid, prompt_token_ids=prompt or [1, 2, 3],
+                   sampling=SamplingOptions(max_tokens=4, n=n), cache_salt="")
+
+
+def router(engines: list[FakeEngine], cached: dict[str, int] | None = None,
+           max_waiting: int = 8) -> Router:
+    return Router(engines=engines, allocator=FakeAllocator(cached or {}),  # type: ignore[arg-type]
+                  max_waiting=max_waiting)
+
+
+def test_router_prefers_longest_cached_prefix_over_load():
+    # Pool b holds 32 cached tokens of the prompt although it is busier.
+    a, b = FakeEngine("a", load=0), FakeEngine("b", load=5)
+    chosen = asyncio.run(router([a, b], {"b": 32}).route(request()))
+    assert chosen is b
+
+
+def test_router_breaks_cache_ties_by_least_load():
+    # No cached prefix anywhere: the least loaded pool wins.
+    a, b = FakeEngine("a", load=3), FakeEngine("b", load=1)
+    assert asyncio.run(router([a, b]).route(request())) is b
+
+
+def test_router_skips_unhealthy_executors():
+    # The cached pool is down: the healthy one gets the request.
+    a, b = FakeEngine("a", healthy=False), FakeEngine("b")
+    assert asyncio.run(router([a, b], {"a": 64}).route(request())) is b
+
+
+def test_router_full_waiting_queue_is_resource_exhausted():
+    # Two waiting requests and max_waiting 2: the third is refused.
+    a = FakeEngine("a")
+    r = router([a], max_waiting=2)
+    asyncio.run(r.submit(request("r1")))
+    asyncio.run(r.submit(request("r2")))
+    with pytest.raises(ResourceExhausted, match="waiting queue is full"):
+        asyncio.run(r.submit(request("r3")))
+
+
+def test_router_without_healthy_executor_is_unavailable():
+    # Every executor is down: new requests fail fast with UNAVAILABLE.
+    with pytest.raises(Unavailable):
+        asyncio.run(router([FakeEngine("a", healthy=False)]).route(request()))
+
+
+def test_router_requeues_lost_sequences_or_fails_them():
+    # Sequences of a lost executor go to the healthy one; with none left they get an error.
+    a, b = FakeEngine("a", healthy=False), FakeEngine("b")
+    req = request()
+    seq = initial_sequences(req)[0]
+    router([a, b]).requeue([seq])
+    assert list(b.scheduler.waiting) == [seq]
+    router([a]).requeue([seq])
+    delta = req.outputs.get_nowait()
+    assert isinstance(delta.error, Unavailable)
+
+
+def test_initial_sequences_for_n():
+    # n=1: the request id; n>1: one prefill parent; n>1 with a 1-token prompt: n plain ones.
+    assert [s.seq_id for s in initial_sequences(request("x"))] == ["x"]
+    (parent,) = initial_sequences(request("x", n=3))
+    assert parent.is_prefill_parent and parent.seq_id == "x-prefill"
+    seqs = initial_sequences(request("x", prompt=[1], n=2))
+    assert [(s.seq_id, s.seed_offset) for s in seqs] == [("x-0", 0), ("x-1", 1)]
