@@ -26,7 +26,8 @@ from pagedkv.gateway.v1 import gateway_pb2 as gpb
 def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clients]:
     log_dir: Path = tmp_path_factory.mktemp("stack")
     stack = start_stack(log_dir, executor_args=("--load-format", "dummy", "--num-blocks", "256"),
-                        gateway_args=("--max-n", "4", "--max-num-batched-tokens", "256"))
+                        gateway_args=("--max-n", "4", "--max-num-batched-tokens", "256",
+                                      "--max-model-len", "1024"))
     clients = Clients(stack)
     yield clients
     clients.close()
@@ -71,10 +72,20 @@ def test_tokenize_and_model_info(clients: Clients):
     assert list(clients.gateway.Tokenize(gpb.TokenizeRequest(text=text)).token_ids) == \
         tokenizer().encode(text)
     info = clients.gateway.GetModelInfo(gpb.GetModelInfoRequest())
-    assert info.max_model_len == 2048 and info.vocab_size == 512
+    assert info.max_model_len == 1024 and info.vocab_size == 512  # min(gateway, executor)
     assert list(info.eos_token_ids) == [2]
     (executor,) = info.executors
     assert executor.num_blocks == 256 and executor.block_size == 16 and executor.healthy
+
+
+def test_generate_stops_at_max_model_len(clients: Clients):
+    # A 1000-token prompt with max_tokens 100 ends at max_model_len 1024: 24 tokens, LENGTH.
+    prompt = next(prompts(1, 1000, seed=3))
+    done = generate(clients.gateway, gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(100, ignore_eos=True)))[0]
+    assert done.finish_reason == gpb.FINISH_REASON_LENGTH
+    assert len(done.token_ids) == 24
+    assert tuple(done.token_ids) == reference_greedy(tuple(prompt), 24, ignore_eos=True)
 
 
 def test_generate_stop_string_ends_completion(clients: Clients):
@@ -152,7 +163,7 @@ def test_generate_deadline_exceeded_gives_every_block_back(clients: Clients):
 BAD_INPUTS = [
     (gpb.GenerateRequest(text="", sampling=sampling(4)), "prompt"),
     (gpb.GenerateRequest(sampling=sampling(4)), "prompt"),
-    (gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[1] * 2048), sampling=sampling(4)),
+    (gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[1] * 1024), sampling=sampling(4)),
      "max_model_len"),
     (gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[1, 9999]), sampling=sampling(4)),
      "prompt token_ids"),
