@@ -1,0 +1,189 @@
+"""Control plane (issue 5, part 5): where a step's time goes at 8, 64 and 256 running requests.
+
+    python -m bench.control_plane [--quick]
+
+The allocator and the executor run as usual (models/small-llama, dummy weights); the gateway
+runs as `python -m bench.cp_gateway`, the real gateway with timers around its step phases (see
+that module). N streaming requests (16-token prompts, ignore_eos, greedy) start together; the
+steps in which all N decode one token each are kept, and per step we split its time into:
+
+    scheduling      the scheduler's schedule / apply_outcome / apply_result
+    allocator RPC   AllocatorClient.step less protobuf encode/decode (the round trip, the
+                    allocator's work, message building)
+    forward, sample the executor's own report
+    executor other  executor-side work outside forward/sample (its total less both)
+    transport       the Execute call less the executor's total and protobuf encode/decode
+    serialization   protobuf encode/decode of both calls on the gateway side
+    outputs/other   the rest of the step: emitting tokens to streams, detokenization, awaits
+
+Control plane = step - forward - sample (everything but the model). Target: < 10% of the step
+at 64 running requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from bench.baselines import BenchRequest
+from bench.common import RESULTS_DIR, markdown_table, write_results
+from bench.load import run_load
+from gateway.launch import Stack, StackSpec
+
+MODEL = "models/small-llama"
+SEED = 0
+PARTS = ("sched", "alloc_rpc", "forward", "sample", "exec_other", "transport", "ser", "other")
+LABELS = {"sched": "scheduling", "alloc_rpc": "allocator RPC", "forward": "forward",
+          "sample": "sample", "exec_other": "executor other", "transport": "transport",
+          "ser": "serialization", "other": "outputs/other"}
+
+
+def _split(step: dict[str, float]) -> dict[str, float]:
+    ser_alloc, ser_exec = step.get("ser_alloc", 0.0), step.get("ser_exec", 0.0)
+    exec_total = step.get("exec_total", step["forward"] + step["sample"])
+    parts = {
+        "sched": step.get("sched", 0.0),
+        "forward": step["forward"],
+        "sample": step["sample"],
+        "exec_other": max(0.0, exec_total - step["forward"] - step["sample"]),
+        "ser": ser_alloc + ser_exec,
+    }
+    # encode/decode happen inside the two client calls: taken out of both
+    parts["transport"] = max(0.0, step.get("exec", 0.0) - exec_total - ser_exec)
+    parts["alloc_rpc"] = max(0.0, step.get("alloc", 0.0) - ser_alloc)
+    parts["other"] = max(0.0, step["total"] - sum(parts.values()))
+    parts["total"] = step["total"]
+    parts["control"] = step["total"] - step["forward"] - step["sample"]
+    return parts
+
+
+def start_stack(log_dir: str, step_log: str) -> Stack:
+    spec = StackSpec(model=MODEL, allocator_port=0, executor_port=0, gateway_port=0,
+                     log_dir=log_dir)
+    running = Stack(spec)
+    try:
+        running._start("allocator", "allocator_svc", 0, ())
+        running._start("executor-0", "executor_svc", 0, (
+            "--model", MODEL, "--load-format", "dummy", "--seed", str(SEED),
+            "--num-blocks", "8192", "--max-num-seqs", "512", "--max-num-batched-tokens",
+            "8192"))
+        for service in running.services:
+            running._wait_healthy(service)
+        os.environ["PAGEDKV_BENCH_STEP_LOG"] = step_log
+        gateway = running._start("gateway", "bench.cp_gateway", 0, (
+            "--allocator-addr", running.allocator_addr,
+            "--executor-addrs", ",".join(running.executor_addrs()), "--model", MODEL,
+            "--max-num-seqs", "512", "--max-num-batched-tokens", "8192"))
+        running._wait_healthy(gateway)
+    except BaseException:
+        running.stop()
+        raise
+    return running
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.control_plane", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--running", default="8,64,256")
+    p.add_argument("--threads", type=int, default=2, help="executor torch threads")
+    args = p.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    sizes = [int(x) for x in args.running.split(",")]
+    max_tokens = {8: 64, 64: 48, 256: 32} if args.quick else {8: 128, 64: 128, 256: 96}
+    log_dir = tempfile.mkdtemp(prefix="pagedkv-cp-")
+    step_log = str(Path(log_dir) / "steps.jsonl")
+    rows = []
+    running = start_stack(log_dir, step_log)
+    try:
+        run_load(running.gateway_addr, [BenchRequest([1, 5, 6, 7], 8)] * 4, 4)  # warm-up
+        for n in tqdm(sizes, desc="control plane", file=sys.stderr):
+            offset = Path(step_log).stat().st_size if Path(step_log).exists() else 0
+            reqs = [BenchRequest([1, *[(i * 13 + j) % 30000 + 3 for j in range(15)]],
+                                 max_tokens.get(n, 64)) for i in range(n)]
+            t0 = time.perf_counter()
+            results, wall = run_load(running.gateway_addr, reqs, concurrency=n)
+            time.sleep(0.2)
+            with open(step_log) as handle:
+                handle.seek(offset)
+                steps = [json.loads(line) for line in handle if line.strip()]
+            full = [s for s in steps if s.get("seqs") == n and s.get("num_tokens", n) == n]
+            if not full:
+                rows.append({"running": n, "steps": 0})
+                continue
+            splits = [_split(s) for s in full]
+            med = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
+            share = statistics.median(s["control"] / s["total"] for s in splits)
+            rows.append({"running": n, "steps": len(full), "median_ms": med,
+                         "control_share": share, "wall_s": wall,
+                         "tok_per_s": sum(len(r.tokens) for r in results) / wall,
+                         "completed": sum(r.ok for r in results), "elapsed_s":
+                         time.perf_counter() - t0})
+    finally:
+        running.stop()
+    headers = ["running", "steps", "step ms", *[LABELS[k] + " ms" for k in PARTS],
+               "control plane ms", "control share"]
+    body = []
+    for r in rows:
+        if not r["steps"]:
+            body.append([r["running"], 0] + ["-"] * (len(headers) - 2))
+            continue
+        m = r["median_ms"]
+        body.append([r["running"], r["steps"], f"{m['total']:.2f}",
+                     *[f"{m[k]:.2f}" for k in PARTS], f"{m['control']:.2f}",
+                     f"{r['control_share']:.1%}"])
+    print("### Control plane: per-step split (medians over the steps where all N decode)\n")
+    print(markdown_table(headers, body))
+    at64 = next((r for r in rows if r["running"] == 64 and r["steps"]), None)
+    if at64:
+        met = at64["control_share"] < 0.10
+        print(f"\nTarget control plane < 10% of step time at 64 running: "
+              f"{at64['control_share']:.1%} - {'met' if met else 'MISSED'}")
+    plots = plot(rows)
+    write_results("control_plane", {
+        "benchmark": "control_plane", "model": MODEL, "seed": SEED, "quick": args.quick,
+        "torch_threads": args.threads, "max_tokens": max_tokens, "rows": rows,
+        "parts": LABELS, "plots": plots, "step_log": step_log,
+    })
+    return 0
+
+
+def plot(rows: list[dict[str, Any]]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["steps"]]
+    if not rows:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    labels = [str(r["running"]) for r in rows]
+    bottom = [0.0] * len(rows)
+    for key in PARTS:
+        values = [r["median_ms"][key] for r in rows]
+        ax.bar(labels, values, bottom=bottom, label=LABELS[key])
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xlabel("running requests (all decoding)")
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title("Where a decode step's time goes (small-llama, CPU)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = str(RESULTS_DIR / "control_plane.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""`python -m bench.cp_gateway`: the real gateway, with per-step timers (control-plane bench).
+
+Same flags as `python -m gateway`. Before the gateway starts, this wraps (without changing
+what they do) the engine's step, the scheduler's three phases, the two clients' calls and the
+protobuf encoders/decoders of the two hot-path RPCs, and appends one JSON line per executed
+step to $PAGEDKV_BENCH_STEP_LOG:
+
+    total      Engine.step, from scheduling to the last emitted token
+    sched      Scheduler.schedule + apply_outcome + apply_result
+    alloc      AllocatorClient.step (message building, the Step RPC, response conversion)
+    exec       ExecutorClient.execute (the same for Execute)
+    ser_alloc, ser_exec   protobuf encode of the request + decode of the response (gateway side)
+    forward, sample, exec_total   the executor's own report (Timings)
+    seqs       sequences in the Execute call
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Any
+
+from gateway import allocator_client, executor_client
+from gateway.engine import Engine
+from gateway.scheduler import Scheduler
+from pagedkv.allocator.v1 import allocator_pb2 as apb
+from pagedkv.executor.v1 import executor_pb2 as epb
+
+_current: dict[str, Any] = {}
+_log = None
+
+
+def _add(key: str, seconds: float) -> None:
+    _current[key] = _current.get(key, 0.0) + seconds * 1e3
+
+
+def _timed_sync(fn: Any, key: str) -> Any:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _add(key, time.perf_counter() - t0)
+
+    return wrapper
+
+
+def _timed_async(fn: Any, key: str) -> Any:
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            _add(key, time.perf_counter() - t0)
+
+    return wrapper
+
+
+def _encoder(key: str) -> Any:
+    def encode(message: Any) -> bytes:
+        t0 = time.perf_counter()
+        data = message.SerializeToString()
+        _add(key, time.perf_counter() - t0)
+        return data
+
+    return encode
+
+
+def _decoder(cls: Any, key: str, report: bool) -> Any:
+    def decode(data: bytes) -> Any:
+        t0 = time.perf_counter()
+        message = cls.FromString(data)
+        _add(key, time.perf_counter() - t0)
+        if report:
+            _current["forward"] = message.timings.forward_ms
+            _current["sample"] = message.timings.sample_ms
+            _current["exec_total"] = message.timings.total_ms
+            _current["num_tokens"] = message.num_tokens
+        return message
+
+    return decode
+
+
+def _patch_stub_init(client_cls: Any, attr: str, path: str, response_cls: Any, key: str,
+                     report: bool) -> None:
+    original = client_cls.__init__
+
+    @functools.wraps(original)
+    def init(self: Any, address: str) -> None:
+        original(self, address)
+        setattr(self.stub, attr, self.channel.unary_unary(
+            path, request_serializer=_encoder(key),
+            response_deserializer=_decoder(response_cls, key, report)))
+
+    client_cls.__init__ = init
+
+
+def install() -> None:
+    global _log
+    _log = open(os.environ["PAGEDKV_BENCH_STEP_LOG"], "a", buffering=1)  # noqa: SIM115
+    for name in ("schedule", "apply_outcome", "apply_result"):
+        setattr(Scheduler, name, _timed_sync(getattr(Scheduler, name), "sched"))
+    allocator_client.AllocatorClient.step = _timed_async(allocator_client.AllocatorClient.step,
+                                                         "alloc")
+    executor_client.ExecutorClient.execute = _timed_async(
+        executor_client.ExecutorClient.execute, "exec")
+    _patch_stub_init(allocator_client.AllocatorClient, "Step",
+                     "/pagedkv.allocator.v1.AllocatorService/Step", apb.StepResponse,
+                     "ser_alloc", report=False)
+    _patch_stub_init(executor_client.ExecutorClient, "Execute",
+                     "/pagedkv.executor.v1.ExecutorService/Execute", epb.ExecuteResponse,
+                     "ser_exec", report=True)
+    original_step = Engine.step
+    original_execute = executor_client.ExecutorClient.execute
+
+    async def execute(self: Any, call: Any) -> Any:
+        _current["seqs"] = len(call.seqs)
+        return await original_execute(self, call)
+
+    executor_client.ExecutorClient.execute = execute
+
+    async def step(self: Any) -> bool:
+        _current.clear()
+        t0 = time.perf_counter()
+        result = await original_step(self)
+        total = (time.perf_counter() - t0) * 1e3
+        if "forward" in _current:  # an executed step
+            _current["total"] = total
+            _log.write(json.dumps({k: round(v, 4) for k, v in _current.items()}) + "\n")
+        return result
+
+    Engine.step = step
+
+
+def main() -> None:
+    import asyncio
+
+    from gateway.__main__ import main as gateway_main
+
+    install()
+    asyncio.run(gateway_main())
+
+
+if __name__ == "__main__":
+    main()
