@@ -77,6 +77,10 @@ class ExecutorSettings:
                 "--backend flashinfer needs --device cuda; use --backend torch on CPU",
             ),
             (
+                not (self.backend == "flashinfer" and self.dtype == "float32"),
+                "--backend flashinfer takes --dtype bfloat16 or float16 (or auto)",
+            ),
+            (
                 self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                 "--block-size must be a power of two, e.g. 16",
             ),

@@ -105,6 +105,22 @@ PRESETS = [
             sliding_window=None,
         ),
     ),
+    # GPU tests: FlashInfer's kernels take head dims 64/128/256 (the GPU bundle: 128, bf16).
+    Preset(
+        "tiny-llama-hd128",
+        _llama_like(
+            "llama",
+            "LlamaForCausalLM",
+            hidden_size=512,
+            intermediate_size=1024,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=128,
+            vocab_size=512,
+            max_position_embeddings=2048,
+        ),
+    ),
     # CPU benchmarks (BENCHMARKS.md): hidden 256, 4 layers, 8 heads, 2 KV heads, vocab 32,000.
     Preset(
         "small-llama",
