@@ -51,14 +51,14 @@ class RequestResult:
         return (self.last_s - self.first_s) / (n - 1) if n > 1 else None
 
 
-def reference_model(model_dir: str, seed: int = 0, attn: str = "sdpa") -> Any:
+def reference_model(model_dir: str, seed: int = 0, attn: str = "sdpa",
+                    dtype: torch.dtype = torch.float32) -> Any:
     """The executor's dummy weights, rebuilt exactly as `--load-format dummy --seed` does."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(REPO_ROOT / model_dir), local_files_only=True)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                             attn_implementation=attn)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     model.requires_grad_(False)
     model.generation_config.eos_token_id = None
     return model.eval()
