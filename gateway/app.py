@@ -22,6 +22,7 @@ from gateway.executor_client import ExecutorClient, ExecutorDescription
 from gateway.frontend import Frontend, ModelInfo
 from gateway.lease import Lease
 from gateway.output import OutputProcessor
+from gateway.pool_link import PoolLink
 from gateway.router import Router
 from gateway.sampling import ModelLimits
 from gateway.scheduler import Scheduler
@@ -111,20 +112,23 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
             max_num_batched_tokens=min(settings.max_num_batched_tokens,
                                        description.max_num_batched_tokens or 1 << 30),
         )
-        engine = Engine(
+        link = PoolLink(
             pool_id=client.address,
             executor=client,
             allocator=allocator,
             lease=lease,
+            description=description,
+            enable_prefix_caching=settings.enable_prefix_caching,
+        )
+        await _retry(f"RegisterPool {client.address}", link.register, settings.connect_timeout_s)
+        engine = Engine(
+            link=link,
             scheduler=Scheduler(budget=budget, block_size=description.block_size,
                                 swap=settings.preemption_mode == "swap"),
             output=output,
-            description=description,
-            enable_prefix_caching=settings.enable_prefix_caching,
             on_lost=router.requeue,
             stats=StepStats(window=settings.stats_every_steps),
         )
-        await _retry(f"RegisterPool {client.address}", engine.register, settings.connect_timeout_s)
         router.engines.append(engine)
     info = ModelInfo(
         model_name=descriptions[0].model_name or Path(settings.model).name,

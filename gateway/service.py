@@ -54,7 +54,7 @@ def _usage(usage: Usage | None) -> pb.Usage | None:
 
 def _executor_info(engine: Engine) -> pb.ExecutorInfo:
     d = engine.description
-    return pb.ExecutorInfo(address=engine.executor.address, pool_id=engine.pool_id,
+    return pb.ExecutorInfo(address=engine.link.executor.address, pool_id=engine.pool_id,
                            num_blocks=d.num_blocks, block_size=d.block_size, backend=d.backend,
                            device=d.device, healthy=engine.healthy)
 

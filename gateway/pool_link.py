@@ -1,0 +1,82 @@
+"""One executor and its KV pool at the allocator, as one engine talks to them.
+
+Holds the pool's identity (pool_id, the epoch to send, the executor's description) and the
+lease the pool's requests join; every call an engine makes goes through here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from gateway.allocator_client import AllocatorClient, PoolSpec
+from gateway.executor_client import ExecutorClient, ExecutorDescription
+from gateway.lease import Lease
+from gateway.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome, TableDelta
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class PoolLink:
+    pool_id: str
+    executor: ExecutorClient
+    allocator: AllocatorClient
+    lease: Lease
+    description: ExecutorDescription
+    enable_prefix_caching: bool
+    epoch: int = 0
+    lease_generation: int = 0  # the lease generation our requests were admitted under
+
+    async def register(self) -> None:
+        """(Re-)register the pool; a new executor instance resets it at the allocator."""
+        d = self.description
+        self.epoch = await self.allocator.register_pool(
+            PoolSpec(
+                pool_id=self.pool_id,
+                num_blocks=d.num_blocks,
+                block_size=d.block_size,
+                num_cpu_blocks=d.num_cpu_blocks,
+                model_fingerprint=d.model_fingerprint,
+                executor_instance_id=d.instance_id,
+                enable_prefix_caching=self.enable_prefix_caching,
+            )
+        )
+        self.lease_generation = self.lease.generation
+        log.info("pool_registered", pool_id=self.pool_id, epoch=self.epoch,
+                 num_blocks=d.num_blocks, executor_instance_id=d.instance_id)
+
+    async def refresh(self, timeout_s: float) -> None:
+        """Describe the executor again (it may have restarted), then register."""
+        self.description = await self.executor.describe(timeout=timeout_s)
+        await self.register()
+
+    def take_lease_renewal(self) -> bool:
+        """True once after the lease was replaced: the allocator forgot our requests."""
+        if self.lease.generation == self.lease_generation:
+            return False
+        self.lease_generation = self.lease.generation
+        return True
+
+    async def step(self, call: StepCall) -> StepOutcome:
+        return await self.allocator.step(self.pool_id, self.epoch, self.lease.lease_id, call)
+
+    async def execute(self, call: ExecuteCall) -> ExecuteResult:
+        return await self.executor.execute(call)
+
+    async def free(self, commits: Sequence[Commit], request_ids: Sequence[str]) -> None:
+        await self.allocator.free(self.pool_id, self.epoch, commits, request_ids)
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self.allocator.abort(self.pool_id, self.epoch, request_ids)
+
+    async def release(self, request_ids: Sequence[str]) -> None:
+        await self.executor.release(request_ids)
+
+    async def fork(
+        self, parent_id: str, child_ids: Sequence[str], request_id: str
+    ) -> list[TableDelta]:
+        return await self.allocator.fork(self.pool_id, self.epoch, parent_id, child_ids,
+                                         request_id)
