@@ -26,8 +26,10 @@ PAD_ALLOWANCE_TOKENS = 2048
 @dataclass(frozen=True, slots=True)
 class DecodeGroup:
     token_index: torch.Tensor  # [B] long: rows of the packed step
-    block_index: torch.Tensor  # [B, max_blocks] long: block tables, padded with block 0
-    key_mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: True = attend
+    block_index: torch.Tensor  # [B * max_blocks] long: block tables, padded with block 0
+    max_blocks: int
+    key_len: int  # keys each row attends over: the group's longest context
+    key_mask: torch.Tensor | None  # [B, 1, 1, key_len] bool, True = attend; None: all equal
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,15 +59,23 @@ def _decode_groups(
 
 
 def _decode_group(group: list[SeqSpan], block_size: int, device: torch.device) -> DecodeGroup:
-    max_blocks = -(-group[0].context_len // block_size)
-    tables = [list(s.block_ids[:max_blocks]) for s in group]
-    tables = [t + [0] * (max_blocks - len(t)) for t in tables]  # pad: masked out below
-    lengths = torch.tensor([s.context_len for s in group], device=device)  # [B]
-    positions = torch.arange(max_blocks * block_size, device=device)  # [L]
+    key_len = group[0].context_len
+    max_blocks = -(-key_len // block_size)
+    flat: list[int] = []
+    for span in group:
+        table = list(span.block_ids[:max_blocks])
+        flat.extend(table + [0] * (max_blocks - len(table)))  # pad: masked out below
+    mask = None
+    if group[-1].context_len != key_len:
+        lengths = torch.tensor([s.context_len for s in group], device=device)  # [B]
+        positions = torch.arange(key_len, device=device)  # [L]
+        mask = (positions[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, L]
     return DecodeGroup(
         token_index=torch.tensor([s.query_start for s in group], dtype=torch.long, device=device),
-        block_index=torch.tensor(tables, dtype=torch.long, device=device),
-        key_mask=(positions[None, :] < lengths[:, None])[:, None, None, :],  # [B, 1, 1, L]
+        block_index=torch.tensor(flat, dtype=torch.long, device=device),
+        max_blocks=max_blocks,
+        key_len=key_len,
+        key_mask=mask,
     )
 
 
@@ -110,10 +120,12 @@ class TorchStepAttention:
         q = query[0].transpose(0, 1)  # [T, Hq, D]
         out = torch.empty_like(q)  # [T, Hq, D]
         for group in self.decode_groups:
-            batch, max_blocks = group.block_index.shape
-            padded = (batch, max_blocks * block_size, num_kv_heads, head_dim)
-            k = key_cache[group.block_index].view(padded).transpose(1, 2)  # [B, Hkv, L, D]
-            v = value_cache[group.block_index].view(padded).transpose(1, 2)  # [B, Hkv, L, D]
+            # index_select: a plain block copy, several times faster than advanced indexing.
+            padded = (-1, group.max_blocks * block_size, num_kv_heads, head_dim)
+            k = key_cache.index_select(0, group.block_index).view(padded)  # [B, L', Hkv, D]
+            v = value_cache.index_select(0, group.block_index).view(padded)  # [B, L', Hkv, D]
+            k = k[:, : group.key_len].transpose(1, 2)  # [B, Hkv, L, D]
+            v = v[:, : group.key_len].transpose(1, 2)  # [B, Hkv, L, D]
             qd = q[group.token_index].unsqueeze(2)  # [B, Hq, 1, D]
             o = F.scaled_dot_product_attention(
                 qd, k, v, attn_mask=group.key_mask, scale=scaling, enable_gqa=True
@@ -124,8 +136,8 @@ class TorchStepAttention:
             if span.block_index is None:
                 k, v = new_k[rows], new_v[rows]  # [K, Hkv, D]
             else:
-                k = key_cache[span.block_index].view(-1, num_kv_heads, head_dim)
-                v = value_cache[span.block_index].view(-1, num_kv_heads, head_dim)
+                k = key_cache.index_select(0, span.block_index).view(-1, num_kv_heads, head_dim)
+                v = value_cache.index_select(0, span.block_index).view(-1, num_kv_heads, head_dim)
                 k, v = k[: span.context_len], v[: span.context_len]  # [K, Hkv, D]
             o = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1).unsqueeze(0),  # [1, Hq, Q, D]
