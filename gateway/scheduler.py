@@ -140,6 +140,10 @@ class Scheduler:
         scheduled: list[tuple[Sequence, int]] = []
         for item in step.call.items:
             seq = step.seqs[item.request_id]
+            if not item.is_new and seq.known_to_allocator:
+                # The allocator applies appends before scheduling: even when the item is then
+                # deferred or swapped out, the tokens are recorded there.
+                seq.num_allocator_tokens += len(item.append_token_ids)
             if item.request_id in skipped or seq.is_finished:
                 continue
             grant = outcome.grants.get(item.request_id)
@@ -152,11 +156,9 @@ class Scheduler:
                     seq.request.num_cached_tokens = grant.num_cached_tokens
                 admitted.add(seq)
                 self.running.append(seq)
-            else:
-                seq.num_allocator_tokens += len(item.append_token_ids)
-                if seq.status is SeqStatus.SWAPPED:
-                    self.swapped.remove(seq)
-                    self.running.append(seq)
+            elif seq.status is SeqStatus.SWAPPED:
+                self.swapped.remove(seq)
+                self.running.append(seq)
             seq.status = SeqStatus.RUNNING
             if grant is not None and grant.delta is not None:
                 grant.delta.apply(seq.block_table)

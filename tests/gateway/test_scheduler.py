@@ -249,3 +249,32 @@ def test_scheduler_add_puts_sequence_at_the_requested_end(front: bool):
     b = Sequence(seq_id="b", request=request("b", [2]), index=0)
     sched.add(b, front=front)
     assert list(sched.waiting) == ([b, a] if front else [a, b])
+
+
+def test_scheduler_swapped_request_sends_its_token_once():
+    # Swapped out in a step that carried its sampled token, then deferred on swap-in:
+    # the allocator recorded the token at once, so it is never sent again.
+    sched = scheduler()
+    sched.swap = True
+    pool, model = FakePool(64, BLOCK), FakeModel()
+    a = add(sched, request("a", [1, 2, 3]))[0]
+    plan = sched.schedule()
+    assert plan is not None
+    batch = sched.apply_outcome(plan, pool.step(plan.call))
+    sched.apply_result(batch, model.execute(batch.call))
+    plan = sched.schedule()  # the decode of a: carries its sampled token
+    assert plan is not None and plan.call.items[0].append_token_ids == (a.output_token_ids[0],)
+    sched.apply_outcome(plan, StepOutcome(preempted=(Preemption("a", swapped=True),)))
+    assert a.status is SeqStatus.SWAPPED and a.num_allocator_tokens == 4
+    plan = sched.schedule()  # swap-in attempt: no new token to send
+    assert plan is not None and plan.call.items[0].append_token_ids == ()
+    sched.apply_outcome(plan, StepOutcome(deferred_request_ids=frozenset({"a"})))
+    assert a.status is SeqStatus.SWAPPED and a.num_allocator_tokens == 4
+    plan = sched.schedule()
+    assert plan is not None
+    grant = Grant("a", TableDelta(0, (9,)), 0, 1, 3, False)
+    batch = sched.apply_outcome(plan, StepOutcome(grants={"a": grant}))
+    assert a.status is SeqStatus.RUNNING and a.block_table == [9]
+    (work,) = batch.call.seqs
+    assert work.start_position == 3 and work.token_ids == (a.output_token_ids[0],)
+    assert work.delta == TableDelta(0, (9,)) and work.sampling is None
