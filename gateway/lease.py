@@ -9,7 +9,7 @@ requests, since the allocator has forgotten them.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -25,6 +25,7 @@ class Lease:
     ttl_ms: int
     lease_id: str = ""
     generation: int = 0
+    renewing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def acquire(self) -> None:
         self.lease_id, granted_ms = await self.allocator.create_lease(self.ttl_ms)
@@ -38,14 +39,23 @@ class Lease:
             try:
                 await self.allocator.keep_alive(self.lease_id)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
-                    log.warning("lease_lost", lease_id=self.lease_id)
-                    await self._reacquire()
-                else:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
                     log.warning("lease_keep_alive_failed", code=exc.code().name)
+                    continue
+                try:
+                    await self.renew_if_lost()
+                except grpc.aio.AioRpcError as again:
+                    log.warning("lease_acquire_failed", code=again.code().name)
 
-    async def _reacquire(self) -> None:
-        try:
-            await self.acquire()
-        except grpc.aio.AioRpcError as exc:
-            log.warning("lease_acquire_failed", code=exc.code().name)
+    async def renew_if_lost(self) -> None:
+        """An allocator call said NOT_FOUND: if the lease is gone (allocator restarted),
+        take a new one now rather than at the next keep-alive. Engines call this at once;
+        only the first one renews."""
+        async with self.renewing:
+            try:
+                await self.allocator.keep_alive(self.lease_id)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                log.warning("lease_lost", lease_id=self.lease_id)
+                await self.acquire()

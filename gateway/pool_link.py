@@ -44,6 +44,7 @@ class PoolLink:
                 enable_prefix_caching=self.enable_prefix_caching,
             )
         )
+        # Requests admitted from now on join the current lease.
         self.lease_generation = self.lease.generation
         log.info("pool_registered", pool_id=self.pool_id, epoch=self.epoch,
                  num_blocks=d.num_blocks, executor_instance_id=d.instance_id)

@@ -113,6 +113,7 @@ async def reconnect(engine: Engine) -> None:
 async def reregister(engine: Engine) -> None:
     """The allocator no longer knows our pool or epoch: register again, readmit all."""
     try:
+        await engine.link.lease.renew_if_lost()
         await engine.link.refresh(timeout_s=5.0)
     except grpc.aio.AioRpcError as exc:
         log.warning("pool_reregister_failed", pool_id=engine.pool_id, code=exc.code().name)
@@ -122,10 +123,8 @@ async def reregister(engine: Engine) -> None:
 
 
 def readmit_all(engine: Engine, why: str) -> None:
-    """The allocator forgot our requests: release them at the executor, start over."""
-    releases = [s.seq_id for s in engine.scheduler.sequences() if s.known_to_executor]
+    """The allocator forgot our requests: start them over (the executor releases them)."""
     seqs = engine.scheduler.evict_all()
-    engine.scheduler.pending.release_ids.extend(releases)
     log.warning("requests_readmitted", pool_id=engine.pool_id, why=why, num=len(seqs))
     for seq in sorted(seqs, key=lambda s: (s.request.arrival_time, s.index)):
         if not seq.request.cancelled:

@@ -248,15 +248,19 @@ class Scheduler:
         self.finish(parent)
 
     def evict_all(self) -> list[Sequence]:
-        """The executor is gone: every unfinished sequence, reset for recompute elsewhere."""
+        """The allocator forgot our requests, or the executor is gone: every unfinished
+        sequence, reset for recompute. Releases stay queued (and every sequence the executor
+        held joins them): executor state is dropped whatever happened at the allocator."""
         seqs = [s for s in self.sequences() if not s.is_finished]
+        releases = self.pending.release_ids
+        releases.extend(s.seq_id for s in seqs if s.known_to_executor)
         for seq in seqs:
             seq.reset_for_recompute()
             seq.known_to_executor = False
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
-        self.pending = Pending()
+        self.pending = Pending(release_ids=releases)
         return seqs
 
     # ---- internals ----------------------------------------------------------------------
