@@ -68,7 +68,7 @@ def test_killed_executor_requests_finish_on_the_other_one(clients: Clients):
 
     def run(i: int) -> None:
         request = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=batch[i]),
-                                      sampling=sampling(200, ignore_eos=True))
+                                      sampling=sampling(150, ignore_eos=True))
         out: dict[int, Streamed] = {0: Streamed()}
         try:
             for response in clients.gateway.Generate(request, timeout=120):
@@ -94,7 +94,7 @@ def test_killed_executor_requests_finish_on_the_other_one(clients: Clients):
             assert result.code() == grpc.StatusCode.UNAVAILABLE, result
             continue
         assert result is not None
-        assert tuple(result[0].token_ids) == reference_greedy(tuple(prompt), 200, ignore_eos=True)
+        assert tuple(result[0].token_ids) == reference_greedy(tuple(prompt), 150, ignore_eos=True)
         finished += 1
     assert finished == len(batch)  # one executor is left: every request can finish there
     info = clients.gateway.GetModelInfo(gpb.GetModelInfoRequest())

@@ -194,3 +194,18 @@ def test_gateway_keeps_serving_after_bad_input(clients: Clients):
     done = generate(clients.gateway, gpb.GenerateRequest(
         token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(6)))[0]
     assert tuple(done.token_ids) == reference_greedy(tuple(prompt), 6)
+
+
+def test_generate_duplicate_request_id_in_flight_is_already_exists(clients: Clients):
+    # A client-chosen request id may not be reused while its first request still streams.
+    prompt = next(prompts(1, 8, seed=29))
+    first = clients.gateway.Generate(gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(1500, ignore_eos=True),
+        request_id="dup-1"))
+    next(iter(first))
+    with pytest.raises(grpc.RpcError) as err:
+        generate(clients.gateway, gpb.GenerateRequest(
+            token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(4), request_id="dup-1"))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    first.cancel()
+    clients.wait_all_blocks_back()
