@@ -63,11 +63,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m gateway.bench_control_plane")
     parser.add_argument("--running", default="64,256", help="concurrent requests per run")
     parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--model", default="models/tiny-llama", help="preset (small-llama: "
+                        "the small CPU preset the share of step time is judged on)")
     args = parser.parse_args()
     sizes = [int(x) for x in args.running.split(",")]
     log_dir = Path(tempfile.mkdtemp(prefix="pagedkv-bench-"))
     spec = StackSpec(
-        allocator_port=0, executor_port=0, gateway_port=0, log_dir=str(log_dir),
+        model=args.model, allocator_port=0, executor_port=0, gateway_port=0, log_dir=str(log_dir),
         executor_args=("--load-format", "dummy", "--num-blocks", "8192",
                        "--max-num-seqs", "512"),
         gateway_args=("--log-json", "--stats-every-steps", str(WINDOW), "--max-num-seqs", "512",
@@ -75,6 +77,7 @@ def main() -> int:
     )
     stack = Stack(spec).start()
     try:
+        print(f"model {args.model}, {args.max_tokens} tokens per request")
         print("| running | p50 step ms | p50 control-plane ms | p50 allocator ms | share |")
         print("|---|---|---|---|---|")
         for n in sizes:
