@@ -103,6 +103,13 @@ class ModelRunner:
         tokens = self._sample(forward.sampling_request_ids, forward.logits)
         end = time.perf_counter()
         timings = Timings(_ms(start, forward_end), _ms(forward_end, end), _ms(start, end))
+        log.debug(
+            "step_executed",
+            num_tokens=forward.num_tokens,
+            num_sampled=len(tokens),
+            forward_ms=round(timings.forward_ms, 3),
+            total_ms=round(timings.total_ms, 3),
+        )
         return StepResult(tokens=tokens, timings=timings, num_tokens=forward.num_tokens)
 
     def run_forward(self, step: StepRequest) -> ForwardOutput:

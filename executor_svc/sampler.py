@@ -33,7 +33,7 @@ def _apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def new_generator(seed: int, device: torch.device) -> torch.Generator:
-    # manual_seed takes 64 bits; fold larger proto uint64 values without losing determinism.
+    # manual_seed takes an unsigned 64-bit value; fold any Python int into that range.
     return torch.Generator(device=device).manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
 
 

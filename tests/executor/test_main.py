@@ -1,0 +1,49 @@
+"""`python -m executor_svc`: bad settings exit with a message; the port file carries the port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .oracle import MODELS
+
+ROOT = MODELS.parent
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "executor_svc", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_main_rejects_bad_settings_with_a_remedy() -> None:
+    # A flag that cannot work exits 2 and says which flag and what to use instead.
+    result = _run("--model", "/nonexistent", "--port", "0")
+    assert result.returncode == 2
+    assert "--model '/nonexistent' is not a directory" in result.stderr
+
+
+def test_main_writes_port_file_and_stops_on_sigterm(tmp_path: Path) -> None:
+    # --port 0 binds a free port, written to --port-file; SIGTERM stops it with status 0.
+    port_file = tmp_path / "port"
+    command = [
+        sys.executable, "-m", "executor_svc", "--load-format", "dummy", "--port", "0",
+        "--port-file", str(port_file), "--kv-cache-memory", "4MiB", "--swap-space", "0",
+        "--log-json",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not port_file.exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.1)
+        port = int(port_file.read_text())
+        assert 0 < port < 65536
+    finally:
+        os.kill(process.pid, signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr[-2000:]
+    assert f'"port": {port}' in stderr and '"event": "server_started"' in stderr
+    assert '"event": "server_stopped"' in stderr
