@@ -33,6 +33,7 @@ from gateway.tokenizer import Tokenizer
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 DRAIN_S = 2.0
+HEALTH_INTERVAL_S = 1.0
 
 
 @dataclass(slots=True)
@@ -74,6 +75,18 @@ async def _retry(what: str, fn: Callable[[], Awaitable[T]], timeout_s: float) ->
                 raise SystemExit(message) from exc
             log.info("waiting_for_dependency", what=what)
             await asyncio.sleep(0.5)
+
+
+async def _watch_health(server: Server, router: Router) -> None:
+    """Health says NOT_SERVING while no executor is reachable (new requests would fail)."""
+    serving = True
+    while True:
+        await asyncio.sleep(HEALTH_INTERVAL_S)
+        now = bool(router.healthy())
+        if now != serving:
+            serving = now
+            await server.set_serving(serving)
+            log.warning("gateway_health_changed", serving=serving)
 
 
 def model_limits(
@@ -146,6 +159,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
     loop = asyncio.get_running_loop()
     gateway.tasks.append(loop.create_task(lease.keep_alive_forever()))
     gateway.tasks.extend(loop.create_task(e.run()) for e in router.engines)
+    gateway.tasks.append(loop.create_task(_watch_health(server, router)))
     if settings.port_file:
         tmp = Path(f"{settings.port_file}.tmp")
         tmp.write_text(f"{server.port}\n")

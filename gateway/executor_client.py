@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.allocator_client import CHANNEL_OPTIONS
+from gateway.allocator_client import CHANNEL_OPTIONS, request_metadata
 from gateway.step import BlockCopy, ExecuteCall, ExecuteResult, Sampled, SeqWork
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -97,4 +97,7 @@ class ExecutorClient:
         )
 
     async def release(self, request_ids: Sequence[str]) -> None:
-        await self.stub.Release(pb.ReleaseRequest(request_ids=request_ids))
+        await self.stub.Release(
+            pb.ReleaseRequest(request_ids=request_ids),
+            metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
+        )
