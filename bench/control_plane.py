@@ -23,7 +23,6 @@ at 64 running requests.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,8 +35,7 @@ from tqdm import tqdm
 
 from bench.baselines import BenchRequest
 from bench.common import RESULTS_DIR, markdown_table, write_results
-from bench.load import run_load
-from gateway.launch import Stack, StackSpec
+from bench.load import read_steps, run_load, stack
 
 MODEL = "models/small-llama"
 SEED = 0
@@ -66,36 +64,12 @@ def _split(step: dict[str, float]) -> dict[str, float]:
     return parts
 
 
-def start_stack(log_dir: str, step_log: str) -> Stack:
-    spec = StackSpec(model=MODEL, allocator_port=0, executor_port=0, gateway_port=0,
-                     log_dir=log_dir)
-    running = Stack(spec)
-    try:
-        running._start("allocator", "allocator_svc", 0, ())
-        running._start("executor-0", "executor_svc", 0, (
-            "--model", MODEL, "--load-format", "dummy", "--seed", str(SEED),
-            "--num-blocks", "8192", "--max-num-seqs", "512", "--max-num-batched-tokens",
-            "8192"))
-        for service in running.services:
-            running._wait_healthy(service)
-        os.environ["PAGEDKV_BENCH_STEP_LOG"] = step_log
-        gateway = running._start("gateway", "bench.cp_gateway", 0, (
-            "--allocator-addr", running.allocator_addr,
-            "--executor-addrs", ",".join(running.executor_addrs()), "--model", MODEL,
-            "--max-num-seqs", "512", "--max-num-batched-tokens", "8192"))
-        running._wait_healthy(gateway)
-    except BaseException:
-        running.stop()
-        raise
-    return running
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.control_plane", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--running", default="8,64,256")
-    p.add_argument("--threads", type=int, default=2, help="executor torch threads")
+    p.add_argument("--threads", type=int, default=1, help="executor torch threads")
     args = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     sizes = [int(x) for x in args.running.split(",")]
@@ -103,19 +77,19 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = tempfile.mkdtemp(prefix="pagedkv-cp-")
     step_log = str(Path(log_dir) / "steps.jsonl")
     rows = []
-    running = start_stack(log_dir, step_log)
-    try:
+    executor_args = ("--num-blocks", "8192", "--max-num-seqs", "512",
+                     "--max-num-batched-tokens", "8192")
+    gateway_args = ("--max-num-seqs", "512", "--max-num-batched-tokens", "8192")
+    with stack(MODEL, executor_args, gateway_args, SEED, log_dir, step_log) as running:
         run_load(running.gateway_addr, [BenchRequest([1, 5, 6, 7], 8)] * 4, 4)  # warm-up
         for n in tqdm(sizes, desc="control plane", file=sys.stderr):
-            offset = Path(step_log).stat().st_size if Path(step_log).exists() else 0
+            _, offset = read_steps(step_log, 0)
             reqs = [BenchRequest([1, *[(i * 13 + j) % 30000 + 3 for j in range(15)]],
                                  max_tokens.get(n, 64)) for i in range(n)]
             t0 = time.perf_counter()
             results, wall = run_load(running.gateway_addr, reqs, concurrency=n)
             time.sleep(0.2)
-            with open(step_log) as handle:
-                handle.seek(offset)
-                steps = [json.loads(line) for line in handle if line.strip()]
+            steps, _ = read_steps(step_log, offset)
             full = [s for s in steps if s.get("seqs") == n and s.get("num_tokens", n) == n]
             if not full:
                 rows.append({"running": n, "steps": 0})
@@ -128,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
                          "tok_per_s": sum(len(r.tokens) for r in results) / wall,
                          "completed": sum(r.ok for r in results), "elapsed_s":
                          time.perf_counter() - t0})
-    finally:
-        running.stop()
     headers = ["running", "steps", "step ms", *[LABELS[k] + " ms" for k in PARTS],
                "control plane ms", "control share"]
     body = []
@@ -148,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         met = at64["control_share"] < 0.10
         print(f"\nTarget control plane < 10% of step time at 64 running: "
               f"{at64['control_share']:.1%} - {'met' if met else 'MISSED'}")
-    plots = plot(rows)
+    try:
+        plots = plot(rows)
+    except Exception as exc:  # noqa: BLE001 - a plot must not lose the figures
+        print(f"plot failed: {exc!r}", file=sys.stderr)
+        plots = []
     write_results("control_plane", {
         "benchmark": "control_plane", "model": MODEL, "seed": SEED, "quick": args.quick,
         "torch_threads": args.threads, "max_tokens": max_tokens, "rows": rows,

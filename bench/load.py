@@ -10,11 +10,14 @@ each streamed response.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
 import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -112,16 +115,50 @@ def pool_stats(allocator_addr: str) -> list[Any]:
 
 @contextmanager
 def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[str] = (),
-          seed: int = 0, log_dir: str | None = None):
-    """The real three services as subprocesses on free ports; stopped on exit."""
+          seed: int = 0, log_dir: str | None = None, step_log: str | None = None):
+    """The real three services as subprocesses on free ports; stopped on exit.
+
+    With `step_log`, the gateway runs as `python -m bench.cp_gateway` (the same gateway with
+    per-step timers, one JSON line per executed step appended to that file).
+    """
     spec = StackSpec(
         model=model, allocator_port=0, executor_port=0, gateway_port=0,
         executor_args=("--load-format", "dummy", "--seed", str(seed), *executor_args),
         gateway_args=tuple(gateway_args),
         log_dir=log_dir or tempfile.mkdtemp(prefix="pagedkv-bench-"),
     )
-    running = Stack(spec).start()
+    running = Stack(spec)
+    if step_log is None:
+        running.start()
+    else:
+        try:
+            running._start("allocator", "allocator_svc", 0, spec.allocator_args)
+            running._start("executor-0", "executor_svc", 0, ("--model", model,
+                                                             *spec.executor_args))
+            for service in running.services:
+                running._wait_healthy(service)
+            os.environ["PAGEDKV_BENCH_STEP_LOG"] = step_log
+            gateway = running._start("gateway", "bench.cp_gateway", 0, (
+                "--allocator-addr", running.allocator_addr,
+                "--executor-addrs", ",".join(running.executor_addrs()), "--model", model,
+                *spec.gateway_args))
+            running._wait_healthy(gateway)
+        except BaseException:
+            running.stop()
+            raise
     try:
         yield running
     finally:
         running.stop()
+
+
+def read_steps(step_log: str, offset: int = 0) -> tuple[list[dict[str, float]], int]:
+    """Step records appended since `offset`, and the new offset."""
+    path = Path(step_log)
+    if not path.exists():
+        return [], offset
+    with path.open() as handle:
+        handle.seek(offset)
+        text = handle.read()
+    return [json.loads(line) for line in text.splitlines() if line.strip()], offset + len(
+        text.encode())

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help="the full suite (much longer)")
     p.add_argument("--only", default="", help="comma-separated benchmark names")
-    p.add_argument("--threads", type=int, default=2,
+    p.add_argument("--threads", type=int, default=1,
                    help="torch threads for the model benchmarks (baselines and executor)")
     args = p.parse_args(argv)
     selected = [s for s in STEPS if not args.only or s[0] in args.only.split(",")]

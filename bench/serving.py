@@ -17,8 +17,10 @@ greedy:
               tokens count. Open loop: a batch of whatever has arrived when the last finished.
   cb          transformers continuous batching (`continuous_batching_context_manager`,
               per-request max_new_tokens, EOS off), `c` in flight (open loop: added on arrival).
-Baselines run in this process with `--threads` torch threads (default 2), the executor with
-the same (OMP_NUM_THREADS, inherited).
+Baselines run in this process with `--threads` torch threads, the executor with the same
+(OMP_NUM_THREADS, inherited). Default 1: on 2 shared cores that also carry the gateway, the
+allocator and this client, 2 OpenMP threads spin against each other (measured here: generate
+on a loaded machine, 8 x 128 -> 64, 299 tok/s with 1 thread, 30 with 2).
 Systems are interleaved (order rotated per repeat) and medians over repeats are reported.
 
 Token check: every system's tokens are compared with `generate`'s for the same requests; where
@@ -32,8 +34,10 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,14 +52,14 @@ from bench.baselines import (
     run_generate,
 )
 from bench.common import RESULTS_DIR, markdown_table, percentile, write_results
-from bench.load import poisson_arrivals, run_load, stack
+from bench.load import poisson_arrivals, read_steps, run_load, stack
 from bench.workloads import bounded_lognormal
 
 MODEL = "models/small-llama"
 VOCAB = 32000
 SEED = 0
 SYSTEMS = ("pagedkv", "generate", "cb")
-TORCH_THREADS = 2
+TORCH_THREADS = 1  # see --threads
 
 
 def mixed_requests(count: int, seed: int = SEED) -> list[BenchRequest]:
@@ -93,7 +97,7 @@ def scenarios(quick: bool, open_rate: float) -> list[Scenario]:
     if quick:
         plan = [("mixed", 1, 4), ("mixed", 8, 16), ("mixed", 32, 32), ("mixed", 64, 64),
                 ("equal", 64, 64)]
-        open_n = 48
+        open_n = 32
     else:
         plan = [("mixed", 1, 8), ("mixed", 8, 48), ("mixed", 32, 128), ("mixed", 64, 192),
                 ("equal", 8, 32), ("equal", 64, 128)]
@@ -134,6 +138,30 @@ def run_generate_open(model: Any, requests: list[BenchRequest], cap: int
             results[i + k] = res
         i = j
     return results, time.perf_counter() - start
+
+
+def step_profile(steps: list[dict[str, float]], wall_s: float) -> dict[str, float]:
+    """Where pagedkv's wall time went, from the instrumented gateway's per-step records."""
+    if not steps:
+        return {}
+    total = sum(x["total"] for x in steps)
+    forward = sum(x["forward"] for x in steps)
+    sample = sum(x["sample"] for x in steps)
+    decode = [x for x in steps if x.get("num_tokens") == x.get("seqs")]
+    return {
+        "steps": len(steps),
+        "mean_seqs": statistics.fmean(x.get("seqs", 0) for x in steps),
+        "decode_only_steps": len(decode),
+        "busy_share": total / (wall_s * 1e3),
+        "forward_share": forward / (wall_s * 1e3),
+        "sample_share": sample / (wall_s * 1e3),
+        "control_share": (total - forward - sample) / (wall_s * 1e3),
+        "allocator_ms_per_step": sum(x.get("alloc", 0.0) for x in steps) / len(steps),
+        "execute_overhead_ms_per_step": sum(x.get("exec", 0.0) - x["forward"] - x["sample"]
+                                            for x in steps) / len(steps),
+        "sched_ms_per_step": sum(x.get("sched", 0.0) for x in steps) / len(steps),
+        "step_ms_mean": total / len(steps),
+    }
 
 
 def run_system(system: str, s: Scenario, reqs: list[BenchRequest], model: Any,
@@ -209,7 +237,7 @@ def plot(rows: list[dict[str, Any]], path_prefix: str) -> list[str]:
         return []
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     for system in SYSTEMS:
-        pts = sorted((r["concurrency"], r[system]) for r in closed)
+        pts = sorted(((r["concurrency"], r[system]) for r in closed), key=lambda t: t[0])
         xs = [c for c, _ in pts]
         axes[0].plot(xs, [m["tok_per_s"] for _, m in pts], marker="o", label=system)
         axes[1].plot(xs, [m["ttft_p50_ms"] for _, m in pts], marker="o", label=system)
@@ -243,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="Poisson requests/s (default: 70%% of pagedkv's mixed-c64 rate)")
     p.add_argument("--only", default="", help="comma-separated scenario names to run")
     p.add_argument("--threads", type=int, default=TORCH_THREADS,
-                   help="torch threads of the baselines and of the executor (OMP_NUM_THREADS)")
+                   help="torch threads of the baselines and of the executor (OMP_NUM_THREADS); "
+                        "1 by default: with 2 on 2 shared cores, OpenMP spin-waiting makes "
+                        "runs swing up to 10x")
     args = p.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
     torch.set_num_threads(args.threads)
@@ -255,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                        pad_token_id=0)
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
-    with stack(MODEL, seed=SEED) as running:
+    step_log = str(Path(tempfile.mkdtemp(prefix="pagedkv-serving-")) / "steps.jsonl")
+    with stack(MODEL, seed=SEED, step_log=step_log) as running:
         addr = running.gateway_addr
         run_load(addr, mixed_requests(8, seed=99), concurrency=8)  # warm-up
         plan = scenarios(args.quick, args.open_rate or 0.0)
@@ -270,13 +301,18 @@ def main(argv: list[str] | None = None) -> int:
                              round(0.7 * req_rate, 3))
             reqs = requests_for(s)
             samples: dict[str, list[dict[str, float]]] = {k: [] for k in SYSTEMS}
+            profiles: list[dict[str, float]] = []
             outputs: dict[str, list[RequestResult]] = {}
             for rep in range(repeats):
                 order = SYSTEMS[rep % 3:] + SYSTEMS[:rep % 3]
                 for system in order:
                     print(f"[serving] {s.name} rep {rep + 1}/{repeats}: {system}",
                           file=sys.stderr, flush=True)
+                    _, offset = read_steps(step_log)
                     results, wall = run_system(system, s, reqs, model, addr)
+                    if system == "pagedkv":
+                        time.sleep(0.1)
+                        profiles.append(step_profile(read_steps(step_log, offset)[0], wall))
                     samples[system].append(summarise(results, wall))
                     outputs[system] = results
                     failed = [r.error for r in results if not r.ok]
@@ -289,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rate_per_s": s.rate_per_s,
                 "mean_prompt": statistics.fmean(len(r.prompt) for r in reqs),
                 "mean_output": statistics.fmean(r.output_len for r in reqs),
-                "samples": samples,
+                "samples": samples, "pagedkv_steps": profiles,
             }
             for system in SYSTEMS:
                 row[system] = _median_metrics(samples[system])
@@ -299,16 +335,18 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     table = render(rows)
     print(table)
-    plots = plot(rows, str(RESULTS_DIR / "serving"))
-    write_results("serving", {
+    payload = {
         "benchmark": "serving", "model": MODEL, "seed": SEED, "quick": args.quick,
         "repeats": repeats, "torch_threads": args.threads,
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         "workloads": {"mixed": "prompt LN(median 120, sigma 0.6) in [16, 512]; output "
                                "LN(median 60, sigma 0.6) in [8, 256]",
                       "equal": "128 -> 64"},
-        "targets": targets(rows), "rows": rows, "plots": plots, "elapsed_s": elapsed,
-    })
+        "targets": targets(rows), "rows": rows, "elapsed_s": elapsed,
+    }
+    write_results("serving", payload)  # first: a plotting failure must not lose the figures
+    payload["plots"] = plot(rows, str(RESULTS_DIR / "serving"))
+    write_results("serving", payload)
     return 0
 
 
@@ -362,7 +400,22 @@ def render(rows: list[dict[str, Any]]) -> str:
               for r in rows]
     out += ["### Token check (requests where systems disagree; batch-1 oracle)", "",
             markdown_table(["scenario", "disputed", "oracle-checked", "matches oracle"],
-                           checks)]
+                           checks), ""]
+    prof = []
+    for r in rows:
+        if not r.get("pagedkv_steps") or not r["pagedkv_steps"][-1]:
+            continue
+        x = r["pagedkv_steps"][-1]
+        prof.append([r["scenario"], x["steps"], f"{x['mean_seqs']:.1f}",
+                     f"{x['step_ms_mean']:.1f}", f"{x['forward_share']:.0%}",
+                     f"{x['sample_share']:.0%}", f"{x['control_share']:.0%}",
+                     f"{1 - x['busy_share']:.0%}", f"{x['allocator_ms_per_step']:.2f}",
+                     f"{x['execute_overhead_ms_per_step']:.2f}"])
+    if prof:
+        out += ["### Where pagedkv's wall time went (gateway step timers, last repeat)", "",
+                markdown_table(["scenario", "steps", "mean batch", "step ms", "forward",
+                                "sample", "control plane", "between steps",
+                                "allocator ms/step", "Execute overhead ms/step"], prof)]
     return "\n".join(out)
 
 
