@@ -136,6 +136,17 @@ def test_generate_n_with_seed_is_reproducible_and_children_differ(clients: Clien
     clients.wait_all_blocks_back()
 
 
+def test_generate_n_greedy_children_all_equal_the_reference(clients: Clients):
+    # n=3 greedy: the children share the prompt's blocks (the last one partial: copy-on-write
+    # when they write into it) and must each produce transformers' greedy output.
+    prompt = next(prompts(1, 40, seed=37))
+    done = generate(clients.gateway, gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(12, n=3, ignore_eos=True)))
+    expected = reference_greedy(tuple(prompt), 12, ignore_eos=True)
+    assert [tuple(done[i].token_ids) for i in range(3)] == [expected] * 3
+    clients.wait_all_blocks_back()
+
+
 def test_generate_cancelled_stream_gives_every_block_back(clients: Clients):
     # The client closes the stream after 3 responses of a long completion.
     prompt = next(prompts(1, 50, seed=17))

@@ -46,6 +46,19 @@ def test_preemption_keeps_greedy_outputs_and_returns_blocks(clients: Clients):
     assert pools[0].num_free_blocks == NUM_BLOCKS
 
 
+def test_preemption_of_forked_children_keeps_greedy_outputs(clients: Clients):
+    # n=4 greedy children of two requests fight for 16 blocks: forks, copy-on-write and
+    # preemptions; every child still equals the reference.
+    batch = [list(p) for p in prompts(2, 40, seed=71)]
+    requests = [gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=p),
+                                    sampling=sampling(24, n=4, ignore_eos=True)) for p in batch]
+    results = generate_many(clients.gateway, requests)
+    for prompt, result in zip(batch, results, strict=True):
+        expected = reference_greedy(tuple(prompt), 24, ignore_eos=True)
+        assert [tuple(result[i].token_ids) for i in range(4)] == [expected] * 4
+    clients.wait_all_blocks_back()
+
+
 def test_request_that_never_fits_the_pool_is_resource_exhausted(clients: Clients):
     # 300 prompt + 200 completion tokens need 32 blocks; the pool has 16.
     with pytest.raises(grpc.RpcError) as err:
