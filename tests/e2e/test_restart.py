@@ -9,7 +9,10 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
+import pytest
 from e2e_stack import (
+    MODEL,
     ROOT,
     Clients,
     Streamed,
@@ -58,6 +61,48 @@ def test_allocator_restart_mid_stream_keeps_output(tmp_path: Path):
         clients.wait_all_blocks_back()
         gateway_log = (tmp_path / "gateway.log").read_text()
         assert "requests_readmitted" in gateway_log and "lease_acquired" in gateway_log
+    finally:
+        clients.close()
+        if restarted is not None:
+            restarted.terminate()
+            restarted.wait(10)
+        stack.stop()
+
+
+def test_only_executor_lost_fails_cleanly_then_restart_serves_again(tmp_path: Path):
+    # The only executor dies mid-stream: UNAVAILABLE, not a hang. A new executor on the same
+    # port (a new instance: the pool is reset) is picked up and serves the next request.
+    stack = start_stack(tmp_path)
+    clients = Clients(stack)
+    restarted: subprocess.Popen[bytes] | None = None
+    try:
+        prompt = next(prompts(1, 20, seed=67))
+        call = clients.gateway.Generate(gpb.GenerateRequest(
+            token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(2000, ignore_eos=True)),
+            timeout=60)
+        next(iter(call))
+        port = stack.executor_addrs()[0].rsplit(":", 1)[1]
+        stack.kill("executor-0")
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in call:
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        with open(tmp_path / "executor-restarted.log", "wb") as log:
+            restarted = subprocess.Popen(
+                [sys.executable, "-m", "executor_svc", "--port", port, "--model", MODEL,
+                 "--load-format", "dummy"],
+                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            info = clients.gateway.GetModelInfo(gpb.GetModelInfoRequest())
+            if info.executors[0].healthy:
+                break
+            assert time.monotonic() < deadline, "the gateway never reconnected"
+            time.sleep(0.5)
+        done = generate(clients.gateway, gpb.GenerateRequest(
+            token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(8)))[0]
+        assert tuple(done.token_ids) == reference_greedy(tuple(prompt), 8)
+        clients.wait_all_blocks_back()
     finally:
         clients.close()
         if restarted is not None:
