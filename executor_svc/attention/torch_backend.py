@@ -119,6 +119,7 @@ class TorchStepAttention:
 
         q = query[0].transpose(0, 1)  # [T, Hq, D]
         out = torch.empty_like(q)  # [T, Hq, D]
+        num_groups = q.shape[1] // num_kv_heads  # query heads per KV head
         for group in self.decode_groups:
             # index_select: a plain block copy, several times faster than advanced indexing.
             padded = (-1, group.max_blocks * block_size, num_kv_heads, head_dim)
@@ -126,11 +127,14 @@ class TorchStepAttention:
             v = value_cache.index_select(0, group.block_index).view(padded)  # [B, L', Hkv, D]
             k = k[:, : group.key_len].transpose(1, 2)  # [B, Hkv, L, D]
             v = v[:, : group.key_len].transpose(1, 2)  # [B, Hkv, L, D]
-            qd = q[group.token_index].unsqueeze(2)  # [B, Hq, 1, D]
+            # One new token per sequence: a KV head's query heads are just rows attending to
+            # the same keys, so plain SDPA over [B, Hkv, G, D] is exact grouped-query attention
+            # (and faster than enable_gqa, which expands K/V on CPU).
+            qd = q[group.token_index].view(-1, num_kv_heads, num_groups, head_dim)  # [B, Hkv, G, D]
             o = F.scaled_dot_product_attention(
-                qd, k, v, attn_mask=group.key_mask, scale=scaling, enable_gqa=True
-            )  # [B, Hq, 1, D]
-            out[group.token_index] = o[:, :, 0]
+                qd, k, v, attn_mask=group.key_mask, scale=scaling
+            )  # [B, Hkv, G, D]
+            out[group.token_index] = o.reshape(-1, num_kv_heads * num_groups, head_dim)
         for span in self.prefill_spans:
             rows = slice(span.query_start, span.query_start + span.query_len)
             if span.block_index is None:
