@@ -109,3 +109,21 @@ def test_only_executor_lost_fails_cleanly_then_restart_serves_again(tmp_path: Pa
             restarted.terminate()
             restarted.wait(10)
         stack.stop()
+
+
+def test_dead_gateway_blocks_come_back_when_its_lease_expires(tmp_path: Path):
+    # SIGKILL the gateway mid-stream: nobody frees its request, the lease (1 s) expires and
+    # the allocator frees everything.
+    stack = start_stack(tmp_path, gateway_args=("--lease-ttl-ms", "1000"))
+    clients = Clients(stack)
+    try:
+        call = clients.gateway.Generate(gpb.GenerateRequest(
+            token_ids=gpb.TokenIds(ids=next(prompts(1, 40, seed=73))),
+            sampling=sampling(2000, ignore_eos=True)), timeout=60)
+        next(iter(call))
+        assert clients.pools()[0].num_used_blocks > 0
+        stack.kill("gateway")
+        clients.wait_all_blocks_back(timeout_s=10)
+    finally:
+        clients.close()
+        stack.stop()
