@@ -115,6 +115,8 @@ class Engine:
         t_alloc = time.perf_counter()
         batch = self.scheduler.apply_outcome(plan, outcome)
         if batch.call.is_empty():
+            # Nothing to run, but releases (a recompute preemption) must still go out.
+            self.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
             await self._flush_releases()
             return False
         t_sched = time.perf_counter()

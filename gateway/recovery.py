@@ -73,6 +73,8 @@ def execute_failed(engine: Engine, batch: Batch, exc: grpc.aio.AioRpcError) -> N
         lose_executor(engine)
         return
     # The executor refused this step: nothing it wrote may be cached (the commit rule).
+    # Its releases may not have been applied: send them again (releasing is idempotent).
+    engine.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
     error = Unavailable(f"executor {engine.pool_id} rejected a step ({code.name})")
     for seq, _ in batch.scheduled:
         engine.fail(seq, error)

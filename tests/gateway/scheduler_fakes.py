@@ -120,9 +120,9 @@ class FakeModel:
         return acc % self.vocab_size
 
     def execute(self, call: ExecuteCall) -> ExecuteResult:
-        for request_id in call.release_request_ids:
-            self.held.pop(request_id)
-            self.tables.pop(request_id)
+        for request_id in call.release_request_ids:  # unknown ids are ignored (the contract)
+            self.held.pop(request_id, None)
+            self.tables.pop(request_id, None)
         sampled = []
         for seq in call.seqs:
             if seq.sampling is not None:

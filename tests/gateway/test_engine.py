@@ -1,0 +1,167 @@
+"""The engine's step loop against the in-memory allocator and executor (scheduler_fakes)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+from scheduler_fakes import FakeModel, FakePool
+
+from gateway.batch import Budget
+from gateway.engine import Engine
+from gateway.output import OutputProcessor
+from gateway.request_state import CompletionDelta, FinishReason, Request
+from gateway.router import initial_sequences
+from gateway.sampling import SamplingOptions
+from gateway.scheduler import Scheduler
+from gateway.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome
+from gateway.tokenizer import Tokenizer
+
+BLOCK = 4
+
+
+@dataclass
+class FakeLink:
+    pool: FakePool
+    model: FakeModel
+    pool_id: str = "pool-0"
+    num_steps: int = 0
+    released: list[str] = field(default_factory=list)
+
+    def take_lease_renewal(self) -> bool:
+        return False
+
+    async def step(self, call: StepCall) -> StepOutcome:
+        self.num_steps += 1
+        return self.pool.step(call)
+
+    async def execute(self, call: ExecuteCall) -> ExecuteResult:
+        self.released += call.release_request_ids
+        return self.model.execute(call)
+
+    async def free(self, commits: tuple[Commit, ...], request_ids: tuple[str, ...]) -> None:
+        self.pool.step(StepCall(tuple(commits), tuple(request_ids), (), ()))
+
+    async def abort(self, request_ids: tuple[str, ...]) -> None:
+        self.pool.step(StepCall((), (), tuple(request_ids), ()))
+
+    async def release(self, request_ids: list[str]) -> None:
+        self.released += request_ids
+        self.model.execute(ExecuteCall(tuple(request_ids), (), (), (), ()))
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.load("models/tiny-llama")
+
+
+def engine(tokenizer: Tokenizer, num_blocks: int, tokens: int = 16) -> tuple[Engine, FakeLink]:
+    link = FakeLink(FakePool(num_blocks, BLOCK), FakeModel())
+    eng = Engine(
+        link=link,  # type: ignore[arg-type]
+        scheduler=Scheduler(Budget(max_num_seqs=8, max_num_batched_tokens=tokens), BLOCK),
+        output=OutputProcessor(tokenizer, frozenset({2}), max_model_len=256),
+        on_lost=lambda seqs: None,
+    )
+    return eng, link
+
+
+def submit(eng: Engine, rid: str, prompt: list[int], max_tokens: int) -> Request:
+    req = Request(request_id=rid, prompt_token_ids=prompt, cache_salt="",
+                  sampling=SamplingOptions(max_tokens=max_tokens, ignore_eos=True))
+    for seq in initial_sequences(req):
+        eng.submit(seq)
+    return req
+
+
+def drain(req: Request) -> list[CompletionDelta]:
+    out = []
+    while not req.outputs.empty():
+        out.append(req.outputs.get_nowait())
+    return out
+
+
+async def run_until_idle(eng: Engine, max_steps: int = 2000) -> None:
+    for _ in range(max_steps):
+        if not eng.busy:
+            return
+        await eng.step()
+    raise AssertionError("engine never went idle")
+
+
+def test_engine_streams_reference_tokens_and_frees_everything(tokenizer: Tokenizer):
+    # 4 requests on 12 blocks of 4 tokens: preemption, then the exact reference outputs,
+    # one delta per token, a final LENGTH with usage; all blocks back, nothing held.
+    eng, link = engine(tokenizer, num_blocks=12)
+    reqs = [submit(eng, f"r{i}", [i + 5] * (6 + i), max_tokens=10) for i in range(4)]
+    asyncio.run(run_until_idle(eng))
+    assert link.pool.num_preemptions > 0
+    for req in reqs:
+        deltas = drain(req)
+        tokens = [t for d in deltas for t in d.token_ids]
+        assert tokens == link.model.reference(req.prompt_token_ids, 10)
+        assert deltas[-1].finish_reason is FinishReason.LENGTH
+        assert deltas[-1].usage is not None and deltas[-1].usage.completion_tokens == 10
+    assert sorted(link.pool.free) == list(range(12))
+    assert not link.pool.requests and not link.model.held
+
+
+def test_engine_cancellation_aborts_and_releases(tokenizer: Tokenizer):
+    # A request cancelled mid-stream: aborted at the allocator, released at the executor.
+    eng, link = engine(tokenizer, num_blocks=64)
+    req = submit(eng, "c", [7] * 9, max_tokens=100)
+
+    async def scenario() -> None:
+        for _ in range(3):
+            await eng.step()
+        req.cancelled = True
+        eng.cancel()
+        await run_until_idle(eng)
+
+    asyncio.run(scenario())
+    assert sorted(link.pool.free) == list(range(64)) and not link.model.held
+    assert "c" in link.released
+
+
+def test_engine_preempted_request_is_released_before_readmission(tokenizer: Tokenizer):
+    # 6 blocks for two 20-token requests, whole prompts per step: the preempted one is
+    # released at the executor before it is created again (the fake refuses a second
+    # creation), and both outputs equal the reference.
+    eng, link = engine(tokenizer, num_blocks=6, tokens=64)
+    reqs = [submit(eng, f"p{i}", [3 + i] * 8, max_tokens=12) for i in range(2)]
+    asyncio.run(run_until_idle(eng))
+    for req in reqs:
+        tokens = [t for d in drain(req) for t in d.token_ids]
+        assert tokens == link.model.reference(req.prompt_token_ids, 12)
+    assert not link.model.held
+
+
+def test_engine_fails_sequences_of_a_rejected_step(tokenizer: Tokenizer):
+    # The executor rejects a step (INVALID_ARGUMENT): that request fails with UNAVAILABLE,
+    # its blocks are aborted, the engine keeps serving the next request.
+    import grpc
+
+    eng, link = engine(tokenizer, num_blocks=64)
+    req = submit(eng, "bad", [9] * 5, max_tokens=4)
+
+    class Rejected(grpc.aio.AioRpcError):
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.INVALID_ARGUMENT, None, None, "no")
+
+    original = link.execute
+
+    async def reject(call: ExecuteCall) -> ExecuteResult:
+        raise Rejected()
+
+    link.execute = reject  # type: ignore[method-assign]
+    asyncio.run(eng.step())
+    (delta,) = drain(req)
+    assert delta.error is not None and "rejected" in str(delta.error)
+    link.execute = original  # type: ignore[method-assign]
+    ok = submit(eng, "ok", [9] * 5, max_tokens=4)
+    asyncio.run(run_until_idle(eng))
+    assert [t for d in drain(ok) for t in d.token_ids] == link.model.reference([9] * 5, 4)
+    assert sorted(link.pool.free) == list(range(64))
+
+
