@@ -32,7 +32,7 @@ class SamplingOptions:
 class RawSampling:
     """The client's sampling fields as sent (None: unset)."""
 
-    max_tokens: int = 0
+    max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int = 0
@@ -87,7 +87,9 @@ def validate(raw: RawSampling, prompt_len: int, limits: ModelLimits) -> Sampling
         )
     if any(not s for s in raw.stop):
         raise InvalidArgument("sampling.stop contains an empty string: remove it")
-    max_tokens = raw.max_tokens or DEFAULT_MAX_TOKENS
+    max_tokens = DEFAULT_MAX_TOKENS if raw.max_tokens is None else raw.max_tokens
+    if max_tokens < 1:
+        raise InvalidArgument(f"sampling.max_tokens is {max_tokens}; it must be >= 1")
     # Completions end at max_model_len (finish_reason length); the pool must hold one whole.
     needed = min(prompt_len + max_tokens, limits.max_model_len)
     if needed > limits.pool_capacity_tokens:

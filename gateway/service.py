@@ -24,7 +24,7 @@ FINISH_REASONS = {
 
 def raw_sampling(params: pb.SamplingParams) -> RawSampling:
     return RawSampling(
-        max_tokens=params.max_tokens,
+        max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
         temperature=params.temperature if params.HasField("temperature") else None,
         top_p=params.top_p if params.HasField("top_p") else None,
         top_k=params.top_k,

@@ -178,6 +178,8 @@ BAD_INPUTS = [
      "max_model_len"),
     (gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[1, 9999]), sampling=sampling(4)),
      "prompt token_ids"),
+    (gpb.GenerateRequest(text="hi", sampling=gpb.SamplingParams(max_tokens=0)),
+     "sampling.max_tokens"),
     (gpb.GenerateRequest(text="hi", sampling=gpb.SamplingParams(temperature=-1)),
      "sampling.temperature"),
     (gpb.GenerateRequest(text="hi", sampling=gpb.SamplingParams(top_p=0)), "sampling.top_p"),

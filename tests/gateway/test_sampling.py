@@ -66,3 +66,9 @@ def test_validate_prompt_rejects_bad_prompts(prompt: list[int], match: str):
     # Empty, too long (no room for one token) or out-of-vocabulary prompts.
     with pytest.raises(InvalidArgument, match=match):
         validate_prompt(prompt, LIMITS)
+
+
+def test_sampling_explicit_zero_max_tokens_is_invalid():
+    # max_tokens is optional on the wire: unset means 16, an explicit 0 is a mistake.
+    with pytest.raises(InvalidArgument, match="sampling.max_tokens"):
+        validate(RawSampling(max_tokens=0), prompt_len=4, limits=LIMITS)
