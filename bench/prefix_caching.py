@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.prefix_caching", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--repeats", type=int, default=None, help="default: 2 quick, 3 full")
     p.add_argument("--threads", type=int, default=1, help="executor torch threads")

@@ -95,7 +95,8 @@ class Scenario:
 
 def scenarios(quick: bool, open_rate: float) -> list[Scenario]:
     if quick:
-        plan = [("mixed", 1, 4), ("mixed", 8, 16), ("mixed", 32, 32), ("mixed", 64, 64),
+        # c64 gets two waves: with exactly 64 requests nothing refills the batch
+        plan = [("mixed", 1, 4), ("mixed", 8, 16), ("mixed", 32, 32), ("mixed", 64, 128),
                 ("equal", 64, 64)]
         open_n = 32
     else:
