@@ -36,6 +36,7 @@ from transformers import (
 )
 
 from bench.common import markdown_table, write_results
+from common.logging import configure_logging
 from executor_svc.runner import ModelRunner, build_runner
 from executor_svc.settings import ExecutorSettings
 from executor_svc.step import BlockTableDelta, SamplingParams, SequenceWork, StepRequest
@@ -240,7 +241,7 @@ def cpu_benchmark(quick: bool, threads: int) -> None:
     dense.generation_config.eos_token_id = None
     dense.generation_config.pad_token_id = 0
     # --quick: one repetition, 8 new tokens, prompts at a quarter length (a smoke run).
-    num_new, repeat, scale = (8, 1, 0.25) if quick else (32, 3, 1.0)
+    num_new, repeat, scale = (8, 1, 0.25) if quick else (32, 5, 1.0)
     results, agreement = measure(runner, dense, [1, 16, 64], num_new, repeat, scale)
     rows = report(results, agreement)
     path = write_results(
@@ -340,6 +341,7 @@ def main() -> None:
     )
     parser.add_argument("--gpu", action="store_true", help="FlashInfer decode bandwidth (CUDA)")
     args = parser.parse_args()
+    configure_logging("executor_bench", level="warning")  # no per-step events while timing
     if args.gpu:
         gpu_benchmark()
         return

@@ -44,17 +44,17 @@ class PrefillSpan:
 def _decode_groups(
     spans: list[SeqSpan], block_size: int, device: torch.device
 ) -> list[DecodeGroup]:
-    ordered = sorted(spans, key=lambda s: s.context_len, reverse=True)
     groups: list[list[SeqSpan]] = []
-    for span in ordered:
-        group = groups[-1] if groups else None
-        if group is not None:
-            padded = (len(group) + 1) * group[0].context_len
-            real = sum(s.context_len for s in group) + span.context_len
-            if padded <= PAD_FACTOR * real + PAD_ALLOWANCE_TOKENS:
-                group.append(span)
+    real = 0  # keys the last group really holds
+    for span in sorted(spans, key=lambda s: s.context_len, reverse=True):
+        if groups:
+            padded = (len(groups[-1]) + 1) * groups[-1][0].context_len
+            if padded <= PAD_FACTOR * (real + span.context_len) + PAD_ALLOWANCE_TOKENS:
+                groups[-1].append(span)
+                real += span.context_len
                 continue
         groups.append([span])
+        real = span.context_len
     return [_decode_group(group, block_size, device) for group in groups]
 
 
