@@ -109,7 +109,10 @@ class ExecutorSettings:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m executor_svc", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m executor_svc",
+        description="The pagedkv executor: model weights, paged KV cache, one step per Execute.",
+    )
     d = ExecutorSettings()
     add_flag(p, "--host", default=d.host, help="interface to bind")
     add_flag(p, "--port", type=int, default=d.port, help="port to bind; 0 picks a free one")
