@@ -7,6 +7,7 @@ RPC is applied atomically (single writer, no locks).
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import TypeAlias
 
 import grpc
@@ -30,6 +31,9 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
         self, request: pb.RegisterPoolRequest, context: Ctx
     ) -> pb.RegisterPoolResponse:
         pool, reset = self.allocator.register_pool(convert.pool_config(request))
+        # A pool's blocks live as long as the pool: keep the cyclic GC from rescanning them
+        # (the free queue links make them cyclic), which otherwise shows as p99 spikes.
+        gc.freeze()
         log.info(
             "pool_registered",
             pool_id=request.pool_id,

@@ -10,6 +10,7 @@ one-token decode allocate_slots ~5.1 us per request; prefix lookup ~25 us plus a
 from __future__ import annotations
 
 import argparse
+import gc
 import signal
 import subprocess
 import sys
@@ -40,6 +41,7 @@ def make_pool() -> tuple[Allocator, int]:
     pool, _ = allocator.register_pool(
         PoolConfig("bench", NUM_BLOCKS, BLOCK_SIZE, 0, "bench-model", "i", True)
     )
+    gc.freeze()  # as the service does after registering a pool
     return allocator, pool.epoch
 
 

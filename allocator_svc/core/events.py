@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 
 class EventKind(Enum):
@@ -16,8 +17,9 @@ class EventKind(Enum):
     REMOVED = "removed"
 
 
-@dataclass(slots=True)
-class CacheEvent:
+class CacheEvent(NamedTuple):
+    """An immutable record; a NamedTuple because one is built per cached block (hot path)."""
+
     seq: int
     kind: EventKind
     block_hash: bytes
