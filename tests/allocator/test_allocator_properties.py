@@ -209,6 +209,6 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=250, stateful_step_count=40, deadline=None
+    max_examples=1000, stateful_step_count=30, deadline=None
 )
 test_allocator_random_operation_sequences = AllocatorMachine.TestCase
