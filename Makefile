@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := pagedkv/.generated
 
-.PHONY: setup protos lint typecheck test test-fast conformance run run-allocator bench bench-full compose-check clean
+.PHONY: setup protos lint typecheck test conformance run run-allocator bench bench-full bench-executor compose-check clean
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -48,6 +48,9 @@ bench: protos
 
 bench-full: protos
 	$(PY) -m bench.run --full
+
+bench-executor: protos
+	$(PY) -m bench.executor_bench
 
 compose-check:
 	docker-compose config -q
