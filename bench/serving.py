@@ -86,11 +86,8 @@ class Scenario:
     workload: str           # mixed | equal
     num_requests: int
     concurrency: int        # closed loop; for open loop the batch cap of `generate`
-    rate_per_s: float = 0.0  # > 0: open loop
-
-    @property
-    def open_loop(self) -> bool:
-        return self.rate_per_s > 0
+    open_loop: bool = False
+    rate_per_s: float = 0.0  # open loop: Poisson arrivals (0: chosen from the c64 run)
 
 
 def scenarios(quick: bool, open_rate: float) -> list[Scenario]:
@@ -104,7 +101,7 @@ def scenarios(quick: bool, open_rate: float) -> list[Scenario]:
                 ("equal", 8, 32), ("equal", 64, 128)]
         open_n = 128
     out = [Scenario(f"{w}-c{c}", w, n, c) for w, c, n in plan]
-    out.append(Scenario("mixed-poisson", "mixed", open_n, 64, open_rate))
+    out.append(Scenario("mixed-poisson", "mixed", open_n, 64, True, open_rate))
     return out
 
 
@@ -271,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--open-rate", type=float, default=None,
                    help="Poisson requests/s (default: 70%% of pagedkv's mixed-c64 rate)")
     p.add_argument("--only", default="", help="comma-separated scenario names to run")
+    p.add_argument("--name", default="serving",
+                   help="results name: bench/results/<name>.json and <name>_*.png")
     p.add_argument("--threads", type=int, default=TORCH_THREADS,
                    help="torch threads of the baselines and of the executor (OMP_NUM_THREADS); "
                         "1 by default: with 2 on 2 shared cores, OpenMP spin-waiting makes "
@@ -294,11 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.only:
             plan = [s for s in plan if s.name in args.only.split(",")]
         for s in plan:
-            if s.open_loop and not args.open_rate:
+            if s.open_loop and not s.rate_per_s:
                 base = next((r for r in rows if r["scenario"] == "mixed-c64"), None)
                 req_rate = (base["pagedkv"]["completed"] / base["pagedkv"]["wall_s"]
                             if base else 2.0)
-                s = Scenario(s.name, s.workload, s.num_requests, s.concurrency,
+                s = Scenario(s.name, s.workload, s.num_requests, s.concurrency, True,
                              round(0.7 * req_rate, 3))
             reqs = requests_for(s)
             samples: dict[str, list[dict[str, float]]] = {k: [] for k in SYSTEMS}
@@ -345,9 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                       "equal": "128 -> 64"},
         "targets": targets(rows), "rows": rows, "elapsed_s": elapsed,
     }
-    write_results("serving", payload)  # first: a plotting failure must not lose the figures
-    payload["plots"] = plot(rows, str(RESULTS_DIR / "serving"))
-    write_results("serving", payload)
+    write_results(args.name, payload)  # first: a plotting failure must not lose the figures
+    payload["plots"] = plot(rows, str(RESULTS_DIR / args.name))
+    write_results(args.name, payload)
     return 0
 
 
