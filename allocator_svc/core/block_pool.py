@@ -74,6 +74,24 @@ class BlockPool:
         self.events.stored(block_hash, block.block_id, parent_hash, token_ids)
         return True
 
+    def cache_run(
+        self, blocks: list[Block], hashes: list[bytes], parent: bytes | None, token_ids: list[int]
+    ) -> None:
+        """`cache` for consecutive full blocks of one chain (commit's hot loop, inlined)."""
+        if not self.enable_caching:
+            return
+        cached, events = self.cached, self.events
+        block_size = len(token_ids) // len(blocks) if blocks else 0
+        for index, (block, block_hash) in enumerate(zip(blocks, hashes, strict=True)):
+            if block.block_hash is None and block_hash not in cached:
+                block.block_hash = block_hash
+                cached[block_hash] = block
+                start = index * block_size
+                events.stored(
+                    block_hash, block.block_id, parent, token_ids[start : start + block_size]
+                )
+            parent = block_hash
+
     def _evict(self, block: Block) -> None:
         block_hash = block.block_hash
         assert block_hash is not None and self.cached.get(block_hash) is block

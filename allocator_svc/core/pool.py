@@ -151,21 +151,15 @@ class Pool:
         hashes = request.block_hashes
         if len(hashes) >= num_full or request.swapped:
             return
-        parent = hashes[-1] if hashes else request.root_hash
         first = len(hashes)
         tokens = request.token_ids[first * bs : num_full * bs]
-        for offset, block_hash in enumerate(
-            self.hash_block.chain(parent, tokens, num_full - first)
-        ):
-            index = first + offset
-            self.blocks.cache(
-                request.blocks[index],
-                block_hash,
-                parent if index else None,
-                tokens[offset * bs : (offset + 1) * bs],
-            )
-            hashes.append(block_hash)
-            parent = block_hash
+        new_hashes = self.hash_block.chain(
+            hashes[-1] if hashes else request.root_hash, tokens, num_full - first
+        )
+        self.blocks.cache_run(
+            request.blocks[first:num_full], new_hashes, hashes[-1] if hashes else None, tokens
+        )
+        hashes.extend(new_hashes)
 
     def free(self, request: Request) -> None:
         """Release every block, last first, so prefix blocks outlive suffix blocks in the LRU."""
