@@ -370,3 +370,24 @@ def test_service_compact_decode_form_and_commit_previous(stub):
         ),
         match="decode_token_ids has 1",
     )
+
+
+def test_service_pools_are_independent_with_their_own_block_sizes(stub):
+    # One allocator, two pools (block 4 and block 8): the same committed prompt is cached in
+    # the pool that ran it only, and MatchPrefix reports each pool in its own block size.
+    small = register(stub, num_blocks=16, block_size=4)
+    large = register(stub, num_blocks=4, block_size=8)
+    prompt = list(range(100, 117))  # 17 tokens
+    step(stub, small, [new("a", prompt)])
+    step(stub, small, commits={"a": 17}, free=["a"])
+    (grant,) = step(stub, large, [new("a", prompt)]).grants  # same id, other pool: allowed
+    assert (grant.num_cached_tokens, list(grant.delta.block_ids)) == (0, [0, 1, 2])
+    step(stub, large, commits={"a": 17})
+    matches = stub.MatchPrefix(
+        pb.MatchPrefixRequest(token_ids=prompt, pool_ids=[small.pool_id, large.pool_id])
+    ).matches
+    assert [(m.pool_id, m.num_cached_tokens) for m in matches] == [
+        (small.pool_id, 16),
+        (large.pool_id, 16),
+    ]
+    assert stats(stub, large).num_free_blocks == 1 and stats(stub, small).num_free_blocks == 16
