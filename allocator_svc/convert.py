@@ -55,7 +55,10 @@ def pool_info(pool: Pool) -> pb.PoolInfo:
 
 
 def preemption_mode(value: int) -> PreemptionMode:
-    return _MODES.get(value, PreemptionMode.RECOMPUTE)
+    mode = _MODES.get(value)
+    if mode is None:
+        raise InvalidArgument(f"preemption_mode={value} is not a PreemptionMode value")
+    return mode
 
 
 def commits(msgs: list[pb.Commit]) -> list[Commit]:

@@ -35,7 +35,14 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     ) -> pb.ExecuteResponse:
         step = convert.step_from_proto(request)
         async with self._lock:
-            result = await asyncio.to_thread(self._runner.execute, step)
+            # NOTE: a cancelled RPC (client gone) must not release the lock while the step
+            # still runs in its thread: the next call would touch the same state.
+            task = asyncio.ensure_future(asyncio.to_thread(self._runner.execute, step))
+            try:
+                result = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                await asyncio.wait([task])
+                raise
         return convert.result_to_proto(result)
 
     async def Release(  # noqa: N802

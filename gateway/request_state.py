@@ -125,7 +125,8 @@ class Sequence:
 
     def exec_sampling(self) -> ExecSampling:
         options = self.request.sampling
-        seed = None if options.seed is None else options.seed + self.seed_offset
+        # Children of n > 1 use seed + index, wrapped to the proto's uint64 range.
+        seed = None if options.seed is None else (options.seed + self.seed_offset) % 2**64
         return ExecSampling(
             temperature=options.temperature, top_p=options.top_p, top_k=options.top_k, seed=seed
         )

@@ -261,18 +261,23 @@ class Allocator:
 
     # Leases.
     def create_lease(self, ttl_s: float | None) -> Lease:
+        # A client taking a new lease after its old one ran out readmits the same request
+        # ids: free the expired leases' requests now rather than at the next sweep.
+        self.expire_leases()
         ttl = ttl_s if ttl_s else self.limits.default_lease_ttl_s
         return self.leases.create(ttl, self.clock())
 
     def keep_alive(self, lease_id: str) -> Lease:
         lease = self.leases.keep_alive(lease_id, self.clock())
         if lease is None:
+            self.expire_leases()
             raise NotFound(f"lease {lease_id!r} is unknown or expired: create a new one")
         return lease
 
     def _live_lease(self, lease_id: str) -> Lease:
         lease = self.leases.get(lease_id, self.clock())
         if lease is None:
+            self.expire_leases()
             raise NotFound(f"lease {lease_id!r} is unknown or expired: create a new one")
         return lease
 

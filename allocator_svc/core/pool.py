@@ -16,6 +16,8 @@ from allocator_svc.core.free_queue import Block
 from allocator_svc.core.hashing import BlockHasher, pack_tokens, root_hash
 from allocator_svc.core.request import BlockCopy, Grant, Request
 
+MAX_CACHED_ROOTS = 4096
+
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
@@ -47,6 +49,8 @@ class Pool:
     def root(self, cache_salt: str) -> bytes:
         root = self._roots.get(cache_salt)
         if root is None:
+            if len(self._roots) >= MAX_CACHED_ROOTS:  # a salt per request must not grow this
+                self._roots.clear()
             root = self._roots[cache_salt] = root_hash(self.config.model_fingerprint, cache_salt)
         return root
 
@@ -214,11 +218,9 @@ class Pool:
         self.free_cpu_block_ids.extend(cpu_ids)
         request.cpu_block_ids = None
         request.blocks = fresh
-        bs = self.block_size
-        for index, block_hash in enumerate(request.block_hashes):  # re-enter the prefix cache
-            parent = request.block_hashes[index - 1] if index else None
-            tokens = request.token_ids[index * bs : (index + 1) * bs]
-            self.blocks.cache(fresh[index], block_hash, parent, tokens)
+        # NOTE: the fresh blocks hold nothing until this step's swap-in copies run, so they
+        # re-enter the prefix cache only through the next commit (the commit rule).
+        request.block_hashes = []
         start = request.num_computed
         request.num_computed += num_tokens
         return Grant(request.request_id, 0, [b.block_id for b in fresh], num_tokens, start)

@@ -90,3 +90,31 @@ def test_pool_swap_out_and_in_restores_table_with_copies():
     assert grant.delta_start == 0 and len(grant.block_ids) == 3
     assert [c.src_block_id for c in result.swap_in] == [0, 1]
     assert grant.start_position == 8
+
+
+def test_pool_swapped_in_blocks_are_cached_only_after_commit():
+    # Commit rule across swap: a swapped-in request whose step then fails (abort) leaves no
+    # cache entry behind; once its step is committed, its blocks are cached again.
+    h = make_harness(num_blocks=4, block_size=4, num_cpu_blocks=4)
+    h.mode = PreemptionMode.SWAP
+    h.step([new("a", list(range(8))), new("b", list(range(100, 108)))])
+    h.step([], commits={"a": 8, "b": 8})
+    h.step([decode("a", 1), decode("b", 2)])  # b is swapped out
+    h.step([new("x", [7] * 5)], commits={"a": 9}, free=["a"])  # evicts b's cached blocks
+    h.step([], abort=["x"])
+    assert h.pool.requests["b"].swapped
+    h.step([decode("b", 3)])  # swap-in grant: copies not executed yet
+    assert all(block.block_hash is None for block in h.pool.requests["b"].blocks)
+    h.step([], abort=["b"])  # that step failed
+    assert h.step([new("c", list(range(100, 109)))]).grants[0].num_cached_tokens == 0
+    h.step([], abort=["c"])
+    # The same path with a successful step: the next commit caches b's blocks.
+    h2 = make_harness(num_blocks=4, block_size=4, num_cpu_blocks=4)
+    h2.mode = PreemptionMode.SWAP
+    h2.step([new("a", list(range(8))), new("b", list(range(100, 108)))])
+    h2.step([], commits={"a": 8, "b": 8})
+    h2.step([decode("a", 1), decode("b", 2)])
+    h2.step([], commits={"a": 9}, free=["a"])
+    h2.step([decode("b", 3)])
+    h2.step([], commits={"b": 9}, free=["b"])
+    assert h2.step([new("c", list(range(100, 108)) + [2])]).grants[0].num_cached_tokens == 8

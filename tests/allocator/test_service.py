@@ -391,3 +391,13 @@ def test_service_pools_are_independent_with_their_own_block_sizes(stub):
         (large.pool_id, 16),
     ]
     assert stats(stub, large).num_free_blocks == 1 and stats(stub, small).num_free_blocks == 16
+
+
+def test_service_unknown_preemption_mode_is_invalid_argument(stub):
+    pool = register(stub)
+    expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: step(stub, pool, [new("a", [1])], preemption_mode=7),
+        match="preemption_mode=7",
+    )
+    assert stats(stub, pool).num_requests == 0

@@ -72,3 +72,17 @@ def test_step_prefix_hit_revives_cached_free_blocks_counting_them():
     assert result.grants[0].num_cached_tokens == 8
     assert h.table("b")[:2] == [0, 1]
     assert h.pool.num_prefix_hits == 8
+
+
+def test_step_new_lease_after_expiry_frees_old_requests_for_readmission():
+    # A gateway whose lease ran out (before the sweep) takes a new lease and readmits the
+    # same request id: the expired lease's requests are freed first, not ALREADY_EXISTS.
+    h = make_harness(num_blocks=4, block_size=4)
+    old = h.allocator.create_lease(1.0)
+    h.lease_id = old.lease_id
+    h.step([new("a", [1] * 8)])
+    h.now[0] = 5.0  # the lease expired; no sweep ran
+    h.lease_id = h.allocator.create_lease(1.0).lease_id
+    (grant,) = h.step([new("a", [1] * 8)]).grants
+    assert grant.new_request and h.table("a") == [0, 1]
+    assert h.pool.blocks.num_free == 2

@@ -278,3 +278,11 @@ def test_scheduler_swapped_request_sends_its_token_once():
     (work,) = batch.call.seqs
     assert work.start_position == 3 and work.token_ids == (a.output_token_ids[0],)
     assert work.delta == TableDelta(0, (9,)) and work.sampling is None
+
+
+def test_scheduler_child_seed_wraps_to_uint64():
+    # seed + index must stay a valid uint64 on the wire (2**64 - 1 + 1 wraps to 0).
+    req = Request(request_id="r", prompt_token_ids=[5, 6, 7], cache_salt="",
+                  sampling=SamplingOptions(max_tokens=4, n=2, seed=2**64 - 1))
+    child = Sequence(seq_id="r-1", request=req, index=1, seed_offset=1)
+    assert child.exec_sampling().seed == 0
