@@ -1,2 +1,2 @@
 """The allocator core: plain Python, no gRPC. Reading order: hashing, free_queue, block_pool,
-events, request, kv_manager, step, leases, allocator."""
+events, request, pool, step, leases, validation, allocator."""

@@ -15,6 +15,13 @@ from allocator_svc.core.leases import Lease, LeaseTable
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import BlockCopy, Commit, Request
 from allocator_svc.core.step import PreemptionMode, StepItem, StepResult, run_step
+from allocator_svc.core.validation import (
+    check_commits,
+    check_items,
+    check_pool_config,
+    check_releases,
+    check_token_ids,
+)
 from common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -53,7 +60,7 @@ class Allocator:
     # Pools.
     def register_pool(self, config: PoolConfig) -> tuple[Pool, bool]:
         """Register (idempotent for the same executor instance); returns (pool, was_reset)."""
-        self._check_pool_config(config)
+        check_pool_config(config, self.limits)
         existing = self.pools.get(config.pool_id)
         if existing is not None and existing.config == config:
             return existing, False
@@ -70,24 +77,6 @@ class Allocator:
         pool = Pool(config, epoch, self.limits.event_capacity)
         self.pools[config.pool_id] = pool
         return pool, existing is not None
-
-    def _check_pool_config(self, config: PoolConfig) -> None:
-        limits = self.limits
-        if not config.pool_id:
-            raise InvalidArgument("pool_id is required")
-        if not 1 <= config.num_blocks <= limits.max_blocks_per_pool:
-            raise InvalidArgument(
-                f"num_blocks={config.num_blocks} is out of range: 1..{limits.max_blocks_per_pool}"
-            )
-        if not 1 <= config.block_size <= limits.max_block_size:
-            raise InvalidArgument(
-                f"block_size={config.block_size} is out of range: 1..{limits.max_block_size}"
-            )
-        if config.num_cpu_blocks > limits.max_cpu_blocks_per_pool:
-            raise InvalidArgument(
-                f"num_cpu_blocks={config.num_cpu_blocks} is out of range: "
-                f"0..{limits.max_cpu_blocks_per_pool}"
-            )
 
     def pool(self, pool_id: str, epoch: int | None = None) -> Pool:
         pool = self.pools.get(pool_id)
@@ -124,9 +113,9 @@ class Allocator:
             )
         if lease_id is not None:
             self._live_lease(lease_id)
-        released = self._check_releases(pool, free_ids, abort_ids)
-        self._check_commits(pool, commits)
-        self._check_items(pool, items, released)
+        released = check_releases(pool, free_ids, abort_ids)
+        check_commits(pool, commits)
+        check_items(pool, items, released)
         if commit_previous:
             requests, bs = pool.requests, pool.block_size
             for request in pool.last_scheduled:
@@ -142,63 +131,11 @@ class Allocator:
             pool.free(pool.requests[request_id])
         return run_step(pool, items, mode, lease_id)
 
-    def _check_releases(self, pool: Pool, free_ids: list[str], abort_ids: list[str]) -> set[str]:
-        released = set()
-        for request_id in (*free_ids, *abort_ids):
-            if request_id not in pool.requests:
-                raise NotFound(f"unknown request {request_id!r} in pool {pool.config.pool_id!r}")
-            if request_id in released:
-                raise InvalidArgument(f"request {request_id!r} is freed twice in one call")
-            released.add(request_id)
-        return released
-
-    def _check_commits(self, pool: Pool, commits: list[Commit]) -> None:
-        for commit in commits:
-            request = pool.requests.get(commit.request_id)
-            if request is None:
-                raise NotFound(f"commit for unknown request {commit.request_id!r}")
-            if commit.num_computed > request.num_computed:
-                raise InvalidArgument(
-                    f"commit of {commit.num_computed} tokens for {commit.request_id!r}, which "
-                    f"was granted only {request.num_computed}"
-                )
-
-    def _check_items(self, pool: Pool, items: list[StepItem], released: set[str]) -> None:
-        seen = {item.request_id for item in items}
-        if len(seen) != len(items) or "" in seen:
-            _raise_bad_ids(items)
-        if released and not released.isdisjoint(seen):
-            raise InvalidArgument(
-                f"requests {sorted(released & seen)} are both freed and scheduled"
-            )
-        requests = pool.requests
-        for item in items:
-            request_id = item.request_id
-            if item.append_token_ids and min(item.append_token_ids) < 0:
-                _check_token_ids(request_id, item.append_token_ids)
-            known = request_id in requests
-            if known and not item.prompt_token_ids:
-                continue
-            if item.prompt_token_ids:
-                if known:
-                    raise AlreadyExists(f"request {request_id!r} is already admitted")
-                _check_token_ids(request_id, item.prompt_token_ids)
-                needed = pool.blocks_for(len(item.prompt_token_ids) + len(item.append_token_ids))
-                if needed > pool.config.num_blocks:
-                    raise ResourceExhausted(
-                        f"request {request_id!r} needs {needed} blocks; pool "
-                        f"{pool.config.pool_id!r} has {pool.config.num_blocks} in all"
-                    )
-            elif not known:
-                raise NotFound(
-                    f"unknown request {request_id!r}: a new request must carry prompt_token_ids"
-                )
-
     # Outside a step.
     def free(self, pool_id: str, epoch: int, commits: list[Commit], request_ids: list[str]) -> Pool:
         pool = self.pool(pool_id, epoch)
-        self._check_releases(pool, request_ids, [])
-        self._check_commits(pool, commits)
+        check_releases(pool, request_ids, [])
+        check_commits(pool, commits)
         for commit in commits:
             pool.commit(pool.requests[commit.request_id], commit.num_computed)
         for request_id in request_ids:
@@ -244,7 +181,7 @@ class Allocator:
     def match_prefix(
         self, token_ids: list[int], cache_salt: str, pool_ids: Iterable[str]
     ) -> list[PrefixMatch]:
-        _check_token_ids("match_prefix", token_ids)
+        check_token_ids("match_prefix", token_ids)
         pools = [self.pool(pid) for pid in pool_ids] or list(self.pools.values())
         matches = []
         for pool in pools:
@@ -295,18 +232,3 @@ class Allocator:
     def check_invariants(self) -> None:
         for pool in self.pools.values():
             pool.check_invariants()
-
-
-def _raise_bad_ids(items: list[StepItem]) -> None:
-    seen: set[str] = set()
-    for item in items:
-        if not item.request_id:
-            raise InvalidArgument("every item needs a request_id")
-        if item.request_id in seen:
-            raise InvalidArgument(f"request {item.request_id!r} appears twice in one step")
-        seen.add(item.request_id)
-
-
-def _check_token_ids(owner: str, token_ids: list[int]) -> None:
-    if token_ids and min(token_ids) < 0:
-        raise InvalidArgument(f"{owner}: token ids must be >= 0, got {min(token_ids)}")

@@ -1,0 +1,100 @@
+"""Argument validation for the allocator's calls: a caller's mistake raises a domain error
+with a remedy, before anything is mutated."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from allocator_svc.core.pool import Pool, PoolConfig
+from allocator_svc.core.request import Commit
+from allocator_svc.core.step import StepItem
+from common.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+
+if TYPE_CHECKING:
+    from allocator_svc.core.allocator import Limits
+
+
+def check_pool_config(config: PoolConfig, limits: Limits) -> None:
+    if not config.pool_id:
+        raise InvalidArgument("pool_id is required")
+    if not 1 <= config.num_blocks <= limits.max_blocks_per_pool:
+        raise InvalidArgument(
+            f"num_blocks={config.num_blocks} is out of range: 1..{limits.max_blocks_per_pool}"
+        )
+    if not 1 <= config.block_size <= limits.max_block_size:
+        raise InvalidArgument(
+            f"block_size={config.block_size} is out of range: 1..{limits.max_block_size}"
+        )
+    if config.num_cpu_blocks > limits.max_cpu_blocks_per_pool:
+        raise InvalidArgument(
+            f"num_cpu_blocks={config.num_cpu_blocks} is out of range: "
+            f"0..{limits.max_cpu_blocks_per_pool}"
+        )
+
+
+def check_releases(pool: Pool, free_ids: list[str], abort_ids: list[str]) -> set[str]:
+    released = set()
+    for request_id in (*free_ids, *abort_ids):
+        if request_id not in pool.requests:
+            raise NotFound(f"unknown request {request_id!r} in pool {pool.config.pool_id!r}")
+        if request_id in released:
+            raise InvalidArgument(f"request {request_id!r} is freed twice in one call")
+        released.add(request_id)
+    return released
+
+
+def check_commits(pool: Pool, commits: list[Commit]) -> None:
+    for commit in commits:
+        request = pool.requests.get(commit.request_id)
+        if request is None:
+            raise NotFound(f"commit for unknown request {commit.request_id!r}")
+        if commit.num_computed > request.num_computed:
+            raise InvalidArgument(
+                f"commit of {commit.num_computed} tokens for {commit.request_id!r}, which "
+                f"was granted only {request.num_computed}"
+            )
+
+
+def check_items(pool: Pool, items: list[StepItem], released: set[str]) -> None:
+    seen = {item.request_id for item in items}
+    if len(seen) != len(items) or "" in seen:
+        _raise_bad_ids(items)
+    if released and not released.isdisjoint(seen):
+        raise InvalidArgument(f"requests {sorted(released & seen)} are both freed and scheduled")
+    requests = pool.requests
+    for item in items:
+        request_id = item.request_id
+        if item.append_token_ids and min(item.append_token_ids) < 0:
+            check_token_ids(request_id, item.append_token_ids)
+        known = request_id in requests
+        if known and not item.prompt_token_ids:
+            continue
+        if item.prompt_token_ids:
+            if known:
+                raise AlreadyExists(f"request {request_id!r} is already admitted")
+            check_token_ids(request_id, item.prompt_token_ids)
+            needed = pool.blocks_for(len(item.prompt_token_ids) + len(item.append_token_ids))
+            if needed > pool.config.num_blocks:
+                raise ResourceExhausted(
+                    f"request {request_id!r} needs {needed} blocks; pool "
+                    f"{pool.config.pool_id!r} has {pool.config.num_blocks} in all"
+                )
+        elif not known:
+            raise NotFound(
+                f"unknown request {request_id!r}: a new request must carry prompt_token_ids"
+            )
+
+
+def _raise_bad_ids(items: list[StepItem]) -> None:
+    seen: set[str] = set()
+    for item in items:
+        if not item.request_id:
+            raise InvalidArgument("every item needs a request_id")
+        if item.request_id in seen:
+            raise InvalidArgument(f"request {item.request_id!r} appears twice in one step")
+        seen.add(item.request_id)
+
+
+def check_token_ids(owner: str, token_ids: list[int]) -> None:
+    if token_ids and min(token_ids) < 0:
+        raise InvalidArgument(f"{owner}: token ids must be >= 0, got {min(token_ids)}")
