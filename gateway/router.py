@@ -58,10 +58,8 @@ class Router:
 
     async def route(self, request: Request) -> Engine:
         engines = self.healthy()
-        if not engines:
-            raise Unavailable("no executor is available: check the executors' health")
-        if len(engines) == 1:
-            return engines[0]
+        if len(engines) <= 1:
+            return self._pick(engines, {})
         cached: dict[str, int] = {}
         try:
             matches = await self.allocator.match_prefix(
@@ -71,6 +69,14 @@ class Router:
             cached = {m.pool_id: m.num_cached_tokens for m in matches}
         except grpc.aio.AioRpcError as exc:
             log.info("match_prefix_failed", code=exc.code().name)
+        # NOTE: an executor may have been lost while MatchPrefix was in flight; its engine
+        # already evicted its sequences, so one submitted there now would wait forever.
+        return self._pick(self.healthy(), cached)
+
+    @staticmethod
+    def _pick(engines: list[Engine], cached: dict[str, int]) -> Engine:
+        if not engines:
+            raise Unavailable("no executor is available: check the executors' health")
         return max(engines, key=lambda e: (cached.get(e.pool_id, 0), -e.load))
 
     def requeue(self, seqs: list[Sequence]) -> None:

@@ -44,6 +44,22 @@ class FakeAllocator:
         return [PrefixMatch(p, self.cached.get(p, 0), 0, 0) for p in pool_ids]
 
 
+@dataclass
+class LosingAllocator:
+    """Loses executor `lost` while MatchPrefix is in flight (the engine's loop runs then)."""
+
+    engines: list[FakeEngine]
+    lost: set[str]
+    cached: dict[str, int]
+
+    async def match_prefix(self, token_ids, cache_salt, pool_ids, request_id):  # noqa: ANN001
+        await asyncio.sleep(0)
+        for engine in self.engines:
+            if engine.pool_id in self.lost:
+                engine.healthy = False
+        return [PrefixMatch(p, self.cached.get(p, 0), 0, 0) for p in pool_ids]
+
+
 def request(rid: str = "r", prompt: list[int] | None = None, n: int = 1) -> Request:
     return Request(request_id=rid, prompt_token_ids=prompt or [1, 2, 3],
                    sampling=SamplingOptions(max_tokens=4, n=n), cache_salt="")
@@ -109,3 +125,22 @@ def test_initial_sequences_for_n():
     assert parent.is_prefill_parent and parent.seq_id == "x-prefill"
     seqs = initial_sequences(request("x", prompt=[1], n=2))
     assert [(s.seq_id, s.seed_offset) for s in seqs] == [("x-0", 0), ("x-1", 1)]
+
+
+def test_router_skips_executor_lost_during_match_prefix():
+    # Pool a holds the whole prefix but is lost while MatchPrefix is awaited: b gets it.
+    a, b = FakeEngine("a"), FakeEngine("b")
+    allocator = LosingAllocator([a, b], lost={"a"}, cached={"a": 64})
+    r = Router(engines=[a, b], allocator=allocator, max_waiting=8)  # type: ignore[arg-type]
+    assert asyncio.run(r.submit(request())) is b
+    assert not a.scheduler.waiting and len(b.scheduler.waiting) == 1
+
+
+def test_router_every_executor_lost_during_match_prefix_is_unavailable():
+    # Both pools are lost while MatchPrefix is awaited: UNAVAILABLE, nothing queued.
+    a, b = FakeEngine("a"), FakeEngine("b")
+    allocator = LosingAllocator([a, b], lost={"a", "b"}, cached={})
+    r = Router(engines=[a, b], allocator=allocator, max_waiting=8)  # type: ignore[arg-type]
+    with pytest.raises(Unavailable):
+        asyncio.run(r.submit(request()))
+    assert not a.scheduler.waiting and not b.scheduler.waiting
