@@ -31,13 +31,12 @@ class BlockPool:
         """Take `num_blocks` fresh blocks (ref_count 1), evicting cached ones; None if short."""
         if num_blocks > self.free_queue.num_blocks:
             return None
-        taken = []
-        for _ in range(num_blocks):
-            block = self.free_queue.popleft()
-            if block.block_hash is not None:
-                self._evict(block)
+        taken = self.free_queue.popleft_n(num_blocks)
+        evicted = [block for block in taken if block.block_hash is not None]
+        if evicted:
+            self._evict(evicted)
+        for block in taken:
             block.ref_count = 1
-            taken.append(block)
         return taken
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -78,27 +77,51 @@ class BlockPool:
         self, blocks: list[Block], hashes: list[bytes], parent: bytes | None, token_ids: list[int]
     ) -> None:
         """`cache` for consecutive full blocks of one chain (commit's hot loop, inlined)."""
-        if not self.enable_caching:
+        if not self.enable_caching or not blocks:
             return
-        cached, events = self.cached, self.events
-        block_size = len(token_ids) // len(blocks) if blocks else 0
+        cached = self.cached
+        block_size = len(token_ids) // len(blocks)
+        start = 0  # the first block of the run being recorded as one event record
         for index, (block, block_hash) in enumerate(zip(blocks, hashes, strict=True)):
             if block.block_hash is None and block_hash not in cached:
                 block.block_hash = block_hash
                 cached[block_hash] = block
-                start = index * block_size
-                events.stored(
-                    block_hash, block.block_id, parent, token_ids[start : start + block_size]
-                )
-            parent = block_hash
+                continue
+            # Already cached (by this block or another): the run of new entries breaks here.
+            self._record_stored(blocks, hashes, parent, token_ids, block_size, start, index)
+            start = index + 1
+        self._record_stored(blocks, hashes, parent, token_ids, block_size, start, len(blocks))
 
-    def _evict(self, block: Block) -> None:
-        block_hash = block.block_hash
-        assert block_hash is not None and self.cached.get(block_hash) is block
-        del self.cached[block_hash]
-        block.block_hash = None
-        self.num_evictions += 1
-        self.events.removed(block_hash, block.block_id)
+    def _record_stored(
+        self,
+        blocks: list[Block],
+        hashes: list[bytes],
+        parent: bytes | None,
+        token_ids: list[int],
+        block_size: int,
+        start: int,
+        stop: int,
+    ) -> None:
+        if start == stop:
+            return
+        self.events.stored_run(
+            hashes[start:stop],
+            [block.block_id for block in blocks[start:stop]],
+            hashes[start - 1] if start else parent,
+            token_ids[start * block_size : stop * block_size],
+        )
+
+    def _evict(self, blocks: list[Block]) -> None:
+        cached = self.cached
+        hashes = []
+        for block in blocks:
+            block_hash = block.block_hash
+            assert block_hash is not None and cached.get(block_hash) is block
+            del cached[block_hash]
+            block.block_hash = None
+            hashes.append(block_hash)
+        self.num_evictions += len(blocks)
+        self.events.removed_run(hashes, [block.block_id for block in blocks])
 
     @property
     def num_cached_free(self) -> int:

@@ -6,6 +6,10 @@ and copy/swap operations move those records). After every operation the allocato
 invariants hold, and every request's computed prefix reads back exactly its own tokens from
 the slots its mirrored table points at: prefix hits, copy-on-write and swap are all checked by
 what an executor would actually read.
+
+An observer follows the event log (small pages, a log small enough to overflow) and must
+rebuild exactly the allocator's prefix-cache map; every BlockStored event's parent and tokens
+must reproduce its block hash.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from allocator_svc.core.allocator import Allocator, Limits
+from allocator_svc.core.events import EventKind
+from allocator_svc.core.hashing import hash_block
 from allocator_svc.core.pool import PoolConfig
 from allocator_svc.core.request import Commit
 from allocator_svc.core.step import PreemptionMode, StepItem
@@ -24,6 +30,7 @@ from allocator_svc.core.step import PreemptionMode, StepItem
 BLOCK_SIZE = 2
 NUM_BLOCKS = 12
 NUM_CPU_BLOCKS = 6
+EVENT_CAPACITY = 8  # small: the observer's cursor regularly falls off the log
 SALTS = ("", "tenant")
 
 Slot = tuple[str, int, int]  # (salt, position, token) that wrote the slot
@@ -43,7 +50,7 @@ class Mirror:
 class AllocatorMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.allocator = Allocator(Limits(max_batch_items=64))
+        self.allocator = Allocator(Limits(max_batch_items=64, event_capacity=EVENT_CAPACITY))
         self.pool, _ = self.allocator.register_pool(
             PoolConfig("p", NUM_BLOCKS, BLOCK_SIZE, NUM_CPU_BLOCKS, "fp", "i", True)
         )
@@ -55,6 +62,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.pending_commits: dict[str, int] = {}
         self.next_id = 0
         self.committed_prefixes: dict[str, set[tuple[int, ...]]] = {s: set() for s in SALTS}
+        self.observed: dict[bytes, int] = {}  # block hash -> block id, rebuilt from events
+        self.cursor = 0
 
     # Helpers: the executor's view.
     def _read(self, mirror: Mirror, upto: int) -> list[Slot | None]:
@@ -199,6 +208,31 @@ class AllocatorMachine(RuleBasedStateMachine):
     def invariants_hold(self) -> None:
         self.allocator.check_invariants()
         assert set(self.pool.requests) == set(self.requests)
+
+    @invariant()
+    def observer_follows_the_cache(self) -> None:
+        roots = {self.pool.root(salt) for salt in SALTS}
+        while True:
+            page = self.pool.events.after(self.cursor, 3)
+            if page.truncated:  # fell off the log: resync from a snapshot
+                self.observed = {h: b.block_id for h, b in self.pool.blocks.cached.items()}
+                self.cursor = page.last_seq
+                continue
+            for event in page.events:
+                assert event.seq == self.cursor + 1, "events arrive without gaps"
+                self.cursor = event.seq
+                if event.kind is EventKind.REMOVED:
+                    assert self.observed.pop(event.block_hash) == event.block_id
+                    continue
+                assert event.token_ids is not None and len(event.token_ids) == BLOCK_SIZE
+                parents = roots if event.parent_hash is None else {event.parent_hash}
+                assert event.block_hash in {hash_block(p, event.token_ids) for p in parents}
+                assert event.block_hash not in self.observed
+                self.observed[event.block_hash] = event.block_id
+            if not page.events:
+                break
+        assert self.cursor == self.pool.events.last_seq
+        assert self.observed == {h: b.block_id for h, b in self.pool.blocks.cached.items()}
 
     def teardown(self) -> None:
         # No leak: once every request is freed, every block is free again.

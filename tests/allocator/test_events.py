@@ -1,6 +1,6 @@
 """The event log: a cursor never misses an event silently."""
 
-from allocator_svc.core.events import EventLog
+from allocator_svc.core.events import EventKind, EventLog
 
 
 def test_events_after_cursor_in_pages():
@@ -22,4 +22,39 @@ def test_events_truncated_when_cursor_fell_off():
         log.removed(bytes([i]), i)
     page = log.after(0, 10)
     assert page.truncated and [e.seq for e in page.events] == [3, 4, 5]
+    assert not log.after(2, 10).truncated
+
+
+def test_a_run_reads_as_one_event_per_block_chained_by_parent():
+    # One run of three blocks (block size 2): each event's parent is the previous block.
+    log = EventLog(16)
+    log.stored_run([b"a", b"b", b"c"], [7, 8, 9], b"root", [1, 2, 3, 4, 5, 6])
+    log.removed_run([b"x", b"y"], [3, 4])
+    events = log.after(0, 10).events
+    assert [(e.seq, e.block_hash, e.block_id, e.parent_hash, e.token_ids) for e in events[:3]] == [
+        (1, b"a", 7, b"root", [1, 2]),
+        (2, b"b", 8, b"a", [3, 4]),
+        (3, b"c", 9, b"b", [5, 6]),
+    ]
+    assert [(e.seq, e.kind, e.block_id) for e in events[3:]] == [
+        (4, EventKind.REMOVED, 3),
+        (5, EventKind.REMOVED, 4),
+    ]
+    # A cursor inside a run, and pages that end inside a run.
+    assert [e.seq for e in log.after(1, 2).events] == [2, 3]
+    assert [e.seq for e in log.after(2, 2).events] == [3, 4]
+
+
+def test_overflow_trims_a_run_to_exactly_capacity_events():
+    # Capacity 4 and a run of 6: the first two events are gone, the rest keep their chain.
+    log = EventLog(4)
+    log.stored_run([b"a", b"b", b"c", b"d", b"e", b"f"], list(range(6)), None, list(range(12)))
+    page = log.after(0, 10)
+    assert page.truncated and page.last_seq == 6
+    assert [(e.seq, e.parent_hash, e.token_ids) for e in page.events] == [
+        (3, b"b", [4, 5]),
+        (4, b"c", [6, 7]),
+        (5, b"d", [8, 9]),
+        (6, b"e", [10, 11]),
+    ]
     assert not log.after(2, 10).truncated
