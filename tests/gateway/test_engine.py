@@ -1,4 +1,4 @@
-"""The engine's step loop against the in-memory allocator and executor (scheduler_fakes)."""
+"""The engine's step loop against the real allocator core and a fake executor (in_process)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 import pytest
-from scheduler_fakes import FakeModel, FakePool
+from in_process import CorePool, FakeModel
 
 from gateway.batch import Budget
 from gateway.engine import Engine
@@ -15,7 +15,7 @@ from gateway.request_state import CompletionDelta, FinishReason, Request
 from gateway.router import initial_sequences
 from gateway.sampling import SamplingOptions
 from gateway.scheduler import Scheduler
-from gateway.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome
+from gateway.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome, TableDelta
 from gateway.tokenizer import Tokenizer
 
 BLOCK = 4
@@ -23,7 +23,7 @@ BLOCK = 4
 
 @dataclass
 class FakeLink:
-    pool: FakePool
+    pool: CorePool
     model: FakeModel
     pool_id: str = "pool-0"
     num_steps: int = 0
@@ -41,10 +41,13 @@ class FakeLink:
         return self.model.execute(call)
 
     async def free(self, commits: tuple[Commit, ...], request_ids: tuple[str, ...]) -> None:
-        self.pool.step(StepCall(tuple(commits), tuple(request_ids), (), ()))
+        self.pool.free(commits, request_ids)
 
     async def abort(self, request_ids: tuple[str, ...]) -> None:
-        self.pool.step(StepCall((), (), tuple(request_ids), ()))
+        self.pool.abort(request_ids)
+
+    async def fork(self, parent_id: str, child_ids: list[str], request_id: str) -> list[TableDelta]:
+        return self.pool.fork(parent_id, child_ids)
 
     async def release(self, request_ids: list[str]) -> None:
         self.released += request_ids
@@ -57,7 +60,7 @@ def tokenizer() -> Tokenizer:
 
 
 def engine(tokenizer: Tokenizer, num_blocks: int, tokens: int = 16) -> tuple[Engine, FakeLink]:
-    link = FakeLink(FakePool(num_blocks, BLOCK), FakeModel())
+    link = FakeLink(CorePool(num_blocks, BLOCK), FakeModel(BLOCK))
     eng = Engine(
         link=link,  # type: ignore[arg-type]
         scheduler=Scheduler(Budget(max_num_seqs=8, max_num_batched_tokens=tokens), BLOCK),
@@ -67,9 +70,9 @@ def engine(tokenizer: Tokenizer, num_blocks: int, tokens: int = 16) -> tuple[Eng
     return eng, link
 
 
-def submit(eng: Engine, rid: str, prompt: list[int], max_tokens: int) -> Request:
+def submit(eng: Engine, rid: str, prompt: list[int], max_tokens: int, n: int = 1) -> Request:
     req = Request(request_id=rid, prompt_token_ids=prompt, cache_salt="",
-                  sampling=SamplingOptions(max_tokens=max_tokens, ignore_eos=True))
+                  sampling=SamplingOptions(max_tokens=max_tokens, ignore_eos=True, n=n))
     for seq in initial_sequences(req):
         eng.submit(seq)
     return req
@@ -103,8 +106,30 @@ def test_engine_streams_reference_tokens_and_frees_everything(tokenizer: Tokeniz
         assert tokens == link.model.reference(req.prompt_token_ids, 10)
         assert deltas[-1].finish_reason is FinishReason.LENGTH
         assert deltas[-1].usage is not None and deltas[-1].usage.completion_tokens == 10
-    assert sorted(link.pool.free) == list(range(12))
-    assert not link.pool.requests and not link.model.held
+    assert link.pool.all_free() and not link.model.held
+
+
+@pytest.mark.parametrize("num_cpu_blocks", [0, 16])
+def test_engine_fork_and_swap_preemption_give_reference_outputs(
+    tokenizer: Tokenizer, num_cpu_blocks: int
+):
+    # n=3 next to two plain requests on 8 blocks, swap mode: the children share the prompt
+    # (copy-on-write), requests are swapped out (or recomputed without CPU blocks); every
+    # completion equals the reference; all blocks back, nothing held.
+    eng, link = engine(tokenizer, num_blocks=8)
+    eng.scheduler.swap = True
+    link.pool = CorePool(8, BLOCK, num_cpu_blocks=num_cpu_blocks)
+    reqs = [submit(eng, "n3", [4] * 9, 8, n=3), submit(eng, "a", [6] * 7, 8),
+            submit(eng, "b", [8] * 7, 8)]
+    asyncio.run(run_until_idle(eng))
+    assert link.pool.num_preemptions > 0
+    assert (link.model.num_swapped_out > 0) == (num_cpu_blocks > 0)
+    for req in reqs:
+        deltas = drain(req)
+        for index in range(req.sampling.n):
+            tokens = [t for d in deltas if d.index == index for t in d.token_ids]
+            assert tokens == link.model.reference(req.prompt_token_ids, 8)
+    assert link.pool.all_free() and not link.model.held
 
 
 def test_engine_cancellation_aborts_and_releases(tokenizer: Tokenizer):
@@ -120,7 +145,7 @@ def test_engine_cancellation_aborts_and_releases(tokenizer: Tokenizer):
         await run_until_idle(eng)
 
     asyncio.run(scenario())
-    assert sorted(link.pool.free) == list(range(64)) and not link.model.held
+    assert link.pool.all_free() and not link.model.held
     assert "c" in link.released
 
 
@@ -162,6 +187,6 @@ def test_engine_fails_sequences_of_a_rejected_step(tokenizer: Tokenizer):
     ok = submit(eng, "ok", [9] * 5, max_tokens=4)
     asyncio.run(run_until_idle(eng))
     assert [t for d in drain(ok) for t in d.token_ids] == link.model.reference([9] * 5, 4)
-    assert sorted(link.pool.free) == list(range(64))
+    assert link.pool.all_free()
 
 

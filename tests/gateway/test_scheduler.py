@@ -1,11 +1,11 @@
-"""The scheduler against in-memory fakes of the allocator and executor (scheduler_fakes)."""
+"""The scheduler against the real allocator core and a fake executor (in_process)."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scheduler_fakes import FakeModel, FakePool
+from in_process import CorePool, FakeModel
 
 from gateway.batch import Budget
 from gateway.request_state import Request, SeqStatus, Sequence
@@ -34,7 +34,7 @@ def add(sched: Scheduler, req: Request) -> list[Sequence]:
     return seqs
 
 
-def drive(sched: Scheduler, pool: FakePool, model: FakeModel, max_steps: int = 5000) -> int:
+def drive(sched: Scheduler, pool: CorePool, model: FakeModel, max_steps: int = 5000) -> int:
     """Run every queued sequence to max_tokens; returns the number of steps."""
     steps = 0
     while (plan := sched.schedule()) is not None:
@@ -59,7 +59,7 @@ def _empty_step(sched: Scheduler):  # type: ignore[no-untyped-def]
 def test_scheduler_lists_running_decodes_before_waiting_prefills():
     # One request is decoding; a new one waits: the decode comes first, one token.
     sched = scheduler()
-    pool, model = FakePool(64, BLOCK), FakeModel()
+    pool, model = CorePool(64, BLOCK), FakeModel(BLOCK)
     add(sched, request("a", [1, 2, 3]))
     plan = sched.schedule()
     assert plan is not None
@@ -79,7 +79,7 @@ def test_scheduler_lists_running_decodes_before_waiting_prefills():
 def test_scheduler_chunks_prefill_under_the_token_budget():
     # A 10-token prompt with a budget of 4 tokens per step: chunks 4, 4, 2; sampling at 2.
     sched = scheduler(tokens=4)
-    pool, model = FakePool(64, BLOCK), FakeModel()
+    pool, model = CorePool(64, BLOCK), FakeModel(BLOCK)
     add(sched, request("a", list(range(10)), max_tokens=1))
     chunks = []
     while (plan := sched.schedule()) is not None and plan.call.items:
@@ -104,7 +104,7 @@ def test_scheduler_respects_max_num_seqs():
 def test_scheduler_first_execute_carries_sampling_and_full_table():
     # A new request's first Execute creates its state: sampling and table from index 0.
     sched = scheduler()
-    pool = FakePool(64, BLOCK)
+    pool = CorePool(64, BLOCK)
     add(sched, request("a", list(range(6))))
     plan = sched.schedule()
     assert plan is not None
@@ -118,20 +118,20 @@ def test_scheduler_first_execute_carries_sampling_and_full_table():
 def test_scheduler_outputs_match_reference_without_preemption():
     # Plenty of blocks: every request's tokens equal the fake model's reference.
     sched = scheduler(seqs=4, tokens=16)
-    pool, model = FakePool(256, BLOCK), FakeModel()
+    pool, model = CorePool(256, BLOCK), FakeModel(BLOCK)
     reqs = [request(f"r{i}", [i + 1] * (3 + 5 * i), max_tokens=6) for i in range(6)]
     seqs = [add(sched, r)[0] for r in reqs]
     drive(sched, pool, model)
     for r, seq in zip(reqs, seqs, strict=True):
         assert seq.output_token_ids == model.reference(r.prompt_token_ids, 6)
     assert pool.num_preemptions == 0
-    assert sorted(pool.free) == list(range(256)) and not model.held
+    assert pool.all_free() and not model.held
 
 
 def test_scheduler_recompute_preemption_keeps_outputs_and_returns_blocks():
     # 10 blocks of 4 tokens for 5 requests of up to 14 tokens: preemption must happen.
     sched = scheduler(seqs=8, tokens=32)
-    pool, model = FakePool(10, BLOCK), FakeModel()
+    pool, model = CorePool(10, BLOCK), FakeModel(BLOCK)
     reqs = [request(f"r{i}", [i + 3] * 6, max_tokens=8) for i in range(5)]
     seqs = [add(sched, r)[0] for r in reqs]
     drive(sched, pool, model)
@@ -139,13 +139,13 @@ def test_scheduler_recompute_preemption_keeps_outputs_and_returns_blocks():
     assert sched.num_preemptions == pool.num_preemptions
     for r, seq in zip(reqs, seqs, strict=True):
         assert seq.output_token_ids == model.reference(r.prompt_token_ids, 8)
-    assert sorted(pool.free) == list(range(10)) and not model.held
+    assert pool.all_free() and not model.held
 
 
 def test_scheduler_preempted_request_rejoins_queue_front_and_is_released():
     # A recompute preemption: state reset, queued first, released at the executor next step.
     sched = scheduler()
-    pool = FakePool(64, BLOCK)
+    pool = CorePool(64, BLOCK)
     a = add(sched, request("a", [1, 2, 3]))[0]
     add(sched, request("b", [4]))
     plan = sched.schedule()
@@ -170,7 +170,7 @@ def test_scheduler_preempted_request_rejoins_queue_front_and_is_released():
 def test_scheduler_finish_queues_commit_free_and_release():
     # A finished request: its commit and free ride on the next Step, its release on Execute.
     sched = scheduler()
-    pool, model = FakePool(64, BLOCK), FakeModel()
+    pool, model = CorePool(64, BLOCK), FakeModel(BLOCK)
     a = add(sched, request("a", [1, 2, 3, 4, 5]))[0]
     plan = sched.schedule()
     assert plan is not None
@@ -196,7 +196,7 @@ def test_scheduler_abort_of_waiting_request_sends_nothing():
 def test_scheduler_fork_replaces_parent_with_children_sharing_its_table():
     # n=3: the parent computes prompt[:-1]; after fork the children append the last token.
     sched = scheduler()
-    pool, model = FakePool(64, BLOCK), FakeModel()
+    pool, model = CorePool(64, BLOCK), FakeModel(BLOCK)
     req = request("r", [5, 6, 7, 8, 9, 10], n=3)
     (parent,) = add(sched, req)
     assert parent.is_prefill_parent and parent.token_ids == [5, 6, 7, 8, 9]
@@ -207,7 +207,9 @@ def test_scheduler_fork_replaces_parent_with_children_sharing_its_table():
     assert sched.apply_result(batch, model.execute(batch.call)) == []
     assert sched.ready_to_fork(batch) == [parent]
     children = [Sequence(seq_id=f"r-{i}", request=req, index=i, seed_offset=i) for i in range(3)]
-    sched.fork(parent, children, [TableDelta(0, (0, 1))] * 3)
+    tables = pool.fork(parent.seq_id, [c.seq_id for c in children])
+    assert tables == [TableDelta(0, (0, 1))] * 3
+    sched.fork(parent, children, tables)
     plan = sched.schedule()
     assert plan is not None
     assert [(i.request_id, i.append_token_ids, i.num_tokens) for i in plan.call.items] == [
@@ -215,6 +217,13 @@ def test_scheduler_fork_replaces_parent_with_children_sharing_its_table():
     ]
     assert plan.call.free_request_ids == ("r-prefill",)
     assert children[1].exec_sampling().seed is None
+    # Writing position 5 into the shared partial block 1: copy-on-write for all but the last.
+    batch = sched.apply_outcome(plan, pool.step(plan.call))
+    assert [c.block_table for c in children] == [[0, 2], [0, 3], [0, 1]]
+    assert [(c.src_block_id, c.dst_block_id) for c in batch.call.copies] == [(1, 2), (1, 3)]
+    sampled = sched.apply_result(batch, model.execute(batch.call))
+    expected = model.reference([5, 6, 7, 8, 9, 10], 1)
+    assert [(s.seq_id, t) for s, t in sampled] == [(c.seq_id, expected[0]) for c in children]
 
 
 @settings(max_examples=25, deadline=None)
@@ -229,7 +238,7 @@ def test_scheduler_any_pool_and_budget_gives_reference_outputs(
 ):
     # Whatever the pool size and token budget: same tokens, all blocks back, nothing held.
     sched = scheduler(seqs=4, tokens=budget)
-    pool, model = FakePool(num_blocks, BLOCK), FakeModel()
+    pool, model = CorePool(num_blocks, BLOCK), FakeModel(BLOCK)
     reqs = [request(f"r{i}", [(i * 7 + j) % 90 + 1 for j in range(p)], max_tokens=max_tokens)
             for i, p in enumerate(prompts)]
     # Every request must fit the pool alone (the gateway rejects the others up front).
@@ -238,7 +247,39 @@ def test_scheduler_any_pool_and_budget_gives_reference_outputs(
     drive(sched, pool, model)
     for r, seq in zip(reqs, seqs, strict=True):
         assert seq.output_token_ids == model.reference(r.prompt_token_ids, max_tokens)
-    assert sorted(pool.free) == list(range(num_blocks)) and not model.held
+    assert pool.all_free() and not model.held
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompts=st.lists(st.integers(min_value=1, max_value=14), min_size=1, max_size=6),
+    shared=st.integers(min_value=0, max_value=12),
+    max_tokens=st.integers(min_value=1, max_value=6),
+    num_blocks=st.integers(min_value=5, max_value=24),
+    num_cpu_blocks=st.integers(min_value=0, max_value=12),
+    budget=st.integers(min_value=1, max_value=20),
+    swap=st.booleans(),
+)
+def test_scheduler_shared_prefixes_and_swap_give_reference_outputs(
+    prompts: list[int], shared: int, max_tokens: int, num_blocks: int, num_cpu_blocks: int,
+    budget: int, swap: bool,
+):
+    # Prompts sharing a prefix (prefix-cache hits), recompute or swap preemption (with or
+    # without CPU blocks), any budget: same tokens, all blocks back, nothing held.
+    sched = scheduler(seqs=4, tokens=budget)
+    sched.swap = swap
+    pool, model = CorePool(num_blocks, BLOCK, num_cpu_blocks=num_cpu_blocks), FakeModel(BLOCK)
+    prefix = [(3 * j) % 90 + 1 for j in range(shared)]
+    reqs = [request(f"r{i}", prefix + [(i * 7 + j) % 90 + 1 for j in range(p)],
+                    max_tokens=max_tokens)
+            for i, p in enumerate(prompts)]
+    reqs = [r for r in reqs if -(-(len(r.prompt_token_ids) + max_tokens) // BLOCK) <= num_blocks]
+    seqs = [add(sched, r)[0] for r in reqs]
+    drive(sched, pool, model)
+    for r, seq in zip(reqs, seqs, strict=True):
+        assert seq.output_token_ids == model.reference(r.prompt_token_ids, max_tokens)
+    assert sched.num_preemptions == pool.num_preemptions
+    assert pool.all_free() and not model.held
 
 
 @pytest.mark.parametrize("front", [True, False])
@@ -256,7 +297,7 @@ def test_scheduler_swapped_request_sends_its_token_once():
     # the allocator recorded the token at once, so it is never sent again.
     sched = scheduler()
     sched.swap = True
-    pool, model = FakePool(64, BLOCK), FakeModel()
+    pool, model = CorePool(64, BLOCK), FakeModel(BLOCK)
     a = add(sched, request("a", [1, 2, 3]))[0]
     plan = sched.schedule()
     assert plan is not None

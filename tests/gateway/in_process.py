@@ -1,0 +1,228 @@
+"""The allocator and an executor in process, for scheduler and engine unit tests.
+
+`CorePool` is the real allocator core (`allocator_svc.core.Allocator`) behind the gateway's
+plain-value calls: it maps a `StepCall` the way allocator_client.py and allocator_svc/convert.py
+map it over the wire (compact decodes first, then the other items), so the scheduler meets the
+real allocation, prefix caching, preemption and deferral. A domain error comes back as the
+`grpc.aio.AioRpcError` the gateway would receive.
+
+`FakeModel` checks positions like the executor does, keeps token ids in KV slots, and samples
+a token that depends on every token read back through the block table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from allocator_svc.core import request as core_request
+from allocator_svc.core import step as core_step
+from allocator_svc.core.allocator import Allocator, Limits
+from allocator_svc.core.pool import Pool, PoolConfig
+from common.errors import ServiceError
+from gateway.step import (
+    BlockCopy,
+    Commit,
+    ExecuteCall,
+    ExecuteResult,
+    Grant,
+    Preemption,
+    Sampled,
+    StepCall,
+    StepOutcome,
+    TableDelta,
+)
+
+POOL_ID = "pool-0"
+
+
+def rpc_error(exc: ServiceError) -> grpc.aio.AioRpcError:
+    """The status the allocator's interceptor would send for a domain error."""
+    metadata = grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(exc.code, metadata, metadata, str(exc))
+
+
+def _items(call: StepCall) -> list[core_step.StepItem]:
+    decodes = [
+        core_step.StepItem(i.request_id, 1, None, "", [i.append_token_ids[0]])
+        for i in call.items[: call.num_decodes]
+    ]
+    return decodes + [
+        core_step.StepItem(
+            i.request_id, i.num_tokens, list(i.prompt_token_ids) if i.is_new else None,
+            i.cache_salt, list(i.append_token_ids),
+        )
+        for i in call.items[call.num_decodes :]
+    ]
+
+
+def _commits(commits: Sequence[Commit]) -> list[core_request.Commit]:
+    return [core_request.Commit(c.request_id, c.num_computed_tokens) for c in commits]
+
+
+def _copies(copies: list[core_request.BlockCopy]) -> tuple[BlockCopy, ...]:
+    return tuple(BlockCopy(c.src_block_id, c.dst_block_id) for c in copies)
+
+
+def _outcome(result: core_step.StepResult, num_free_blocks: int) -> StepOutcome:
+    # The service always sets a grant's delta (possibly empty), so the client always sees one.
+    grants = {
+        g.request_id: Grant(g.request_id, TableDelta(g.delta_start, tuple(g.block_ids)),
+                            g.num_cached_tokens, g.num_scheduled, g.start_position,
+                            g.new_request)
+        for g in result.grants
+    }
+    return StepOutcome(
+        grants=grants,
+        preempted=tuple(
+            Preemption(p.request_id, swapped=p.mode is core_step.PreemptionMode.SWAP)
+            for p in result.preempted
+        ),
+        deferred_request_ids=frozenset(result.deferred),
+        copies=_copies(result.copies),
+        swap_out=_copies(result.swap_out),
+        swap_in=_copies(result.swap_in),
+        num_free_blocks=num_free_blocks,
+    )
+
+
+class CorePool:
+    """One registered pool of the real allocator core, called like `PoolLink` calls it."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.allocator = Allocator(Limits())
+        config = PoolConfig(POOL_ID, num_blocks, block_size, num_cpu_blocks, "fake-model",
+                            "instance-0", enable_prefix_caching)
+        pool, _ = self.allocator.register_pool(config)
+        self.epoch = pool.epoch
+
+    @property
+    def pool(self) -> Pool:
+        return self.allocator.pools[POOL_ID]
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.pool.num_preemptions
+
+    def all_free(self) -> bool:
+        """Every block back and no request held (the invariants checked on the way)."""
+        pool = self.pool
+        pool.check_invariants()
+        return not pool.requests and pool.blocks.num_free == pool.config.num_blocks
+
+    def step(self, call: StepCall) -> StepOutcome:
+        mode = core_step.PreemptionMode.SWAP if call.swap else core_step.PreemptionMode.RECOMPUTE
+        try:
+            result = self.allocator.step(
+                POOL_ID, self.epoch, None, _commits(call.commits),
+                list(call.free_request_ids), list(call.abort_request_ids), _items(call), mode,
+                call.commit_previous_step,
+            )
+        except ServiceError as exc:
+            raise rpc_error(exc) from exc
+        self.pool.check_invariants()
+        return _outcome(result, self.pool.blocks.num_free)
+
+    def free(self, commits: Sequence[Commit], request_ids: Sequence[str]) -> None:
+        try:
+            self.allocator.free(POOL_ID, self.epoch, _commits(commits), list(request_ids))
+        except ServiceError as exc:
+            raise rpc_error(exc) from exc
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        try:
+            self.allocator.abort(POOL_ID, self.epoch, list(request_ids))
+        except ServiceError as exc:
+            raise rpc_error(exc) from exc
+
+    def fork(self, parent_id: str, child_ids: Sequence[str]) -> list[TableDelta]:
+        try:
+            children = self.allocator.fork(POOL_ID, self.epoch, parent_id, list(child_ids))
+        except ServiceError as exc:
+            raise rpc_error(exc) from exc
+        return [TableDelta(0, tuple(b.block_id for b in c.blocks)) for c in children]
+
+
+@dataclass(slots=True)
+class Held:
+    """What the executor holds for one request: its token count and block table."""
+
+    num_tokens: int
+    table: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class FakeModel:
+    """An executor whose KV cache stores token ids in slots (block_id x block_size + offset).
+
+    A sampled token depends on every token read back through the block table, so a wrong
+    table, a missing copy or swap, or a prefix-cache hit on blocks nobody wrote (the commit
+    rule) changes the output or fails an assertion.
+    """
+
+    block_size: int
+    vocab_size: int = 97
+    held: dict[str, Held] = field(default_factory=dict)
+    gpu: dict[int, list[int | None]] = field(default_factory=dict)  # block_id -> slots
+    cpu: dict[int, list[int | None]] = field(default_factory=dict)
+    num_swapped_out: int = 0  # blocks
+
+    def next_token(self, tokens: list[int]) -> int:
+        acc = 7
+        for t in tokens:
+            acc = (acc * 31 + t) % 1_000_003
+        return acc % self.vocab_size
+
+    def _block(self, block_id: int) -> list[int | None]:
+        return self.gpu.setdefault(block_id, [None] * self.block_size)
+
+    def _read(self, held: Held) -> list[int]:
+        bs = self.block_size
+        tokens = [self._block(held.table[p // bs])[p % bs] for p in range(held.num_tokens)]
+        assert None not in tokens, "read a slot nobody wrote (a cache hit before its commit?)"
+        return [t for t in tokens if t is not None]
+
+    def execute(self, call: ExecuteCall) -> ExecuteResult:
+        # The executor's order: releases, swap out, swap in, copies, then the forward pass.
+        for request_id in call.release_request_ids:  # unknown ids are ignored (the contract)
+            self.held.pop(request_id, None)
+        self.num_swapped_out += len(call.swap_out)
+        for c in call.swap_out:
+            self.cpu[c.dst_block_id] = list(self._block(c.src_block_id))
+        for c in call.swap_in:
+            self.gpu[c.dst_block_id] = list(self.cpu.pop(c.src_block_id))
+        for c in call.copies:
+            self.gpu[c.dst_block_id] = list(self._block(c.src_block_id))
+        sampled = []
+        bs = self.block_size
+        for seq in call.seqs:
+            held = self.held.get(seq.request_id)
+            if seq.sampling is not None:
+                assert held is None, f"{seq.request_id} created twice"
+                # A prefix-cache hit starts past 0: those tokens are in the cached blocks.
+                held = self.held[seq.request_id] = Held(seq.start_position)
+            assert held is not None, f"{seq.request_id} is not held: sampling params missing"
+            assert seq.start_position == held.num_tokens, (
+                f"{seq.request_id}: start {seq.start_position}, executor holds {held.num_tokens}"
+            )
+            if seq.delta is not None:
+                seq.delta.apply(held.table)
+            end = seq.start_position + len(seq.token_ids)
+            assert len(held.table) * bs >= end, f"{seq.request_id}: table too short"
+            for position, token in enumerate(seq.token_ids, start=seq.start_position):
+                self._block(held.table[position // bs])[position % bs] = token
+            held.num_tokens = end
+            if seq.sample:
+                sampled.append(Sampled(seq.request_id, self.next_token(self._read(held)), 0.0))
+        return ExecuteResult(tokens=tuple(sampled), compute_ms=0.0)
+
+    def reference(self, prompt: list[int], max_tokens: int) -> list[int]:
+        tokens = list(prompt)
+        for _ in range(max_tokens):
+            tokens.append(self.next_token(tokens))
+        return tokens[len(prompt):]
