@@ -1,10 +1,13 @@
-"""`python -m gateway.bench_control_plane`: the per-step control-plane cost, measured.
+"""`python -m bench.engine_step_stats`: the per-step control-plane cost, measured.
 
 Starts a local stack (tiny preset, CPU, dummy weights), runs N concurrent streaming requests
 that decode together, and reads the gateway's `engine_step_stats` summaries (JSON logs) for
 the windows in which all N sequences decoded. Control plane = gateway step time minus the
 executor's forward pass and sampling: scheduling, the allocator round trip, serialization
 both ways, the Execute round trip, and output processing (detokenization, streaming).
+
+The gateway's own figures, unpatched (`--stats-every-steps`); `python -m bench.control_plane`
+splits the same cost into its parts with timers around each phase.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def _summaries(log_path: Path, num_seqs: int) -> list[dict[str, float]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway.bench_control_plane")
+    parser = argparse.ArgumentParser(prog="python -m bench.engine_step_stats")
     parser.add_argument("--running", default="64,256", help="concurrent requests per run")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--model", default="models/tiny-llama", help="preset (small-llama: "

@@ -1,0 +1,122 @@
+"""Applying the allocator's answer to a planned step: grants, preemptions and deferrals move
+sequences between the queues, and what was granted becomes the Execute call. The second of
+the scheduler's three calls.
+
+The allocator preempts from the tail of the step's order when its pool is short and never
+admits new requests in a step that preempted; a recompute preemption sends the sequence back
+to the queue front (prompt + generated tokens), a swap keeps it aside for swap-in.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from gateway.batch import Batch, ScheduledStep
+from gateway.request_state import SeqStatus, Sequence
+from gateway.step import ExecuteCall, SeqWork, StepOutcome, TableDelta
+
+if TYPE_CHECKING:
+    from gateway.scheduler import Scheduler
+
+
+def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -> Batch:
+    """Apply the allocator's grants, preemptions and deferrals; build the Execute call."""
+    _apply_preemptions(sched, step, outcome)
+    skipped = outcome.deferred_request_ids | {p.request_id for p in outcome.preempted}
+    admitted: set[Sequence] = set()
+    work: list[SeqWork] = []
+    scheduled: list[tuple[Sequence, int]] = []
+    for item in step.call.items:
+        seq = step.seqs[item.request_id]
+        if not item.is_new and seq.known_to_allocator:
+            # The allocator applies appends before scheduling: even when the item is then
+            # deferred or swapped out, the tokens are recorded there.
+            seq.num_allocator_tokens += len(item.append_token_ids)
+        if item.request_id in skipped or seq.is_finished:
+            continue
+        grant = outcome.grants.get(item.request_id)
+        if item.is_new:
+            assert grant is not None, f"new request {item.request_id} granted without a grant"
+            seq.known_to_allocator = True
+            seq.num_allocator_tokens = len(item.prompt_token_ids)
+            seq.num_computed_tokens = grant.start_position
+            if seq.request.num_cached_tokens is None:
+                seq.request.num_cached_tokens = grant.num_cached_tokens
+            admitted.add(seq)
+            sched.running.append(seq)
+        elif seq.status is SeqStatus.SWAPPED:
+            sched.swapped.remove(seq)
+            sched.running.append(seq)
+        seq.status = SeqStatus.RUNNING
+        if grant is not None and grant.delta is not None:
+            grant.delta.apply(seq.block_table)
+        num = (
+            grant.num_scheduled_tokens
+            if grant is not None
+            else min(item.num_tokens, seq.num_uncomputed_tokens)
+        )
+        start = grant.start_position if grant is not None else seq.num_computed_tokens
+        assert start == seq.num_computed_tokens, (
+            f"{seq.seq_id}: allocator starts at {start}, gateway holds "
+            f"{seq.num_computed_tokens} computed tokens"
+        )
+        if num == 0:
+            continue
+        work.append(_seq_work(seq, start, num, grant.delta if grant else None))
+        scheduled.append((seq, num))
+    if admitted:
+        sched.waiting = deque(s for s in sched.waiting if s not in admitted)
+    call = ExecuteCall(
+        release_request_ids=tuple(sched.pending.release_ids),
+        swap_out=outcome.swap_out,
+        swap_in=outcome.swap_in,
+        copies=outcome.copies,
+        seqs=tuple(work),
+    )
+    sched.pending.release_ids.clear()
+    return Batch(call=call, scheduled=scheduled)
+
+
+def _apply_preemptions(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -> None:
+    if not outcome.preempted:
+        return
+    by_id = {s.seq_id: s for s in sched.running}
+    recomputed: list[Sequence] = []
+    for preemption in outcome.preempted:
+        seq = by_id.get(preemption.request_id) or step.seqs.get(preemption.request_id)
+        assert seq is not None, f"allocator preempted unknown {preemption.request_id}"
+        sched.num_preemptions += 1
+        if seq in sched.running:
+            sched.running.remove(seq)
+        if preemption.swapped:
+            seq.status = SeqStatus.SWAPPED
+            seq.block_table.clear()
+            sched.swapped.append(seq)
+            continue
+        if seq in sched.swapped:
+            sched.swapped.remove(seq)
+        seq.reset_for_recompute()
+        sched.release(seq)
+        recomputed.append(seq)
+    sched.swapped.sort(key=_priority)
+    # The earliest preempted sequence goes first: the queue front keeps FCFS order.
+    for seq in sorted(recomputed, key=_priority, reverse=True):
+        sched.add(seq, front=True)
+
+
+def _seq_work(seq: Sequence, start: int, num: int, delta: TableDelta | None) -> SeqWork:
+    first = not seq.known_to_executor
+    seq.known_to_executor = True
+    return SeqWork(
+        request_id=seq.seq_id,
+        token_ids=tuple(seq.token_slice(start, start + num)),
+        start_position=start,
+        delta=TableDelta(0, tuple(seq.block_table)) if first else delta,
+        sample=not seq.is_prefill_parent and start + num == seq.num_tokens,
+        sampling=seq.exec_sampling() if first else None,
+    )
+
+
+def _priority(seq: Sequence) -> tuple[float, int]:
+    return (seq.request.arrival_time, seq.index)

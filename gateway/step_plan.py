@@ -1,0 +1,82 @@
+"""Planning a step: which sequences run next and how many tokens each computes, under the
+budgets (`max_num_seqs`, `max_num_batched_tokens`). The first of the scheduler's three calls.
+
+Priority is FCFS: running sequences first (one decode token each, or their next prefill
+chunk), then swapped ones (swap-in), then waiting ones (prefill, chunked when the token budget
+is short). Commits, frees and aborts queued in `pending` ride on the same allocator call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gateway.batch import ScheduledStep
+from gateway.request_state import SeqStatus, Sequence
+from gateway.step import Commit, StepCall, StepItem
+
+if TYPE_CHECKING:
+    from gateway.scheduler import Scheduler
+
+
+def plan_step(sched: Scheduler) -> ScheduledStep | None:
+    """Choose the step's items under the budgets; None when there is nothing to send.
+
+    NOTE: running decodes go first, then running prefill chunks, swapped and new requests:
+    decodes travel in the allocator's compact form, which comes before the other items.
+    Under pressure, an old request still prefilling in chunks can therefore be preempted
+    before a newer decoding one (vLLM V1 orders purely by arrival).
+    """
+    tokens_left = sched.budget.max_num_batched_tokens
+    seqs_left = sched.budget.max_num_seqs
+    decodes: list[StepItem] = []
+    items: list[StepItem] = []
+    seqs: dict[str, Sequence] = {}
+    for seq in [*sched.running, *sched.swapped]:
+        if seqs_left == 0 or tokens_left == 0:
+            break
+        num = min(seq.num_uncomputed_tokens, tokens_left)
+        if num == 0:
+            continue
+        append = tuple(seq.token_slice(seq.num_allocator_tokens))
+        item = StepItem(seq.seq_id, num, append_token_ids=append)
+        is_decode = num == 1 and len(append) == 1 and seq.status is SeqStatus.RUNNING
+        (decodes if is_decode else items).append(item)
+        seqs[seq.seq_id] = seq
+        tokens_left -= num
+        seqs_left -= 1
+    # Swapped sequences are older than any waiting one: admit nothing new before them.
+    for seq in sched.waiting if not sched.swapped else ():
+        if seqs_left == 0 or tokens_left == 0:
+            break
+        num = min(seq.num_tokens, tokens_left)
+        items.append(
+            StepItem(
+                seq.seq_id, num, prompt_token_ids=tuple(seq.token_ids),
+                cache_salt=seq.request.cache_salt, is_new=True,
+            )
+        )
+        seqs[seq.seq_id] = seq
+        tokens_left -= num
+        seqs_left -= 1
+    pending = sched.pending
+    if not decodes and not items and not pending.has_allocator_work():
+        return None
+    commit_previous = bool(decodes or items) and bool(pending.executed)
+    if not commit_previous:
+        for request_id, num_computed in pending.executed.items():
+            pending.commits.setdefault(request_id, num_computed)
+    call = StepCall(
+        commits=tuple(Commit(k, v) for k, v in pending.commits.items()),
+        free_request_ids=tuple(pending.free_ids),
+        abort_request_ids=tuple(pending.abort_ids),
+        items=(*decodes, *items),
+        swap=sched.swap,
+        commit_previous_step=commit_previous,
+        num_decodes=len(decodes),
+    )
+    executed = dict(pending.executed) if commit_previous else {}
+    pending.executed.clear()
+    pending.commits.clear()
+    pending.free_ids.clear()
+    pending.abort_ids.clear()
+    return ScheduledStep(call=call, seqs=seqs, executed=executed)
