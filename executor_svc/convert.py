@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from common.errors import InvalidArgument
 from executor_svc.runner import ExecutorInfo
 from executor_svc.step import (
     BlockCopy,
@@ -44,9 +45,24 @@ def _copies(msgs: object) -> tuple[BlockCopy, ...]:
     return tuple(BlockCopy(m.src_block_id, m.dst_block_id) for m in msgs)  # type: ignore[attr-defined]
 
 
+def compact_decodes(msg: pb.ExecuteRequest) -> list[SequenceWork]:
+    """The compact decode columns as the SequenceWork they abbreviate."""
+    ids, tokens, positions = msg.decode_request_ids, msg.decode_token_ids, msg.decode_positions
+    if not len(ids) == len(tokens) == len(positions):
+        raise InvalidArgument(
+            f"decode_request_ids, decode_token_ids and decode_positions must have equal "
+            f"lengths, got {len(ids)}, {len(tokens)} and {len(positions)}"
+        )
+    return [
+        SequenceWork(rid, (token,), position, None, None, True)
+        for rid, token, position in zip(ids, tokens, positions, strict=True)
+    ]
+
+
 def step_from_proto(msg: pb.ExecuteRequest) -> StepRequest:
+    decodes = compact_decodes(msg) if msg.decode_request_ids or msg.decode_token_ids else []
     return StepRequest(
-        seqs=tuple(sequence_from_proto(s) for s in msg.seqs),
+        seqs=(*decodes, *(sequence_from_proto(s) for s in msg.seqs)),
         release_request_ids=tuple(msg.release_request_ids),
         swap_out=_copies(msg.swap_out),
         swap_in=_copies(msg.swap_in),
@@ -54,12 +70,16 @@ def step_from_proto(msg: pb.ExecuteRequest) -> StepRequest:
     )
 
 
-def result_to_proto(result: StepResult) -> pb.ExecuteResponse:
+def result_to_proto(result: StepResult, num_compact_decodes: int = 0) -> pb.ExecuteResponse:
+    """`num_compact_decodes`: the request's compact decodes, which sampled first, in order."""
+    compact, rest = result.tokens[:num_compact_decodes], result.tokens[num_compact_decodes:]
     return pb.ExecuteResponse(
         tokens=[
             pb.SampledToken(request_id=t.request_id, token_id=t.token_id, logprob=t.logprob)
-            for t in result.tokens
+            for t in rest
         ],
+        decode_sampled_token_ids=[t.token_id for t in compact],
+        decode_logprobs=[t.logprob for t in compact],
         timings=pb.Timings(
             forward_ms=result.timings.forward_ms,
             sample_ms=result.timings.sample_ms,

@@ -43,7 +43,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             except asyncio.CancelledError:
                 await asyncio.wait([task])
                 raise
-        return convert.result_to_proto(result)
+        return convert.result_to_proto(result, len(request.decode_request_ids))
 
     async def Release(  # noqa: N802
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext

@@ -35,6 +35,12 @@ def _copies(copies: Sequence[BlockCopy]) -> list[pb.BlockCopy]:
             for c in copies]
 
 
+def _is_plain_decode(work: SeqWork) -> bool:
+    return (
+        len(work.token_ids) == 1 and work.sample and work.delta is None and work.sampling is None
+    )
+
+
 def _seq(work: SeqWork) -> pb.SequenceWork:
     seq = pb.SequenceWork(
         request_id=work.request_id,
@@ -82,22 +88,35 @@ class ExecutorClient:
             max_num_seqs=r.max_num_seqs,
         )
 
-    async def execute(self, call: ExecuteCall) -> ExecuteResult:
+    async def execute(self, call: ExecuteCall, timeout: float | None = None) -> ExecuteResult:
+        # Plain decodes travel in the compact columns (a message per sequence costs ~4 us).
+        decodes = [w for w in call.seqs if _is_plain_decode(w)]
+        others = [w for w in call.seqs if not _is_plain_decode(w)] if decodes else call.seqs
         request = pb.ExecuteRequest(
             release_request_ids=call.release_request_ids,
             swap_out=_copies(call.swap_out),
             swap_in=_copies(call.swap_in),
             copies=_copies(call.copies),
-            seqs=[_seq(w) for w in call.seqs],
+            seqs=[_seq(w) for w in others],
+            decode_request_ids=[w.request_id for w in decodes],
+            decode_token_ids=[w.token_ids[0] for w in decodes],
+            decode_positions=[w.start_position for w in decodes],
         )
-        response = await self.stub.Execute(request)
+        response = await self.stub.Execute(request, timeout=timeout)
+        compact = zip(
+            decodes, response.decode_sampled_token_ids, response.decode_logprobs, strict=True
+        )
         return ExecuteResult(
-            tokens=tuple(Sampled(t.request_id, t.token_id, t.logprob) for t in response.tokens),
+            tokens=(
+                *(Sampled(w.request_id, token, logprob) for w, token, logprob in compact),
+                *(Sampled(t.request_id, t.token_id, t.logprob) for t in response.tokens),
+            ),
             compute_ms=response.timings.forward_ms + response.timings.sample_ms,
         )
 
-    async def release(self, request_ids: Sequence[str]) -> None:
+    async def release(self, request_ids: Sequence[str], timeout: float | None = None) -> None:
         await self.stub.Release(
             pb.ReleaseRequest(request_ids=request_ids),
             metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
+            timeout=timeout,
         )

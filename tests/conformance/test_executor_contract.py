@@ -78,6 +78,37 @@ def test_prefill_and_decode_match_reference(executor: Executor, reference: PreTr
     executor.forget(*rids)
 
 
+def test_compact_decodes_match_reference(executor: Executor, reference: PreTrainedModel) -> None:
+    # Decodes in the compact columns (a sequence moves to `seqs` when it needs a new block):
+    # the same greedy tokens as the reference, sampled tokens returned in column order.
+    prompts = _prompts(executor.info.vocab_size, [7, 16, 30], seed=5)
+    rids = [f"compact-{i}" for i in range(3)]
+    reply = executor.execute(*(executor.work(r, p) for r, p in zip(rids, prompts, strict=True)))
+    outputs = {t.request_id: [t.token_id] for t in reply.tokens}
+    block_size = executor.info.block_size
+    for _ in range(20):
+        columns = [r for r in rids if executor.held[r] % block_size != 0]  # the table suffices
+        seqs = [executor.work(r, [outputs[r][-1]]) for r in rids if r not in columns]
+        request = pb.ExecuteRequest(
+            seqs=seqs,
+            decode_request_ids=columns,
+            decode_token_ids=[outputs[r][-1] for r in columns],
+            decode_positions=[executor.held[r] for r in columns],
+        )
+        for rid in columns:
+            executor.held[rid] += 1
+        reply = executor.stub.Execute(request)
+        assert len(reply.decode_sampled_token_ids) == len(reply.decode_logprobs) == len(columns)
+        assert [t.request_id for t in reply.tokens] == [s.request_id for s in seqs]
+        for rid, token in zip(columns, reply.decode_sampled_token_ids, strict=True):
+            outputs[rid].append(token)
+        for token in reply.tokens:
+            outputs[token.request_id].append(token.token_id)
+    for rid, prompt in zip(rids, prompts, strict=True):
+        assert outputs[rid] == reference_generate(reference, prompt, 21), f"{rid} diverged"
+    executor.forget(*rids)
+
+
 def test_chunked_prefill_matches_reference(executor: Executor, reference: PreTrainedModel) -> None:
     # A 50-token prompt in chunks of 13 (only the last samples), then 7 decode steps.
     prompt = _prompts(executor.info.vocab_size, [50], seed=2)[0]

@@ -53,6 +53,16 @@ def _with(witness: pb.SequenceWork, **fields: object) -> pb.SequenceWork:
     return work
 
 
+def _compact(work: pb.SequenceWork, **fields: object) -> pb.ExecuteRequest:
+    """`work` (one decode token) in the compact decode columns."""
+    return pb.ExecuteRequest(
+        decode_request_ids=[work.request_id],
+        decode_token_ids=list(work.token_ids),
+        decode_positions=[work.start_position],
+        **fields,  # type: ignore[arg-type]
+    )
+
+
 def _copy(src: int, dst: int) -> pb.BlockCopy:
     return pb.BlockCopy(src_block_id=src, dst_block_id=dst)
 
@@ -137,6 +147,25 @@ CASES: dict[str, tuple[Case, grpc.StatusCode]] = {
         INVALID,
     ),
     "duplicate_request_in_step": (lambda e, w: pb.ExecuteRequest(seqs=[w, w]), INVALID),
+    "compact_decode_columns_of_unequal_length": (
+        lambda e, w: pb.ExecuteRequest(
+            decode_request_ids=[w.request_id], decode_token_ids=list(w.token_ids)
+        ),
+        INVALID,
+    ),
+    "compact_decode_unknown_request_id": (
+        lambda e, w: _compact(_with(w, request_id="never-seen")),
+        NOT_FOUND,
+    ),
+    "compact_decode_position_ahead": (
+        lambda e, w: _compact(_with(w, start_position=w.start_position + 1)),
+        INVALID,
+    ),
+    "compact_decode_token_outside_vocab": (
+        lambda e, w: _compact(_with(w, token_ids=[e.info.vocab_size])),
+        INVALID,
+    ),
+    "compact_decode_also_in_seqs": (lambda e, w: _compact(w, seqs=[w]), INVALID),
 }
 
 
