@@ -90,8 +90,8 @@ def _patch_stub_init(client_cls: Any, attr: str, path: str, response_cls: Any, k
     original = client_cls.__init__
 
     @functools.wraps(original)
-    def init(self: Any, address: str) -> None:
-        original(self, address)
+    def init(self: Any, address: str, *args: Any, **kwargs: Any) -> None:
+        original(self, address, *args, **kwargs)
         setattr(self.stub, attr, self.channel.unary_unary(
             path, request_serializer=_encoder(key),
             response_deserializer=_decoder(response_cls, key, report)))
@@ -117,9 +117,9 @@ def install() -> None:
     original_step = Engine.step
     original_execute = executor_client.ExecutorClient.execute
 
-    async def execute(self: Any, call: Any) -> Any:
+    async def execute(self: Any, call: Any, *args: Any, **kwargs: Any) -> Any:
         _current["seqs"] = len(call.seqs)
-        return await original_execute(self, call)
+        return await original_execute(self, call, *args, **kwargs)
 
     executor_client.ExecutorClient.execute = execute
 

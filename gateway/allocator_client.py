@@ -93,8 +93,12 @@ def _outcome(response: pb.StepResponse) -> StepOutcome:
 
 
 class AllocatorClient:
-    def __init__(self, address: str) -> None:
+    """Every call carries a deadline of `timeout_s` seconds: a hung allocator must not hang
+    the gateway (None: no deadline)."""
+
+    def __init__(self, address: str, timeout_s: float | None = None) -> None:
         self.address = address
+        self.timeout_s = timeout_s
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.AllocatorServiceStub(self.channel)
 
@@ -112,16 +116,19 @@ class AllocatorClient:
                 model_fingerprint=spec.model_fingerprint,
                 executor_instance_id=spec.executor_instance_id,
                 enable_prefix_caching=spec.enable_prefix_caching,
-            )
+            ),
+            timeout=self.timeout_s,
         )
         return int(response.pool.epoch)
 
     async def create_lease(self, ttl_ms: int) -> tuple[str, int]:
-        response = await self.stub.CreateLease(pb.CreateLeaseRequest(ttl_ms=ttl_ms))
+        response = await self.stub.CreateLease(
+            pb.CreateLeaseRequest(ttl_ms=ttl_ms), timeout=self.timeout_s
+        )
         return response.lease_id, response.ttl_ms
 
     async def keep_alive(self, lease_id: str) -> None:
-        await self.stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease_id))
+        await self.stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease_id), timeout=self.timeout_s)
 
     async def step(self, pool_id: str, epoch: int, lease_id: str, call: StepCall) -> StepOutcome:
         decodes = call.items[: call.num_decodes]
@@ -154,7 +161,8 @@ class AllocatorClient:
             decode_request_ids=[i.request_id for i in decodes],
             decode_token_ids=[i.append_token_ids[0] for i in decodes],
         )
-        return _outcome(await self.stub.Step(request))
+        # NOTE: Step is not idempotent; past the deadline its outcome is unknown (recovery.py).
+        return _outcome(await self.stub.Step(request, timeout=self.timeout_s))
 
     async def free(
         self, pool_id: str, epoch: int, commits: Sequence[Commit], request_ids: Sequence[str]
@@ -164,12 +172,14 @@ class AllocatorClient:
                 pool_id=pool_id, epoch=epoch, commits=_commits(commits), request_ids=request_ids
             ),
             metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
+            timeout=self.timeout_s,
         )
 
     async def abort(self, pool_id: str, epoch: int, request_ids: Sequence[str]) -> None:
         await self.stub.Abort(
             pb.AbortRequest(pool_id=pool_id, epoch=epoch, request_ids=request_ids),
             metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
+            timeout=self.timeout_s,
         )
 
     async def fork(
@@ -182,6 +192,7 @@ class AllocatorClient:
                 child_request_ids=child_ids,
             ),
             metadata=request_metadata(request_id),
+            timeout=self.timeout_s,
         )
         return [TableDelta(t.start_index, tuple(t.block_ids)) for t in response.child_tables]
 
@@ -192,6 +203,7 @@ class AllocatorClient:
         response = await self.stub.MatchPrefix(
             pb.MatchPrefixRequest(token_ids=token_ids, cache_salt=cache_salt, pool_ids=pool_ids),
             metadata=request_metadata(request_id),
+            timeout=self.timeout_s,
         )
         return [
             PrefixMatch(m.pool_id, m.num_cached_tokens, m.num_free_blocks,

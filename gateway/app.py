@@ -106,7 +106,7 @@ def model_limits(
 
 async def start_gateway(settings: GatewaySettings) -> Gateway:
     tokenizer = Tokenizer.load(settings.model)
-    allocator = AllocatorClient(settings.allocator_addr)
+    allocator = AllocatorClient(settings.allocator_addr, timeout_s=settings.allocator_timeout_s)
     executors = [ExecutorClient(a) for a in settings.executor_addrs]
     descriptions = [
         await _retry(f"Describe {c.address}", c.describe, settings.connect_timeout_s)
@@ -132,6 +132,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
             lease=lease,
             description=description,
             enable_prefix_caching=settings.enable_prefix_caching,
+            execute_timeout_s=settings.execute_timeout_s,
         )
         await _retry(f"RegisterPool {client.address}", link.register, settings.connect_timeout_s)
         engine = Engine(

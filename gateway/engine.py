@@ -4,7 +4,8 @@ Single writer: the loop is the only code that mutates its scheduler, between awa
 lock is needed. Other coroutines (RPC handlers) only append sequences with `submit`, flag
 cancellations on the request, and wake the loop.
 
-What happens when a step fails is in recovery.py.
+What happens when a step fails is in recovery.py; orphans.py keeps the allocator from
+holding requests nobody tracks after a call whose outcome is unknown.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import structlog
 
 from common.errors import ServiceError, Unavailable
 from gateway import recovery
-from gateway.batch import ScheduledStep
+from gateway.batch import Batch, ScheduledStep
 from gateway.executor_client import ExecutorDescription
 from gateway.output import OutputProcessor
 from gateway.pool_link import PoolLink
@@ -30,7 +31,6 @@ from gateway.step import StepOutcome
 from gateway.step_stats import StepStats
 
 log = structlog.get_logger(__name__)
-
 
 
 @dataclass(slots=True, eq=False)
@@ -45,8 +45,13 @@ class Engine:
     stats: StepStats = field(default_factory=StepStats)
     allocator_down_since: float | None = None
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    # Ids the allocator may hold that no sequence tracks: aborted before the next Step.
+    orphan_ids: set[str] = field(default_factory=set)
+    # The step in progress, for recovery when a bug interrupts it.
+    plan: ScheduledStep | None = None
+    batch: Batch | None = None
 
-    # ---- called by other coroutines -----------------------------------------------------
+    # Called by other coroutines.
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
         if seq.detokenizer is None and not seq.is_prefill_parent:
@@ -75,7 +80,7 @@ class Engine:
     def description(self) -> ExecutorDescription:
         return self.link.description
 
-    # ---- the loop -----------------------------------------------------------------------
+    # The loop.
 
     async def run(self) -> None:
         while True:
@@ -90,19 +95,22 @@ class Engine:
                 progressed = await self.step()
             except Exception:  # noqa: BLE001 - a bug must not kill the loop and hang clients
                 log.exception("engine_step_failed", pool_id=self.pool_id)
-                self.fail_all(Unavailable(f"executor {self.pool_id}: internal gateway error"))
+                recovery.step_crashed(self, self.plan, self.batch)
                 progressed = True
             # Yield to the RPC handlers; back off a little when nothing could be scheduled.
             await asyncio.sleep(0 if progressed else 0.005)
 
     async def step(self) -> bool:
         """One scheduling step; False when nothing could run (all deferred)."""
+        self.plan = self.batch = None
         if self.link.take_lease_renewal():
-            recovery.readmit_all(self, "lease_renewed")
+            recovery.allocator_forgot(self, "lease_renewed")
         if self.has_cancellations:
             self._apply_cancellations()
+        if self.orphan_ids and not await recovery.abort_orphans(self):
+            return False
         started = time.perf_counter()
-        plan = self.scheduler.schedule()
+        plan = self.plan = self.scheduler.schedule()
         if plan is None:
             await self._flush_releases()
             return True
@@ -113,7 +121,7 @@ class Engine:
         if outcome is None:
             return False
         t_alloc = time.perf_counter()
-        batch = self.scheduler.apply_outcome(plan, outcome)
+        batch = self.batch = self.scheduler.apply_outcome(plan, outcome)
         if batch.call.is_empty():
             # Nothing to run, but releases (a recompute preemption) must still go out.
             self.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
@@ -142,13 +150,13 @@ class Engine:
             log.info("engine_step_stats", pool_id=self.pool_id, **self.stats.summary())
         return True
 
-    # ---- pieces of a step ---------------------------------------------------------------
+    # Pieces of a step.
 
     def _has_work(self) -> bool:
         pending = self.scheduler.pending
         return (
             self.scheduler.has_work() or pending.has_allocator_work()
-            or bool(pending.release_ids) or self.has_cancellations
+            or bool(pending.release_ids) or self.has_cancellations or bool(self.orphan_ids)
         )
 
     def _emit(self, seq: Sequence, token: int) -> None:
@@ -178,6 +186,9 @@ class Engine:
                                           request.request_id)
         except grpc.aio.AioRpcError as exc:
             log.warning("fork_failed", code=exc.code().name, details=exc.details())
+            if exc.code() in recovery.LOST_CODES:
+                # Fork is not idempotent either: the children may exist at the allocator.
+                self.orphan_ids.update(c.seq_id for c in children)
             self.fail(parent, Unavailable(f"fork failed ({exc.code().name})"))
             return
         for child in children:
@@ -217,10 +228,14 @@ class Engine:
         except grpc.aio.AioRpcError as exc:
             log.warning("allocator_free_failed", pool_id=self.pool_id, code=exc.code().name)
             if exc.code() in recovery.STALE_POOL_CODES:
-                await recovery.reregister(self)
+                await recovery.reregister(self, plan)
+            elif exc.code() in recovery.LOST_CODES:
+                # Free may have been applied: abort the ids later, never free twice.
+                self.orphan_ids.update(call.free_request_ids, call.abort_request_ids)
+                await recovery.allocator_unreachable(self, exc)
             else:
                 recovery.restore_housekeeping(self, plan)
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(recovery.RETRY_PAUSE_S)
         await self._flush_releases()
 
     async def _flush_releases(self) -> None:
@@ -231,6 +246,7 @@ class Engine:
             await self.link.release(list(ids))
             ids.clear()
         except grpc.aio.AioRpcError as exc:
+            # Kept: releasing is idempotent, and the executor may come back as the same
+            # instance, still holding them (a new instance ignores unknown ids).
             if exc.code() in recovery.LOST_CODES:
-                ids.clear()
                 recovery.lose_executor(self)

@@ -27,6 +27,7 @@ class PoolLink:
     lease: Lease
     description: ExecutorDescription
     enable_prefix_caching: bool
+    execute_timeout_s: float | None = None  # Execute and Release; allocator calls: its client
     epoch: int = 0
     lease_generation: int = 0  # the lease generation our requests were admitted under
 
@@ -65,7 +66,7 @@ class PoolLink:
         return await self.allocator.step(self.pool_id, self.epoch, self.lease.lease_id, call)
 
     async def execute(self, call: ExecuteCall) -> ExecuteResult:
-        return await self.executor.execute(call)
+        return await self.executor.execute(call, timeout=self.execute_timeout_s)
 
     async def free(self, commits: Sequence[Commit], request_ids: Sequence[str]) -> None:
         await self.allocator.free(self.pool_id, self.epoch, commits, request_ids)
@@ -74,7 +75,7 @@ class PoolLink:
         await self.allocator.abort(self.pool_id, self.epoch, request_ids)
 
     async def release(self, request_ids: Sequence[str]) -> None:
-        await self.executor.release(request_ids)
+        await self.executor.release(request_ids, timeout=self.execute_timeout_s)
 
     async def fork(
         self, parent_id: str, child_ids: Sequence[str], request_id: str

@@ -1,14 +1,19 @@
 """What an engine does when a step fails (called from its loop: still a single writer).
 
-- the executor goes away (UNAVAILABLE, DEADLINE_EXCEEDED): every sequence of the engine is
-  aborted at the allocator and handed to `on_lost` (the router re-queues it elsewhere, for
-  recompute, or fails it with UNAVAILABLE); the engine reconnects in the background and
-  re-registers its pool (a restarted executor resets it);
+- the executor goes away (UNAVAILABLE, or DEADLINE_EXCEEDED past `--execute-timeout-s`):
+  every sequence of the engine is handed to `on_lost` (the router re-queues it elsewhere,
+  for recompute, or fails it with UNAVAILABLE); what the allocator holds for them is aborted
+  (orphans.py); the engine reconnects in the background and re-registers its pool (a
+  restarted executor resets it);
 - the executor rejects a step: that step's sequences fail, the engine keeps serving;
 - the allocator says the pool or the lease is stale: the pool is re-registered and every
   sequence is readmitted (recompute);
-- the allocator is unreachable: retried for a while, then every sequence fails with
-  UNAVAILABLE.
+- a Step cut off (UNAVAILABLE, or DEADLINE_EXCEEDED past `--allocator-timeout-s`): whether
+  the allocator applied it is unknown, so it is never resent: what the allocator may hold is
+  aborted and every sequence is readmitted (recompute); while the allocator stays away
+  longer than ALLOCATOR_RETRY_S, sequences fail with UNAVAILABLE;
+- a bug interrupts a step: its sequences fail with INTERNAL; nothing is left held at the
+  allocator or the executor.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from typing import TYPE_CHECKING
 import grpc
 import structlog
 
-from common.errors import Unavailable
+from common.errors import ServiceError, Unavailable
+from gateway import orphans
 from gateway.batch import Batch, ScheduledStep
 
 if TYPE_CHECKING:
@@ -31,31 +37,63 @@ log = structlog.get_logger(__name__)
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 STALE_POOL_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 ALLOCATOR_RETRY_S = 10.0
+RETRY_PAUSE_S = 0.2
 RECONNECT_INTERVAL_S = 1.0
 
 
+class GatewayError(ServiceError):
+    """A bug in the gateway interrupted the request (its traceback is in the log)."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 async def allocator_step_failed(
-engine: Engine, plan: ScheduledStep, exc: grpc.aio.AioRpcError
+    engine: Engine, plan: ScheduledStep, exc: grpc.aio.AioRpcError
 ) -> None:
     code = exc.code()
     log.warning("allocator_step_failed", pool_id=engine.pool_id, code=code.name,
                 details=exc.details())
     if code in STALE_POOL_CODES:
-        await reregister(engine)
+        await reregister(engine, plan)
         return
-    restore_housekeeping(engine, plan)
     if code in LOST_CODES:
-        now = time.monotonic()
-        engine.allocator_down_since = engine.allocator_down_since or now
-        if now - engine.allocator_down_since < ALLOCATOR_RETRY_S:
-            await asyncio.sleep(0.2)
-            return
-    error = Unavailable(f"allocator step failed ({code.name}): {exc.details()}")
-    engine.fail_all(error)
+        # NOTE: Step is not idempotent (frees, admissions, appended tokens): never resent.
+        orphans.note_held(engine, plan)
+        readmit_all(engine, "allocator_step_unknown")
+        await allocator_unreachable(engine, exc)
+        return
+    # Rejected: the allocator validates a whole call before it changes anything.
+    restore_housekeeping(engine, plan)
+    engine.fail_all(Unavailable(f"allocator step failed ({code.name}): {exc.details()}"))
+
+
+async def allocator_unreachable(engine: Engine, exc: grpc.aio.AioRpcError) -> None:
+    """Pause before the next try; past ALLOCATOR_RETRY_S, what waits fails with UNAVAILABLE."""
+    now = time.monotonic()
+    engine.allocator_down_since = engine.allocator_down_since or now
+    if now - engine.allocator_down_since >= ALLOCATOR_RETRY_S:
+        engine.fail_all(Unavailable(
+            f"the allocator has not answered for {now - engine.allocator_down_since:.0f} s "
+            f"({exc.code().name}): check that it is running and reachable"
+        ))
+    await asyncio.sleep(RETRY_PAUSE_S)
+
+
+async def abort_orphans(engine: Engine) -> bool:
+    """Before the next Step: True once the allocator holds nothing we lost track of."""
+    exc = await orphans.abort_orphans(engine)
+    if exc is None:
+        engine.allocator_down_since = None
+        return True
+    log.warning("orphan_abort_failed", pool_id=engine.pool_id, code=exc.code().name,
+                num=len(engine.orphan_ids))
+    await allocator_unreachable(engine, exc)
+    return False
 
 
 def restore_housekeeping(engine: Engine, plan: ScheduledStep) -> None:
-    """The Step failed: its commits, frees and aborts ride on the next call."""
+    """The call was rejected, so nothing was applied: its commits, frees and aborts ride on
+    the next one."""
     pending = engine.scheduler.pending
     for request_id, num_computed in plan.executed.items():
         pending.commits.setdefault(request_id, num_computed)
@@ -69,12 +107,12 @@ def execute_failed(engine: Engine, batch: Batch, exc: grpc.aio.AioRpcError) -> N
     code = exc.code()
     log.warning("execute_failed", pool_id=engine.pool_id, code=code.name,
                 details=exc.details(), num_seqs=len(batch.scheduled))
+    # The releases may not have been applied: send them again (releasing is idempotent).
+    engine.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
     if code in LOST_CODES:
         lose_executor(engine)
         return
     # The executor refused this step: nothing it wrote may be cached (the commit rule).
-    # Its releases may not have been applied: send them again (releasing is idempotent).
-    engine.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
     error = Unavailable(f"executor {engine.pool_id} rejected a step ({code.name})")
     for seq, _ in batch.scheduled:
         engine.fail(seq, error)
@@ -83,49 +121,71 @@ def execute_failed(engine: Engine, batch: Batch, exc: grpc.aio.AioRpcError) -> N
 def lose_executor(engine: Engine) -> None:
     """The executor is gone: everything it ran goes elsewhere; reconnect in the background."""
     engine.healthy = False
-    known = [s.seq_id for s in engine.scheduler.sequences() if s.known_to_allocator]
-    known += engine.scheduler.pending.free_ids + engine.scheduler.pending.abort_ids
+    orphans.note_held(engine)
     seqs = engine.scheduler.evict_all()
     log.warning("executor_lost", pool_id=engine.pool_id, num_requeued=len(seqs))
-    if known:
-        # Nothing the lost step wrote may be cached: abort, best effort (a restarted
-        # executor resets the whole pool anyway).
-        engine.spawn(_abort_quietly(engine, known))
     engine.on_lost([s for s in seqs if not s.request.cancelled])
 
 
-async def _abort_quietly(engine: Engine, request_ids: list[str]) -> None:
-    try:
-        await engine.link.abort(request_ids)
-    except grpc.aio.AioRpcError as exc:
-        log.info("abort_after_loss_failed", pool_id=engine.pool_id, code=exc.code().name)
+def step_crashed(engine: Engine, plan: ScheduledStep | None, batch: Batch | None) -> None:
+    """A bug interrupted a step anywhere: what the allocator and the executor hold is
+    unknown. Every sequence fails; all the allocator may hold for them is aborted, all the
+    executor may hold is released (both before anything else is sent)."""
+    orphans.note_held(engine, plan)
+    if batch is not None:
+        engine.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
+    error = GatewayError(f"executor {engine.pool_id}: internal gateway error (see its log)")
+    for seq in engine.scheduler.evict_all():
+        engine.fail(seq, error)
 
 
 async def reconnect(engine: Engine) -> None:
     """A lost executor: try again every second; a restarted one resets its pool."""
     await asyncio.sleep(RECONNECT_INTERVAL_S)
+    if engine.orphan_ids and not await abort_orphans(engine):
+        return
+    epoch = engine.link.epoch
     try:
         await engine.link.refresh(timeout_s=2.0)
     except grpc.aio.AioRpcError:
         return
+    if engine.link.epoch != epoch:
+        engine.orphan_ids.clear()  # the pool was reset: it holds nothing
     engine.healthy = True
     log.info("executor_reconnected", pool_id=engine.pool_id)
 
 
-async def reregister(engine: Engine) -> None:
-    """The allocator no longer knows our pool or epoch: register again, readmit all."""
+async def reregister(engine: Engine, plan: ScheduledStep | None = None) -> None:
+    """The allocator no longer knows our pool, epoch, lease or some request: register
+    again, readmit all. What the rejected call (`plan`) carried was not applied."""
+    link = engine.link
+    epoch, generation = link.epoch, link.lease.generation
     try:
-        await engine.link.lease.renew_if_lost()
-        await engine.link.refresh(timeout_s=5.0)
+        await link.lease.renew_if_lost()
+        await link.refresh(timeout_s=5.0)
     except grpc.aio.AioRpcError as exc:
         log.warning("pool_reregister_failed", pool_id=engine.pool_id, code=exc.code().name)
+        if plan is not None:
+            orphans.note_held(engine, plan)
         lose_executor(engine)
         return
-    readmit_all(engine, "pool_reset")
+    if link.epoch != epoch or link.lease.generation != generation:
+        allocator_forgot(engine, "pool_reset")
+        return
+    # Same pool and lease: the allocator still holds what it held.
+    orphans.note_held(engine, plan)
+    readmit_all(engine, "pool_resync")
+
+
+def allocator_forgot(engine: Engine, why: str) -> None:
+    """A new pool epoch or a new lease: the allocator dropped every request we had."""
+    engine.orphan_ids.clear()
+    readmit_all(engine, why)
 
 
 def readmit_all(engine: Engine, why: str) -> None:
-    """The allocator forgot our requests: start them over (the executor releases them)."""
+    """Start every sequence over (the executor releases them); the caller has made sure the
+    allocator holds none of them, or noted them as orphans."""
     seqs = engine.scheduler.evict_all()
     log.warning("requests_readmitted", pool_id=engine.pool_id, why=why, num=len(seqs))
     for seq in sorted(seqs, key=lambda s: (s.request.arrival_time, s.index)):

@@ -39,6 +39,8 @@ class GatewaySettings:
     lease_ttl_ms: int
     enable_prefix_caching: bool
     connect_timeout_s: float
+    allocator_timeout_s: float
+    execute_timeout_s: float
     stats_every_steps: int
     log_json: bool
     log_level: str
@@ -53,6 +55,9 @@ class GatewaySettings:
             raise ValueError("--lease-ttl-ms must be >= 300 (keep-alives go every ttl/3)")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"--preemption-mode must be one of {PREEMPTION_MODES}")
+        for name in ("allocator_timeout_s", "execute_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 (seconds)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be >= 2 (or unset: the executors' value)")
 
@@ -93,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long to wait for the allocator and executors at start",
     )
     add_flag(
+        parser, "--allocator-timeout-s", type=float, default=10.0,
+        help="deadline of each allocator call (Step, Free, Abort, Fork, MatchPrefix, leases); "
+        "a Step past it is treated as lost: its requests are aborted and recomputed",
+    )
+    add_flag(
+        parser, "--execute-timeout-s", type=float, default=60.0,
+        help="deadline of each Execute (one batched forward pass) and Release; an executor "
+        "past it is treated as lost: its requests move to another executor",
+    )
+    add_flag(
         parser, "--stats-every-steps", type=int, default=500,
         help="log an engine_step_stats summary (control-plane cost) every N steps; 0: never",
     )
@@ -121,6 +136,8 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             lease_ttl_ms=args.lease_ttl_ms,
             enable_prefix_caching=args.enable_prefix_caching,
             connect_timeout_s=args.connect_timeout_s,
+            allocator_timeout_s=args.allocator_timeout_s,
+            execute_timeout_s=args.execute_timeout_s,
             stats_every_steps=args.stats_every_steps,
             log_json=args.log_json,
             log_level=args.log_level,

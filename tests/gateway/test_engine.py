@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import grpc
 import pytest
+import structlog
 from in_process import CorePool, FakeModel
 
 from gateway.batch import Budget
@@ -28,15 +32,28 @@ class FakeLink:
     pool_id: str = "pool-0"
     num_steps: int = 0
     released: list[str] = field(default_factory=list)
+    # A gateway bug, once: "before_step", "after_step" (applied) or "before_execute",
+    # at the first call `crash_when` accepts.
+    crash_at: str = ""
+    crash_when: Callable[[Any], bool] = lambda call: True
 
     def take_lease_renewal(self) -> bool:
         return False
 
+    def _maybe_crash(self, where: str, call: Any) -> None:
+        if self.crash_at == where and self.crash_when(call):
+            self.crash_at = ""
+            raise RuntimeError(f"a gateway bug {where.replace('_', ' ')}")
+
     async def step(self, call: StepCall) -> StepOutcome:
         self.num_steps += 1
-        return self.pool.step(call)
+        self._maybe_crash("before_step", call)
+        outcome = self.pool.step(call)
+        self._maybe_crash("after_step", call)
+        return outcome
 
     async def execute(self, call: ExecuteCall) -> ExecuteResult:
+        self._maybe_crash("before_execute", call)
         self.released += call.release_request_ids
         return self.model.execute(call)
 
@@ -165,8 +182,6 @@ def test_engine_preempted_request_is_released_before_readmission(tokenizer: Toke
 def test_engine_fails_sequences_of_a_rejected_step(tokenizer: Tokenizer):
     # The executor rejects a step (INVALID_ARGUMENT): that request fails with UNAVAILABLE,
     # its blocks are aborted, the engine keeps serving the next request.
-    import grpc
-
     eng, link = engine(tokenizer, num_blocks=64)
     req = submit(eng, "bad", [9] * 5, max_tokens=4)
 
@@ -190,3 +205,45 @@ def test_engine_fails_sequences_of_a_rejected_step(tokenizer: Tokenizer):
     assert link.pool.all_free()
 
 
+
+
+async def run_loop_until_idle(eng: Engine, timeout_s: float = 10.0) -> None:
+    """The engine's own loop (with its error handling) until it has nothing left to do."""
+    task = asyncio.get_running_loop().create_task(eng.run())
+    try:
+        for _ in range(int(timeout_s / 0.01)):
+            await asyncio.sleep(0.01)
+            if not eng.busy:
+                return
+        raise AssertionError("engine never went idle")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+CRASHES = {
+    # the Step carrying a's free never goes out
+    "before_step": lambda call: bool(call.free_request_ids),
+    # c is admitted at the allocator, the gateway never learns it
+    "after_step": lambda call: call.num_decodes > 0 and any(i.is_new for i in call.items),
+    # the Execute carrying a's release never goes out
+    "before_execute": lambda call: bool(call.release_request_ids),
+}
+
+
+@pytest.mark.parametrize("where", list(CRASHES))
+def test_engine_bug_mid_step_fails_requests_and_leaks_nothing(tokenizer: Tokenizer, where: str):
+    # A gateway bug interrupts a step at `where`: the open requests fail with INTERNAL,
+    # every block is back at the allocator and the executor holds nothing.
+    eng, link = engine(tokenizer, num_blocks=64)
+    link.crash_at, link.crash_when = where, CRASHES[where]
+    reqs = [submit(eng, "a", [3] * 5, max_tokens=2), submit(eng, "b", [4] * 11, max_tokens=30),
+            submit(eng, "c", [5] * 7, max_tokens=30, n=2)]
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(run_loop_until_idle(eng))
+    assert not link.crash_at, "the bug was never hit"
+    assert any(e["event"] == "engine_step_failed" for e in logs)
+    for req in reqs[1:]:
+        errors = [d.error for d in drain(req) if d.error is not None]
+        assert errors and errors[0].code is grpc.StatusCode.INTERNAL
+    assert link.pool.all_free() and not link.model.held

@@ -1,0 +1,71 @@
+"""Requests the allocator may still hold for a pool although no sequence here tracks them.
+
+They appear when a call's outcome is unknown: a `Step` past its deadline or cut off (it is
+not idempotent: its frees, preemptions, admissions and appended tokens may or may not have
+been applied), a lost executor, a step interrupted by a gateway bug. Rather than guess, the
+engine notes every id the allocator might hold and aborts them before the pool's next Step:
+in one call when all are still there, else one by one, ignoring the ones already gone.
+Aborting commits nothing, so no unconfirmed KV enters the prefix cache (the commit rule).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import grpc
+import structlog
+
+from gateway.batch import ScheduledStep
+
+if TYPE_CHECKING:
+    from gateway.engine import Engine
+
+log = structlog.get_logger(__name__)
+
+
+def note_held(engine: Engine, plan: ScheduledStep | None = None) -> None:
+    """Everything the allocator may hold for the engine's sequences (and for `plan`, a step
+    whose outcome is unknown) becomes an orphan; the sequences then start over."""
+    sched = engine.scheduler
+    ids = engine.orphan_ids
+    ids.update(s.seq_id for s in sched.sequences() if s.known_to_allocator)
+    ids.update(sched.pending.free_ids)
+    ids.update(sched.pending.abort_ids)
+    if plan is not None:
+        ids.update(plan.call.free_request_ids)
+        ids.update(plan.call.abort_request_ids)
+        ids.update(i.request_id for i in plan.call.items if i.is_new)
+
+
+async def abort_orphans(engine: Engine) -> grpc.aio.AioRpcError | None:
+    """Abort every orphan the allocator still holds; the error that stopped it, if any
+    (the orphans not yet aborted stay noted)."""
+    ids = sorted(engine.orphan_ids)
+    try:
+        await engine.link.abort(ids)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.NOT_FOUND:
+            return _gone_with_pool(engine, exc)
+    else:
+        engine.orphan_ids.clear()
+        log.info("orphans_aborted", pool_id=engine.pool_id, num=len(ids))
+        return None
+    # Some are gone already (the lost step freed or preempted them): one at a time.
+    for request_id in ids:
+        try:
+            await engine.link.abort([request_id])
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                return _gone_with_pool(engine, exc)
+        engine.orphan_ids.discard(request_id)
+    log.info("orphans_aborted", pool_id=engine.pool_id, num=len(ids))
+    return None
+
+
+def _gone_with_pool(engine: Engine, exc: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError | None:
+    """FAILED_PRECONDITION: the pool was reset since (new epoch), which dropped every
+    request it held; the next Step re-registers."""
+    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+        engine.orphan_ids.clear()
+        return None
+    return exc

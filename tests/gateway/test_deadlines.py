@@ -1,0 +1,281 @@
+"""Deadlines on the hot path, against real gRPC servers on loopback that stall.
+
+The allocator is the real servicer over the real core, made to stall after it applied a Step
+(the gateway cannot tell whether it did); the executor is a tiny servicer whose Execute never
+answers. Nothing may hang, nothing may leak, clients get a precise status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+import structlog
+from in_process import FakeModel
+
+from allocator_svc.core.allocator import Allocator, Limits
+from allocator_svc.service import AllocatorServicer
+from common.interceptor import ErrorInterceptor
+from gateway import recovery
+from gateway.allocator_client import AllocatorClient
+from gateway.batch import Budget
+from gateway.engine import Engine
+from gateway.executor_client import ExecutorClient, ExecutorDescription
+from gateway.lease import Lease
+from gateway.output import OutputProcessor
+from gateway.pool_link import PoolLink
+from gateway.request_state import CompletionDelta, Request
+from gateway.router import Router
+from gateway.sampling import SamplingOptions
+from gateway.scheduler import Scheduler
+from gateway.step import ExecuteCall, ExecuteResult
+from gateway.tokenizer import Tokenizer
+from pagedkv.allocator.v1 import allocator_pb2_grpc
+from pagedkv.executor.v1 import executor_pb2 as epb
+from pagedkv.executor.v1 import executor_pb2_grpc
+
+BLOCK = 4
+NUM_BLOCKS = 64
+TIMEOUT_S = 0.3
+STALL_S = 1.0
+DESCRIPTION = ExecutorDescription(
+    instance_id="executor-1", model_name="fake", model_fingerprint="fake-model",
+    num_blocks=NUM_BLOCKS, block_size=BLOCK, num_cpu_blocks=0, backend="fake", device="cpu",
+    max_model_len=256, eos_token_ids=(2,), vocab_size=97, max_num_batched_tokens=64,
+    max_num_seqs=8,
+)
+
+
+class StallingAllocator(AllocatorServicer):
+    """The real allocator; a chosen Step (or, while `hung`, every Step) is applied and then
+    answered only after STALL_S; while `hung`, an Abort is not applied at all."""
+
+    def __init__(self) -> None:
+        super().__init__(Allocator(Limits()))
+        self.stall_step: Callable[[Any], bool] = lambda request: False
+        self.hung = False
+
+    async def _stall(self) -> None:
+        await asyncio.sleep(STALL_S)
+
+    async def Step(self, request: Any, context: Any) -> Any:  # noqa: N802
+        response = await super().Step(request, context)
+        if self.hung or self.stall_step(request):
+            self.stall_step = lambda request: False
+            await self._stall()
+        return response
+
+    async def Abort(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if self.hung:  # answers nothing and applies nothing
+            await self._stall()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "hung")
+        return await super().Abort(request, context)
+
+    def held(self) -> list[str]:
+        """Request ids the allocator holds in any pool (the invariants checked on the way)."""
+        self.allocator.check_invariants()
+        return [r for pool in self.allocator.pools.values() for r in pool.requests]
+
+
+class StallingExecutor(executor_pb2_grpc.ExecutorServiceServicer):
+    """Describes itself; Execute never answers; Release records what it was asked to drop."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    async def Describe(self, request: Any, context: Any) -> Any:  # noqa: N802
+        d = DESCRIPTION
+        return epb.DescribeResponse(
+            instance_id=d.instance_id, model_name=d.model_name,
+            model_fingerprint=d.model_fingerprint, num_blocks=d.num_blocks,
+            block_size=d.block_size, max_model_len=d.max_model_len,
+            eos_token_ids=d.eos_token_ids, vocab_size=d.vocab_size,
+            max_num_batched_tokens=d.max_num_batched_tokens, max_num_seqs=d.max_num_seqs,
+        )
+
+    async def Execute(self, request: Any, context: Any) -> Any:  # noqa: N802
+        await asyncio.sleep(3600)
+
+    async def Release(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self.released.extend(request.request_ids)
+        return epb.ReleaseResponse(num_released=len(request.request_ids))
+
+
+@dataclass
+class InProcessExecutor:
+    """The fake model behind the ExecutorClient calls PoolLink makes."""
+
+    model: FakeModel = field(default_factory=lambda: FakeModel(BLOCK))
+    address: str = "in-process"
+
+    async def execute(self, call: ExecuteCall, timeout: float | None = None) -> ExecuteResult:
+        return self.model.execute(call)
+
+    async def release(self, request_ids: list[str], timeout: float | None = None) -> None:
+        self.model.execute(ExecuteCall(tuple(request_ids), (), (), (), ()))
+
+    async def describe(self, timeout: float | None = None) -> ExecutorDescription:
+        return DESCRIPTION
+
+
+async def serve(add: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> grpc.aio.Server:
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    add(servicer, server)
+    server.port = server.add_insecure_port("127.0.0.1:0")  # type: ignore[attr-defined]
+    await server.start()
+    return server
+
+
+@dataclass
+class Rig:
+    allocator: StallingAllocator
+    engine: Engine
+    router: Router
+
+
+@asynccontextmanager
+async def rig(tokenizer: Tokenizer, executor: Any = None) -> AsyncIterator[Rig]:
+    """The real allocator on a port, one engine over it (its loop running), a router."""
+    servicer = StallingAllocator()
+    server = await serve(allocator_pb2_grpc.add_AllocatorServiceServicer_to_server, servicer)
+    client = AllocatorClient(f"127.0.0.1:{server.port}", timeout_s=TIMEOUT_S)  # type: ignore[attr-defined]
+    lease = Lease(allocator=client, ttl_ms=10_000)
+    await lease.acquire()
+    link = PoolLink(pool_id="pool-0", executor=executor or InProcessExecutor(),
+                    allocator=client, lease=lease, description=DESCRIPTION,
+                    enable_prefix_caching=True, execute_timeout_s=TIMEOUT_S)
+    await link.register()
+    router = Router(engines=[], allocator=client, max_waiting=64)
+    engine = Engine(
+        link=link,
+        scheduler=Scheduler(Budget(max_num_seqs=8, max_num_batched_tokens=16), BLOCK),
+        output=OutputProcessor(tokenizer, frozenset({2}), max_model_len=256),
+        on_lost=router.requeue,
+    )
+    router.engines.append(engine)
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(engine.run())]
+    try:
+        yield Rig(servicer, engine, router)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await client.close()
+        await server.stop(None)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.load("models/tiny-llama")
+
+
+@pytest.fixture(autouse=True)
+def quick_recovery(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recovery, "ALLOCATOR_RETRY_S", 0.5)
+    monkeypatch.setattr(recovery, "RECONNECT_INTERVAL_S", 0.2)
+
+
+async def submit(rig: Rig, rid: str, prompt: list[int], max_tokens: int) -> Request:
+    req = Request(request_id=rid, prompt_token_ids=prompt, cache_salt="",
+                  sampling=SamplingOptions(max_tokens=max_tokens, ignore_eos=True))
+    await rig.router.submit(req)
+    return req
+
+
+async def collect(req: Request, timeout_s: float = 10.0) -> list[CompletionDelta]:
+    """Deltas until the completion finishes or fails (a hang fails the test)."""
+    deltas: list[CompletionDelta] = []
+    while not deltas or (deltas[-1].finish_reason is None and deltas[-1].error is None):
+        deltas.append(await asyncio.wait_for(req.outputs.get(), timeout_s))
+    return deltas
+
+
+async def until_idle(engine: Engine, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if not engine.busy:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the engine never went idle")
+
+
+def test_step_past_its_deadline_is_not_resent_and_leaks_nothing(tokenizer: Tokenizer):
+    # The allocator applies the Step that admits "b" (next to a decoding "a") but answers
+    # after the deadline: the gateway aborts what it may hold, readmits both (recompute);
+    # outputs equal the reference, and no block is left held.
+    model = FakeModel(BLOCK)
+
+    async def scenario() -> tuple[list[list[int]], list[str], list[dict[str, Any]]]:
+        async with rig(tokenizer, InProcessExecutor(model)) as r:
+            r.allocator.stall_step = lambda request: any(i.prompt_token_ids
+                                                         for i in request.items)
+            a = await submit(r, "a", [3] * 6, max_tokens=12)
+            await asyncio.sleep(0.1)  # "a" is decoding
+            r.allocator.stall_step = lambda request: bool(request.decode_request_ids) and any(
+                i.prompt_token_ids for i in request.items)
+            b = await submit(r, "b", [4] * 9, max_tokens=12)
+            with structlog.testing.capture_logs() as logs:
+                outputs = [await collect(a), await collect(b)]
+                await until_idle(r.engine)
+            tokens = [[t for d in deltas for t in d.token_ids] for deltas in outputs]
+            return tokens, r.allocator.held(), logs
+
+    (a_tokens, b_tokens), held, logs = asyncio.run(scenario())
+    events = [e["event"] for e in logs]
+    assert "allocator_step_failed" in events and "orphans_aborted" in events
+    assert a_tokens == model.reference([3] * 6, 12)
+    assert b_tokens == model.reference([4] * 9, 12)
+    assert held == [] and not model.held
+
+
+def test_hung_allocator_fails_requests_with_unavailable_then_gets_its_blocks_back(
+    tokenizer: Tokenizer,
+):
+    # The allocator applies every Step but answers none in time, and drops every Abort: the
+    # client gets UNAVAILABLE after the retry window instead of hanging; once the allocator
+    # answers again, what it held for the request is aborted.
+    async def scenario() -> tuple[list[CompletionDelta], list[str], list[str]]:
+        async with rig(tokenizer) as r:
+            r.allocator.hung = True
+            req = await submit(r, "a", [3] * 6, max_tokens=50)
+            deltas = await collect(req)
+            held_while_hung = r.allocator.held()
+            r.allocator.hung = False
+            await until_idle(r.engine)
+            return deltas, held_while_hung, r.allocator.held()
+
+    deltas, held_while_hung, held = asyncio.run(scenario())
+    error = deltas[-1].error
+    assert error is not None and error.code is grpc.StatusCode.UNAVAILABLE
+    assert "allocator has not answered" in str(error)
+    assert held_while_hung == ["a"]
+    assert held == []
+
+
+def test_executor_past_its_deadline_is_lost_and_its_requests_released(tokenizer: Tokenizer):
+    # Execute never answers: the only executor is lost, the client gets UNAVAILABLE; the
+    # allocator gets the blocks back, and once Describe answers again (the same instance)
+    # the executor is told to release the request.
+    async def scenario() -> tuple[list[CompletionDelta], list[str], list[str], bool]:
+        servicer = StallingExecutor()
+        server = await serve(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, servicer)
+        executor = ExecutorClient(f"127.0.0.1:{server.port}")  # type: ignore[attr-defined]
+        try:
+            async with rig(tokenizer, executor) as r:
+                req = await submit(r, "a", [3] * 6, max_tokens=5)
+                deltas = await collect(req)
+                await until_idle(r.engine)
+                return deltas, r.allocator.held(), servicer.released, r.engine.healthy
+        finally:
+            await executor.close()
+            await server.stop(None)
+
+    deltas, held, released, healthy = asyncio.run(scenario())
+    error = deltas[-1].error
+    assert error is not None and error.code is grpc.StatusCode.UNAVAILABLE
+    assert held == [] and released == ["a"] and healthy
