@@ -90,6 +90,10 @@ class KVCache:
         """(key, value) caches of one layer, each [num_blocks, block_size, Hkv, D]."""
         return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
 
+    def layer_kv(self, layer_idx: int) -> torch.Tensor:
+        """Key and value caches of one layer as one [2, num_blocks, block_size, Hkv, D] view."""
+        return self.kv[layer_idx]
+
     def copy_blocks(self, copies: tuple[BlockCopy, ...]) -> None:
         """Device -> device. NOTE: every source is read before any destination is written."""
         if not copies:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from executor_svc.attention import SeqSpan
-from executor_svc.attention.torch_backend import _decode_groups
+from executor_svc.attention.torch_backend import _decode_batch
 from executor_svc.runner import ModelRunner
 
 from .oracle import Driver, random_prompts, reference_generate, reference_model
@@ -21,12 +21,18 @@ def test_torch_backend_groups_decode_spans_by_similar_length() -> None:
     # Contexts 4000, 3900 share a group; the eight 20-token rows get their own (padding them
     # to 4000 would waste far more than one more SDPA call costs); masks only where unequal.
     spans = [_span(0, 4000), *(_span(i, 20) for i in range(1, 9)), _span(9, 3900)]
-    groups = _decode_groups(spans, 16, torch.device("cpu"))
-    assert [g.token_index.tolist() for g in groups] == [[0, 9], [1, 2, 3, 4, 5, 6, 7, 8]]
+    batch = _decode_batch(spans, 16, torch.float32, torch.device("cpu"))
+    assert batch.token_index.tolist() == [0, 9, 1, 2, 3, 4, 5, 6, 7, 8]
+    groups = batch.groups
+    assert [(g.rows, g.blocks) for g in groups] == [
+        (slice(0, 2), slice(0, 500)),
+        (slice(2, 10), slice(500, 516)),
+    ]
     assert [(g.key_len, g.max_blocks) for g in groups] == [(4000, 250), (20, 2)]
     assert groups[0].key_mask is not None and groups[1].key_mask is None
-    assert groups[0].key_mask[1, 0, 0].sum().item() == 3900
-    assert groups[1].block_index.tolist()[:4] == [300, 301, 500, 501]
+    assert (groups[0].key_mask[1, 0, 0] == 0).sum().item() == 3900  # additive: 0 attends
+    assert groups[0].key_mask[1, 0, 0, 3900:].eq(float("-inf")).all()
+    assert batch.block_index.tolist()[500:504] == [300, 301, 500, 501]
 
 
 def test_torch_backend_split_decode_groups_match_generate(
