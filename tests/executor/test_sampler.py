@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from executor_svc.runner import ModelRunner
-from executor_svc.sampler import Sampler, new_generator
+from executor_svc.sampler import ARGMAX_CHUNK, Sampler, greedy_tokens, new_generator
 from executor_svc.step import SamplingParams, SequenceWork, StepRequest
 
 from .oracle import Driver, random_prompts
@@ -84,3 +84,24 @@ def test_sampler_seeded_requests_reproduce_through_the_runner(
 
     assert run(42, with_neighbour=False) == run(42, with_neighbour=True)
     assert run(42, with_neighbour=False) != run(7, with_neighbour=False)
+
+
+def test_sampler_greedy_tokens_equal_argmax_with_ties_across_chunks() -> None:
+    # Rows whose max sits in two chunks, twice in one chunk, at the very ends, or once: the
+    # chunked argmax returns torch.argmax's id (the lowest); an odd vocabulary falls back.
+    logits = torch.randn(6, 4 * ARGMAX_CHUNK)
+    logits[0, [5, ARGMAX_CHUNK + 3]] = 50.0  # max in chunks 0 and 1: id 5
+    logits[1, [2 * ARGMAX_CHUNK + 7, 2 * ARGMAX_CHUNK + 1]] = 50.0  # twice in chunk 2: id +1
+    logits[2, -1] = 50.0  # last id
+    logits[3, 0] = 50.0  # first id
+    logits[4] = 0.0  # all equal: id 0
+    assert greedy_tokens(logits).tolist()[:5] == [
+        5,
+        2 * ARGMAX_CHUNK + 1,
+        4 * ARGMAX_CHUNK - 1,
+        0,
+        0,
+    ]
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    odd = torch.randn(3, ARGMAX_CHUNK + 5)
+    assert torch.equal(greedy_tokens(odd), odd.argmax(dim=-1))
