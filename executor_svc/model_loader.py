@@ -17,6 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from executor_svc.attention import ATTENTION_NAME, register_attention
+from executor_svc.lm_head import speed_up_lm_head
 
 log = structlog.get_logger(__name__)
 
@@ -92,24 +93,6 @@ def _eos_ids(config: PretrainedConfig) -> tuple[int, ...]:
     return tuple(int(x) for x in eos) if isinstance(eos, list | tuple) else (int(eos),)
 
 
-def _store_lm_head_transposed(model: PreTrainedModel) -> None:
-    """Keep the output projection's weight in [hidden, vocab] storage (read through a transpose).
-
-    NOTE: the same values and, with MKL, bitwise the same logits; but sgemm multiplies a few
-    decode rows by a [hidden, vocab] matrix 15-25% faster than by the transpose of a
-    [vocab, hidden] one (32,000 x 256 at 16-64 rows), and this product is the largest single
-    cost of a CPU decode step. Tied embeddings stay as they are: the embedding lookup would then
-    read each row with a stride of vocab.
-    """
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        return
-    if isinstance(embed, torch.nn.Embedding) and embed.weight.data_ptr() == head.weight.data_ptr():
-        return
-    stored = head.weight.detach().t().contiguous()  # [hidden, vocab]
-    head.weight = torch.nn.Parameter(stored.t(), requires_grad=False)  # [vocab, hidden] view
-
-
 def load_model(
     path: str, load_format: str, dtype_flag: str, device_flag: str, seed: int
 ) -> LoadedModel:
@@ -136,7 +119,7 @@ def load_model(
     model = model.to(device).eval()
     model.requires_grad_(False)
     if device.type == "cpu":
-        _store_lm_head_transposed(model)
+        speed_up_lm_head(model)
     loaded = LoadedModel(
         model=model,
         config=model.config,

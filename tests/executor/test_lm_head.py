@@ -1,0 +1,46 @@
+"""The CPU lm_head: packed for oneDNN, same parameters, same logits as nn.Linear."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from executor_svc.lm_head import PACKED_MIN_ROWS, PackedLinear, speed_up_lm_head
+
+from .oracle import MODELS
+
+
+def _model(tied: bool) -> torch.nn.Module:
+    config = AutoConfig.from_pretrained(MODELS / "tiny-llama")
+    config.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def test_lm_head_packed_matches_linear_on_few_and_many_rows() -> None:
+    # One row (stored weight) and 16 rows (packed oneDNN weight) give nn.Linear's logits.
+    model = _model(tied=False)
+    linear = model.lm_head
+    expected_state = {k: v.clone() for k, v in model.state_dict().items()}
+    speed_up_lm_head(model)
+    if not torch.backends.mkldnn.is_available():
+        assert isinstance(model.lm_head, torch.nn.Linear)
+        return
+    assert isinstance(model.lm_head, PackedLinear)
+    for rows in (1, PACKED_MIN_ROWS, 16):
+        hidden = torch.randn(1, rows, linear.in_features)  # [1, S, H]
+        torch.testing.assert_close(model.lm_head(hidden), linear(hidden), rtol=1e-5, atol=1e-5)
+    state = model.state_dict()
+    assert list(state) == list(expected_state)
+    assert all(torch.equal(state[k], v) for k, v in expected_state.items())
+
+
+def test_lm_head_tied_embeddings_stay_untouched() -> None:
+    # A tied lm_head shares the embedding's storage: it is left exactly as it was.
+    model = _model(tied=True)
+    head = model.lm_head
+    speed_up_lm_head(model)
+    assert model.lm_head is head
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
