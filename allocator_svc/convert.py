@@ -102,9 +102,23 @@ def _grant(grant: Grant) -> pb.Grant:
     )
 
 
-def step_response(result: StepResult, num_free_blocks: int) -> pb.StepResponse:
+def _appends_one_block(grant: Grant, block_size: int) -> bool:
+    """The grant appends one block at a block boundary and schedules one token."""
+    return (
+        len(grant.block_ids) == 1
+        and grant.num_scheduled == 1
+        and not grant.new_request
+        and grant.start_position == grant.delta_start * block_size
+    )
+
+
+def step_response(result: StepResult, num_free_blocks: int, block_size: int) -> pb.StepResponse:
+    appended = [g for g in result.grants if _appends_one_block(g, block_size)]
+    others = [g for g in result.grants if not _appends_one_block(g, block_size)]
     return pb.StepResponse(
-        grants=[_grant(g) for g in result.grants],
+        grants=[_grant(g) for g in others],
+        appended_request_ids=[g.request_id for g in appended],
+        appended_block_ids=[g.block_ids[0] for g in appended],
         preempted=[
             pb.Preemption(request_id=p.request_id, mode=_MODE_TO_PB[p.mode])
             for p in result.preempted

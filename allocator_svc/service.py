@@ -76,7 +76,7 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
                 request_ids=[p.request_id for p in result.preempted],
             )
         pool = self.allocator.pools[request.pool_id]
-        return convert.step_response(result, pool.blocks.num_free)
+        return convert.step_response(result, pool.blocks.num_free, pool.block_size)
 
     async def Free(self, request: pb.FreeRequest, context: Ctx) -> pb.FreeResponse:
         pool = self.allocator.free(

@@ -89,6 +89,9 @@ def _outcome(response: pb.StepResponse) -> StepOutcome:
         swap_out=_copies(response.swap_out),
         swap_in=_copies(response.swap_in),
         num_free_blocks=response.num_free_blocks,
+        appended=dict(
+            zip(response.appended_request_ids, response.appended_block_ids, strict=True)
+        ),
     )
 
 

@@ -85,6 +85,9 @@ class StepOutcome:
     swap_out: tuple[BlockCopy, ...] = ()
     swap_in: tuple[BlockCopy, ...] = ()
     num_free_blocks: int = 0
+    # request id -> the one block appended to its table (a decode entering a new block, one
+    # token scheduled at its next position); such requests have no entry in `grants`.
+    appended: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

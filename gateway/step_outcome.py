@@ -27,6 +27,7 @@ def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -
     admitted: set[Sequence] = set()
     work: list[SeqWork] = []
     scheduled: list[tuple[Sequence, int]] = []
+    block_size = sched.block_size
     for item in step.call.items:
         seq = step.seqs[item.request_id]
         if not item.is_new and seq.known_to_allocator:
@@ -49,8 +50,15 @@ def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -
             sched.swapped.remove(seq)
             sched.running.append(seq)
         seq.status = SeqStatus.RUNNING
-        if grant is not None and grant.delta is not None:
-            grant.delta.apply(seq.block_table)
+        delta = grant.delta if grant is not None else None
+        appended = outcome.appended.get(item.request_id)
+        if appended is not None:
+            assert len(seq.block_table) * block_size == seq.num_computed_tokens, (
+                f"{seq.seq_id}: a block appended to a table that does not end at a boundary"
+            )
+            delta = TableDelta(len(seq.block_table), (appended,))
+        if delta is not None:
+            delta.apply(seq.block_table)
         num = (
             grant.num_scheduled_tokens
             if grant is not None
@@ -63,7 +71,7 @@ def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -
         )
         if num == 0:
             continue
-        work.append(_seq_work(seq, start, num, grant.delta if grant else None))
+        work.append(_seq_work(seq, start, num, delta))
         scheduled.append((seq, num))
     if admitted:
         sched.waiting = deque(s for s in sched.waiting if s not in admitted)

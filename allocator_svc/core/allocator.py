@@ -117,14 +117,7 @@ class Allocator:
         check_commits(pool, commits)
         check_items(pool, items, released)
         if commit_previous:
-            requests, bs = pool.requests, pool.block_size
-            for request in pool.last_scheduled:
-                if requests.get(request.request_id) is not request:
-                    continue
-                if request.num_computed // bs > len(request.block_hashes):
-                    pool.commit(request, request.num_computed)
-                else:  # no block filled up: nothing to hash (most decode steps)
-                    request.num_committed = request.num_computed
+            pool.commit_scheduled()
         for commit in commits:
             pool.commit(pool.requests[commit.request_id], commit.num_computed)
         for request_id in (*free_ids, *abort_ids):

@@ -92,6 +92,35 @@ class BlockPool:
             start = index + 1
         self._record_stored(blocks, hashes, parent, token_ids, block_size, start, len(blocks))
 
+    def cache_blocks(
+        self,
+        blocks: list[Block],
+        hashes: list[bytes],
+        parents: list[bytes | None],
+        token_ids: list[int],
+    ) -> None:
+        """`cache` for unrelated full blocks (a decode step's commits, one block per request),
+        recorded as one event run; `token_ids` holds their tokens, block after block."""
+        if not self.enable_caching or not blocks:
+            return
+        cached = self.cached
+        block_size = len(token_ids) // len(blocks)
+        keep = []
+        for index, (block, block_hash) in enumerate(zip(blocks, hashes, strict=True)):
+            if block.block_hash is None and block_hash not in cached:
+                block.block_hash = block_hash
+                cached[block_hash] = block
+                keep.append(index)
+        if len(keep) < len(blocks):  # some were cached already: record only the new entries
+            token_ids = [t for i in keep for t in token_ids[i * block_size : (i + 1) * block_size]]
+            blocks, hashes, parents = (
+                [blocks[i] for i in keep],
+                [hashes[i] for i in keep],
+                [parents[i] for i in keep],
+            )
+        if blocks:
+            self.events.stored_blocks(hashes, [b.block_id for b in blocks], parents, token_ids)
+
     def _record_stored(
         self,
         blocks: list[Block],

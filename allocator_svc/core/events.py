@@ -36,14 +36,15 @@ class CacheEvent(NamedTuple):
 
 
 class _Run(NamedTuple):
-    """Events first_seq, first_seq + 1, ... of one kind; a stored run is one chain."""
+    """Events first_seq, first_seq + 1, ... of one kind (a commit's chain, a step's commits,
+    an allocation's evictions)."""
 
     first_seq: int
     stored: bool  # BlockStored (else BlockRemoved); a bool, not the enum: keeps it untracked
     block_hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
-    parent_hash: bytes | None  # stored: the parent of the run's first block
-    token_ids: tuple[int, ...]  # stored: the run's tokens, block after block
+    parent_hashes: tuple[bytes | None, ...]  # stored: each block's parent (None: a root)
+    token_ids: tuple[int, ...]  # stored: the blocks' tokens, block after block
 
     @property
     def last_seq(self) -> int:
@@ -65,20 +66,20 @@ class _Run(NamedTuple):
                 EventKind.STORED,
                 self.block_hashes[i],
                 self.block_ids[i],
-                self.block_hashes[i - 1] if i else self.parent_hash,
+                self.parent_hashes[i],
                 list(self.token_ids[i * block_size : (i + 1) * block_size]),
             )
             for i in range(start, stop)
         ]
 
     def without_first(self, count: int) -> _Run:
-        block_size = len(self.token_ids) // len(self.block_ids)
+        block_size = len(self.token_ids) // len(self.block_ids) if self.stored else 0
         return _Run(
             self.first_seq + count,
             self.stored,
             self.block_hashes[count:],
             self.block_ids[count:],
-            self.block_hashes[count - 1] if self.stored else None,
+            self.parent_hashes[count:],
             self.token_ids[count * block_size :],
         )
 
@@ -113,13 +114,23 @@ class EventLog:
         token_ids: list[int],
     ) -> None:
         """Consecutive blocks of one chain cached; `token_ids` holds all their tokens."""
+        self.stored_blocks(block_hashes, block_ids, [parent_hash, *block_hashes[:-1]], token_ids)
+
+    def stored_blocks(
+        self,
+        block_hashes: list[bytes],
+        block_ids: list[int],
+        parent_hashes: list[bytes | None],
+        token_ids: list[int],
+    ) -> None:
+        """Any blocks cached (one per request in a decode step's commits), in event order."""
         self._append(
             _Run(
                 self.last_seq + 1,
                 True,
                 tuple(block_hashes),
                 tuple(block_ids),
-                parent_hash,
+                tuple(parent_hashes),
                 tuple(token_ids),
             )
         )
@@ -128,9 +139,7 @@ class EventLog:
         self.removed_run([block_hash], [block_id])
 
     def removed_run(self, block_hashes: list[bytes], block_ids: list[int]) -> None:
-        self._append(
-            _Run(self.last_seq + 1, False, tuple(block_hashes), tuple(block_ids), None, ())
-        )
+        self._append(_Run(self.last_seq + 1, False, tuple(block_hashes), tuple(block_ids), (), ()))
 
     def _run(self, index: int) -> _Run:
         return _Run._make(self._runs[index])

@@ -165,6 +165,36 @@ class Pool:
         )
         hashes.extend(new_hashes)
 
+    def commit_scheduled(self) -> None:
+        """Commit every request the latest step scheduled (commit_previous_step). Most decode
+        steps fill no block; in one of every block_size steps each request fills one, and
+        those are hashed and cached together, as one event run."""
+        requests, bs = self.requests, self.block_size
+        blocks: list[Block] = []
+        hashes: list[bytes] = []
+        parents: list[bytes | None] = []  # None: a chain's first block
+        tokens: list[int] = []
+        for request in self.last_scheduled:
+            if requests.get(request.request_id) is not request:
+                continue  # freed or preempted since
+            have, num_full = len(request.block_hashes), request.num_computed // bs
+            if num_full == have:  # no block filled up: nothing to hash (most decode steps)
+                request.num_committed = request.num_computed
+                continue
+            if num_full != have + 1 or request.swapped:  # a prefill chunk: one chain
+                self.commit(request, request.num_computed)
+                continue
+            parent = request.block_hashes[-1] if have else request.root_hash
+            block_tokens = request.token_ids[have * bs : num_full * bs]
+            block_hash = hashlib.sha256(parent + pack_tokens(block_tokens)).digest()
+            request.block_hashes.append(block_hash)
+            request.num_committed = request.num_computed
+            blocks.append(request.blocks[have])
+            hashes.append(block_hash)
+            parents.append(parent if have else None)
+            tokens.extend(block_tokens)
+        self.blocks.cache_blocks(blocks, hashes, parents, tokens)
+
     def free(self, request: Request) -> None:
         """Release every block, last first, so prefix blocks outlive suffix blocks in the LRU."""
         del self.requests[request.request_id]

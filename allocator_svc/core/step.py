@@ -68,6 +68,7 @@ def run_step(
     preempted: set[str] = set()
     scheduled: list[Request] = []
     bs = pool.block_size
+    free_blocks = pool.blocks
     for index, (item, request) in enumerate(running):
         if preempted and item.request_id in preempted:
             continue
@@ -79,15 +80,28 @@ def run_step(
             continue
         scheduled.append(request)
         offset = computed % bs
-        if (
-            offset
-            and offset + num_tokens <= bs
-            and request.blocks[computed // bs].ref_count == 1
-            and num_tokens == item.num_tokens
-        ):
-            # Fast path (most decode steps): the tokens fit the private last block.
-            request.num_computed = computed + num_tokens
-            continue
+        if num_tokens == item.num_tokens and offset + num_tokens <= bs:
+            if offset and request.blocks[computed // bs].ref_count == 1:
+                # Fast path (most decode steps): the tokens fit the private last block.
+                request.num_computed = computed + num_tokens
+                continue
+            if not offset and len(request.blocks) * bs == computed and free_blocks.num_free:
+                # Fast path (a decode step in every block_size): one fresh block appended.
+                taken = free_blocks.allocate(1)
+                assert taken is not None, "checked: a block is free"
+                block = taken[0]
+                request.blocks.append(block)
+                request.num_computed = computed + num_tokens
+                result.grants.append(
+                    Grant(
+                        item.request_id,
+                        len(request.blocks) - 1,
+                        [block.block_id],
+                        num_tokens,
+                        computed,
+                    )
+                )
+                continue
         while pool.blocks_needed(request, num_tokens) > pool.blocks.num_free:
             victim = _last_unpreempted(running, index + 1, preempted)
             if victim is None:

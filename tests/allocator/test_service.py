@@ -401,3 +401,35 @@ def test_service_unknown_preemption_mode_is_invalid_argument(stub):
         match="preemption_mode=7",
     )
     assert stats(stub, pool).num_requests == 0
+
+
+def test_service_decode_entering_a_new_block_travels_in_the_appended_columns(stub):
+    # A decode at a block boundary: its one new block comes in appended_*, not in grants; a
+    # forked child's first write into the shared partial block stays a grant (copy-on-write).
+    pool = register(stub)  # block size 4
+
+    def decode(request_id, token):
+        return stub.Step(
+            pb.StepRequest(
+                pool_id=pool.pool_id, epoch=pool.epoch, commit_previous_step=True,
+                decode_request_ids=[request_id], decode_token_ids=[token],
+            )
+        )
+
+    (admitted,) = step(stub, pool, [new("a", [1, 2, 3, 4])]).grants
+    entering = decode("a", 5)
+    assert list(entering.grants) == [] and list(entering.appended_request_ids) == ["a"]
+    (block,) = entering.appended_block_ids
+    assert block not in admitted.delta.block_ids
+    step(stub, pool, [new("p", [1, 2, 3, 4, 5, 6])])
+    stub.Fork(
+        pb.ForkRequest(
+            pool_id=pool.pool_id, epoch=pool.epoch, parent_request_id="p",
+            child_request_ids=["c"],
+        )
+    )
+    cow = decode("c", 7)
+    (grant,) = cow.grants
+    assert list(cow.appended_request_ids) == [] and grant.delta.start_index == 1
+    (copy,) = cow.copies
+    assert copy.dst_block_id == grant.delta.block_ids[0]

@@ -17,23 +17,24 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from allocator_svc import convert
 from allocator_svc.core import request as core_request
 from allocator_svc.core import step as core_step
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
 from common.errors import ServiceError
+from gateway import allocator_client
 from gateway.step import (
     BlockCopy,
     Commit,
     ExecuteCall,
     ExecuteResult,
-    Grant,
-    Preemption,
     Sampled,
     StepCall,
     StepOutcome,
     TableDelta,
 )
+from pagedkv.allocator.v1 import allocator_pb2 as pb
 
 POOL_ID = "pool-0"
 
@@ -66,26 +67,10 @@ def _copies(copies: list[core_request.BlockCopy]) -> tuple[BlockCopy, ...]:
     return tuple(BlockCopy(c.src_block_id, c.dst_block_id) for c in copies)
 
 
-def _outcome(result: core_step.StepResult, num_free_blocks: int) -> StepOutcome:
-    # The service always sets a grant's delta (possibly empty), so the client always sees one.
-    grants = {
-        g.request_id: Grant(g.request_id, TableDelta(g.delta_start, tuple(g.block_ids)),
-                            g.num_cached_tokens, g.num_scheduled, g.start_position,
-                            g.new_request)
-        for g in result.grants
-    }
-    return StepOutcome(
-        grants=grants,
-        preempted=tuple(
-            Preemption(p.request_id, swapped=p.mode is core_step.PreemptionMode.SWAP)
-            for p in result.preempted
-        ),
-        deferred_request_ids=frozenset(result.deferred),
-        copies=_copies(result.copies),
-        swap_out=_copies(result.swap_out),
-        swap_in=_copies(result.swap_in),
-        num_free_blocks=num_free_blocks,
-    )
+def _outcome(result: core_step.StepResult, num_free_blocks: int, block_size: int) -> StepOutcome:
+    # Through the real conversions on both sides of the wire (compact forms included).
+    response = convert.step_response(result, num_free_blocks, block_size)
+    return allocator_client._outcome(pb.StepResponse.FromString(response.SerializeToString()))
 
 
 class CorePool:
@@ -126,7 +111,7 @@ class CorePool:
         except ServiceError as exc:
             raise rpc_error(exc) from exc
         self.pool.check_invariants()
-        return _outcome(result, self.pool.blocks.num_free)
+        return _outcome(result, self.pool.blocks.num_free, self.pool.block_size)
 
     def free(self, commits: Sequence[Commit], request_ids: Sequence[str]) -> None:
         try:
