@@ -50,6 +50,12 @@ class KVCacheSpec:
         elements = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
         return elements * torch.empty((), dtype=self.dtype).element_size()
 
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        """Key and value of one token in one layer."""
+        elements = 2 * self.num_kv_heads * self.head_dim
+        return elements * torch.empty((), dtype=self.dtype).element_size()
+
     def shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 

@@ -21,7 +21,7 @@ def test_torch_backend_groups_decode_spans_by_similar_length() -> None:
     # Contexts 4000, 3900 share a group; the eight 20-token rows get their own (padding them
     # to 4000 would waste far more than one more SDPA call costs); masks only where unequal.
     spans = [_span(0, 4000), *(_span(i, 20) for i in range(1, 9)), _span(9, 3900)]
-    batch = _decode_batch(spans, 16, torch.float32, torch.device("cpu"))
+    batch = _decode_batch(spans, 16, None, torch.float32, torch.device("cpu"))
     assert batch.token_index.tolist() == [0, 9, 1, 2, 3, 4, 5, 6, 7, 8]
     groups = batch.groups
     assert [(g.rows, g.blocks) for g in groups] == [
@@ -45,3 +45,11 @@ def test_torch_backend_split_decode_groups_match_generate(
     got = Driver.scattered(runner).generate({f"r{i}": p for i, p in enumerate(prompts)}, 6)
     for i, prompt in enumerate(prompts):
         assert got[f"r{i}"] == reference_generate(reference, prompt, 6), f"prompt {i}"
+
+
+def test_torch_backend_decode_groups_stay_under_the_key_limit() -> None:
+    # Six equal 1,000-token contexts with at most 2,500 keys per group: groups of 2, 2, 2.
+    spans = [_span(i, 1000) for i in range(6)]
+    batch = _decode_batch(spans, 16, 2500, torch.float32, torch.device("cpu"))
+    assert [g.rows for g in batch.groups] == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    assert all(g.key_mask is None for g in batch.groups)
