@@ -1,12 +1,5 @@
 """One executor's step loop: Step at the allocator, Execute at the executor, then outputs.
 
-Outputs are processed one step late: a step's sampled tokens are detokenized and queued to
-the client streams right after the *next* Execute has gone out, while the executor computes.
-Before that, only the integer stop checks run (EOS, stop token ids, max_tokens), so the next
-step is scheduled without the finished sequences; a stop string, found a step later, costs
-one wasted token that is dropped. Detokenizing and waking 256 stream writers took ~4 ms per
-step; on the critical path it also delayed the allocator's reply, which waited behind them.
-
 Single writer: the loop is the only code that mutates its scheduler, between awaits, so no
 lock is needed. Other coroutines (RPC handlers) only append sequences with `submit`, flag
 cancellations on the request, and wake the loop.
@@ -57,10 +50,6 @@ class Engine:
     # The step in progress, for recovery when a bug interrupts it.
     plan: ScheduledStep | None = None
     batch: Batch | None = None
-    # Sampled tokens not yet detokenized and streamed (see the module docstring), and
-    # whether the current step keeps them for the overlap with its successor's Execute.
-    unemitted: list[tuple[Sequence, int]] = field(default_factory=list)
-    hold_outputs: bool = False
 
     # Called by other coroutines.
 
@@ -99,7 +88,6 @@ class Engine:
                 await recovery.reconnect(self)
                 continue
             if not self._has_work():
-                self.flush_outputs()
                 self.wakeup.clear()
                 await self.wakeup.wait()
                 continue
@@ -114,14 +102,6 @@ class Engine:
 
     async def step(self) -> bool:
         """One scheduling step; False when nothing could run (all deferred)."""
-        self.hold_outputs = False
-        try:
-            return await self._step()
-        finally:
-            if not self.hold_outputs:  # no successor Execute to overlap with: stream now
-                self.flush_outputs()
-
-    async def _step(self) -> bool:
         self.plan = self.batch = None
         if self.link.take_lease_renewal():
             recovery.allocator_forgot(self, "lease_renewed")
@@ -148,24 +128,14 @@ class Engine:
             await self._flush_releases()
             return False
         t_sched = time.perf_counter()
-        execute = asyncio.ensure_future(self.link.execute(batch.call))
         try:
-            await asyncio.sleep(0)  # the call goes out first ...
-            self.flush_outputs()  # ... then the previous step's outputs, overlapped with it
-            result = await execute
+            result = await self.link.execute(batch.call)
         except grpc.aio.AioRpcError as exc:
             recovery.execute_failed(self, batch, exc)
             return True
-        except BaseException:
-            execute.cancel()
-            raise
         t_exec = time.perf_counter()
-        sampled = self.scheduler.apply_result(batch, result)
-        for seq, token in sampled:
-            if self.output.finish_without_text(seq, token) is not None:
-                self.scheduler.finish(seq)  # not scheduled again; its delta is built later
-        self.unemitted.extend(sampled)
-        self.hold_outputs = True
+        for seq, token in self.scheduler.apply_result(batch, result):
+            self._emit(seq, token)
         for parent in self.scheduler.ready_to_fork(batch):
             await self._fork(parent)
         done = time.perf_counter()
@@ -189,15 +159,12 @@ class Engine:
             or bool(pending.release_ids) or self.has_cancellations or bool(self.orphan_ids)
         )
 
-    def flush_outputs(self) -> None:
-        """Detokenize and stream the held tokens, in the order they were sampled."""
-        unemitted, self.unemitted = self.unemitted, []
-        for seq, token in unemitted:
-            delta = self.output.process(seq, token)
-            if not seq.request.cancelled:
-                seq.request.emit(delta)
-            if delta.finish_reason is not None:
-                self.scheduler.finish(seq)
+    def _emit(self, seq: Sequence, token: int) -> None:
+        delta = self.output.process(seq, token)
+        if not seq.request.cancelled:
+            seq.request.emit(delta)
+        if delta.finish_reason is not None:
+            self.scheduler.finish(seq)
 
     async def _allocator_step(self, plan: ScheduledStep) -> StepOutcome | None:
         try:
@@ -235,7 +202,6 @@ class Engine:
                 self.scheduler.abort(seq)
 
     def fail(self, seq: Sequence, error: ServiceError) -> None:
-        self.flush_outputs()  # the tokens computed before the failure still reach the client
         if not seq.request.cancelled:
             seq.request.emit(CompletionDelta(index=seq.index, error=error))
         self.scheduler.abort(seq)

@@ -20,26 +20,21 @@ class OutputProcessor:
             self.decoder, seq.request.prompt_token_ids, seq.request.sampling.stop
         )
 
-    def finish_without_text(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        """Every stop condition but stop strings: integer checks, decided the moment the
-        token arrives (before the next step is scheduled), while detokenization waits."""
-        options = seq.request.sampling
-        if token_id in options.stop_token_ids:
-            return FinishReason.STOP
-        if not options.ignore_eos and token_id in self.eos_token_ids:
-            return FinishReason.STOP
-        if len(seq.output_token_ids) >= options.max_tokens:
-            return FinishReason.LENGTH
-        if seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
     def process(self, seq: Sequence, token_id: int) -> CompletionDelta:
         """One sampled token: its text, and the finish reason when it ends the completion."""
+        options = seq.request.sampling
         detok = seq.detokenizer
         assert detok is not None, f"{seq.seq_id} has no detokenizer: call start() first"
         text = detok.add(token_id)
-        reason = FinishReason.STOP if text.stopped else self.finish_without_text(seq, token_id)
+        reason: FinishReason | None = None
+        if text.stopped or token_id in options.stop_token_ids:
+            reason = FinishReason.STOP
+        elif not options.ignore_eos and token_id in self.eos_token_ids:
+            reason = FinishReason.STOP
+        elif len(seq.output_token_ids) >= options.max_tokens:
+            reason = FinishReason.LENGTH
+        elif seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
         if reason is None:
             return CompletionDelta(index=seq.index, token_ids=(token_id,), text=text.text)
         seq.finish_reason = reason

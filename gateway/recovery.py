@@ -121,7 +121,6 @@ def execute_failed(engine: Engine, batch: Batch, exc: grpc.aio.AioRpcError) -> N
 def lose_executor(engine: Engine) -> None:
     """The executor is gone: everything it ran goes elsewhere; reconnect in the background."""
     engine.healthy = False
-    engine.flush_outputs()  # before the sequences move: their streams stay in order
     orphans.note_held(engine)
     seqs = engine.scheduler.evict_all()
     log.warning("executor_lost", pool_id=engine.pool_id, num_requeued=len(seqs))
@@ -136,7 +135,6 @@ def step_crashed(engine: Engine, plan: ScheduledStep | None, batch: Batch | None
     if batch is not None:
         engine.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
     error = GatewayError(f"executor {engine.pool_id}: internal gateway error (see its log)")
-    engine.unemitted.clear()  # the bug may be in output processing: every sequence fails
     for seq in engine.scheduler.evict_all():
         engine.fail(seq, error)
 

@@ -74,9 +74,7 @@ class Scheduler:
             seq.num_computed_tokens += num
             executed[seq.seq_id] = seq.num_computed_tokens
             token = tokens.get(seq.seq_id)
-            # A sequence finished while this step ran (a stop string found in the outputs
-            # processed meanwhile) computed one token too many: it is dropped.
-            if token is not None and not seq.is_finished:
+            if token is not None:
                 seq.output_token_ids.append(token)
                 sampled.append((seq, token))
         return sampled
