@@ -247,3 +247,34 @@ def test_engine_bug_mid_step_fails_requests_and_leaks_nothing(tokenizer: Tokeniz
         errors = [d.error for d in drain(req) if d.error is not None]
         assert errors and errors[0].code is grpc.StatusCode.INTERNAL
     assert link.pool.all_free() and not link.model.held
+
+
+@pytest.mark.parametrize("by", ["stop_string", "stop_token_id"])
+def test_engine_stops_exactly_at_the_stop_string_or_stop_token(
+    tokenizer: Tokenizer, by: str
+):
+    # The completion ends exactly at the token that completes the stop string (or is the
+    # stop token id), reports STOP with its usage, and everything is given back.
+    prompt = [9] * 6
+    eng, link = engine(tokenizer, num_blocks=32)
+    reference = link.model.reference(prompt, 24)
+    texts = [tokenizer.decode(reference[: i + 1]) for i in range(len(reference))]
+    stop_at = next(
+        i for i in range(3, len(reference))
+        if reference[i] not in reference[:i] and texts[i] != texts[i - 1]
+        and texts[i][len(texts[i - 1]):] not in texts[i - 1]
+    )
+    options: dict[str, Any] = (
+        {"stop": (texts[stop_at][len(texts[stop_at - 1]):],)} if by == "stop_string"
+        else {"stop_token_ids": frozenset({reference[stop_at]})}
+    )
+    req = Request(request_id="s", prompt_token_ids=prompt, cache_salt="",
+                  sampling=SamplingOptions(max_tokens=24, ignore_eos=True, **options))
+    for seq in initial_sequences(req):
+        eng.submit(seq)
+    asyncio.run(run_until_idle(eng))
+    deltas = drain(req)
+    assert [t for d in deltas for t in d.token_ids] == reference[: stop_at + 1]
+    assert deltas[-1].finish_reason is FinishReason.STOP
+    assert deltas[-1].usage is not None and deltas[-1].usage.completion_tokens == stop_at + 1
+    assert link.pool.all_free() and not link.model.held
