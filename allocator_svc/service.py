@@ -32,16 +32,23 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
     ) -> pb.RegisterPoolResponse:
         # A pool's blocks live as long as the pool: frozen, the cyclic GC never rescans them
         # (the free queue links make them cyclic), which otherwise shows as p99 spikes. A
-        # pool replaced on re-registration is frozen too, and its cycles would leak: thaw,
-        # collect once (tens of ms, on registration only), freeze again.
-        gc.disable()
-        try:
-            gc.unfreeze()
-            pool, reset = self.allocator.register_pool(convert.pool_config(request))
-            gc.collect()
+        # pool replaced on re-registration was frozen too, and its cycles would leak: thaw,
+        # collect once (only when a pool is replaced), freeze again.
+        previous = self.allocator.pools.get(request.pool_id)
+        pool, reset = self.allocator.register_pool(convert.pool_config(request))
+        created = pool is not previous
+        replaced = created and previous is not None
+        del previous  # the replaced pool must be garbage for the collection below
+        if replaced:
+            gc.disable()
+            try:
+                gc.unfreeze()
+                gc.collect()
+            finally:
+                gc.freeze()
+                gc.enable()
+        elif created:  # nothing to reclaim: just freeze the new blocks
             gc.freeze()
-        finally:
-            gc.enable()
         log.info(
             "pool_registered",
             pool_id=request.pool_id,
@@ -76,7 +83,9 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
                 request_ids=[p.request_id for p in result.preempted],
             )
         pool = self.allocator.pools[request.pool_id]
-        return convert.step_response(result, pool.blocks.num_free, pool.block_size)
+        return convert.step_response(
+            result, pool.blocks.num_free, pool.block_size, request.compact_grants
+        )
 
     async def Free(self, request: pb.FreeRequest, context: Ctx) -> pb.FreeResponse:
         pool = self.allocator.free(

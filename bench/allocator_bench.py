@@ -175,6 +175,7 @@ def _grpc_steps(address: str, num_running: int, num_steps: int) -> list[float]:
             commit_previous_step=True,
             decode_request_ids=ids,
             decode_token_ids=[token] * len(ids),
+            compact_grants=True,  # as the gateway sends it
         )
         start = time.perf_counter()
         stub.Step(request)

@@ -60,7 +60,8 @@ def compact_decodes(msg: pb.ExecuteRequest) -> list[SequenceWork]:
 
 
 def step_from_proto(msg: pb.ExecuteRequest) -> StepRequest:
-    decodes = compact_decodes(msg) if msg.decode_request_ids or msg.decode_token_ids else []
+    columns = msg.decode_request_ids or msg.decode_token_ids or msg.decode_positions
+    decodes = compact_decodes(msg) if columns else []
     return StepRequest(
         seqs=(*decodes, *(sequence_from_proto(s) for s in msg.seqs)),
         release_request_ids=tuple(msg.release_request_ids),

@@ -163,6 +163,7 @@ class AllocatorClient:
             commit_previous_step=call.commit_previous_step,
             decode_request_ids=[i.request_id for i in decodes],
             decode_token_ids=[i.append_token_ids[0] for i in decodes],
+            compact_grants=True,
         )
         # NOTE: Step is not idempotent; past the deadline its outcome is unknown (recovery.py).
         return _outcome(await self.stub.Step(request, timeout=self.timeout_s))

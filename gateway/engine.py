@@ -181,19 +181,22 @@ class Engine:
             Sequence(seq_id=f"{request.request_id}-{i}", request=request, index=i, seed_offset=i)
             for i in range(request.sampling.n)
         ]
+        child_ids = [c.seq_id for c in children]
+        # Orphans until the scheduler tracks them: a bug in between must not leak them.
+        self.orphan_ids.update(child_ids)
         try:
-            tables = await self.link.fork(parent.seq_id, [c.seq_id for c in children],
-                                          request.request_id)
+            tables = await self.link.fork(parent.seq_id, child_ids, request.request_id)
         except grpc.aio.AioRpcError as exc:
             log.warning("fork_failed", code=exc.code().name, details=exc.details())
-            if exc.code() in recovery.LOST_CODES:
-                # Fork is not idempotent either: the children may exist at the allocator.
-                self.orphan_ids.update(c.seq_id for c in children)
+            if exc.code() not in recovery.LOST_CODES:
+                # Refused, so not applied; lost: not idempotent either, the children may exist.
+                self.orphan_ids.difference_update(child_ids)
             self.fail(parent, Unavailable(f"fork failed ({exc.code().name})"))
             return
         for child in children:
             self.output.start(child)
         self.scheduler.fork(parent, children, tables)
+        self.orphan_ids.difference_update(child_ids)
 
     def _apply_cancellations(self) -> None:
         self.has_cancellations = False

@@ -103,6 +103,18 @@ class ExecutorClient:
             decode_positions=[w.start_position for w in decodes],
         )
         response = await self.stub.Execute(request, timeout=timeout)
+        if len(response.decode_sampled_token_ids) != len(decodes):
+            # An executor that predates the compact columns ignored them: a rejected step.
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                details=(
+                    f"the executor returned {len(response.decode_sampled_token_ids)} tokens "
+                    f"for {len(decodes)} compact decodes: it must implement decode_request_ids "
+                    "(pagedkv.executor.v1; see tests/conformance)"
+                ),
+            )
         compact = zip(
             decodes, response.decode_sampled_token_ids, response.decode_logprobs, strict=True
         )

@@ -62,10 +62,21 @@ async def abort_orphans(engine: Engine) -> grpc.aio.AioRpcError | None:
     return None
 
 
+# Worth retrying: the allocator may answer later. Anything else will not change by retrying.
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 def _gone_with_pool(engine: Engine, exc: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError | None:
     """FAILED_PRECONDITION: the pool was reset since (new epoch), which dropped every
-    request it held; the next Step re-registers."""
+    request it held; the next Step re-registers. A refusal that retrying cannot change
+    (INVALID_ARGUMENT, INTERNAL ...) is logged and the orphans are given up, so the engine
+    does not wedge; what they hold comes back when the lease expires or the pool resets."""
     if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+        engine.orphan_ids.clear()
+        return None
+    if exc.code() not in _TRANSIENT:
+        log.error("orphans_given_up", pool_id=engine.pool_id, code=exc.code().name,
+                  details=exc.details(), num=len(engine.orphan_ids))
         engine.orphan_ids.clear()
         return None
     return exc

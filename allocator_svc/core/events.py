@@ -13,6 +13,7 @@ full collection in the allocator take 15-30 ms.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
@@ -99,6 +100,7 @@ class EventLog:
         self.last_seq = 0
         # Plain tuples: the collector untracks a tuple of atoms, but never a NamedTuple.
         self._runs: deque[tuple[Any, ...]] = deque()
+        self._first_seqs: deque[int] = deque()  # each run's first_seq, for bisection
         self._num_events = 0
 
     def stored(
@@ -149,6 +151,7 @@ class EventLog:
         if count == 0:
             return
         self._runs.append(tuple(run))
+        self._first_seqs.append(run.first_seq)
         self.last_seq += count
         self._num_events += count
         while self._num_events > self.capacity:
@@ -156,19 +159,19 @@ class EventLog:
             excess = self._num_events - self.capacity
             if len(oldest.block_ids) <= excess:
                 self._runs.popleft()
+                self._first_seqs.popleft()
                 self._num_events -= len(oldest.block_ids)
             else:
                 self._runs[0] = tuple(oldest.without_first(excess))
+                self._first_seqs[0] += excess
                 self._num_events -= excess
 
     def after(self, cursor: int, max_events: int) -> EventPage:
         """Events with seq > cursor, oldest first, at most max_events of them."""
         oldest = self._run(0).first_seq if self._runs else self.last_seq + 1
         truncated = cursor + 1 < oldest and cursor < self.last_seq
-        # Observers read near the end: find the first run to read from the right.
-        first = len(self._runs)
-        while first > 0 and self._run(first - 1).last_seq > cursor:
-            first -= 1
+        # The run holding seq cursor + 1 (or the oldest, when the cursor fell off the log).
+        first = max(0, bisect.bisect_right(self._first_seqs, cursor + 1) - 1)
         page: list[CacheEvent] = []
         for index in range(first, len(self._runs)):
             if len(page) >= max_events:

@@ -1,6 +1,7 @@
 """The event log: a cursor never misses an event silently."""
 
 import gc
+import random
 
 from allocator_svc.core.events import EventKind, EventLog
 
@@ -71,3 +72,37 @@ def test_runs_are_untracked_by_the_garbage_collector():
     gc.collect()  # untracks the inner tuples; the next pass sees the outer one holds atoms only
     gc.collect()
     assert not any(gc.is_tracked(run) for run in log._runs)
+
+
+def test_the_log_reads_like_a_list_of_its_last_capacity_events():
+    # Random runs of both kinds against a plain list of events: every cursor and page size
+    # reads exactly the list's tail after the cursor, flagged truncated exactly when events
+    # after the cursor were dropped.
+    for seed in range(100):
+        rng = random.Random(seed)
+        capacity = rng.randint(1, 20)
+        log, reference = EventLog(capacity), []
+        for _ in range(rng.randint(1, 30)):
+            n = rng.randint(1, 6)
+            hashes, ids = [bytes([rng.randrange(256)]) for _ in range(n)], list(range(n))
+            if rng.random() < 0.5:
+                parents = [rng.choice([None, b"p"]) for _ in range(n)]
+                log.stored_blocks(hashes, ids, parents, list(range(2 * n)))
+                reference += [
+                    (EventKind.STORED, hashes[i], i, parents[i], [2 * i, 2 * i + 1])
+                    for i in range(n)
+                ]
+            else:
+                log.removed_run(hashes, ids)
+                reference += [(EventKind.REMOVED, hashes[i], i, None, None) for i in range(n)]
+        kept = reference[-capacity:]
+        first = len(reference) - len(kept) + 1
+        for cursor in range(len(reference) + 2):
+            for page_size in (1, 3, 100):
+                page = log.after(cursor, page_size)
+                expected = [(first + i, *e) for i, e in enumerate(kept) if first + i > cursor]
+                assert [
+                    (e.seq, e.kind, e.block_hash, e.block_id, e.parent_hash, e.token_ids)
+                    for e in page.events
+                ] == expected[:page_size]
+                assert page.truncated == (cursor + 1 < first and cursor < len(reference))

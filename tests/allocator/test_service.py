@@ -404,15 +404,17 @@ def test_service_unknown_preemption_mode_is_invalid_argument(stub):
 
 
 def test_service_decode_entering_a_new_block_travels_in_the_appended_columns(stub):
-    # A decode at a block boundary: its one new block comes in appended_*, not in grants; a
-    # forked child's first write into the shared partial block stays a grant (copy-on-write).
+    # With compact_grants, a decode at a block boundary gets its one new block in appended_*,
+    # not in grants (without it, a plain grant); a forked child's first write into the shared
+    # partial block stays a grant (copy-on-write).
     pool = register(stub)  # block size 4
 
-    def decode(request_id, token):
+    def decode(request_id, token, compact=True):
         return stub.Step(
             pb.StepRequest(
                 pool_id=pool.pool_id, epoch=pool.epoch, commit_previous_step=True,
                 decode_request_ids=[request_id], decode_token_ids=[token],
+                compact_grants=compact,
             )
         )
 
@@ -421,6 +423,9 @@ def test_service_decode_entering_a_new_block_travels_in_the_appended_columns(stu
     assert list(entering.grants) == [] and list(entering.appended_request_ids) == ["a"]
     (block,) = entering.appended_block_ids
     assert block not in admitted.delta.block_ids
+    step(stub, pool, [new("a2", [1, 2, 3, 9])])
+    (plain,) = decode("a2", 5, compact=False).grants
+    assert (plain.request_id, plain.delta.start_index, len(plain.delta.block_ids)) == ("a2", 1, 1)
     step(stub, pool, [new("p", [1, 2, 3, 4, 5, 6])])
     stub.Fork(
         pb.ForkRequest(

@@ -6,8 +6,11 @@ import asyncio
 import gc
 import weakref
 
+import pytest
+
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.service import AllocatorServicer
+from common.errors import AlreadyExists
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 
 
@@ -34,3 +37,20 @@ def test_a_replaced_pool_is_freed_although_its_blocks_were_frozen():
     assert old_pool() is None
     # The new pool's 4,096 blocks replace the old ones in the frozen heap; they do not add up.
     assert gc.get_freeze_count() < frozen + 1000
+
+
+def test_a_refused_or_repeated_registration_leaves_the_heap_frozen():
+    # Re-registering the same pool, or a refused one (same instance, another shape), must not
+    # thaw the frozen pools: their blocks would be rescanned by every full collection.
+    servicer = AllocatorServicer(Allocator(Limits()))
+    _register(servicer, "first")
+    frozen = gc.get_freeze_count()
+    _register(servicer, "first")
+    assert gc.get_freeze_count() >= frozen
+    refused = pb.RegisterPoolRequest(
+        pool_id="p", num_blocks=8, block_size=16, model_fingerprint="m",
+        executor_instance_id="first",
+    )
+    with pytest.raises(AlreadyExists):
+        asyncio.run(servicer.RegisterPool(refused, None))  # type: ignore[arg-type]
+    assert gc.get_freeze_count() >= frozen

@@ -69,7 +69,7 @@ def _copies(copies: list[core_request.BlockCopy]) -> tuple[BlockCopy, ...]:
 
 def _outcome(result: core_step.StepResult, num_free_blocks: int, block_size: int) -> StepOutcome:
     # Through the real conversions on both sides of the wire (compact forms included).
-    response = convert.step_response(result, num_free_blocks, block_size)
+    response = convert.step_response(result, num_free_blocks, block_size, compact_grants=True)
     return allocator_client._outcome(pb.StepResponse.FromString(response.SerializeToString()))
 
 

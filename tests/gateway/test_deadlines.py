@@ -59,6 +59,7 @@ class StallingAllocator(AllocatorServicer):
         super().__init__(Allocator(Limits()))
         self.stall_step: Callable[[Any], bool] = lambda request: False
         self.hung = False
+        self.refuse_aborts = False
 
     async def _stall(self) -> None:
         await asyncio.sleep(STALL_S)
@@ -71,6 +72,8 @@ class StallingAllocator(AllocatorServicer):
         return response
 
     async def Abort(self, request: Any, context: Any) -> Any:  # noqa: N802
+        if self.refuse_aborts:  # a refusal that retrying cannot change
+            await context.abort(grpc.StatusCode.INTERNAL, "refused")
         if self.hung:  # answers nothing and applies nothing
             await self._stall()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "hung")
@@ -279,3 +282,68 @@ def test_executor_past_its_deadline_is_lost_and_its_requests_released(tokenizer:
     error = deltas[-1].error
     assert error is not None and error.code is grpc.StatusCode.UNAVAILABLE
     assert held == [] and released == ["a"] and healthy
+
+
+class ExecutorWithoutCompactDecodes(StallingExecutor):
+    """Answers Execute like an executor that predates the compact decode columns: a token
+    for each sampling sequence of `seqs`, nothing for the columns it does not know."""
+
+    async def Execute(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return epb.ExecuteResponse(
+            tokens=[epb.SampledToken(request_id=s.request_id, token_id=5) for s in request.seqs
+                    if s.sample],
+            num_tokens=sum(len(s.token_ids) for s in request.seqs),
+        )
+
+
+def test_an_executor_ignoring_the_compact_decode_columns_fails_the_step_cleanly(
+    tokenizer: Tokenizer,
+):
+    # The first decode goes out in the compact columns and comes back without tokens: the
+    # request fails with a status naming the cause (not an internal error), nothing leaks,
+    # and the engine keeps serving.
+    async def scenario() -> tuple[list[CompletionDelta], list[str], bool]:
+        servicer = ExecutorWithoutCompactDecodes()
+        server = await serve(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, servicer)
+        executor = ExecutorClient(f"127.0.0.1:{server.port}")  # type: ignore[attr-defined]
+        try:
+            async with rig(tokenizer, executor) as r:
+                req = await submit(r, "a", [3] * 6, max_tokens=5)
+                deltas = await collect(req)
+                await until_idle(r.engine)
+                return deltas, r.allocator.held(), r.engine.healthy
+        finally:
+            await executor.close()
+            await server.stop(None)
+
+    deltas, held, healthy = asyncio.run(scenario())
+    error = deltas[-1].error
+    assert error is not None and error.code is grpc.StatusCode.UNAVAILABLE
+    assert "UNIMPLEMENTED" in str(error)
+    assert held == [] and healthy
+
+
+def test_orphans_the_allocator_refuses_to_abort_are_given_up_and_the_engine_goes_on(
+    tokenizer: Tokenizer,
+):
+    # A Step past its deadline leaves orphans; the allocator refuses their Abort with a code
+    # retrying cannot change: they are logged and given up (the request they belong to ends
+    # with an error), and the engine goes on serving: the next request gets the reference
+    # tokens. Before, it retried forever and then failed every request.
+    model = FakeModel(BLOCK)
+
+    async def scenario() -> tuple[list[CompletionDelta], list[int], list[str]]:
+        async with rig(tokenizer, InProcessExecutor(model)) as r:
+            r.allocator.refuse_aborts = True
+            r.allocator.stall_step = lambda request: any(i.prompt_token_ids
+                                                         for i in request.items)
+            with structlog.testing.capture_logs() as logs:
+                first = await collect(await submit(r, "a", [3] * 6, max_tokens=8))
+                await until_idle(r.engine)
+                second = await collect(await submit(r, "b", [4] * 6, max_tokens=8))
+            return first, [t for d in second for t in d.token_ids], [e["event"] for e in logs]
+
+    first, second_tokens, events = asyncio.run(scenario())
+    assert "orphans_given_up" in events
+    assert first[-1].error is not None
+    assert second_tokens == model.reference([4] * 6, 8)
