@@ -19,6 +19,9 @@ class BlockPool:
         self.blocks: list[Block] = [Block(block_id) for block_id in range(num_blocks)]
         self.free_queue = FreeQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}  # block_hash -> the block holding it
+        # The same entries by hash input (parent hash + packed tokens): a prefix lookup finds
+        # a cached block without hashing it (SHA-256 was half of an admission).
+        self.by_key: dict[bytes, Block] = {}
         self.enable_caching = enable_caching
         self.events = events
         self.num_evictions = 0
@@ -60,32 +63,47 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> Block | None:
         return self.cached.get(block_hash)
 
+    def lookup_key(self, key: bytes) -> Block | None:
+        """The cached block whose hash input is `key` (parent hash + packed tokens)."""
+        return self.by_key.get(key)
+
     def cache(
-        self, block: Block, block_hash: bytes, parent_hash: bytes | None, token_ids: list[int]
+        self,
+        block: Block,
+        block_hash: bytes,
+        key: bytes,
+        parent_hash: bytes | None,
+        token_ids: list[int],
     ) -> bool:
-        """Make `block` the prefix-cache entry for `block_hash`; False if another block has it."""
+        """Make `block` the prefix-cache entry for `block_hash` (whose hash input is `key`);
+        False if another block has it."""
         if not self.enable_caching or block.block_hash is not None:
             return False
         if block_hash in self.cached:
             return False  # computed twice concurrently: keep the first, this one stays private
-        block.block_hash = block_hash
-        self.cached[block_hash] = block
+        block.block_hash, block.chain_key = block_hash, key
+        self.cached[block_hash] = self.by_key[key] = block
         self.events.stored(block_hash, block.block_id, parent_hash, token_ids)
         return True
 
     def cache_run(
-        self, blocks: list[Block], hashes: list[bytes], parent: bytes | None, token_ids: list[int]
+        self,
+        blocks: list[Block],
+        hashes: list[bytes],
+        keys: list[bytes],
+        parent: bytes | None,
+        token_ids: list[int],
     ) -> None:
         """`cache` for consecutive full blocks of one chain (commit's hot loop, inlined)."""
         if not self.enable_caching or not blocks:
             return
-        cached = self.cached
+        cached, by_key = self.cached, self.by_key
         block_size = len(token_ids) // len(blocks)
         start = 0  # the first block of the run being recorded as one event record
-        for index, (block, block_hash) in enumerate(zip(blocks, hashes, strict=True)):
+        for index, (block, block_hash, key) in enumerate(zip(blocks, hashes, keys, strict=True)):
             if block.block_hash is None and block_hash not in cached:
-                block.block_hash = block_hash
-                cached[block_hash] = block
+                block.block_hash, block.chain_key = block_hash, key
+                cached[block_hash] = by_key[key] = block
                 continue
             # Already cached (by this block or another): the run of new entries breaks here.
             self._record_stored(blocks, hashes, parent, token_ids, block_size, start, index)
@@ -96,6 +114,7 @@ class BlockPool:
         self,
         blocks: list[Block],
         hashes: list[bytes],
+        keys: list[bytes],
         parents: list[bytes | None],
         token_ids: list[int],
     ) -> None:
@@ -103,13 +122,13 @@ class BlockPool:
         recorded as one event run; `token_ids` holds their tokens, block after block."""
         if not self.enable_caching or not blocks:
             return
-        cached = self.cached
+        cached, by_key = self.cached, self.by_key
         block_size = len(token_ids) // len(blocks)
         keep = []
-        for index, (block, block_hash) in enumerate(zip(blocks, hashes, strict=True)):
+        for index, (block, block_hash, key) in enumerate(zip(blocks, hashes, keys, strict=True)):
             if block.block_hash is None and block_hash not in cached:
-                block.block_hash = block_hash
-                cached[block_hash] = block
+                block.block_hash, block.chain_key = block_hash, key
+                cached[block_hash] = by_key[key] = block
                 keep.append(index)
         if len(keep) < len(blocks):  # some were cached already: record only the new entries
             token_ids = [t for i in keep for t in token_ids[i * block_size : (i + 1) * block_size]]
@@ -141,13 +160,14 @@ class BlockPool:
         )
 
     def _evict(self, blocks: list[Block]) -> None:
-        cached = self.cached
+        cached, by_key = self.cached, self.by_key
         hashes = []
         for block in blocks:
-            block_hash = block.block_hash
-            assert block_hash is not None and cached.get(block_hash) is block
+            block_hash, key = block.block_hash, block.chain_key
+            assert block_hash is not None and key is not None and cached.get(block_hash) is block
             del cached[block_hash]
-            block.block_hash = None
+            del by_key[key]
+            block.block_hash = block.chain_key = None
             hashes.append(block_hash)
         self.num_evictions += len(blocks)
         self.events.removed_run(hashes, [block.block_id for block in blocks])
@@ -176,9 +196,16 @@ class BlockPool:
             assert block.in_free_queue == (block.ref_count == 0), (
                 f"block {block.block_id}: free iff ref_count is 0"
             )
+            assert (block.chain_key is None) == (block.block_hash is None), (
+                f"block {block.block_id}: a hash input without a hash, or the reverse"
+            )
             if block.block_hash is not None:
                 assert self.cached.get(block.block_hash) is block, (
                     f"block {block.block_id} carries a hash the map does not point at it for"
                 )
         for block_hash, block in self.cached.items():
             assert block.block_hash == block_hash, f"hash map entry for block {block.block_id}"
+            assert block.chain_key is not None and self.by_key.get(block.chain_key) is block, (
+                f"cached block {block.block_id} is not indexed by its hash input"
+            )
+        assert len(self.by_key) == len(self.cached), "the two prefix-cache indexes differ"

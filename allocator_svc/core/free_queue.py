@@ -18,6 +18,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None  # set while the block is a prefix-cache entry
+    chain_key: bytes | None = None  # with it: the hash's input (parent hash + packed tokens)
     prev: Block | None = None  # free-queue links, meaningful only while free
     next: Block | None = None
     in_free_queue: bool = False

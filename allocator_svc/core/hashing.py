@@ -77,6 +77,20 @@ class BlockHasher:
             hashes.append(parent)
         return hashes
 
+    def chain_with_keys(
+        self, parent: BlockHash, token_ids: list[int], num_blocks: int
+    ) -> tuple[list[BlockHash], list[bytes]]:
+        """`chain`, plus each block's hash input (parent hash + packed tokens): the prefix
+        cache indexes blocks by it, so a lookup of a cached block needs no hashing."""
+        packed = pack_tokens(token_ids[: num_blocks * self.block_size])
+        stride, sha256, hashes, keys = self._stride, hashlib.sha256, [], []
+        for start in range(0, num_blocks * stride, stride):
+            key = parent + packed[start : start + stride]
+            parent = sha256(key).digest()
+            hashes.append(parent)
+            keys.append(key)
+        return hashes, keys
+
 
 def pack_tokens(token_ids: list[int]) -> bytes:
     """u32le of each token id, as the profile's encoding says."""

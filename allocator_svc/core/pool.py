@@ -65,12 +65,13 @@ class Pool:
             return hits, hashes
         num_blocks = (len(token_ids) - 1) // self.block_size
         packed = pack_tokens(token_ids[: num_blocks * self.block_size])
-        stride, cached, parent = 4 * self.block_size, self.blocks.cached, root
+        stride, by_key, parent = 4 * self.block_size, self.blocks.by_key, root
         for start in range(0, len(packed), stride):
-            parent = hashlib.sha256(parent + packed[start : start + stride]).digest()
-            block = cached.get(parent)
+            # Indexed by the hash input: a cached block's hash is read, not recomputed.
+            block = by_key.get(parent + packed[start : start + stride])
             if block is None:
                 break
+            parent = block.block_hash  # type: ignore[assignment]
             hits.append(block)
             hashes.append(parent)
         return hits, hashes
@@ -157,11 +158,15 @@ class Pool:
             return
         first = len(hashes)
         tokens = request.token_ids[first * bs : num_full * bs]
-        new_hashes = self.hash_block.chain(
+        new_hashes, keys = self.hash_block.chain_with_keys(
             hashes[-1] if hashes else request.root_hash, tokens, num_full - first
         )
         self.blocks.cache_run(
-            request.blocks[first:num_full], new_hashes, hashes[-1] if hashes else None, tokens
+            request.blocks[first:num_full],
+            new_hashes,
+            keys,
+            hashes[-1] if hashes else None,
+            tokens,
         )
         hashes.extend(new_hashes)
 
@@ -172,6 +177,7 @@ class Pool:
         requests, bs = self.requests, self.block_size
         blocks: list[Block] = []
         hashes: list[bytes] = []
+        keys: list[bytes] = []
         parents: list[bytes | None] = []  # None: a chain's first block
         tokens: list[int] = []
         for request in self.last_scheduled:
@@ -186,14 +192,16 @@ class Pool:
                 continue
             parent = request.block_hashes[-1] if have else request.root_hash
             block_tokens = request.token_ids[have * bs : num_full * bs]
-            block_hash = hashlib.sha256(parent + pack_tokens(block_tokens)).digest()
+            key = parent + pack_tokens(block_tokens)
+            block_hash = hashlib.sha256(key).digest()
             request.block_hashes.append(block_hash)
             request.num_committed = request.num_computed
             blocks.append(request.blocks[have])
             hashes.append(block_hash)
+            keys.append(key)
             parents.append(parent if have else None)
             tokens.extend(block_tokens)
-        self.blocks.cache_blocks(blocks, hashes, parents, tokens)
+        self.blocks.cache_blocks(blocks, hashes, keys, parents, tokens)
 
     def free(self, request: Request) -> None:
         """Release every block, last first, so prefix blocks outlive suffix blocks in the LRU."""
@@ -257,6 +265,10 @@ class Pool:
 
     def check_invariants(self) -> None:
         self.blocks.check_invariants(r.blocks for r in self.requests.values())
+        for key, block in self.blocks.by_key.items():
+            assert hashlib.sha256(key).digest() == block.block_hash, (
+                f"block {block.block_id} is indexed by an input that does not hash to its hash"
+            )
         cpu_held = [c for r in self.requests.values() for c in (r.cpu_block_ids or ())]
         all_cpu = sorted(cpu_held + self.free_cpu_block_ids)
         assert all_cpu == list(range(self.config.num_cpu_blocks)), "CPU blocks lost or doubled"

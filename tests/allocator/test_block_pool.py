@@ -24,7 +24,7 @@ def test_block_pool_unhashed_to_head_hashed_to_tail():
     # Free 0 (cached) and 1 (plain): 1 is reused first, cached 0 is evicted last.
     pool = make_pool()
     b0, b1 = pool.allocate(2)
-    pool.cache(b0, b"h0", None, [1, 2])
+    pool.cache(b0, b"h0", b"k0", None, [1, 2])
     pool.free([b1, b0])
     assert [b.block_id for b in pool.free_queue] == [1, 2, 3, 0]
     assert pool.num_cached_free == 1
@@ -32,15 +32,17 @@ def test_block_pool_unhashed_to_head_hashed_to_tail():
 
 
 def test_block_pool_evicts_lazily_and_emits_events():
-    # The cached block keeps its hash until it is popped for reuse.
+    # The cached block keeps its hash (and its hash-input index entry) until it is popped
+    # for reuse.
     pool = make_pool(2)
     b0, b1 = pool.allocate(2)
-    pool.cache(b0, b"h0", None, [7])
+    pool.cache(b0, b"h0", b"k0", None, [7])
     pool.free([b0, b1])
-    assert pool.lookup(b"h0") is b0
+    assert pool.lookup(b"h0") is b0 and pool.lookup_key(b"k0") is b0
     first, second = pool.allocate(2)
     assert (first.block_id, second.block_id) == (1, 0)
     assert pool.lookup(b"h0") is None and b0.block_hash is None
+    assert pool.lookup_key(b"k0") is None and b0.chain_key is None
     assert pool.num_evictions == 1
     page = pool.events.after(0, 10)
     assert [(e.seq, e.kind, e.block_id) for e in page.events] == [
@@ -53,7 +55,7 @@ def test_block_pool_touch_revives_cached_free_block():
     # A prefix hit on a free cached block takes it out of the free queue.
     pool = make_pool(3)
     (b0,) = pool.allocate(1)
-    pool.cache(b0, b"h", None, [1])
+    pool.cache(b0, b"h", b"k", None, [1])
     pool.free([b0])
     pool.touch([b0])
     assert b0.ref_count == 1 and pool.num_free == 2
@@ -66,8 +68,8 @@ def test_block_pool_duplicate_hash_keeps_first_block():
     # Two requests computed the same block: the second copy stays private.
     pool = make_pool()
     b0, b1 = pool.allocate(2)
-    assert pool.cache(b0, b"h", None, [1])
-    assert not pool.cache(b1, b"h", None, [1])
+    assert pool.cache(b0, b"h", b"k", None, [1])
+    assert not pool.cache(b1, b"h", b"k", None, [1])
     assert b1.block_hash is None and pool.lookup(b"h") is b0
 
 
