@@ -153,6 +153,10 @@ CASES: dict[str, tuple[Case, grpc.StatusCode]] = {
         ),
         INVALID,
     ),
+    "compact_decode_positions_without_ids": (
+        lambda e, w: pb.ExecuteRequest(seqs=[w], decode_positions=[w.start_position]),
+        INVALID,
+    ),
     "compact_decode_unknown_request_id": (
         lambda e, w: _compact(_with(w, request_id="never-seen")),
         NOT_FOUND,

@@ -27,7 +27,11 @@ GPU_SKIP = (
 def _requires_flashinfer() -> None:
     if not torch.cuda.is_available():
         pytest.skip(GPU_SKIP)
-    pytest.importorskip("flashinfer", reason="pip install flashinfer-python to run GPU tests")
+    pytest.importorskip(
+        "flashinfer",
+        reason="flashinfer is not installed: on a CUDA machine, pip install flashinfer-python, "
+        "then .venv/bin/python -m pytest -q -m gpu tests/executor",
+    )
 
 
 def test_flashinfer_page_table_is_csr_of_the_block_tables() -> None:
