@@ -115,12 +115,11 @@ def _appends_one_block(grant: Grant, block_size: int) -> bool:
 def step_response(
     result: StepResult, num_free_blocks: int, block_size: int, compact_grants: bool
 ) -> pb.StepResponse:
-    appended = (
-        [g for g in result.grants if _appends_one_block(g, block_size)] if compact_grants else []
-    )
-    others = [
-        g for g in result.grants if not compact_grants or not _appends_one_block(g, block_size)
-    ]
+    appended: list[Grant] = []
+    others: list[Grant] = []
+    for grant in result.grants:
+        compact = compact_grants and _appends_one_block(grant, block_size)
+        (appended if compact else others).append(grant)
     return pb.StepResponse(
         grants=[_grant(g) for g in others],
         appended_request_ids=[g.request_id for g in appended],

@@ -90,8 +90,10 @@ class ExecutorClient:
 
     async def execute(self, call: ExecuteCall, timeout: float | None = None) -> ExecuteResult:
         # Plain decodes travel in the compact columns (a message per sequence costs ~4 us).
-        decodes = [w for w in call.seqs if _is_plain_decode(w)]
-        others = [w for w in call.seqs if not _is_plain_decode(w)] if decodes else call.seqs
+        decodes: list[SeqWork] = []
+        others: list[SeqWork] = []
+        for work in call.seqs:
+            (decodes if _is_plain_decode(work) else others).append(work)
         request = pb.ExecuteRequest(
             release_request_ids=call.release_request_ids,
             swap_out=_copies(call.swap_out),

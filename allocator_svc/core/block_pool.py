@@ -83,7 +83,7 @@ class BlockPool:
             return False  # computed twice concurrently: keep the first, this one stays private
         block.block_hash, block.chain_key = block_hash, key
         self.cached[block_hash] = self.by_key[key] = block
-        self.events.stored(block_hash, block.block_id, parent_hash, token_ids)
+        self.events.stored_blocks([block_hash], [block.block_id], [parent_hash], token_ids)
         return True
 
     def cache_run(
@@ -94,21 +94,10 @@ class BlockPool:
         parent: bytes | None,
         token_ids: list[int],
     ) -> None:
-        """`cache` for consecutive full blocks of one chain (commit's hot loop, inlined)."""
-        if not self.enable_caching or not blocks:
-            return
-        cached, by_key = self.cached, self.by_key
-        block_size = len(token_ids) // len(blocks)
-        start = 0  # the first block of the run being recorded as one event record
-        for index, (block, block_hash, key) in enumerate(zip(blocks, hashes, keys, strict=True)):
-            if block.block_hash is None and block_hash not in cached:
-                block.block_hash, block.chain_key = block_hash, key
-                cached[block_hash] = by_key[key] = block
-                continue
-            # Already cached (by this block or another): the run of new entries breaks here.
-            self._record_stored(blocks, hashes, parent, token_ids, block_size, start, index)
-            start = index + 1
-        self._record_stored(blocks, hashes, parent, token_ids, block_size, start, len(blocks))
+        """`cache` for consecutive full blocks of one chain (a commit): each block's parent is
+        the block before it, the first one's is `parent`."""
+        if blocks:
+            self.cache_blocks(blocks, hashes, keys, [parent, *hashes[:-1]], token_ids)
 
     def cache_blocks(
         self,
@@ -118,8 +107,9 @@ class BlockPool:
         parents: list[bytes | None],
         token_ids: list[int],
     ) -> None:
-        """`cache` for unrelated full blocks (a decode step's commits, one block per request),
-        recorded as one event run; `token_ids` holds their tokens, block after block."""
+        """`cache` for full blocks with their parents (a decode step's commits: one block per
+        request), recorded as one event run; `token_ids` holds their tokens, block after
+        block. A block whose hash is cached already stays private and records no event."""
         if not self.enable_caching or not blocks:
             return
         cached, by_key = self.cached, self.by_key
@@ -139,25 +129,6 @@ class BlockPool:
             )
         if blocks:
             self.events.stored_blocks(hashes, [b.block_id for b in blocks], parents, token_ids)
-
-    def _record_stored(
-        self,
-        blocks: list[Block],
-        hashes: list[bytes],
-        parent: bytes | None,
-        token_ids: list[int],
-        block_size: int,
-        start: int,
-        stop: int,
-    ) -> None:
-        if start == stop:
-            return
-        self.events.stored_run(
-            hashes[start:stop],
-            [block.block_id for block in blocks[start:stop]],
-            hashes[start - 1] if start else parent,
-            token_ids[start * block_size : stop * block_size],
-        )
 
     def _evict(self, blocks: list[Block]) -> None:
         cached, by_key = self.cached, self.by_key

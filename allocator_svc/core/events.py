@@ -103,21 +103,6 @@ class EventLog:
         self._first_seqs: deque[int] = deque()  # each run's first_seq, for bisection
         self._num_events = 0
 
-    def stored(
-        self, block_hash: bytes, block_id: int, parent_hash: bytes | None, token_ids: list[int]
-    ) -> None:
-        self.stored_run([block_hash], [block_id], parent_hash, token_ids)
-
-    def stored_run(
-        self,
-        block_hashes: list[bytes],
-        block_ids: list[int],
-        parent_hash: bytes | None,
-        token_ids: list[int],
-    ) -> None:
-        """Consecutive blocks of one chain cached; `token_ids` holds all their tokens."""
-        self.stored_blocks(block_hashes, block_ids, [parent_hash, *block_hashes[:-1]], token_ids)
-
     def stored_blocks(
         self,
         block_hashes: list[bytes],
@@ -125,7 +110,7 @@ class EventLog:
         parent_hashes: list[bytes | None],
         token_ids: list[int],
     ) -> None:
-        """Any blocks cached (one per request in a decode step's commits), in event order."""
+        """Blocks cached (a commit's chain, a decode step's commits), in event order."""
         self._append(
             _Run(
                 self.last_seq + 1,
@@ -136,9 +121,6 @@ class EventLog:
                 tuple(token_ids),
             )
         )
-
-    def removed(self, block_hash: bytes, block_id: int) -> None:
-        self.removed_run([block_hash], [block_id])
 
     def removed_run(self, block_hashes: list[bytes], block_ids: list[int]) -> None:
         self._append(_Run(self.last_seq + 1, False, tuple(block_hashes), tuple(block_ids), (), ()))

@@ -10,7 +10,7 @@ def test_events_after_cursor_in_pages():
     # Five events; read two at a time from cursor 0.
     log = EventLog(16)
     for i in range(5):
-        log.stored(bytes([i]), i, None, [i])
+        log.stored_blocks([bytes([i])], [i], [None], [i])
     first = log.after(0, 2)
     assert [e.seq for e in first.events] == [1, 2] and not first.truncated
     rest = log.after(2, 10)
@@ -22,7 +22,7 @@ def test_events_truncated_when_cursor_fell_off():
     # Capacity 3: events 1 and 2 are gone, so a cursor at 0 is told to take a snapshot.
     log = EventLog(3)
     for i in range(5):
-        log.removed(bytes([i]), i)
+        log.removed_run([bytes([i])], [i])
     page = log.after(0, 10)
     assert page.truncated and [e.seq for e in page.events] == [3, 4, 5]
     assert not log.after(2, 10).truncated
@@ -31,7 +31,7 @@ def test_events_truncated_when_cursor_fell_off():
 def test_a_run_reads_as_one_event_per_block_chained_by_parent():
     # One run of three blocks (block size 2): each event's parent is the previous block.
     log = EventLog(16)
-    log.stored_run([b"a", b"b", b"c"], [7, 8, 9], b"root", [1, 2, 3, 4, 5, 6])
+    log.stored_blocks([b"a", b"b", b"c"], [7, 8, 9], [b"root", b"a", b"b"], [1, 2, 3, 4, 5, 6])
     log.removed_run([b"x", b"y"], [3, 4])
     events = log.after(0, 10).events
     assert [(e.seq, e.block_hash, e.block_id, e.parent_hash, e.token_ids) for e in events[:3]] == [
@@ -51,7 +51,8 @@ def test_a_run_reads_as_one_event_per_block_chained_by_parent():
 def test_overflow_trims_a_run_to_exactly_capacity_events():
     # Capacity 4 and a run of 6: the first two events are gone, the rest keep their chain.
     log = EventLog(4)
-    log.stored_run([b"a", b"b", b"c", b"d", b"e", b"f"], list(range(6)), None, list(range(12)))
+    hashes = [b"a", b"b", b"c", b"d", b"e", b"f"]
+    log.stored_blocks(hashes, list(range(6)), [None, *hashes[:-1]], list(range(12)))
     page = log.after(0, 10)
     assert page.truncated and page.last_seq == 6
     assert [(e.seq, e.parent_hash, e.token_ids) for e in page.events] == [
@@ -67,7 +68,7 @@ def test_runs_are_untracked_by_the_garbage_collector():
     # A full log is long-lived; if the collector had to scan it, every full collection in the
     # allocator would take tens of milliseconds (a step's p99).
     log = EventLog(16)
-    log.stored_run([b"a", b"b"], [1, 2], None, [1, 2, 3, 4])
+    log.stored_blocks([b"a", b"b"], [1, 2], [None, b"a"], [1, 2, 3, 4])
     log.removed_run([b"a"], [1])
     gc.collect()  # untracks the inner tuples; the next pass sees the outer one holds atoms only
     gc.collect()

@@ -207,6 +207,23 @@ async def until_idle(engine: Engine, timeout_s: float = 10.0) -> None:
     raise AssertionError("the engine never went idle")
 
 
+async def one_request_against(
+    servicer: Any, tokenizer: Tokenizer
+) -> tuple[list[CompletionDelta], list[str], bool]:
+    """Serve `servicer` as the only executor, run one 5-token request through it until the
+    engine is idle: its deltas, what the allocator still holds, whether the engine is healthy."""
+    server = await serve(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, servicer)
+    executor = ExecutorClient(f"127.0.0.1:{server.port}")  # type: ignore[attr-defined]
+    try:
+        async with rig(tokenizer, executor) as r:
+            deltas = await collect(await submit(r, "a", [3] * 6, max_tokens=5))
+            await until_idle(r.engine)
+            return deltas, r.allocator.held(), r.engine.healthy
+    finally:
+        await executor.close()
+        await server.stop(None)
+
+
 def test_step_past_its_deadline_is_not_resent_and_leaks_nothing(tokenizer: Tokenizer):
     # The allocator applies the Step that admits "b" (next to a decoding "a") but answers
     # after the deadline: the gateway aborts what it may hold, readmits both (recompute);
@@ -264,24 +281,11 @@ def test_executor_past_its_deadline_is_lost_and_its_requests_released(tokenizer:
     # Execute never answers: the only executor is lost, the client gets UNAVAILABLE; the
     # allocator gets the blocks back, and once Describe answers again (the same instance)
     # the executor is told to release the request.
-    async def scenario() -> tuple[list[CompletionDelta], list[str], list[str], bool]:
-        servicer = StallingExecutor()
-        server = await serve(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, servicer)
-        executor = ExecutorClient(f"127.0.0.1:{server.port}")  # type: ignore[attr-defined]
-        try:
-            async with rig(tokenizer, executor) as r:
-                req = await submit(r, "a", [3] * 6, max_tokens=5)
-                deltas = await collect(req)
-                await until_idle(r.engine)
-                return deltas, r.allocator.held(), servicer.released, r.engine.healthy
-        finally:
-            await executor.close()
-            await server.stop(None)
-
-    deltas, held, released, healthy = asyncio.run(scenario())
+    servicer = StallingExecutor()
+    deltas, held, healthy = asyncio.run(one_request_against(servicer, tokenizer))
     error = deltas[-1].error
     assert error is not None and error.code is grpc.StatusCode.UNAVAILABLE
-    assert held == [] and released == ["a"] and healthy
+    assert held == [] and servicer.released == ["a"] and healthy
 
 
 class ExecutorWithoutCompactDecodes(StallingExecutor):
@@ -302,21 +306,9 @@ def test_an_executor_ignoring_the_compact_decode_columns_fails_the_step_cleanly(
     # The first decode goes out in the compact columns and comes back without tokens: the
     # request fails with a status naming the cause (not an internal error), nothing leaks,
     # and the engine keeps serving.
-    async def scenario() -> tuple[list[CompletionDelta], list[str], bool]:
-        servicer = ExecutorWithoutCompactDecodes()
-        server = await serve(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, servicer)
-        executor = ExecutorClient(f"127.0.0.1:{server.port}")  # type: ignore[attr-defined]
-        try:
-            async with rig(tokenizer, executor) as r:
-                req = await submit(r, "a", [3] * 6, max_tokens=5)
-                deltas = await collect(req)
-                await until_idle(r.engine)
-                return deltas, r.allocator.held(), r.engine.healthy
-        finally:
-            await executor.close()
-            await server.stop(None)
-
-    deltas, held, healthy = asyncio.run(scenario())
+    deltas, held, healthy = asyncio.run(
+        one_request_against(ExecutorWithoutCompactDecodes(), tokenizer)
+    )
     error = deltas[-1].error
     assert error is not None and error.code is grpc.StatusCode.UNAVAILABLE
     assert "UNIMPLEMENTED" in str(error)
