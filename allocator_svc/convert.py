@@ -6,7 +6,7 @@ from allocator_svc.core.events import CacheEvent, EventKind
 from allocator_svc.core.hashing import hash_profile
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import BlockCopy, Commit, Grant, Request
-from allocator_svc.core.step import PreemptionMode, StepItem, StepResult
+from allocator_svc.core.step import Decodes, PreemptionMode, StepItem, StepResult
 from common.errors import InvalidArgument
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 
@@ -65,14 +65,14 @@ def commits(msgs: list[pb.Commit]) -> list[Commit]:
     return [Commit(m.request_id, m.num_computed_tokens) for m in msgs]
 
 
+def decodes(msg: pb.StepRequest) -> Decodes:
+    """The compact decode items (first in priority order), as columns."""
+    return Decodes(list(msg.decode_request_ids), list(msg.decode_token_ids))
+
+
 def step_items(msg: pb.StepRequest) -> list[StepItem]:
-    """The compact decode items first, then the general ones, in priority order."""
-    ids, tokens = msg.decode_request_ids, msg.decode_token_ids
-    if len(ids) != len(tokens):
-        raise InvalidArgument(
-            f"decode_request_ids has {len(ids)} entries but decode_token_ids has {len(tokens)}"
-        )
-    items = [StepItem(r, 1, None, "", [t]) for r, t in zip(ids, tokens, strict=True)]
+    """The general items, in priority order (after the compact decodes)."""
+    items = []
     for m in msg.items:
         prompt = m.prompt_token_ids
         items.append(
@@ -115,15 +115,29 @@ def _appends_one_block(grant: Grant, block_size: int) -> bool:
 def step_response(
     result: StepResult, num_free_blocks: int, block_size: int, compact_grants: bool
 ) -> pb.StepResponse:
-    appended: list[Grant] = []
-    others: list[Grant] = []
-    for grant in result.grants:
-        compact = compact_grants and _appends_one_block(grant, block_size)
-        (appended if compact else others).append(grant)
+    if not compact_grants:
+        appended_ids: list[str] = []
+        appended_blocks: list[int] = []
+        others = result.all_grants(block_size)
+    else:
+        # The columnar decodes' appends are already columns; general grants that only
+        # append a block join them.
+        appended_ids, appended_blocks = result.appended_request_ids, result.appended_block_ids
+        others = result.grants
+        if any(_appends_one_block(g, block_size) for g in others):
+            appended_ids, appended_blocks = list(appended_ids), list(appended_blocks)
+            kept = []
+            for grant in others:
+                if _appends_one_block(grant, block_size):
+                    appended_ids.append(grant.request_id)
+                    appended_blocks.append(grant.block_ids[0])
+                else:
+                    kept.append(grant)
+            others = kept
     return pb.StepResponse(
         grants=[_grant(g) for g in others],
-        appended_request_ids=[g.request_id for g in appended],
-        appended_block_ids=[g.block_ids[0] for g in appended],
+        appended_request_ids=appended_ids,
+        appended_block_ids=appended_blocks,
         preempted=[
             pb.Preemption(request_id=p.request_id, mode=_MODE_TO_PB[p.mode])
             for p in result.preempted

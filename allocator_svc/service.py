@@ -75,6 +75,7 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
             convert.step_items(request),
             convert.preemption_mode(request.preemption_mode),
             request.commit_previous_step,
+            convert.decodes(request),
         )
         if result.preempted:
             log.info(

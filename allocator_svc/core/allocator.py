@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from allocator_svc.core.leases import Lease, LeaseTable
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import BlockCopy, Commit, Request
-from allocator_svc.core.step import PreemptionMode, StepItem, StepResult, run_step
+from allocator_svc.core.step import Decodes, PreemptionMode, StepItem, StepResult, run_step
 from allocator_svc.core.validation import (
     check_commits,
+    check_decodes,
     check_items,
     check_pool_config,
     check_releases,
@@ -101,28 +102,34 @@ class Allocator:
         items: list[StepItem],
         mode: PreemptionMode,
         commit_previous: bool = False,
+        decodes: Decodes | None = None,
     ) -> StepResult:
         """One scheduling step. `commit_previous`: the previous step's grants were executed,
-        so commit every request it scheduled (the compact form of a Commit per request)."""
+        so commit every request it scheduled (the compact form of a Commit per request).
+        `decodes` come first in priority order, then `items`."""
         pool = self.pool(pool_id, epoch)
-        if not (items or commits or free_ids or abort_ids):
+        num_decodes = len(decodes.request_ids) if decodes is not None else 0
+        if not (items or num_decodes or commits or free_ids or abort_ids):
             raise InvalidArgument("empty step: send at least one item, commit, free or abort")
-        if len(items) > self.limits.max_batch_items:
+        if len(items) + num_decodes > self.limits.max_batch_items:
             raise InvalidArgument(
-                f"{len(items)} items exceed the maximum batch of {self.limits.max_batch_items}"
+                f"{len(items) + num_decodes} items exceed the maximum batch of "
+                f"{self.limits.max_batch_items}"
             )
         if lease_id is not None:
             self._live_lease(lease_id)
         released = check_releases(pool, free_ids, abort_ids)
         check_commits(pool, commits)
         check_items(pool, items, released)
+        if decodes is not None:
+            check_decodes(pool, decodes, items, released)
         if commit_previous:
             pool.commit_scheduled()
         for commit in commits:
             pool.commit(pool.requests[commit.request_id], commit.num_computed)
         for request_id in (*free_ids, *abort_ids):
             pool.free(pool.requests[request_id])
-        return run_step(pool, items, mode, lease_id)
+        return run_step(pool, items, mode, lease_id, decodes)
 
     # Outside a step.
     def free(self, pool_id: str, epoch: int, commits: list[Commit], request_ids: list[str]) -> Pool:

@@ -31,6 +31,23 @@ class StepItem:
     append_token_ids: list[int] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class Decodes:
+    """Plain decodes in columns: each running request appends one token and computes it.
+
+    The compact form of `StepItem(request_id, 1, None, "", [token])`, first in priority
+    order. Most steps are all decodes, and the columns skip an object per request."""
+
+    request_ids: list[str]
+    token_ids: list[int]
+
+    def as_items(self) -> list[StepItem]:
+        return [
+            StepItem(r, 1, None, "", [t])
+            for r, t in zip(self.request_ids, self.token_ids, strict=True)
+        ]
+
+
 @dataclass(frozen=True, slots=True)
 class Preemption:
     request_id: str
@@ -45,13 +62,39 @@ class StepResult:
     copies: list[BlockCopy] = field(default_factory=list)
     swap_out: list[BlockCopy] = field(default_factory=list)
     swap_in: list[BlockCopy] = field(default_factory=list)
+    # Decodes (sent as `Decodes`) that reached a block boundary and got one fresh block at
+    # table index `appended_indexes[i]`: their grants, in columns.
+    appended_request_ids: list[str] = field(default_factory=list)
+    appended_block_ids: list[int] = field(default_factory=list)
+    appended_indexes: list[int] = field(default_factory=list)
+
+    def all_grants(self, block_size: int) -> list[Grant]:
+        """Every grant as a `Grant`, the columnar appends first (they lead the priority order)."""
+        appended = [
+            Grant(request_id, index, [block_id], 1, index * block_size)
+            for request_id, block_id, index in zip(
+                self.appended_request_ids,
+                self.appended_block_ids,
+                self.appended_indexes,
+                strict=True,
+            )
+        ]
+        return appended + self.grants
 
 
 def run_step(
-    pool: Pool, items: list[StepItem], mode: PreemptionMode, lease_id: str | None
+    pool: Pool,
+    items: list[StepItem],
+    mode: PreemptionMode,
+    lease_id: str | None,
+    decodes: Decodes | None = None,
 ) -> StepResult:
-    """Schedule `items` (validated by the caller) and return what changed."""
+    """Schedule `decodes`, then `items` (all validated by the caller); return what changed."""
     result = StepResult()
+    scheduled: list[Request] = []
+    if decodes is not None and decodes.request_ids:
+        if not _run_plain_decodes(pool, decodes, result, scheduled):
+            items = decodes.as_items() + items
     running: list[tuple[StepItem, Request]] = []
     admissions: list[StepItem] = []
     for item in items:
@@ -66,7 +109,6 @@ def run_step(
             running.append((item, request))
 
     preempted: set[str] = set()
-    scheduled: list[Request] = []
     bs = pool.block_size
     free_blocks = pool.blocks
     for index, (item, request) in enumerate(running):
@@ -125,6 +167,45 @@ def run_step(
             scheduled.append(pool.requests[item.request_id])
     pool.last_scheduled = scheduled
     return result
+
+
+def _run_plain_decodes(
+    pool: Pool, decodes: Decodes, result: StepResult, scheduled: list[Request]
+) -> bool:
+    """Serve every decode without preemption, or change nothing and return False.
+
+    The common step: each request's token fits its private last block or, once every
+    block_size steps, takes one fresh block, and the pool has them all. Anything else (a
+    shortage, a shared last block, a swapped or lagging request) goes the general way."""
+    requests, bs = pool.requests, pool.block_size
+    batch = [requests[request_id] for request_id in decodes.request_ids]
+    num_boundaries = 0
+    for request in batch:
+        computed = request.num_computed
+        if computed != len(request.token_ids) or request.cpu_block_ids is not None:
+            return False  # tokens pending beyond this one, or swapped out
+        if computed % bs:
+            if request.blocks[computed // bs].ref_count != 1:
+                return False  # a shared partial block: copy-on-write
+        elif len(request.blocks) * bs == computed:
+            num_boundaries += 1
+        else:
+            return False
+    if num_boundaries > pool.blocks.num_free:
+        return False  # someone must be preempted
+    fresh = iter(pool.blocks.allocate(num_boundaries) or ())
+    for request, token in zip(batch, decodes.token_ids, strict=True):
+        computed = request.num_computed
+        request.token_ids.append(token)
+        request.num_computed = computed + 1
+        if not computed % bs:
+            block = next(fresh)
+            result.appended_request_ids.append(request.request_id)
+            result.appended_block_ids.append(block.block_id)
+            result.appended_indexes.append(len(request.blocks))
+            request.blocks.append(block)
+    scheduled.extend(batch)
+    return True
 
 
 def _last_unpreempted(

@@ -3,11 +3,12 @@ with a remedy, before anything is mutated."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import Commit
-from allocator_svc.core.step import StepItem
+from allocator_svc.core.step import Decodes, StepItem
 from common.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ def check_commits(pool: Pool, commits: list[Commit]) -> None:
 def check_items(pool: Pool, items: list[StepItem], released: set[str]) -> None:
     seen = {item.request_id for item in items}
     if len(seen) != len(items) or "" in seen:
-        _raise_bad_ids(items)
+        _raise_bad_ids(item.request_id for item in items)
     if released and not released.isdisjoint(seen):
         raise InvalidArgument(f"requests {sorted(released & seen)} are both freed and scheduled")
     requests = pool.requests
@@ -85,14 +86,37 @@ def check_items(pool: Pool, items: list[StepItem], released: set[str]) -> None:
             )
 
 
-def _raise_bad_ids(items: list[StepItem]) -> None:
+def check_decodes(pool: Pool, decodes: Decodes, items: list[StepItem], released: set[str]) -> None:
+    """The columns must be aligned, name known requests once each, and carry valid tokens."""
+    ids, tokens = decodes.request_ids, decodes.token_ids
+    if len(ids) != len(tokens):
+        raise InvalidArgument(
+            f"decode_request_ids has {len(ids)} entries but decode_token_ids has {len(tokens)}"
+        )
+    seen = set(ids)
+    if len(seen) != len(ids) or "" in seen:
+        _raise_bad_ids(ids)
+    if items and not seen.isdisjoint(item.request_id for item in items):
+        _raise_bad_ids([*ids, *(item.request_id for item in items)])
+    if released and not released.isdisjoint(seen):
+        raise InvalidArgument(f"requests {sorted(released & seen)} are both freed and scheduled")
+    requests = pool.requests
+    if not seen <= requests.keys():
+        unknown = next(request_id for request_id in ids if request_id not in requests)
+        raise NotFound(f"unknown request {unknown!r}: a new request must carry prompt_token_ids")
+    if tokens and min(tokens) < 0:
+        index = next(i for i, token in enumerate(tokens) if token < 0)
+        raise InvalidArgument(f"{ids[index]}: decode token ids must be >= 0, got {tokens[index]}")
+
+
+def _raise_bad_ids(request_ids: Iterable[str]) -> None:
     seen: set[str] = set()
-    for item in items:
-        if not item.request_id:
+    for request_id in request_ids:
+        if not request_id:
             raise InvalidArgument("every item needs a request_id")
-        if item.request_id in seen:
-            raise InvalidArgument(f"request {item.request_id!r} appears twice in one step")
-        seen.add(item.request_id)
+        if request_id in seen:
+            raise InvalidArgument(f"request {request_id!r} appears twice in one step")
+        seen.add(request_id)
 
 
 def check_token_ids(owner: str, token_ids: list[int]) -> None:

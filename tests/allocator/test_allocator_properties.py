@@ -25,7 +25,7 @@ from allocator_svc.core.events import EventKind
 from allocator_svc.core.hashing import hash_block
 from allocator_svc.core.pool import PoolConfig
 from allocator_svc.core.request import Commit
-from allocator_svc.core.step import PreemptionMode, StepItem
+from allocator_svc.core.step import Decodes, PreemptionMode, StepItem
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 12
@@ -86,7 +86,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.gpu[c.dst_block_id] = list(self.cpu[c.src_block_id])
         for c in result.copies:
             self.gpu[c.dst_block_id] = list(self.gpu[c.src_block_id])
-        grants = {g.request_id: g for g in result.grants}
+        grants = {g.request_id: g for g in result.all_grants(BLOCK_SIZE)}
         skipped = {p.request_id for p in result.preempted} | set(result.deferred)
         for item in items:
             if item.request_id in skipped:
@@ -141,9 +141,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         decode_tokens=st.lists(st.integers(0, 2), max_size=8),
         swap=st.booleans(),
         commit_previous=st.booleans(),
+        columnar=st.booleans(),
         shuffle=st.randoms(use_true_random=False),
     )
-    def step(self, prompts, decode_tokens, swap, commit_previous, shuffle) -> None:
+    def step(self, prompts, decode_tokens, swap, commit_previous, columnar, shuffle) -> None:
         items, scheduled = [], {}
         running = [r for r, m in self.requests.items()]
         shuffle.shuffle(running)
@@ -160,6 +161,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             items.append(StepItem(rid, chunk, list(prompt), salt))
         if not items:
             return
+        decodes = None
+        if columnar:  # the plain decodes in columns (the wire's compact form), first in order
+            plain = [i for i in items if i.prompt_token_ids is None and i.append_token_ids]
+            decodes = Decodes([i.request_id for i in plain], [i.append_token_ids[0] for i in plain])
+            items = plain + [i for i in items if i not in plain]  # the order the step sees
         mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
         commits = self._commits()
         result = self.allocator.step(
@@ -169,9 +175,10 @@ class AllocatorMachine(RuleBasedStateMachine):
             [] if commit_previous else commits,
             [],
             [],
-            items,
+            [i for i in items if decodes is None or i.request_id not in decodes.request_ids],
             mode,
             commit_previous=commit_previous,
+            decodes=decodes,
         )
         self._apply(result, scheduled, items)
 

@@ -45,12 +45,15 @@ def rpc_error(exc: ServiceError) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(exc.code, metadata, metadata, str(exc))
 
 
+def _decodes(call: StepCall) -> core_step.Decodes:
+    decodes = call.items[: call.num_decodes]
+    return core_step.Decodes(
+        [i.request_id for i in decodes], [i.append_token_ids[0] for i in decodes]
+    )
+
+
 def _items(call: StepCall) -> list[core_step.StepItem]:
-    decodes = [
-        core_step.StepItem(i.request_id, 1, None, "", [i.append_token_ids[0]])
-        for i in call.items[: call.num_decodes]
-    ]
-    return decodes + [
+    return [
         core_step.StepItem(
             i.request_id, i.num_tokens, list(i.prompt_token_ids) if i.is_new else None,
             i.cache_salt, list(i.append_token_ids),
@@ -106,7 +109,7 @@ class CorePool:
             result = self.allocator.step(
                 POOL_ID, self.epoch, None, _commits(call.commits),
                 list(call.free_request_ids), list(call.abort_request_ids), _items(call), mode,
-                call.commit_previous_step,
+                call.commit_previous_step, _decodes(call),
             )
         except ServiceError as exc:
             raise rpc_error(exc) from exc
