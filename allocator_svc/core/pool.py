@@ -175,10 +175,7 @@ class Pool:
         steps fill no block; in one of every block_size steps each request fills one, and
         those are hashed and cached together, as one event run."""
         requests, bs = self.requests, self.block_size
-        blocks: list[Block] = []
-        hashes: list[bytes] = []
-        keys: list[bytes] = []
-        parents: list[bytes | None] = []  # None: a chain's first block
+        filled: list[Request] = []
         tokens: list[int] = []
         for request in self.last_scheduled:
             if requests.get(request.request_id) is not request:
@@ -187,20 +184,30 @@ class Pool:
             if num_full == have:  # no block filled up: nothing to hash (most decode steps)
                 request.num_committed = request.num_computed
                 continue
-            if num_full != have + 1 or request.swapped:  # a prefill chunk: one chain
-                self.commit(request, request.num_computed)
+            if num_full != have + 1 or request.cpu_block_ids is not None:
+                self.commit(request, request.num_computed)  # a prefill chunk: one chain
                 continue
+            filled.append(request)
+            tokens.extend(request.token_ids[have * bs : num_full * bs])
+        if not filled:
+            return
+        # One block per request: packed together, each hashed over parent + its slice.
+        packed, stride, sha256 = pack_tokens(tokens), 4 * bs, hashlib.sha256
+        blocks: list[Block] = []
+        hashes: list[bytes] = []
+        keys: list[bytes] = []
+        parents: list[bytes | None] = []  # None: a chain's first block
+        for index, request in enumerate(filled):
+            have = len(request.block_hashes)
             parent = request.block_hashes[-1] if have else request.root_hash
-            block_tokens = request.token_ids[have * bs : num_full * bs]
-            key = parent + pack_tokens(block_tokens)
-            block_hash = hashlib.sha256(key).digest()
+            key = parent + packed[index * stride : (index + 1) * stride]
+            block_hash = sha256(key).digest()
             request.block_hashes.append(block_hash)
             request.num_committed = request.num_computed
             blocks.append(request.blocks[have])
             hashes.append(block_hash)
             keys.append(key)
             parents.append(parent if have else None)
-            tokens.extend(block_tokens)
         self.blocks.cache_blocks(blocks, hashes, keys, parents, tokens)
 
     def free(self, request: Request) -> None:
