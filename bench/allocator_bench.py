@@ -23,7 +23,7 @@ import grpc
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
 from allocator_svc.core.request import Commit
-from allocator_svc.core.step import PreemptionMode, StepItem
+from allocator_svc.core.step import Decodes, PreemptionMode, StepItem
 from bench.common import markdown_table, median, percentile, write_results
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
@@ -45,8 +45,11 @@ def make_pool() -> tuple[Allocator, int]:
     return allocator, pool.epoch
 
 
-def decode_step_us(num_running: int, num_steps: int) -> list[float]:
-    """Microseconds per batched decode step (commits of the last step + one token each)."""
+def decode_step_us(num_running: int, num_steps: int, columns: bool = False) -> list[float]:
+    """Microseconds per batched decode step (commits of the last step + one token each).
+
+    `columns`: the decodes as `Decodes`, the form the service passes on from the wire's
+    decode_request_ids/decode_token_ids; otherwise a `StepItem` each (the general path)."""
     allocator, epoch = make_pool()
     ids = [f"r{i}" for i in range(num_running)]
     allocator.step(
@@ -61,9 +64,13 @@ def decode_step_us(num_running: int, num_steps: int) -> list[float]:
     )
     samples = []
     for token in range(num_steps):
-        items = [StepItem(r, 1, None, "", [token]) for r in ids]
         start = time.perf_counter()
-        allocator.step("bench", epoch, None, [], [], [], items, RECOMPUTE, commit_previous=True)
+        if columns:
+            decodes = Decodes(list(ids), [token] * num_running)
+            allocator.step("bench", epoch, None, [], [], [], [], RECOMPUTE, True, decodes)
+        else:
+            items = [StepItem(r, 1, None, "", [token]) for r in ids]
+            allocator.step("bench", epoch, None, [], [], [], items, RECOMPUTE, True)
         samples.append((time.perf_counter() - start) * 1e6)
     return samples
 
@@ -190,12 +197,14 @@ def main() -> None:
     args = parser.parse_args()
     steps = 64 if args.quick else 256
     rows, results = [], {}
-    for n in (1, 64, 256):
-        step_us = median(decode_step_us(n, steps))
-        results[f"decode_step_us_{n}"] = step_us
+    for n, columns in [(n, c) for c in (True, False) for n in (1, 64, 256)]:
+        # Building the items (or columns) is timed too: the service builds them per call.
+        step_us = median(decode_step_us(n, steps, columns))
+        form = "columns" if columns else "items"
+        results[f"decode_step_us_{n}" + ("" if columns else "_items")] = step_us
         rows.append(
             [
-                f"in-process decode step, {n} running",
+                f"in-process decode step, {n} running ({form})",
                 f"{step_us:.1f} us",
                 f"{step_us / n:.2f} us/request",
                 f"{VLLM['decode_us_per_request']} us/request",

@@ -118,17 +118,21 @@ class Allocator:
             )
         if lease_id is not None:
             self._live_lease(lease_id)
-        released = check_releases(pool, free_ids, abort_ids)
-        check_commits(pool, commits)
-        check_items(pool, items, released)
-        if decodes is not None:
+        # The common step is decodes and nothing else: skip the checks with nothing to check.
+        released = check_releases(pool, free_ids, abort_ids) if free_ids or abort_ids else set()
+        if commits:
+            check_commits(pool, commits)
+        if items:
+            check_items(pool, items, released)
+        if decodes is not None and num_decodes:
             check_decodes(pool, decodes, items, released)
         if commit_previous:
             pool.commit_scheduled()
         for commit in commits:
             pool.commit(pool.requests[commit.request_id], commit.num_computed)
-        for request_id in (*free_ids, *abort_ids):
-            pool.free(pool.requests[request_id])
+        if released:
+            for request_id in (*free_ids, *abort_ids):
+                pool.free(pool.requests[request_id])
         return run_step(pool, items, mode, lease_id, decodes)
 
     # Outside a step.

@@ -95,6 +95,9 @@ def run_step(
     if decodes is not None and decodes.request_ids:
         if not _run_plain_decodes(pool, decodes, result, scheduled):
             items = decodes.as_items() + items
+        elif not items:  # the common step: served
+            pool.last_scheduled = scheduled
+            return result
     running: list[tuple[StepItem, Request]] = []
     admissions: list[StepItem] = []
     for item in items:
@@ -193,13 +196,13 @@ def _run_plain_decodes(
             return False
     if num_boundaries > pool.blocks.num_free:
         return False  # someone must be preempted
-    fresh = iter(pool.blocks.allocate(num_boundaries) or ())
+    fresh = iter(pool.blocks.allocate(num_boundaries) or ()) if num_boundaries else None
     for request, token in zip(batch, decodes.token_ids, strict=True):
         computed = request.num_computed
         request.token_ids.append(token)
         request.num_computed = computed + 1
         if not computed % bs:
-            block = next(fresh)
+            block = next(fresh)  # type: ignore[arg-type]  # num_boundaries > 0 here
             result.appended_request_ids.append(request.request_id)
             result.appended_block_ids.append(block.block_id)
             result.appended_indexes.append(len(request.blocks))
