@@ -94,11 +94,14 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
             request.epoch,
             convert.commits(request.commits),
             list(request.request_ids),
+            request.lease_id or None,
         )
         return pb.FreeResponse(num_free_blocks=pool.blocks.num_free)
 
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
-        pool = self.allocator.abort(request.pool_id, request.epoch, list(request.request_ids))
+        pool = self.allocator.abort(
+            request.pool_id, request.epoch, list(request.request_ids), request.lease_id or None
+        )
         return pb.AbortResponse(num_free_blocks=pool.blocks.num_free)
 
     async def Fork(self, request: pb.ForkRequest, context: Ctx) -> pb.ForkResponse:
@@ -107,11 +110,14 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
             request.epoch,
             request.parent_request_id,
             list(request.child_request_ids),
+            request.lease_id or None,
         )
         return pb.ForkResponse(child_tables=[convert.child_table(c) for c in children])
 
     async def SwapOut(self, request: pb.SwapOutRequest, context: Ctx) -> pb.SwapOutResponse:
-        copies = self.allocator.swap_out(request.pool_id, request.epoch, request.request_id)
+        copies = self.allocator.swap_out(
+            request.pool_id, request.epoch, request.request_id, request.lease_id or None
+        )
         return pb.SwapOutResponse(swap_out=convert.swap_copies(copies))
 
     async def MatchPrefix(

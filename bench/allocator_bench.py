@@ -164,10 +164,13 @@ def _grpc_steps(address: str, num_running: int, num_steps: int) -> list[float]:
         )
     ).pool
     ids = [f"r{i}" for i in range(num_running)]
+    # Under a lease, as the gateway steps (every named request is checked against it).
+    lease_id = stub.CreateLease(pb.CreateLeaseRequest(ttl_ms=3_600_000)).lease_id
     stub.Step(
         pb.StepRequest(
             pool_id="bench",
             epoch=pool.epoch,
+            lease_id=lease_id,
             items=[
                 pb.StepItem(request_id=r, prompt_token_ids=list(range(i, i + 128)), num_tokens=128)
                 for i, r in enumerate(ids)
@@ -179,6 +182,7 @@ def _grpc_steps(address: str, num_running: int, num_steps: int) -> list[float]:
         request = pb.StepRequest(
             pool_id="bench",
             epoch=pool.epoch,
+            lease_id=lease_id,
             commit_previous_step=True,
             decode_request_ids=ids,
             decode_token_ids=[token] * len(ids),

@@ -168,32 +168,40 @@ class AllocatorClient:
         # NOTE: Step is not idempotent; past the deadline its outcome is unknown (recovery.py).
         return _outcome(await self.stub.Step(request, timeout=self.timeout_s))
 
+    # lease_id on Free, Abort and Fork: the allocator refuses (PERMISSION_DENIED) to touch a
+    # request of another lease, e.g. another gateway's request that happens to share an id.
     async def free(
-        self, pool_id: str, epoch: int, commits: Sequence[Commit], request_ids: Sequence[str]
+        self, pool_id: str, epoch: int, commits: Sequence[Commit], request_ids: Sequence[str],
+        lease_id: str = "",
     ) -> None:
         await self.stub.Free(
             pb.FreeRequest(
-                pool_id=pool_id, epoch=epoch, commits=_commits(commits), request_ids=request_ids
+                pool_id=pool_id, epoch=epoch, commits=_commits(commits), request_ids=request_ids,
+                lease_id=lease_id,
             ),
             metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
             timeout=self.timeout_s,
         )
 
-    async def abort(self, pool_id: str, epoch: int, request_ids: Sequence[str]) -> None:
+    async def abort(
+        self, pool_id: str, epoch: int, request_ids: Sequence[str], lease_id: str = ""
+    ) -> None:
         await self.stub.Abort(
-            pb.AbortRequest(pool_id=pool_id, epoch=epoch, request_ids=request_ids),
+            pb.AbortRequest(
+                pool_id=pool_id, epoch=epoch, request_ids=request_ids, lease_id=lease_id
+            ),
             metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
             timeout=self.timeout_s,
         )
 
     async def fork(
         self, pool_id: str, epoch: int, parent_id: str, child_ids: Sequence[str],
-        request_id: str,
+        request_id: str, lease_id: str = "",
     ) -> list[TableDelta]:
         response = await self.stub.Fork(
             pb.ForkRequest(
                 pool_id=pool_id, epoch=epoch, parent_request_id=parent_id,
-                child_request_ids=child_ids,
+                child_request_ids=child_ids, lease_id=lease_id,
             ),
             metadata=request_metadata(request_id),
             timeout=self.timeout_s,

@@ -4,7 +4,9 @@ They appear when a call's outcome is unknown: a `Step` past its deadline or cut 
 not idempotent: its frees, preemptions, admissions and appended tokens may or may not have
 been applied), a lost executor, a step interrupted by a gateway bug. Rather than guess, the
 engine notes every id the allocator might hold and aborts them before the pool's next Step:
-in one call when all are still there, else one by one, ignoring the ones already gone.
+in one call when all are still there, else one by one, ignoring the ones already gone (or
+never ours: another lease's request with the same id, which the allocator will not let us
+touch).
 Aborting commits nothing, so no unconfirmed KV enters the prefix cache (the commit rule).
 """
 
@@ -44,7 +46,7 @@ async def abort_orphans(engine: Engine) -> grpc.aio.AioRpcError | None:
     try:
         await engine.link.abort(ids)
     except grpc.aio.AioRpcError as exc:
-        if exc.code() != grpc.StatusCode.NOT_FOUND:
+        if exc.code() not in _NOT_OURS:
             return _gone_with_pool(engine, exc)
     else:
         engine.orphan_ids.clear()
@@ -55,13 +57,16 @@ async def abort_orphans(engine: Engine) -> grpc.aio.AioRpcError | None:
         try:
             await engine.link.abort([request_id])
         except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
+            if exc.code() not in _NOT_OURS:
                 return _gone_with_pool(engine, exc)
         engine.orphan_ids.discard(request_id)
     log.info("orphans_aborted", pool_id=engine.pool_id, num=len(ids))
     return None
 
 
+# Nothing of ours to abort: gone already, or another lease's request with the same id
+# (another gateway's; an id we only tried to admit).
+_NOT_OURS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED)
 # Worth retrying: the allocator may answer later. Anything else will not change by retrying.
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 

@@ -69,10 +69,11 @@ class PoolLink:
         return await self.executor.execute(call, timeout=self.execute_timeout_s)
 
     async def free(self, commits: Sequence[Commit], request_ids: Sequence[str]) -> None:
-        await self.allocator.free(self.pool_id, self.epoch, commits, request_ids)
+        await self.allocator.free(self.pool_id, self.epoch, commits, request_ids,
+                                  self.lease.lease_id)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
-        await self.allocator.abort(self.pool_id, self.epoch, request_ids)
+        await self.allocator.abort(self.pool_id, self.epoch, request_ids, self.lease.lease_id)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         await self.executor.release(request_ids, timeout=self.execute_timeout_s)
@@ -81,4 +82,4 @@ class PoolLink:
         self, parent_id: str, child_ids: Sequence[str], request_id: str
     ) -> list[TableDelta]:
         return await self.allocator.fork(self.pool_id, self.epoch, parent_id, child_ids,
-                                         request_id)
+                                         request_id, self.lease.lease_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import chain
 
 from allocator_svc.core.leases import Lease, LeaseTable
 from allocator_svc.core.pool import Pool, PoolConfig
@@ -19,6 +20,7 @@ from allocator_svc.core.validation import (
     check_commits,
     check_decodes,
     check_items,
+    check_owner,
     check_pool_config,
     check_releases,
     check_token_ids,
@@ -118,6 +120,14 @@ class Allocator:
             )
         if lease_id is not None:
             self._live_lease(lease_id)
+            named = chain(
+                (decodes.request_ids if decodes is not None else ()),
+                (item.request_id for item in items if not item.prompt_token_ids),
+                (commit.request_id for commit in commits),
+                free_ids,
+                abort_ids,
+            )
+            check_owner(pool, named, lease_id)
         # The common step is decodes and nothing else: skip the checks with nothing to check.
         released = check_releases(pool, free_ids, abort_ids) if free_ids or abort_ids else set()
         if commits:
@@ -135,9 +145,17 @@ class Allocator:
                 pool.free(pool.requests[request_id])
         return run_step(pool, items, mode, lease_id, decodes)
 
-    # Outside a step.
-    def free(self, pool_id: str, epoch: int, commits: list[Commit], request_ids: list[str]) -> Pool:
+    # Outside a step. `lease_id`: the caller's lease, which every named request must be in.
+    def free(
+        self,
+        pool_id: str,
+        epoch: int,
+        commits: list[Commit],
+        request_ids: list[str],
+        lease_id: str | None = None,
+    ) -> Pool:
         pool = self.pool(pool_id, epoch)
+        check_owner(pool, chain(request_ids, (c.request_id for c in commits)), lease_id)
         check_releases(pool, request_ids, [])
         check_commits(pool, commits)
         for commit in commits:
@@ -146,15 +164,25 @@ class Allocator:
             pool.free(pool.requests[request_id])
         return pool
 
-    def abort(self, pool_id: str, epoch: int, request_ids: list[str]) -> Pool:
+    def abort(
+        self, pool_id: str, epoch: int, request_ids: list[str], lease_id: str | None = None
+    ) -> Pool:
         """Free without committing: blocks whose KV was never confirmed are not cached."""
-        return self.free(pool_id, epoch, [], request_ids)
+        return self.free(pool_id, epoch, [], request_ids, lease_id)
 
-    def fork(self, pool_id: str, epoch: int, parent_id: str, child_ids: list[str]) -> list[Request]:
+    def fork(
+        self,
+        pool_id: str,
+        epoch: int,
+        parent_id: str,
+        child_ids: list[str],
+        lease_id: str | None = None,
+    ) -> list[Request]:
         pool = self.pool(pool_id, epoch)
         parent = pool.requests.get(parent_id)
         if parent is None:
             raise NotFound(f"unknown parent request {parent_id!r}")
+        check_owner(pool, [parent_id], lease_id)
         if parent.swapped:
             raise FailedPrecondition(f"parent {parent_id!r} is swapped out; swap it in first")
         if not child_ids or len(set(child_ids)) != len(child_ids):
@@ -166,11 +194,14 @@ class Allocator:
                 raise AlreadyExists(f"request {child_id!r} already exists")
         return pool.fork(parent, child_ids)
 
-    def swap_out(self, pool_id: str, epoch: int, request_id: str) -> list[BlockCopy]:
+    def swap_out(
+        self, pool_id: str, epoch: int, request_id: str, lease_id: str | None = None
+    ) -> list[BlockCopy]:
         pool = self.pool(pool_id, epoch)
         request = pool.requests.get(request_id)
         if request is None:
             raise NotFound(f"unknown request {request_id!r}")
+        check_owner(pool, [request_id], lease_id)
         if request.swapped:
             raise FailedPrecondition(f"request {request_id!r} is already swapped out")
         copies = pool.swap_out(request)

@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import Commit
 from allocator_svc.core.step import Decodes, StepItem
-from common.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from common.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
 
 if TYPE_CHECKING:
     from allocator_svc.core.allocator import Limits
@@ -31,6 +37,22 @@ def check_pool_config(config: PoolConfig, limits: Limits) -> None:
             f"num_cpu_blocks={config.num_cpu_blocks} is out of range: "
             f"0..{limits.max_cpu_blocks_per_pool}"
         )
+
+
+def check_owner(pool: Pool, request_ids: Iterable[str], lease_id: str | None) -> None:
+    """Under a lease, a call may touch only that lease's requests: request ids are the
+    clients' own, and two clients (gateways) may pick the same one. Unknown ids are left to
+    the other checks; with no lease, nothing is checked (operator tools)."""
+    if lease_id is None:
+        return
+    requests = pool.requests
+    for request_id in request_ids:
+        request = requests.get(request_id)
+        if request is not None and request.lease_id != lease_id:
+            raise PermissionDenied(
+                f"request {request_id!r} in pool {pool.config.pool_id!r} belongs to another "
+                f"lease than {lease_id!r}: a client may touch only the requests it admitted"
+            )
 
 
 def check_releases(pool: Pool, free_ids: list[str], abort_ids: list[str]) -> set[str]:

@@ -205,6 +205,40 @@ def test_service_lease_expiry_frees_requests(stub):
     )
 
 
+def test_service_another_leases_requests_are_permission_denied(stub):
+    # Two clients picked the same kind of ids; one may not touch the other's requests, in a
+    # Step or outside one, and the refused calls change nothing.
+    pool = register(stub)
+    mine = stub.CreateLease(pb.CreateLeaseRequest(ttl_ms=60_000)).lease_id
+    theirs = stub.CreateLease(pb.CreateLeaseRequest(ttl_ms=60_000)).lease_id
+    step(stub, pool, [new("theirs", [1, 2, 3])], lease_id=theirs)
+    before = stats(stub, pool)
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    expect_error(
+        denied,
+        stub.Step,
+        pb.StepRequest(
+            pool_id=pool.pool_id, epoch=pool.epoch, lease_id=mine,
+            decode_request_ids=["theirs"], decode_token_ids=[4],
+        ),
+        match="'theirs' in pool",
+    )
+    expect_error(denied, lambda: step(stub, pool, abort=["theirs"], lease_id=mine))
+    expect_error(denied, stub.Abort, pb.AbortRequest(
+        pool_id=pool.pool_id, epoch=pool.epoch, request_ids=["theirs"], lease_id=mine))
+    expect_error(denied, stub.Free, pb.FreeRequest(
+        pool_id=pool.pool_id, epoch=pool.epoch, request_ids=["theirs"], lease_id=mine))
+    expect_error(denied, stub.Fork, pb.ForkRequest(
+        pool_id=pool.pool_id, epoch=pool.epoch, parent_request_id="theirs",
+        child_request_ids=["c"], lease_id=mine))
+    expect_error(denied, stub.SwapOut, pb.SwapOutRequest(
+        pool_id=pool.pool_id, epoch=pool.epoch, request_id="theirs", lease_id=mine))
+    assert stats(stub, pool) == before
+    stub.Abort(pb.AbortRequest(
+        pool_id=pool.pool_id, epoch=pool.epoch, request_ids=["theirs"], lease_id=theirs))
+    assert stats(stub, pool).num_free_blocks == 16
+
+
 @pytest.mark.parametrize(
     ("num_blocks", "block_size", "fragment"),
     [

@@ -19,9 +19,10 @@ import structlog
 from in_process import FakeModel
 
 from allocator_svc.core.allocator import Allocator, Limits
+from allocator_svc.core.step import PreemptionMode, StepItem
 from allocator_svc.service import AllocatorServicer
 from common.interceptor import ErrorInterceptor
-from gateway import recovery
+from gateway import orphans, recovery
 from gateway.allocator_client import AllocatorClient
 from gateway.batch import Budget
 from gateway.engine import Engine
@@ -339,3 +340,28 @@ def test_orphans_the_allocator_refuses_to_abort_are_given_up_and_the_engine_goes
     assert "orphans_given_up" in events
     assert first[-1].error is not None
     assert second_tokens == model.reference([4] * 6, 8)
+
+
+def test_orphan_aborts_cannot_touch_another_leases_request_with_the_same_id(
+    tokenizer: Tokenizer,
+):
+    # Another client (another gateway's lease) holds "shared"; this gateway has it among its
+    # orphans (say, an admission of the same id whose outcome it never learned) and "ghost",
+    # which nobody holds. Its aborts go out under its own lease: "shared" is refused
+    # (PERMISSION_DENIED) and left alone, both orphans are settled, nothing is given up.
+    async def scenario() -> tuple[list[str], set[str], list[str]]:
+        async with rig(tokenizer) as r:
+            core = r.allocator.allocator
+            other = core.create_lease(60.0).lease_id
+            pool = core.pools["pool-0"]
+            core.step("pool-0", pool.epoch, other, [], [], [],
+                      [StepItem("shared", 3, [5, 6, 7])], PreemptionMode.RECOMPUTE)
+            r.engine.orphan_ids.update({"shared", "ghost"})
+            with structlog.testing.capture_logs() as logs:
+                error = await orphans.abort_orphans(r.engine)
+            assert error is None
+            return r.allocator.held(), set(r.engine.orphan_ids), [e["event"] for e in logs]
+
+    held, left, events = asyncio.run(scenario())
+    assert held == ["shared"] and left == set()
+    assert "orphans_given_up" not in events and "orphans_aborted" in events
