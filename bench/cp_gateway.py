@@ -118,7 +118,7 @@ def install() -> None:
     original_execute = executor_client.ExecutorClient.execute
 
     async def execute(self: Any, call: Any, *args: Any, **kwargs: Any) -> Any:
-        _current["seqs"] = len(call.seqs)
+        _current["seqs"] = call.num_seqs
         return await original_execute(self, call, *args, **kwargs)
 
     executor_client.ExecutorClient.execute = execute

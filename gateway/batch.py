@@ -41,7 +41,11 @@ class ScheduledStep:
 
 @dataclass(slots=True)
 class Batch:
-    """A granted step: the Execute call and how many tokens each sequence computes."""
+    """A granted step: the Execute call and how many tokens each sequence computes.
+
+    The first `num_decodes` of `scheduled` are the call's compact decodes, in column order;
+    the rest are its `seqs`, in order."""
 
     call: ExecuteCall
     scheduled: list[tuple[Sequence, int]]
+    num_decodes: int = 0

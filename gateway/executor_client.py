@@ -35,12 +35,6 @@ def _copies(copies: Sequence[BlockCopy]) -> list[pb.BlockCopy]:
             for c in copies]
 
 
-def _is_plain_decode(work: SeqWork) -> bool:
-    return (
-        len(work.token_ids) == 1 and work.sample and work.delta is None and work.sampling is None
-    )
-
-
 def _seq(work: SeqWork) -> pb.SequenceWork:
     seq = pb.SequenceWork(
         request_id=work.request_id,
@@ -90,22 +84,19 @@ class ExecutorClient:
 
     async def execute(self, call: ExecuteCall, timeout: float | None = None) -> ExecuteResult:
         # Plain decodes travel in the compact columns (a message per sequence costs ~4 us).
-        decodes: list[SeqWork] = []
-        others: list[SeqWork] = []
-        for work in call.seqs:
-            (decodes if _is_plain_decode(work) else others).append(work)
         request = pb.ExecuteRequest(
             release_request_ids=call.release_request_ids,
             swap_out=_copies(call.swap_out),
             swap_in=_copies(call.swap_in),
             copies=_copies(call.copies),
-            seqs=[_seq(w) for w in others],
-            decode_request_ids=[w.request_id for w in decodes],
-            decode_token_ids=[w.token_ids[0] for w in decodes],
-            decode_positions=[w.start_position for w in decodes],
+            seqs=[_seq(w) for w in call.seqs],
+            decode_request_ids=call.decode_request_ids,
+            decode_token_ids=call.decode_token_ids,
+            decode_positions=call.decode_positions,
         )
         response = await self.stub.Execute(request, timeout=timeout)
-        if len(response.decode_sampled_token_ids) != len(decodes):
+        num_decodes = len(call.decode_request_ids)
+        if len(response.decode_sampled_token_ids) != num_decodes:
             # An executor that predates the compact columns ignored them: a rejected step.
             raise grpc.aio.AioRpcError(
                 grpc.StatusCode.UNIMPLEMENTED,
@@ -113,19 +104,14 @@ class ExecutorClient:
                 grpc.aio.Metadata(),
                 details=(
                     f"the executor returned {len(response.decode_sampled_token_ids)} tokens "
-                    f"for {len(decodes)} compact decodes: it must implement decode_request_ids "
+                    f"for {num_decodes} compact decodes: it must implement decode_request_ids "
                     "(pagedkv.executor.v1; see tests/conformance)"
                 ),
             )
-        compact = zip(
-            decodes, response.decode_sampled_token_ids, response.decode_logprobs, strict=True
-        )
         return ExecuteResult(
-            tokens=(
-                *(Sampled(w.request_id, token, logprob) for w, token, logprob in compact),
-                *(Sampled(t.request_id, t.token_id, t.logprob) for t in response.tokens),
-            ),
+            tokens=tuple(Sampled(t.request_id, t.token_id, t.logprob) for t in response.tokens),
             compute_ms=response.timings.forward_ms + response.timings.sample_ms,
+            decode_token_ids=tuple(response.decode_sampled_token_ids),
         )
 
     async def release(self, request_ids: Sequence[str], timeout: float | None = None) -> None:

@@ -110,6 +110,13 @@ class Sequence:
         return prompt[start:num_prompt] + outputs[: stop - num_prompt]
 
     @property
+    def last_token_id(self) -> int:
+        """token_ids[-1] of a sequence that is not a prefill parent (hot path)."""
+        assert not self.is_prefill_parent, f"{self.seq_id}: a prefill parent's last token"
+        outputs = self.output_token_ids
+        return outputs[-1] if outputs else self.request.prompt_token_ids[-1]
+
+    @property
     def num_tokens(self) -> int:
         if self.is_prefill_parent:
             return len(self.request.prompt_token_ids) - 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from gateway.batch import Batch, Budget, Pending, ScheduledStep
 from gateway.request_state import SeqStatus, Sequence
@@ -67,10 +68,18 @@ class Scheduler:
 
     def apply_result(self, batch: Batch, result: ExecuteResult) -> list[tuple[Sequence, int]]:
         """Advance computed counts; return the sampled (sequence, token) pairs in order."""
-        tokens = {t.request_id: t.token_id for t in result.tokens}
         sampled: list[tuple[Sequence, int]] = []
         executed = self.pending.executed
-        for seq, num in batch.scheduled:
+        scheduled = batch.scheduled
+        # The compact decodes: one token computed and one sampled each, in column order.
+        decodes = islice(scheduled, batch.num_decodes)
+        for (seq, _), decoded in zip(decodes, result.decode_token_ids, strict=True):
+            seq.num_computed_tokens += 1
+            executed[seq.seq_id] = seq.num_computed_tokens
+            seq.output_token_ids.append(decoded)
+            sampled.append((seq, decoded))
+        tokens = {t.request_id: t.token_id for t in result.tokens}
+        for seq, num in islice(scheduled, batch.num_decodes, None):
             seq.num_computed_tokens += num
             executed[seq.seq_id] = seq.num_computed_tokens
             token = tokens.get(seq.seq_id)

@@ -117,9 +117,21 @@ class ExecuteCall:
     swap_in: tuple[BlockCopy, ...]
     copies: tuple[BlockCopy, ...]
     seqs: tuple[SeqWork, ...]
+    # Plain decodes, before `seqs` in batch order, as the executor's compact columns: one
+    # token at the next position, sampled, no table change, already held by the executor.
+    # Row i of the three columns is one sequence (no object per sequence on the hot path).
+    decode_request_ids: tuple[str, ...] = ()
+    decode_token_ids: tuple[int, ...] = ()
+    decode_positions: tuple[int, ...] = ()
 
     def is_empty(self) -> bool:
-        return not (self.seqs or self.swap_out or self.swap_in or self.copies)
+        return not (
+            self.seqs or self.decode_request_ids or self.swap_out or self.swap_in or self.copies
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.decode_request_ids) + len(self.seqs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,5 +143,6 @@ class Sampled:
 
 @dataclass(frozen=True, slots=True)
 class ExecuteResult:
-    tokens: tuple[Sampled, ...]
+    tokens: tuple[Sampled, ...]  # for the sequences of `seqs` that sample
     compute_ms: float  # the executor's forward pass + sampling
+    decode_token_ids: tuple[int, ...] = ()  # one per compact decode, in column order

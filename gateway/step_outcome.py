@@ -10,6 +10,7 @@ to the queue front (prompt + generated tokens), a swap keeps it aside for swap-i
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.batch import Batch, ScheduledStep
@@ -27,6 +28,7 @@ def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -
     admitted: set[Sequence] = set()
     work: list[SeqWork] = []
     scheduled: list[tuple[Sequence, int]] = []
+    decodes = _DecodeColumns()
     block_size = sched.block_size
     for item in step.call.items:
         seq = step.seqs[item.request_id]
@@ -71,6 +73,9 @@ def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -
         )
         if num == 0:
             continue
+        if _is_plain_decode(seq, start, num, delta):
+            decodes.add(seq, start)
+            continue
         work.append(_seq_work(seq, start, num, delta))
         scheduled.append((seq, num))
     if admitted:
@@ -81,9 +86,37 @@ def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -
         swap_in=outcome.swap_in,
         copies=outcome.copies,
         seqs=tuple(work),
+        decode_request_ids=tuple(decodes.request_ids),
+        decode_token_ids=tuple(decodes.token_ids),
+        decode_positions=tuple(decodes.positions),
     )
     sched.pending.release_ids.clear()
-    return Batch(call=call, scheduled=scheduled)
+    return Batch(call=call, scheduled=[*decodes.scheduled, *scheduled],
+                 num_decodes=len(decodes.scheduled))
+
+
+@dataclass(slots=True)
+class _DecodeColumns:
+    """The compact decodes of one Execute call, built column by column."""
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    def add(self, seq: Sequence, start: int) -> None:
+        self.request_ids.append(seq.seq_id)
+        self.token_ids.append(seq.last_token_id)
+        self.positions.append(start)
+        self.scheduled.append((seq, 1))
+
+
+def _is_plain_decode(seq: Sequence, start: int, num: int, delta: TableDelta | None) -> bool:
+    """One token, the sequence's last, sampled; no table change; the executor holds it."""
+    return (
+        num == 1 and delta is None and seq.known_to_executor and not seq.is_prefill_parent
+        and start + 1 == seq.num_tokens
+    )
 
 
 def _apply_preemptions(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -> None:

@@ -30,6 +30,7 @@ from gateway.step import (
     ExecuteCall,
     ExecuteResult,
     Sampled,
+    SeqWork,
     StepCall,
     StepOutcome,
     TableDelta,
@@ -186,28 +187,36 @@ class FakeModel:
             self.gpu[c.dst_block_id] = list(self.cpu.pop(c.src_block_id))
         for c in call.copies:
             self.gpu[c.dst_block_id] = list(self._block(c.src_block_id))
-        sampled = []
+        decode_tokens = [
+            self._run(SeqWork(rid, (token,), position, None, True, None))
+            for rid, token, position in zip(call.decode_request_ids, call.decode_token_ids,
+                                            call.decode_positions, strict=True)
+        ]
+        sampled = [Sampled(seq.request_id, token, 0.0) for seq in call.seqs
+                   if (token := self._run(seq)) is not None]
+        return ExecuteResult(tokens=tuple(sampled), compute_ms=0.0,
+                             decode_token_ids=tuple(t for t in decode_tokens if t is not None))
+
+    def _run(self, seq: SeqWork) -> int | None:
+        """Write the sequence's tokens into its slots; its sampled token, if it samples."""
         bs = self.block_size
-        for seq in call.seqs:
-            held = self.held.get(seq.request_id)
-            if seq.sampling is not None:
-                assert held is None, f"{seq.request_id} created twice"
-                # A prefix-cache hit starts past 0: those tokens are in the cached blocks.
-                held = self.held[seq.request_id] = Held(seq.start_position)
-            assert held is not None, f"{seq.request_id} is not held: sampling params missing"
-            assert seq.start_position == held.num_tokens, (
-                f"{seq.request_id}: start {seq.start_position}, executor holds {held.num_tokens}"
-            )
-            if seq.delta is not None:
-                seq.delta.apply(held.table)
-            end = seq.start_position + len(seq.token_ids)
-            assert len(held.table) * bs >= end, f"{seq.request_id}: table too short"
-            for position, token in enumerate(seq.token_ids, start=seq.start_position):
-                self._block(held.table[position // bs])[position % bs] = token
-            held.num_tokens = end
-            if seq.sample:
-                sampled.append(Sampled(seq.request_id, self.next_token(self._read(held)), 0.0))
-        return ExecuteResult(tokens=tuple(sampled), compute_ms=0.0)
+        held = self.held.get(seq.request_id)
+        if seq.sampling is not None:
+            assert held is None, f"{seq.request_id} created twice"
+            # A prefix-cache hit starts past 0: those tokens are in the cached blocks.
+            held = self.held[seq.request_id] = Held(seq.start_position)
+        assert held is not None, f"{seq.request_id} is not held: sampling params missing"
+        assert seq.start_position == held.num_tokens, (
+            f"{seq.request_id}: start {seq.start_position}, executor holds {held.num_tokens}"
+        )
+        if seq.delta is not None:
+            seq.delta.apply(held.table)
+        end = seq.start_position + len(seq.token_ids)
+        assert len(held.table) * bs >= end, f"{seq.request_id}: table too short"
+        for position, token in enumerate(seq.token_ids, start=seq.start_position):
+            self._block(held.table[position // bs])[position % bs] = token
+        held.num_tokens = end
+        return self.next_token(self._read(held)) if seq.sample else None
 
     def reference(self, prompt: list[int], max_tokens: int) -> list[int]:
         tokens = list(prompt)

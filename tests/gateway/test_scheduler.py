@@ -115,6 +115,39 @@ def test_scheduler_first_execute_carries_sampling_and_full_table():
     assert work.token_ids == tuple(range(6)) and work.start_position == 0
 
 
+def test_scheduler_sends_plain_decodes_as_columns_and_pairs_their_tokens_in_order():
+    # a (3 tokens) and b (4 tokens, a full block) are prefilled; next step both decode: a
+    # inside its block (a compact column row), b entering a new block (its delta needs a
+    # SeqWork); a new request c comes third. Sampled tokens pair with the rows in order.
+    sched = scheduler()
+    pool, model = CorePool(64, BLOCK), FakeModel(BLOCK)
+    a = add(sched, request("a", [1, 2, 3]))[0]
+    b = add(sched, request("b", [4, 5, 6, 7]))[0]
+    plan = sched.schedule()
+    assert plan is not None
+    batch = sched.apply_outcome(plan, pool.step(plan.call))
+    assert batch.call.decode_request_ids == () and batch.num_decodes == 0
+    sched.apply_result(batch, model.execute(batch.call))
+    c = add(sched, request("c", [8, 9]))[0]
+    plan = sched.schedule()
+    assert plan is not None
+    batch = sched.apply_outcome(plan, pool.step(plan.call))
+    call = batch.call
+    assert call.decode_request_ids == ("a",)
+    assert call.decode_token_ids == (a.output_token_ids[0],) and call.decode_positions == (3,)
+    assert [(w.request_id, w.start_position, w.delta) for w in call.seqs] == [
+        ("b", 4, TableDelta(1, (2,))), ("c", 0, TableDelta(0, (3,)))
+    ]
+    assert batch.scheduled == [(a, 1), (b, 1), (c, 2)] and batch.num_decodes == 1
+    result = model.execute(call)
+    assert sched.apply_result(batch, result) == [
+        (a, result.decode_token_ids[0]), (b, result.tokens[0].token_id),
+        (c, result.tokens[1].token_id),
+    ]
+    assert a.output_token_ids == model.reference([1, 2, 3], 2)
+    assert b.output_token_ids == model.reference([4, 5, 6, 7], 2)
+
+
 def test_scheduler_outputs_match_reference_without_preemption():
     # Plenty of blocks: every request's tokens equal the fake model's reference.
     sched = scheduler(seqs=4, tokens=16)
