@@ -6,13 +6,19 @@ the order (or itself, when nobody is behind). Requests waiting for admission (ne
 swapped-out ones coming back) are admitted from free space only, in order, stopping at the
 first that does not fit, and not at all in a step that preempted (as vLLM does). A request
 that cannot be served leaves no trace: it is deferred, or preempted as a whole.
+
+Decodes may come in columns (`Decodes`): when they all fit without preemption (most steps),
+they are served without an item or a Grant per request; otherwise they join the general
+path as items, with the same outcome.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
+from allocator_svc.core.free_queue import Block
 from allocator_svc.core.pool import Pool
 from allocator_svc.core.request import BlockCopy, Grant, Request
 
@@ -196,13 +202,15 @@ def _run_plain_decodes(
             return False
     if num_boundaries > pool.blocks.num_free:
         return False  # someone must be preempted
-    fresh = iter(pool.blocks.allocate(num_boundaries) or ()) if num_boundaries else None
+    fresh: Iterator[Block] = iter(
+        (pool.blocks.allocate(num_boundaries) or []) if num_boundaries else []
+    )
     for request, token in zip(batch, decodes.token_ids, strict=True):
         computed = request.num_computed
         request.token_ids.append(token)
         request.num_computed = computed + 1
         if not computed % bs:
-            block = next(fresh)  # type: ignore[arg-type]  # num_boundaries > 0 here
+            block = next(fresh)
             result.appended_request_ids.append(request.request_id)
             result.appended_block_ids.append(block.block_id)
             result.appended_indexes.append(len(request.blocks))
