@@ -94,14 +94,6 @@ def text_stream(decoder: Any, prompt_token_ids: Sequence[int]) -> TextStream:
     return RustStream(DecodeStream(ids=context, skip_special_tokens=True), fast, decoder)
 
 
-@dataclass(frozen=True, slots=True)
-class TextDelta:
-    """Text released by one token; `stopped` when a stop string ended the completion."""
-
-    text: str
-    stopped: bool
-
-
 @dataclass(slots=True)
 class Detokenizer:
     stream: TextStream
@@ -120,16 +112,17 @@ class Detokenizer:
     ) -> Detokenizer:
         return cls(stream=text_stream(decoder, prompt_token_ids), stop=tuple(stop))
 
-    def add(self, token_id: int) -> TextDelta:
-        """Append one output token; returns the newly releasable text."""
+    def add(self, token_id: int) -> str:
+        """Append one output token; returns the newly releasable text. `stopped` tells
+        whether a stop string ended the completion (the text is then cut before it)."""
         assert not self.stopped, "token added after a stop string ended the completion"
         piece = self.stream.step(token_id)
         if piece:
             previous_len = len(self.text)
             self.text += piece
-            if self._cut_at_stop(previous_len):
-                return TextDelta(self._release(len(self.text)), stopped=True)
-        return TextDelta(self._release(len(self.text) - self.hold_back), stopped=False)
+            if self.stop and self._cut_at_stop(previous_len):
+                return self._release(len(self.text))
+        return self._release(len(self.text) - self.hold_back)
 
     def flush(self) -> str:
         """The completion is over: release everything held back, even an unfinished char."""

@@ -27,7 +27,7 @@ class OutputProcessor:
         assert detok is not None, f"{seq.seq_id} has no detokenizer: call start() first"
         text = detok.add(token_id)
         reason: FinishReason | None = None
-        if text.stopped or token_id in options.stop_token_ids:
+        if detok.stopped or token_id in options.stop_token_ids:
             reason = FinishReason.STOP
         elif not options.ignore_eos and token_id in self.eos_token_ids:
             reason = FinishReason.STOP
@@ -36,12 +36,12 @@ class OutputProcessor:
         elif seq.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         if reason is None:
-            return CompletionDelta(index=seq.index, token_ids=(token_id,), text=text.text)
+            return CompletionDelta(index=seq.index, token_ids=(token_id,), text=text)
         seq.finish_reason = reason
         return CompletionDelta(
             index=seq.index,
             token_ids=(token_id,),
-            text=text.text + detok.flush(),
+            text=text + detok.flush(),
             finish_reason=reason,
             usage=usage(seq),
         )

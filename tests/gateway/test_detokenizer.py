@@ -21,9 +21,8 @@ def stream(tok: Tokenizer, prompt: list[int], ids: list[int], stop: tuple[str, .
     detok = Detokenizer.for_prompt(tok, prompt, stop)
     deltas = []
     for t in ids:
-        delta = detok.add(t)
-        deltas.append(delta.text)
-        if delta.stopped:
+        deltas.append(detok.add(t))
+        if detok.stopped:
             return deltas, True
     deltas.append(detok.flush())
     return deltas, False
@@ -60,7 +59,7 @@ def test_detokenizer_holds_back_a_possible_stop_prefix(tokenizer: Tokenizer):
     detok = Detokenizer.for_prompt(tokenizer, ids[:1], ("STOP",))
     released = ""
     for t in ids[1:]:
-        released += detok.add(t).text
+        released += detok.add(t)
         assert not tokenizer.decode(ids[1:]).startswith(released + "X")  # sanity
         assert len(detok.text) - len(released) <= 3
     released += detok.flush()
@@ -77,7 +76,7 @@ def test_detokenizer_invalid_bytes_decode_like_a_full_decode(tokenizer: Tokenize
 def test_detokenizer_skips_special_tokens(tokenizer: Tokenizer):
     # EOS (id 2) adds no text.
     detok = Detokenizer.for_prompt(tokenizer, [1], ())
-    assert detok.add(2).text == ""
+    assert detok.add(2) == ""
     assert detok.flush() == ""
 
 
