@@ -134,7 +134,6 @@ class AllocatorClient:
         await self.stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease_id), timeout=self.timeout_s)
 
     async def step(self, pool_id: str, epoch: int, lease_id: str, call: StepCall) -> StepOutcome:
-        decodes = call.items[: call.num_decodes]
         items = [
             pb.StepItem(
                 request_id=i.request_id,
@@ -147,7 +146,7 @@ class AllocatorClient:
                 request_id=i.request_id, append_token_ids=i.append_token_ids,
                 num_tokens=i.num_tokens,
             )
-            for i in call.items[call.num_decodes :]
+            for i in call.items
         ]
         request = pb.StepRequest(
             pool_id=pool_id,
@@ -161,8 +160,8 @@ class AllocatorClient:
                 pb.PREEMPTION_MODE_SWAP if call.swap else pb.PREEMPTION_MODE_RECOMPUTE
             ),
             commit_previous_step=call.commit_previous_step,
-            decode_request_ids=[i.request_id for i in decodes],
-            decode_token_ids=[i.append_token_ids[0] for i in decodes],
+            decode_request_ids=call.decode_request_ids,
+            decode_token_ids=call.decode_token_ids,
             compact_grants=True,
         )
         # NOTE: Step is not idempotent; past the deadline its outcome is unknown (recovery.py).

@@ -114,7 +114,7 @@ class Engine:
         if plan is None:
             await self._flush_releases()
             return True
-        if not plan.call.items:
+        if not plan.call.has_items():
             await self._flush_housekeeping(plan)
             return True
         outcome = await self._allocator_step(plan)

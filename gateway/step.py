@@ -54,10 +54,17 @@ class StepCall:
     commits: tuple[Commit, ...]
     free_request_ids: tuple[str, ...]
     abort_request_ids: tuple[str, ...]
-    items: tuple[StepItem, ...]  # the first `num_decodes` are plain decodes (compact form)
+    items: tuple[StepItem, ...]  # after the decodes in priority order
     swap: bool = False
     commit_previous_step: bool = False
-    num_decodes: int = 0
+    # Running sequences that decode, first in priority order, in the allocator's compact
+    # form: row i appends decode_token_ids[i] to request decode_request_ids[i] and schedules
+    # that one token (no StepItem per decoding sequence on the hot path).
+    decode_request_ids: tuple[str, ...] = ()
+    decode_token_ids: tuple[int, ...] = ()
+
+    def has_items(self) -> bool:
+        return bool(self.decode_request_ids or self.items)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,12 +10,13 @@ to the queue front (prompt + generated tokens), a swap keeps it aside for swap-i
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.batch import Batch, ScheduledStep
 from gateway.request_state import SeqStatus, Sequence
-from gateway.step import ExecuteCall, SeqWork, StepOutcome, TableDelta
+from gateway.step import ExecuteCall, SeqWork, StepCall, StepItem, StepOutcome, TableDelta
 
 if TYPE_CHECKING:
     from gateway.scheduler import Scheduler
@@ -30,17 +31,20 @@ def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -
     scheduled: list[tuple[Sequence, int]] = []
     decodes = _DecodeColumns()
     block_size = sched.block_size
-    for item in step.call.items:
-        seq = step.seqs[item.request_id]
-        if not item.is_new and seq.known_to_allocator:
+    for request_id, item in _rows(step.call):
+        seq = step.seqs[request_id]
+        is_new = item is not None and item.is_new
+        if not is_new and seq.known_to_allocator:
             # The allocator applies appends before scheduling: even when the item is then
             # deferred or swapped out, the tokens are recorded there.
-            seq.num_allocator_tokens += len(item.append_token_ids)
-        if item.request_id in skipped or seq.is_finished:
+            seq.num_allocator_tokens += 1 if item is None else len(item.append_token_ids)
+        if request_id in skipped or seq.is_finished:
             continue
-        grant = outcome.grants.get(item.request_id)
-        if item.is_new:
-            assert grant is not None, f"new request {item.request_id} granted without a grant"
+        grant = outcome.grants.get(request_id)
+        if is_new:
+            assert item is not None and grant is not None, (
+                f"new request {request_id} granted without a grant"
+            )
             seq.known_to_allocator = True
             seq.num_allocator_tokens = len(item.prompt_token_ids)
             seq.num_computed_tokens = grant.start_position
@@ -53,7 +57,7 @@ def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -
             sched.running.append(seq)
         seq.status = SeqStatus.RUNNING
         delta = grant.delta if grant is not None else None
-        appended = outcome.appended.get(item.request_id)
+        appended = outcome.appended.get(request_id)
         if appended is not None:
             assert len(seq.block_table) * block_size == seq.num_computed_tokens, (
                 f"{seq.seq_id}: a block appended to a table that does not end at a boundary"
@@ -64,7 +68,7 @@ def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -
         num = (
             grant.num_scheduled_tokens
             if grant is not None
-            else min(item.num_tokens, seq.num_uncomputed_tokens)
+            else min(1 if item is None else item.num_tokens, seq.num_uncomputed_tokens)
         )
         start = grant.start_position if grant is not None else seq.num_computed_tokens
         assert start == seq.num_computed_tokens, (
@@ -93,6 +97,15 @@ def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -
     sched.pending.release_ids.clear()
     return Batch(call=call, scheduled=[*decodes.scheduled, *scheduled],
                  num_decodes=len(decodes.scheduled))
+
+
+def _rows(call: StepCall) -> Iterator[tuple[str, StepItem | None]]:
+    """The step's requests in priority order with their item; None for a compact decode
+    (one token appended, one scheduled)."""
+    for request_id in call.decode_request_ids:
+        yield request_id, None
+    for item in call.items:
+        yield item.request_id, item
 
 
 @dataclass(slots=True)

@@ -28,7 +28,8 @@ def plan_step(sched: Scheduler) -> ScheduledStep | None:
     """
     tokens_left = sched.budget.max_num_batched_tokens
     seqs_left = sched.budget.max_num_seqs
-    decodes: list[StepItem] = []
+    decode_ids: list[str] = []
+    decode_tokens: list[int] = []
     items: list[StepItem] = []
     seqs: dict[str, Sequence] = {}
     for seq in [*sched.running, *sched.swapped]:
@@ -37,10 +38,12 @@ def plan_step(sched: Scheduler) -> ScheduledStep | None:
         num = min(seq.num_uncomputed_tokens, tokens_left)
         if num == 0:
             continue
-        append = tuple(seq.token_slice(seq.num_allocator_tokens))
-        item = StepItem(seq.seq_id, num, append_token_ids=append)
-        is_decode = num == 1 and len(append) == 1 and seq.status is SeqStatus.RUNNING
-        (decodes if is_decode else items).append(item)
+        if _is_decode(seq, num):
+            decode_ids.append(seq.seq_id)
+            decode_tokens.append(seq.last_token_id)
+        else:
+            append = tuple(seq.token_slice(seq.num_allocator_tokens))
+            items.append(StepItem(seq.seq_id, num, append_token_ids=append))
         seqs[seq.seq_id] = seq
         tokens_left -= num
         seqs_left -= 1
@@ -59,9 +62,9 @@ def plan_step(sched: Scheduler) -> ScheduledStep | None:
         tokens_left -= num
         seqs_left -= 1
     pending = sched.pending
-    if not decodes and not items and not pending.has_allocator_work():
+    if not decode_ids and not items and not pending.has_allocator_work():
         return None
-    commit_previous = bool(decodes or items) and bool(pending.executed)
+    commit_previous = bool(decode_ids or items) and bool(pending.executed)
     if not commit_previous:
         for request_id, num_computed in pending.executed.items():
             pending.commits.setdefault(request_id, num_computed)
@@ -69,10 +72,11 @@ def plan_step(sched: Scheduler) -> ScheduledStep | None:
         commits=tuple(Commit(k, v) for k, v in pending.commits.items()),
         free_request_ids=tuple(pending.free_ids),
         abort_request_ids=tuple(pending.abort_ids),
-        items=(*decodes, *items),
+        items=tuple(items),
         swap=sched.swap,
         commit_previous_step=commit_previous,
-        num_decodes=len(decodes),
+        decode_request_ids=tuple(decode_ids),
+        decode_token_ids=tuple(decode_tokens),
     )
     executed = dict(pending.executed) if commit_previous else {}
     pending.executed.clear()
@@ -80,3 +84,11 @@ def plan_step(sched: Scheduler) -> ScheduledStep | None:
     pending.free_ids.clear()
     pending.abort_ids.clear()
     return ScheduledStep(call=call, seqs=seqs, executed=executed)
+
+
+def _is_decode(seq: Sequence, num: int) -> bool:
+    """A running sequence computing one token, the one token the allocator has not seen."""
+    return (
+        num == 1 and seq.status is SeqStatus.RUNNING and not seq.is_prefill_parent
+        and seq.num_allocator_tokens + 1 == seq.num_tokens
+    )

@@ -47,10 +47,7 @@ def rpc_error(exc: ServiceError) -> grpc.aio.AioRpcError:
 
 
 def _decodes(call: StepCall) -> core_step.Decodes:
-    decodes = call.items[: call.num_decodes]
-    return core_step.Decodes(
-        [i.request_id for i in decodes], [i.append_token_ids[0] for i in decodes]
-    )
+    return core_step.Decodes(list(call.decode_request_ids), list(call.decode_token_ids))
 
 
 def _items(call: StepCall) -> list[core_step.StepItem]:
@@ -59,7 +56,7 @@ def _items(call: StepCall) -> list[core_step.StepItem]:
             i.request_id, i.num_tokens, list(i.prompt_token_ids) if i.is_new else None,
             i.cache_salt, list(i.append_token_ids),
         )
-        for i in call.items[call.num_decodes :]
+        for i in call.items
     ]
 
 

@@ -225,7 +225,7 @@ CRASHES = {
     # the Step carrying a's free never goes out
     "before_step": lambda call: bool(call.free_request_ids),
     # c is admitted at the allocator, the gateway never learns it
-    "after_step": lambda call: call.num_decodes > 0 and any(i.is_new for i in call.items),
+    "after_step": lambda call: bool(call.decode_request_ids) and any(i.is_new for i in call.items),
     # the Execute carrying a's release never goes out
     "before_execute": lambda call: bool(call.release_request_ids),
 }

@@ -68,12 +68,11 @@ def test_scheduler_lists_running_decodes_before_waiting_prefills():
     add(sched, request("b", [4, 5]))
     plan = sched.schedule()
     assert plan is not None
-    items = plan.call.items
-    assert [(i.request_id, i.num_tokens, i.is_new) for i in items] == [
-        ("a", 1, False), ("b", 2, True)
-    ]
-    assert items[0].append_token_ids == (model.reference([1, 2, 3], 1)[0],)
-    assert items[1].prompt_token_ids == (4, 5)
+    # a's decode travels in the compact columns, which come before the items.
+    assert plan.call.decode_request_ids == ("a",)
+    assert plan.call.decode_token_ids == (model.reference([1, 2, 3], 1)[0],)
+    assert [(i.request_id, i.num_tokens, i.is_new) for i in plan.call.items] == [("b", 2, True)]
+    assert plan.call.items[0].prompt_token_ids == (4, 5)
 
 
 def test_scheduler_chunks_prefill_under_the_token_budget():
@@ -245,9 +244,9 @@ def test_scheduler_fork_replaces_parent_with_children_sharing_its_table():
     sched.fork(parent, children, tables)
     plan = sched.schedule()
     assert plan is not None
-    assert [(i.request_id, i.append_token_ids, i.num_tokens) for i in plan.call.items] == [
-        ("r-0", (10,), 1), ("r-1", (10,), 1), ("r-2", (10,), 1)
-    ]
+    # Each child decodes the last prompt token (compact columns: one token, appended).
+    assert plan.call.decode_request_ids == ("r-0", "r-1", "r-2") and not plan.call.items
+    assert plan.call.decode_token_ids == (10, 10, 10)
     assert plan.call.free_request_ids == ("r-prefill",)
     assert children[1].exec_sampling().seed is None
     # Writing position 5 into the shared partial block 1: copy-on-write for all but the last.
@@ -337,7 +336,7 @@ def test_scheduler_swapped_request_sends_its_token_once():
     batch = sched.apply_outcome(plan, pool.step(plan.call))
     sched.apply_result(batch, model.execute(batch.call))
     plan = sched.schedule()  # the decode of a: carries its sampled token
-    assert plan is not None and plan.call.items[0].append_token_ids == (a.output_token_ids[0],)
+    assert plan is not None and plan.call.decode_token_ids == (a.output_token_ids[0],)
     sched.apply_outcome(plan, StepOutcome(preempted=(Preemption("a", swapped=True),)))
     assert a.status is SeqStatus.SWAPPED and a.num_allocator_tokens == 4
     plan = sched.schedule()  # swap-in attempt: no new token to send
