@@ -60,19 +60,34 @@ class Preemption:
     mode: PreemptionMode
 
 
-@dataclass(slots=True)
 class StepResult:
-    grants: list[Grant] = field(default_factory=list)
-    preempted: list[Preemption] = field(default_factory=list)
-    deferred: list[str] = field(default_factory=list)
-    copies: list[BlockCopy] = field(default_factory=list)
-    swap_out: list[BlockCopy] = field(default_factory=list)
-    swap_in: list[BlockCopy] = field(default_factory=list)
-    # Decodes (sent as `Decodes`) that reached a block boundary and got one fresh block at
-    # table index `appended_indexes[i]`: their grants, in columns.
-    appended_request_ids: list[str] = field(default_factory=list)
-    appended_block_ids: list[int] = field(default_factory=list)
-    appended_indexes: list[int] = field(default_factory=list)
+    """What a step changed. Built by hand, not as a dataclass: nine default factories cost
+    0.8 us a step, a quarter of a one-request decode step."""
+
+    __slots__ = (
+        "grants",
+        "preempted",
+        "deferred",
+        "copies",
+        "swap_out",
+        "swap_in",
+        "appended_request_ids",
+        "appended_block_ids",
+        "appended_indexes",
+    )
+
+    def __init__(self) -> None:
+        self.grants: list[Grant] = []
+        self.preempted: list[Preemption] = []
+        self.deferred: list[str] = []
+        self.copies: list[BlockCopy] = []
+        self.swap_out: list[BlockCopy] = []
+        self.swap_in: list[BlockCopy] = []
+        # Decodes (sent as `Decodes`) that reached a block boundary and got one fresh block
+        # at table index `appended_indexes[i]`: their grants, in columns.
+        self.appended_request_ids: list[str] = []
+        self.appended_block_ids: list[int] = []
+        self.appended_indexes: list[int] = []
 
     def all_grants(self, block_size: int) -> list[Grant]:
         """Every grant as a `Grant`, the columnar appends first (they lead the priority order)."""
