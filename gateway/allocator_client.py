@@ -171,7 +171,7 @@ class AllocatorClient:
     # request of another lease, e.g. another gateway's request that happens to share an id.
     async def free(
         self, pool_id: str, epoch: int, commits: Sequence[Commit], request_ids: Sequence[str],
-        lease_id: str = "",
+        lease_id: str,
     ) -> None:
         await self.stub.Free(
             pb.FreeRequest(
@@ -183,7 +183,7 @@ class AllocatorClient:
         )
 
     async def abort(
-        self, pool_id: str, epoch: int, request_ids: Sequence[str], lease_id: str = ""
+        self, pool_id: str, epoch: int, request_ids: Sequence[str], lease_id: str
     ) -> None:
         await self.stub.Abort(
             pb.AbortRequest(
@@ -195,7 +195,7 @@ class AllocatorClient:
 
     async def fork(
         self, pool_id: str, epoch: int, parent_id: str, child_ids: Sequence[str],
-        request_id: str, lease_id: str = "",
+        request_id: str, lease_id: str,
     ) -> list[TableDelta]:
         response = await self.stub.Fork(
             pb.ForkRequest(

@@ -109,7 +109,7 @@ class ExecutorClient:
                 ),
             )
         return ExecuteResult(
-            tokens=tuple(Sampled(t.request_id, t.token_id, t.logprob) for t in response.tokens),
+            tokens=tuple(Sampled(t.request_id, t.token_id) for t in response.tokens),
             compute_ms=response.timings.forward_ms + response.timings.sample_ms,
             decode_token_ids=tuple(response.decode_sampled_token_ids),
         )

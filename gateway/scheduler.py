@@ -67,7 +67,8 @@ class Scheduler:
         return apply_outcome(self, step, outcome)
 
     def apply_result(self, batch: Batch, result: ExecuteResult) -> list[tuple[Sequence, int]]:
-        """Advance computed counts; return the sampled (sequence, token) pairs in order."""
+        """Advance computed counts; return the sampled (sequence, token) pairs: the compact
+        decodes first (column order), then the other sequences in schedule order."""
         sampled: list[tuple[Sequence, int]] = []
         executed = self.pending.executed
         scheduled = batch.scheduled

@@ -143,9 +143,11 @@ class ExecuteCall:
 
 @dataclass(frozen=True, slots=True)
 class Sampled:
+    """A sampled token. (The executor also returns logprobs; the public API has no use for
+    them yet, so they are not carried.)"""
+
     request_id: str
     token_id: int
-    logprob: float
 
 
 @dataclass(frozen=True, slots=True)

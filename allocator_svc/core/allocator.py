@@ -106,11 +106,14 @@ class Allocator:
         commit_previous: bool = False,
         decodes: Decodes | None = None,
     ) -> StepResult:
-        """One scheduling step. `commit_previous`: the previous step's grants were executed,
-        so commit every request it scheduled (the compact form of a Commit per request).
+        """One scheduling step. `commit_previous`: this lease's previous step was executed, so
+        commit every request it scheduled (the compact form of a Commit per request).
         `decodes` come first in priority order, then `items`."""
         pool = self.pool(pool_id, epoch)
-        num_decodes = len(decodes.request_ids) if decodes is not None else 0
+        # Either column non-empty: they are checked (aligned, known ids, valid tokens).
+        num_decodes = (
+            max(len(decodes.request_ids), len(decodes.token_ids)) if decodes is not None else 0
+        )
         if not (items or num_decodes or commits or free_ids or abort_ids):
             raise InvalidArgument("empty step: send at least one item, commit, free or abort")
         if len(items) + num_decodes > self.limits.max_batch_items:
@@ -137,7 +140,7 @@ class Allocator:
         if decodes is not None and num_decodes:
             check_decodes(pool, decodes, items, released)
         if commit_previous:
-            pool.commit_scheduled()
+            pool.commit_scheduled(lease_id)
         for commit in commits:
             pool.commit(pool.requests[commit.request_id], commit.num_computed)
         if released:
@@ -155,6 +158,7 @@ class Allocator:
         lease_id: str | None = None,
     ) -> Pool:
         pool = self.pool(pool_id, epoch)
+        self._owner_lease(lease_id)
         check_owner(pool, chain(request_ids, (c.request_id for c in commits)), lease_id)
         check_releases(pool, request_ids, [])
         check_commits(pool, commits)
@@ -182,6 +186,7 @@ class Allocator:
         parent = pool.requests.get(parent_id)
         if parent is None:
             raise NotFound(f"unknown parent request {parent_id!r}")
+        self._owner_lease(lease_id)
         check_owner(pool, [parent_id], lease_id)
         if parent.swapped:
             raise FailedPrecondition(f"parent {parent_id!r} is swapped out; swap it in first")
@@ -201,6 +206,7 @@ class Allocator:
         request = pool.requests.get(request_id)
         if request is None:
             raise NotFound(f"unknown request {request_id!r}")
+        self._owner_lease(lease_id)
         check_owner(pool, [request_id], lease_id)
         if request.swapped:
             raise FailedPrecondition(f"request {request_id!r} is already swapped out")
@@ -253,6 +259,11 @@ class Allocator:
             raise NotFound(f"lease {lease_id!r} is unknown or expired: create a new one")
         return lease
 
+    def _owner_lease(self, lease_id: str | None) -> None:
+        """A call outside a step names its lease: it must be live, as for a Step."""
+        if lease_id is not None:
+            self._live_lease(lease_id)
+
     def expire_leases(self) -> list[str]:
         """Free every request of every expired lease; returns the freed request ids."""
         expired = set(self.leases.expire(self.clock()))
@@ -262,6 +273,8 @@ class Allocator:
                 for request in [r for r in pool.requests.values() if r.lease_id in expired]:
                     pool.free(request)
                     freed.append(request.request_id)
+                for lease_id in expired:
+                    pool.last_scheduled.pop(lease_id, None)
         return freed
 
     def check_invariants(self) -> None:

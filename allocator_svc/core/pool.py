@@ -44,7 +44,9 @@ class Pool:
         self.num_preemptions = 0
         self._roots: dict[str, bytes] = {}  # cache_salt -> chain root
         self.hash_block = BlockHasher(config.block_size)
-        self.last_scheduled: list[Request] = []  # granted tokens by the latest step
+        # Per lease (None: no lease), the requests its latest step granted tokens: what its
+        # next commit_previous_step commits. Two leases may step the same pool.
+        self.last_scheduled: dict[str | None, list[Request]] = {}
 
     def root(self, cache_salt: str) -> bytes:
         root = self._roots.get(cache_salt)
@@ -170,14 +172,14 @@ class Pool:
         )
         hashes.extend(new_hashes)
 
-    def commit_scheduled(self) -> None:
-        """Commit every request the latest step scheduled (commit_previous_step). Most decode
-        steps fill no block; in one of every block_size steps each request fills one, and
-        those are hashed and cached together, as one event run."""
+    def commit_scheduled(self, lease_id: str | None) -> None:
+        """Commit every request the lease's latest step scheduled (commit_previous_step). Most
+        decode steps fill no block; in one of every block_size steps each request fills one,
+        and those are hashed and cached together, as one event run."""
         requests, bs = self.requests, self.block_size
         filled: list[Request] = []
         tokens: list[int] = []
-        for request in self.last_scheduled:
+        for request in self.last_scheduled.pop(lease_id, ()):
             if requests.get(request.request_id) is not request:
                 continue  # freed or preempted since
             have, num_full = len(request.block_hashes), request.num_computed // bs

@@ -14,11 +14,9 @@ path as items, with the same outcome.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
-from allocator_svc.core.free_queue import Block
 from allocator_svc.core.pool import Pool
 from allocator_svc.core.request import BlockCopy, Grant, Request
 
@@ -117,7 +115,7 @@ def run_step(
         if not _run_plain_decodes(pool, decodes, result, scheduled):
             items = decodes.as_items() + items
         elif not items:  # the common step: served
-            pool.last_scheduled = scheduled
+            pool.last_scheduled[lease_id] = scheduled
             return result
     running: list[tuple[StepItem, Request]] = []
     admissions: list[StepItem] = []
@@ -189,7 +187,7 @@ def run_step(
         result.grants.append(grant)
         if grant.num_scheduled:
             scheduled.append(pool.requests[item.request_id])
-    pool.last_scheduled = scheduled
+    pool.last_scheduled[lease_id] = scheduled
     return result
 
 
@@ -217,9 +215,9 @@ def _run_plain_decodes(
             return False
     if num_boundaries > pool.blocks.num_free:
         return False  # someone must be preempted
-    fresh: Iterator[Block] = iter(
-        (pool.blocks.allocate(num_boundaries) or []) if num_boundaries else []
-    )
+    taken = pool.blocks.allocate(num_boundaries) if num_boundaries else []
+    assert taken is not None, "checked: the pool has num_boundaries free blocks"
+    fresh = iter(taken)
     for request, token in zip(batch, decodes.token_ids, strict=True):
         computed = request.num_computed
         request.token_ids.append(token)

@@ -165,7 +165,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         if columnar:  # the plain decodes in columns (the wire's compact form), first in order
             plain = [i for i in items if i.prompt_token_ids is None and i.append_token_ids]
             decodes = Decodes([i.request_id for i in plain], [i.append_token_ids[0] for i in plain])
-            items = plain + [i for i in items if i not in plain]  # the order the step sees
+            plain_ids = {i.request_id for i in plain}
+            items = plain + [i for i in items if i.request_id not in plain_ids]  # step's order
         mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
         commits = self._commits()
         result = self.allocator.step(

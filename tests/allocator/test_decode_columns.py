@@ -23,10 +23,11 @@ from tests.allocator.conftest import make_harness, new
 BLOCK_SIZE = 2
 
 
-def _allocator() -> tuple[Allocator, Pool]:
+def _allocator() -> tuple[Allocator, Pool, str]:
+    """A small pool, and a lease every call is made under (as the gateway calls)."""
     allocator = Allocator(Limits(max_batch_items=64, event_capacity=1 << 16))
     pool, _ = allocator.register_pool(PoolConfig("p", 10, BLOCK_SIZE, 4, "fp", "i", True))
-    return allocator, pool
+    return allocator, pool, allocator.create_lease(3600.0).lease_id
 
 
 def _outcome(result: StepResult) -> tuple:
@@ -78,6 +79,8 @@ decode_op = st.tuples(
     st.booleans(),
     st.booleans(),
     st.booleans(),
+    st.integers(-1, 5),  # >= 0: also free (or abort) a request in the same call
+    st.booleans(),
 )
 admit_op = st.tuples(
     st.just("admit"), st.lists(st.integers(0, 3), min_size=1, max_size=7), st.integers(1, 7)
@@ -105,7 +108,7 @@ def test_columns_and_items_agree(operations):
             rid, next_id = f"r{next_id}", next_id + 1
             calls = [(a, dict(items=[new(rid, prompt, chunk)])) for a in (columns, items)]
         elif op[0] == "decode":
-            _, tokens, swap, commit_previous, any_request = op
+            _, tokens, swap, commit_previous, any_request, release, abort = op
             # Plain decodes: requests whose every known token is computed. Or any running
             # request, to send the columns what the fast path must decline (swapped-out
             # requests, prompts still in prefill).
@@ -116,13 +119,16 @@ def test_columns_and_items_agree(operations):
                 or columns[1].requests[r].num_computed == len(columns[1].requests[r].token_ids)
             ]
             pairs = list(zip(plain, tokens, strict=False))
+            ids, toks = [r for r, _ in pairs], [t for _, t in pairs]
+            others = [r for r in running if r not in ids]
+            released = [others.pop(release % len(others))] if release >= 0 and others else []
             # The rest continue their prefill, as general items behind the decodes.
-            chunks = [StepItem(r, 2, None, "", []) for r in running if r not in plain]
+            chunks = [StepItem(r, 2, None, "", []) for r in others if r not in plain]
             if not pairs:
                 continue
             mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
-            ids, toks = [r for r, _ in pairs], [t for _, t in pairs]
-            common = dict(mode=mode, commit_previous=commit_previous)
+            common = dict(mode=mode, commit_previous=commit_previous,
+                          **{"abort_ids" if abort else "free_ids": released})
             as_items = [StepItem(r, 1, None, "", [t]) for r, t in pairs]
             calls = [
                 (columns, dict(decodes=Decodes(ids, toks), items=chunks, **common)),
@@ -132,8 +138,8 @@ def test_columns_and_items_agree(operations):
             if not running:
                 continue
             victim = running[op[1] % len(running)]
-            for allocator, pool in (columns, items):
-                allocator.free("p", pool.epoch, [], [victim])
+            for allocator, pool, lease in (columns, items):
+                allocator.free("p", pool.epoch, [], [victim], lease)
             assert _state(columns[1]) == _state(items[1])
             continue
         else:
@@ -142,22 +148,22 @@ def test_columns_and_items_agree(operations):
                 continue
             parent = ready[op[1] % len(ready)]
             child, next_id = f"r{next_id}", next_id + 1
-            for allocator, pool in (columns, items):
-                allocator.fork("p", pool.epoch, parent, [child])
+            for allocator, pool, lease in (columns, items):
+                allocator.fork("p", pool.epoch, parent, [child], lease)
             assert _state(columns[1]) == _state(items[1])
             continue
         outcomes = []
-        for (allocator, pool), kwargs in calls:
+        for (allocator, pool, lease), kwargs in calls:
             step_items = kwargs.pop("items", [])
             outcomes.append(
                 _outcome(
                     allocator.step(
                         "p",
                         pool.epoch,
-                        None,
+                        lease,
                         [],
-                        [],
-                        [],
+                        kwargs.pop("free_ids", []),
+                        kwargs.pop("abort_ids", []),
                         step_items,
                         kwargs.pop("mode", PreemptionMode.RECOMPUTE),
                         **kwargs,
@@ -224,6 +230,7 @@ def test_a_forked_child_decoding_in_columns_copies_its_shared_block():
     ("ids", "tokens", "items", "free", "error", "match"),
     [
         (["a", "b"], [1], [], [], InvalidArgument, "decode_token_ids has 1"),
+        ([], [1], [new("n", [1])], [], InvalidArgument, "decode_request_ids has 0 entries"),
         (["a", "a"], [1, 2], [], [], InvalidArgument, "'a' appears twice"),
         (["a", ""], [1, 2], [], [], InvalidArgument, "needs a request_id"),
         (["a"], [1], [StepItem("a", 1, None, "", [2])], [], InvalidArgument, "'a' appears twice"),

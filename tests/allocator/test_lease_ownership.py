@@ -36,7 +36,7 @@ def _step(h: Harness, lease: str, **kwargs) -> None:
     h.allocator.step(
         "pool-a", h.pool.epoch, lease, kwargs.get("commits", []), kwargs.get("free", []),
         kwargs.get("abort", []), kwargs.get("items", []), PreemptionMode.RECOMPUTE,
-        decodes=kwargs.get("decodes"),
+        kwargs.get("commit_previous", False), kwargs.get("decodes"),
     )
 
 
@@ -96,4 +96,36 @@ def test_without_a_lease_nothing_is_checked():
     h, _, _ = _two_leases()
     h.allocator.abort("pool-a", h.pool.epoch, ["theirs", "mine"])
     assert not h.pool.requests
+    h.allocator.check_invariants()
+
+
+def test_calls_under_an_unknown_lease_are_not_found():
+    h, _, _ = _two_leases()
+    epoch, before = h.pool.epoch, _state(h)
+    for call in (
+        lambda: h.allocator.free("pool-a", epoch, [], ["mine"], "stale"),
+        lambda: h.allocator.abort("pool-a", epoch, ["mine"], "stale"),
+        lambda: h.allocator.fork("pool-a", epoch, "mine", ["c"], "stale"),
+        lambda: h.allocator.swap_out("pool-a", epoch, "mine", "stale"),
+    ):
+        with pytest.raises(NotFound, match="lease 'stale' is unknown or expired"):
+            call()
+    assert _state(h) == before
+
+
+def test_commit_previous_step_commits_the_callers_previous_step_only():
+    # Two leases step one pool in turn: each one's commit_previous_step confirms the KV of
+    # its own previous step, never the other's (whose KV may not be written yet).
+    h = make_harness(num_blocks=8, block_size=4)
+    a = h.allocator.create_lease(10.0).lease_id
+    b = h.allocator.create_lease(10.0).lease_id
+    _step(h, a, items=[new("a", [1, 2, 3, 4])])
+    _step(h, b, items=[new("b", [5, 6, 7, 8])])
+    requests = h.pool.requests
+    _step(h, a, decodes=Decodes(["a"], [9]), commit_previous=True)
+    assert (requests["a"].num_committed, requests["b"].num_committed) == (4, 0)
+    assert len(h.pool.blocks.cached) == 1  # a's full block only
+    _step(h, b, decodes=Decodes(["b"], [10]), commit_previous=True)
+    assert (requests["a"].num_committed, requests["b"].num_committed) == (4, 4)
+    assert len(h.pool.blocks.cached) == 2
     h.allocator.check_invariants()

@@ -189,7 +189,7 @@ class FakeModel:
             for rid, token, position in zip(call.decode_request_ids, call.decode_token_ids,
                                             call.decode_positions, strict=True)
         ]
-        sampled = [Sampled(seq.request_id, token, 0.0) for seq in call.seqs
+        sampled = [Sampled(seq.request_id, token) for seq in call.seqs
                    if (token := self._run(seq)) is not None]
         return ExecuteResult(tokens=tuple(sampled), compute_ms=0.0,
                              decode_token_ids=tuple(t for t in decode_tokens if t is not None))

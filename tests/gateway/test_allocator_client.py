@@ -36,8 +36,8 @@ def test_allocator_client_propagates_request_id_metadata():
         try:
             matches = await client.match_prefix([1, 2], "", ["p"], request_id="req-42")
             assert matches[0].num_cached_tokens == 16
-            await client.abort("p", 1, ["req-42"])
-            await client.abort("p", 1, ["a", "b"])
+            await client.abort("p", 1, ["req-42"], lease_id="lease-1")
+            await client.abort("p", 1, ["a", "b"], lease_id="lease-1")
         finally:
             await client.close()
             await server.stop(None)
