@@ -49,13 +49,15 @@ def decode_step_us(num_running: int, num_steps: int, columns: bool = False) -> l
     """Microseconds per batched decode step (commits of the last step + one token each).
 
     `columns`: the decodes as `Decodes`, the form the service passes on from the wire's
-    decode_request_ids/decode_token_ids; otherwise a `StepItem` each (the general path)."""
+    decode_request_ids/decode_token_ids; otherwise a `StepItem` each (the general path).
+    Under a lease, as the gateway steps: every named request is checked against it."""
     allocator, epoch = make_pool()
+    lease = allocator.create_lease(3600.0).lease_id
     ids = [f"r{i}" for i in range(num_running)]
     allocator.step(
         "bench",
         epoch,
-        None,
+        lease,
         [],
         [],
         [],
@@ -67,10 +69,10 @@ def decode_step_us(num_running: int, num_steps: int, columns: bool = False) -> l
         start = time.perf_counter()
         if columns:
             decodes = Decodes(list(ids), [token] * num_running)
-            allocator.step("bench", epoch, None, [], [], [], [], RECOMPUTE, True, decodes)
+            allocator.step("bench", epoch, lease, [], [], [], [], RECOMPUTE, True, decodes)
         else:
             items = [StepItem(r, 1, None, "", [token]) for r in ids]
-            allocator.step("bench", epoch, None, [], [], [], items, RECOMPUTE, True)
+            allocator.step("bench", epoch, lease, [], [], [], items, RECOMPUTE, True)
         samples.append((time.perf_counter() - start) * 1e6)
     return samples
 

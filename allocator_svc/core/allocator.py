@@ -109,7 +109,9 @@ class Allocator:
         """One scheduling step. `commit_previous`: this lease's previous step was executed, so
         commit every request it scheduled (the compact form of a Commit per request).
         `decodes` come first in priority order, then `items`."""
-        pool = self.pool(pool_id, epoch)
+        pool = self.pools.get(pool_id)
+        if pool is None or pool.epoch != epoch:
+            pool = self.pool(pool_id, epoch)  # raises, with the message
         # Either column non-empty: they are checked (aligned, known ids, valid tokens).
         num_decodes = (
             max(len(decodes.request_ids), len(decodes.token_ids)) if decodes is not None else 0
@@ -123,22 +125,25 @@ class Allocator:
             )
         if lease_id is not None:
             self._live_lease(lease_id)
-            named = chain(
-                (decodes.request_ids if decodes is not None else ()),
-                (item.request_id for item in items if not item.prompt_token_ids),
-                (commit.request_id for commit in commits),
-                free_ids,
-                abort_ids,
-            )
-            check_owner(pool, named, lease_id)
+            # Every request named must be this lease's (new ones are admitted into it; the
+            # decodes are checked with the columns).
+            if items:
+                check_owner(pool, [i.request_id for i in items if not i.prompt_token_ids], lease_id)
+            if commits:
+                check_owner(pool, [c.request_id for c in commits], lease_id)
+            if free_ids or abort_ids:
+                check_owner(pool, (*free_ids, *abort_ids), lease_id)
         # The common step is decodes and nothing else: skip the checks with nothing to check.
         released = check_releases(pool, free_ids, abort_ids) if free_ids or abort_ids else set()
         if commits:
             check_commits(pool, commits)
         if items:
             check_items(pool, items, released)
-        if decodes is not None and num_decodes:
-            check_decodes(pool, decodes, items, released)
+        decode_requests = (
+            check_decodes(pool, decodes, items, released, lease_id)
+            if decodes is not None and num_decodes
+            else []
+        )
         if commit_previous:
             pool.commit_scheduled(lease_id)
         for commit in commits:
@@ -146,7 +151,7 @@ class Allocator:
         if released:
             for request_id in (*free_ids, *abort_ids):
                 pool.free(pool.requests[request_id])
-        return run_step(pool, items, mode, lease_id, decodes)
+        return run_step(pool, items, mode, lease_id, decodes, decode_requests)
 
     # Outside a step. `lease_id`: the caller's lease, which every named request must be in.
     def free(

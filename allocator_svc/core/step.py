@@ -107,12 +107,14 @@ def run_step(
     mode: PreemptionMode,
     lease_id: str | None,
     decodes: Decodes | None = None,
+    decode_requests: list[Request] | None = None,
 ) -> StepResult:
-    """Schedule `decodes`, then `items` (all validated by the caller); return what changed."""
+    """Schedule `decodes`, then `items` (all validated by the caller; `decode_requests` are
+    the decodes' requests in column order); return what changed."""
     result = StepResult()
     scheduled: list[Request] = []
-    if decodes is not None and decodes.request_ids:
-        if not _run_plain_decodes(pool, decodes, result, scheduled):
+    if decodes is not None and decode_requests:
+        if not _run_plain_decodes(pool, decodes, decode_requests, result, scheduled):
             items = decodes.as_items() + items
         elif not items:  # the common step: served
             pool.last_scheduled[lease_id] = scheduled
@@ -192,15 +194,18 @@ def run_step(
 
 
 def _run_plain_decodes(
-    pool: Pool, decodes: Decodes, result: StepResult, scheduled: list[Request]
+    pool: Pool,
+    decodes: Decodes,
+    batch: list[Request],
+    result: StepResult,
+    scheduled: list[Request],
 ) -> bool:
     """Serve every decode without preemption, or change nothing and return False.
 
     The common step: each request's token fits its private last block or, once every
     block_size steps, takes one fresh block, and the pool has them all. Anything else (a
     shortage, a shared last block, a swapped or lagging request) goes the general way."""
-    requests, bs = pool.requests, pool.block_size
-    batch = [requests[request_id] for request_id in decodes.request_ids]
+    bs = pool.block_size
     num_boundaries = 0
     for request in batch:
         computed = request.num_computed

@@ -4,10 +4,10 @@ with a remedy, before anything is mutated."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from allocator_svc.core.pool import Pool, PoolConfig
-from allocator_svc.core.request import Commit
+from allocator_svc.core.request import Commit, Request
 from allocator_svc.core.step import Decodes, StepItem
 from common.errors import (
     AlreadyExists,
@@ -108,8 +108,11 @@ def check_items(pool: Pool, items: list[StepItem], released: set[str]) -> None:
             )
 
 
-def check_decodes(pool: Pool, decodes: Decodes, items: list[StepItem], released: set[str]) -> None:
-    """The columns must be aligned, name known requests once each, and carry valid tokens."""
+def check_decodes(
+    pool: Pool, decodes: Decodes, items: list[StepItem], released: set[str], lease_id: str | None
+) -> list[Request]:
+    """The columns must be aligned, name known requests of the lease once each, and carry
+    valid tokens. Returns the requests, in column order (the step then looks nothing up)."""
     ids, tokens = decodes.request_ids, decodes.token_ids
     if len(ids) != len(tokens):
         raise InvalidArgument(
@@ -122,13 +125,20 @@ def check_decodes(pool: Pool, decodes: Decodes, items: list[StepItem], released:
         _raise_bad_ids([*ids, *(item.request_id for item in items)])
     if released and not released.isdisjoint(seen):
         raise InvalidArgument(f"requests {sorted(released & seen)} are both freed and scheduled")
-    requests = pool.requests
-    if not seen <= requests.keys():
-        unknown = next(request_id for request_id in ids if request_id not in requests)
+    get = pool.requests.get
+    batch = [get(request_id) for request_id in ids]
+    if None in batch:
+        unknown = ids[batch.index(None)]
         raise NotFound(f"unknown request {unknown!r}: a new request must carry prompt_token_ids")
+    requests = cast(list[Request], batch)  # no None: checked above
+    if lease_id is not None:
+        for request in requests:
+            if request.lease_id != lease_id:
+                check_owner(pool, [request.request_id], lease_id)  # raises, with the message
     if tokens and min(tokens) < 0:
         index = next(i for i, token in enumerate(tokens) if token < 0)
         raise InvalidArgument(f"{ids[index]}: decode token ids must be >= 0, got {tokens[index]}")
+    return requests
 
 
 def _raise_bad_ids(request_ids: Iterable[str]) -> None:
