@@ -1,7 +1,7 @@
 """Domain exceptions: a caller's mistake, each mapped to one precise gRPC status code.
 
-Raised by plain-Python cores (no gRPC inside); the service interceptor turns them into
-statuses. Messages say what was wrong and how to fix it.
+Raised by plain-Python cores (no gRPC inside); the guarded handlers (common.interceptor) turn
+them into statuses. Messages say what was wrong and how to fix it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The aio server lifecycle shared by the services.
 
-Standard gRPC health service, reflection (names from the descriptors), the error interceptor,
+Standard gRPC health service, reflection (names from the descriptors), guarded handlers
+(request ids, error statuses: common.interceptor),
 a bound port (0 picks a free one: tests), and graceful shutdown on SIGTERM/SIGINT.
 """
 
@@ -17,7 +18,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.interceptor import ErrorInterceptor
+from common.interceptor import guard
 
 log = structlog.get_logger(__name__)
 
@@ -55,7 +56,6 @@ async def start_server(
 ) -> Server:
     """Build, bind and start the server; health says SERVING unless `serving` is False."""
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor()],
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -64,7 +64,7 @@ async def start_server(
     )
     names = []
     for add, servicer, name in registrations:
-        add(servicer, server)
+        add(guard(servicer, name), server)
         names.append(name)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

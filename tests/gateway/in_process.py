@@ -41,7 +41,7 @@ POOL_ID = "pool-0"
 
 
 def rpc_error(exc: ServiceError) -> grpc.aio.AioRpcError:
-    """The status the allocator's interceptor would send for a domain error."""
+    """The status the allocator's guarded handler would send for a domain error."""
     metadata = grpc.aio.Metadata()
     return grpc.aio.AioRpcError(exc.code, metadata, metadata, str(exc))
 

@@ -21,7 +21,7 @@ from in_process import FakeModel
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.step import PreemptionMode, StepItem
 from allocator_svc.service import AllocatorServicer
-from common.interceptor import ErrorInterceptor
+from common.interceptor import guard
 from gateway import orphans, recovery
 from gateway.allocator_client import AllocatorClient
 from gateway.batch import Budget
@@ -127,9 +127,11 @@ class InProcessExecutor:
         return DESCRIPTION
 
 
-async def serve(add: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> grpc.aio.Server:
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
-    add(servicer, server)
+async def serve(
+    add: Callable[[Any, grpc.aio.Server], None], servicer: Any, service_name: str
+) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    add(guard(servicer, service_name), server)
     server.port = server.add_insecure_port("127.0.0.1:0")  # type: ignore[attr-defined]
     await server.start()
     return server
@@ -146,7 +148,8 @@ class Rig:
 async def rig(tokenizer: Tokenizer, executor: Any = None) -> AsyncIterator[Rig]:
     """The real allocator on a port, one engine over it (its loop running), a router."""
     servicer = StallingAllocator()
-    server = await serve(allocator_pb2_grpc.add_AllocatorServiceServicer_to_server, servicer)
+    server = await serve(allocator_pb2_grpc.add_AllocatorServiceServicer_to_server, servicer,
+                         "pagedkv.allocator.v1.AllocatorService")
     client = AllocatorClient(f"127.0.0.1:{server.port}", timeout_s=TIMEOUT_S)  # type: ignore[attr-defined]
     lease = Lease(allocator=client, ttl_ms=10_000)
     await lease.acquire()
@@ -213,7 +216,8 @@ async def one_request_against(
 ) -> tuple[list[CompletionDelta], list[str], bool]:
     """Serve `servicer` as the only executor, run one 5-token request through it until the
     engine is idle: its deltas, what the allocator still holds, whether the engine is healthy."""
-    server = await serve(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, servicer)
+    server = await serve(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, servicer,
+                         "pagedkv.executor.v1.ExecutorService")
     executor = ExecutorClient(f"127.0.0.1:{server.port}")  # type: ignore[attr-defined]
     try:
         async with rig(tokenizer, executor) as r:
