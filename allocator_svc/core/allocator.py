@@ -114,7 +114,7 @@ class Allocator:
             pool = self.pool(pool_id, epoch)  # raises, with the message
         # Either column non-empty: they are checked (aligned, known ids, valid tokens).
         num_decodes = (
-            max(len(decodes.request_ids), len(decodes.token_ids)) if decodes is not None else 0
+            len(decodes.request_ids) or len(decodes.token_ids) if decodes is not None else 0
         )
         if not (items or num_decodes or commits or free_ids or abort_ids):
             raise InvalidArgument("empty step: send at least one item, commit, free or abort")

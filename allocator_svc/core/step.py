@@ -218,7 +218,7 @@ def _run_plain_decodes(
             num_boundaries += 1
         else:
             return False
-    if num_boundaries > pool.blocks.num_free:
+    if num_boundaries and num_boundaries > pool.blocks.num_free:
         return False  # someone must be preempted
     taken = pool.blocks.allocate(num_boundaries) if num_boundaries else []
     assert taken is not None, "checked: the pool has num_boundaries free blocks"
