@@ -85,7 +85,10 @@ class Engine:
     async def run(self) -> None:
         while True:
             if not self.healthy:
-                await recovery.reconnect(self)
+                try:
+                    await recovery.reconnect(self)
+                except Exception:  # noqa: BLE001 - a bug must not end the loop either
+                    log.exception("engine_reconnect_failed", pool_id=self.pool_id)
                 continue
             if not self._has_work():
                 self.wakeup.clear()
@@ -249,7 +252,13 @@ class Engine:
             await self.link.release(list(ids))
             ids.clear()
         except grpc.aio.AioRpcError as exc:
-            # Kept: releasing is idempotent, and the executor may come back as the same
-            # instance, still holding them (a new instance ignores unknown ids).
             if exc.code() in recovery.LOST_CODES:
+                # Kept: releasing is idempotent, and the executor may come back as the same
+                # instance, still holding them (a new instance ignores unknown ids).
                 recovery.lose_executor(self)
+                return
+            # A refusal that retrying cannot change: sent again every loop, it would keep
+            # the engine busy forever. What the executor holds for them is its to drop.
+            log.error("executor_release_refused", pool_id=self.pool_id, code=exc.code().name,
+                      details=exc.details(), num=len(ids))
+            ids.clear()

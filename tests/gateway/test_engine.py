@@ -12,6 +12,7 @@ import pytest
 import structlog
 from in_process import CorePool, FakeModel
 
+from gateway import recovery
 from gateway.batch import Budget
 from gateway.engine import Engine
 from gateway.output import OutputProcessor
@@ -69,6 +70,14 @@ class FakeLink:
     async def release(self, request_ids: list[str]) -> None:
         self.released += request_ids
         self.model.execute(ExecuteCall(tuple(request_ids), (), (), (), ()))
+
+    epoch: int = 1
+    refresh_bug: bool = False  # the next refresh (a reconnect) raises a gateway bug
+
+    async def refresh(self, timeout_s: float) -> None:
+        if self.refresh_bug:
+            self.refresh_bug = False
+            raise RuntimeError("a gateway bug while reconnecting")
 
 
 @pytest.fixture(scope="module")
@@ -278,3 +287,43 @@ def test_engine_stops_exactly_at_the_stop_string_or_stop_token(
     assert deltas[-1].finish_reason is FinishReason.STOP
     assert deltas[-1].usage is not None and deltas[-1].usage.completion_tokens == stop_at + 1
     assert link.pool.all_free() and not link.model.held
+
+
+def test_a_bug_while_reconnecting_does_not_end_the_engine_loop(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+):
+    # The executor was lost; the first reconnect attempt hits a gateway bug. The loop logs
+    # it, tries again, reconnects, and serves the next request with the reference tokens.
+    monkeypatch.setattr(recovery, "RECONNECT_INTERVAL_S", 0.01)
+    eng, link = engine(tokenizer, num_blocks=64)
+    eng.healthy, link.refresh_bug = False, True
+    req = submit(eng, "after", [6] * 5, max_tokens=4)
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(run_loop_until_idle(eng))
+    events = [e["event"] for e in logs]
+    assert "engine_reconnect_failed" in events and "executor_reconnected" in events
+    assert [t for d in drain(req) for t in d.token_ids] == link.model.reference([6] * 5, 4)
+    assert link.pool.all_free()
+
+
+def test_a_release_the_executor_refuses_for_good_is_logged_and_dropped(tokenizer: Tokenizer):
+    # Releases that go out on their own (nothing else to run) meet a refusal retrying cannot
+    # change: logged once and dropped, instead of being resent on every loop (which kept
+    # the engine busy forever). The request itself completes.
+    eng, link = engine(tokenizer, num_blocks=64)
+    calls: list[list[str]] = []
+
+    async def refuse(request_ids: list[str]) -> None:
+        calls.append(request_ids)
+        metadata = grpc.aio.Metadata()
+        raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, metadata, metadata,
+                                   "refused")
+
+    link.release = refuse  # type: ignore[method-assign]
+    req = submit(eng, "a", [3] * 5, max_tokens=3)
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(run_loop_until_idle(eng))
+    assert [t for d in drain(req) for t in d.token_ids] == link.model.reference([3] * 5, 3)
+    assert calls == [["a"]]
+    refused = [e for e in logs if e["event"] == "executor_release_refused"]
+    assert len(refused) == 1 and refused[0]["code"] == "INVALID_ARGUMENT"
