@@ -13,9 +13,10 @@ runs each call in its own task, with its own copy of the context.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -29,7 +30,7 @@ REQUEST_ID_KEY = "x-request-id"
 log = structlog.get_logger(__name__)
 
 # Ids for calls that bring none: unique per process (the prefix), cheap (a counter).
-_ID_PREFIX = secrets.token_hex(4)
+_ID_PREFIX = secrets.token_hex(8)
 _next_id = itertools.count(1)
 
 S = TypeVar("S")
@@ -65,12 +66,15 @@ def _wrap_unary(method: str, fn: Callable[..., Awaitable[Any]]) -> Callable[...,
     return handler
 
 
-def _wrap_stream(method: str, fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
+def _wrap_stream(method: str, fn: Callable[..., AsyncGenerator[Any, None]]) -> Callable[..., Any]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         structlog.contextvars.bind_contextvars(request_id=_request_id(context))
         try:
-            async for item in fn(request, context):
-                yield item
+            # aclosing: closing this generator (a client gone) closes the handler's at once,
+            # so its cleanup (cancelling the request) does not wait for the collector.
+            async with contextlib.aclosing(fn(request, context)) as items:
+                async for item in items:
+                    yield item
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -81,7 +85,9 @@ def _wrap_stream(method: str, fn: Callable[..., AsyncIterator[Any]]) -> Callable
 
 def guard(servicer: S, service_name: str) -> S:
     """Wrap each RPC method of `servicer` (named by the service's descriptor) in place;
-    returns it, for `add_XServicer_to_server`. Wrapping twice is a no-op."""
+    returns it, for `add_XServicer_to_server`. Wrapping twice is a no-op. In place: a
+    direct call of a guarded method binds a request id into the caller's context and needs
+    a real ServicerContext (tests call the core, or the servicer before registering it)."""
     service = descriptor_pool.Default().FindServiceByName(service_name)
     for method in service.methods:
         fn = getattr(servicer, method.name)

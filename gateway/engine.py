@@ -47,6 +47,10 @@ class Engine:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     # Ids the allocator may hold that no sequence tracks: aborted before the next Step.
     orphan_ids: set[str] = field(default_factory=set)
+    # The executor refused a Release of its own: the ids wait for the next Execute to carry
+    # them (it releases before it creates, so an id readmitted meanwhile still works) and
+    # keep no idle engine busy.
+    releases_refused: bool = False
     # The step in progress, for recovery when a bug interrupts it.
     plan: ScheduledStep | None = None
     batch: Batch | None = None
@@ -136,6 +140,7 @@ class Engine:
         except grpc.aio.AioRpcError as exc:
             recovery.execute_failed(self, batch, exc)
             return True
+        self.releases_refused = False  # any waiting releases went out with this Execute
         t_exec = time.perf_counter()
         for seq, token in self.scheduler.apply_result(batch, result):
             self._emit(seq, token)
@@ -159,7 +164,8 @@ class Engine:
         pending = self.scheduler.pending
         return (
             self.scheduler.has_work() or pending.has_allocator_work()
-            or bool(pending.release_ids) or self.has_cancellations or bool(self.orphan_ids)
+            or (bool(pending.release_ids) and not self.releases_refused)
+            or self.has_cancellations or bool(self.orphan_ids)
         )
 
     def _emit(self, seq: Sequence, token: int) -> None:
@@ -246,7 +252,7 @@ class Engine:
 
     async def _flush_releases(self) -> None:
         ids = self.scheduler.pending.release_ids
-        if not ids:
+        if not ids or self.releases_refused:
             return
         try:
             await self.link.release(list(ids))
@@ -257,8 +263,9 @@ class Engine:
                 # instance, still holding them (a new instance ignores unknown ids).
                 recovery.lose_executor(self)
                 return
-            # A refusal that retrying cannot change: sent again every loop, it would keep
-            # the engine busy forever. What the executor holds for them is its to drop.
+            # A refusal: resent on every loop, it would keep the engine busy forever. Dropped,
+            # the executor would still hold ids that may come back (a recompute readmission,
+            # a client reusing its id) and refuse them. They ride on the next Execute.
             log.error("executor_release_refused", pool_id=self.pool_id, code=exc.code().name,
                       details=exc.details(), num=len(ids))
-            ids.clear()
+            self.releases_refused = True

@@ -306,24 +306,30 @@ def test_a_bug_while_reconnecting_does_not_end_the_engine_loop(
     assert link.pool.all_free()
 
 
-def test_a_release_the_executor_refuses_for_good_is_logged_and_dropped(tokenizer: Tokenizer):
-    # Releases that go out on their own (nothing else to run) meet a refusal retrying cannot
-    # change: logged once and dropped, instead of being resent on every loop (which kept
-    # the engine busy forever). The request itself completes.
+def test_a_release_the_executor_refuses_waits_for_the_next_execute(tokenizer: Tokenizer):
+    # Releases that go out on their own (nothing else to run) are refused. They are logged,
+    # not resent on every loop (which kept the engine busy forever), and not dropped: the
+    # next Execute carries them, ahead of the same id readmitted (a client reusing its id),
+    # so neither that request nor an unrelated one in the same step fails.
     eng, link = engine(tokenizer, num_blocks=64)
     calls: list[list[str]] = []
 
     async def refuse(request_ids: list[str]) -> None:
-        calls.append(request_ids)
+        calls.append(list(request_ids))
         metadata = grpc.aio.Metadata()
-        raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, metadata, metadata,
-                                   "refused")
+        raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, metadata, metadata, "refused")
 
     link.release = refuse  # type: ignore[method-assign]
-    req = submit(eng, "a", [3] * 5, max_tokens=3)
+    first = submit(eng, "a", [3] * 5, max_tokens=3)
     with structlog.testing.capture_logs() as logs:
         asyncio.run(run_loop_until_idle(eng))
-    assert [t for d in drain(req) for t in d.token_ids] == link.model.reference([3] * 5, 3)
-    assert calls == [["a"]]
-    refused = [e for e in logs if e["event"] == "executor_release_refused"]
-    assert len(refused) == 1 and refused[0]["code"] == "INVALID_ARGUMENT"
+        assert calls == [["a"]] and "a" in link.model.held  # refused, engine idle anyway
+        again = submit(eng, "a", [4] * 6, max_tokens=3)
+        other = submit(eng, "b", [5] * 7, max_tokens=3)
+        asyncio.run(run_loop_until_idle(eng))
+    events = [e["event"] for e in logs]
+    assert "engine_step_failed" not in events and "executor_release_refused" in events
+    assert "a" in link.released  # carried by the Execute that readmitted "a"
+    for req, prompt in ((first, [3] * 5), (again, [4] * 6), (other, [5] * 7)):
+        assert [t for d in drain(req) for t in d.token_ids] == link.model.reference(prompt, 3)
+    assert link.pool.all_free()
