@@ -163,8 +163,7 @@ class Allocator:
         lease_id: str | None = None,
     ) -> Pool:
         pool = self.pool(pool_id, epoch)
-        self._owner_lease(lease_id)
-        check_owner(pool, chain(request_ids, (c.request_id for c in commits)), lease_id)
+        self._check_owner(pool, chain(request_ids, (c.request_id for c in commits)), lease_id)
         check_releases(pool, request_ids, [])
         check_commits(pool, commits)
         for commit in commits:
@@ -191,8 +190,7 @@ class Allocator:
         parent = pool.requests.get(parent_id)
         if parent is None:
             raise NotFound(f"unknown parent request {parent_id!r}")
-        self._owner_lease(lease_id)
-        check_owner(pool, [parent_id], lease_id)
+        self._check_owner(pool, [parent_id], lease_id)
         if parent.swapped:
             raise FailedPrecondition(f"parent {parent_id!r} is swapped out; swap it in first")
         if not child_ids or len(set(child_ids)) != len(child_ids):
@@ -211,8 +209,7 @@ class Allocator:
         request = pool.requests.get(request_id)
         if request is None:
             raise NotFound(f"unknown request {request_id!r}")
-        self._owner_lease(lease_id)
-        check_owner(pool, [request_id], lease_id)
+        self._check_owner(pool, [request_id], lease_id)
         if request.swapped:
             raise FailedPrecondition(f"request {request_id!r} is already swapped out")
         copies = pool.swap_out(request)
@@ -264,10 +261,12 @@ class Allocator:
             raise NotFound(f"lease {lease_id!r} is unknown or expired: create a new one")
         return lease
 
-    def _owner_lease(self, lease_id: str | None) -> None:
-        """A call outside a step names its lease: it must be live, as for a Step."""
+    def _check_owner(self, pool: Pool, request_ids: Iterable[str], lease_id: str | None) -> None:
+        """A call outside a step names its lease: it must be live, as for a Step, and hold
+        every request named."""
         if lease_id is not None:
             self._live_lease(lease_id)
+            check_owner(pool, request_ids, lease_id)
 
     def expire_leases(self) -> list[str]:
         """Free every request of every expired lease; returns the freed request ids."""

@@ -273,12 +273,20 @@ def test_scheduler_any_pool_and_budget_gives_reference_outputs(
     pool, model = CorePool(num_blocks, BLOCK), FakeModel(BLOCK)
     reqs = [request(f"r{i}", [(i * 7 + j) % 90 + 1 for j in range(p)], max_tokens=max_tokens)
             for i, p in enumerate(prompts)]
-    # Every request must fit the pool alone (the gateway rejects the others up front).
+    run_to_reference(sched, pool, model, reqs, max_tokens)
+
+
+def run_to_reference(sched: Scheduler, pool: CorePool, model: FakeModel,
+                     reqs: list[Request], max_tokens: int) -> None:
+    """Drive every request that fits the pool alone (the gateway rejects the others up
+    front): each gets the reference tokens, and all blocks come back, nothing held."""
+    num_blocks = pool.pool.config.num_blocks
     reqs = [r for r in reqs if -(-(len(r.prompt_token_ids) + max_tokens) // BLOCK) <= num_blocks]
     seqs = [add(sched, r)[0] for r in reqs]
     drive(sched, pool, model)
     for r, seq in zip(reqs, seqs, strict=True):
         assert seq.output_token_ids == model.reference(r.prompt_token_ids, max_tokens)
+    assert sched.num_preemptions == pool.num_preemptions
     assert pool.all_free() and not model.held
 
 
@@ -305,13 +313,7 @@ def test_scheduler_shared_prefixes_and_swap_give_reference_outputs(
     reqs = [request(f"r{i}", prefix + [(i * 7 + j) % 90 + 1 for j in range(p)],
                     max_tokens=max_tokens)
             for i, p in enumerate(prompts)]
-    reqs = [r for r in reqs if -(-(len(r.prompt_token_ids) + max_tokens) // BLOCK) <= num_blocks]
-    seqs = [add(sched, r)[0] for r in reqs]
-    drive(sched, pool, model)
-    for r, seq in zip(reqs, seqs, strict=True):
-        assert seq.output_token_ids == model.reference(r.prompt_token_ids, max_tokens)
-    assert sched.num_preemptions == pool.num_preemptions
-    assert pool.all_free() and not model.held
+    run_to_reference(sched, pool, model, reqs, max_tokens)
 
 
 @pytest.mark.parametrize("front", [True, False])
