@@ -33,6 +33,8 @@ from common.errors import (
     ResourceExhausted,
 )
 
+_NONE_RELEASED: set[str] = set()  # read only
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:
@@ -116,6 +118,8 @@ class Allocator:
         num_decodes = (
             len(decodes.request_ids) or len(decodes.token_ids) if decodes is not None else 0
         )
+        if decodes is not None and num_decodes and not (items or commits or free_ids or abort_ids):
+            return self._decode_step(pool, lease_id, decodes, num_decodes, mode, commit_previous)
         if not (items or num_decodes or commits or free_ids or abort_ids):
             raise InvalidArgument("empty step: send at least one item, commit, free or abort")
         if len(items) + num_decodes > self.limits.max_batch_items:
@@ -152,6 +156,30 @@ class Allocator:
             for request_id in (*free_ids, *abort_ids):
                 pool.free(pool.requests[request_id])
         return run_step(pool, items, mode, lease_id, decodes, decode_requests)
+
+    def _decode_step(
+        self,
+        pool: Pool,
+        lease_id: str | None,
+        decodes: Decodes,
+        num_decodes: int,
+        mode: PreemptionMode,
+        commit_previous: bool,
+    ) -> StepResult:
+        """`step` with decodes alone, the common step: the same checks in the same order,
+        without those that have nothing to check (a quarter of a one-request step)."""
+        if num_decodes > self.limits.max_batch_items:
+            raise InvalidArgument(
+                f"{num_decodes} items exceed the maximum batch of {self.limits.max_batch_items}"
+            )
+        if lease_id is not None:
+            lease = self.leases.leases.get(lease_id)
+            if lease is None or lease.expires_at <= self.clock():
+                self._live_lease(lease_id)  # raises, with the message
+        decode_requests = check_decodes(pool, decodes, [], _NONE_RELEASED, lease_id)
+        if commit_previous:
+            pool.commit_scheduled(lease_id)
+        return run_step(pool, [], mode, lease_id, decodes, decode_requests)
 
     # Outside a step. `lease_id`: the caller's lease, which every named request must be in.
     def free(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from allocator_svc.core.block_pool import BlockPool
 from allocator_svc.core.events import EventLog
 from allocator_svc.core.free_queue import Block
-from allocator_svc.core.hashing import BlockHasher, pack_tokens, root_hash
+from allocator_svc.core.hashing import BlockHasher, block_packer, pack_tokens, root_hash
 from allocator_svc.core.request import BlockCopy, Grant, Request
 
 MAX_CACHED_ROOTS = 4096
@@ -44,6 +44,7 @@ class Pool:
         self.num_preemptions = 0
         self._roots: dict[str, bytes] = {}  # cache_salt -> chain root
         self.hash_block = BlockHasher(config.block_size)
+        self._pack_block = block_packer(config.block_size)
         # Per lease (None: no lease), the requests its latest step granted tokens: what its
         # next commit_previous_step commits. Two leases may step the same pool.
         self.last_scheduled: dict[str | None, list[Request]] = {}
@@ -63,11 +64,17 @@ class Pool:
         """Longest run of cached full blocks, capped so the last token is always computed."""
         hits: list[Block] = []
         hashes: list[bytes] = []
-        if not self.config.enable_prefix_caching:
+        bs = self.block_size
+        num_blocks = (len(token_ids) - 1) // bs
+        if not num_blocks or not self.config.enable_prefix_caching:
             return hits, hashes
-        num_blocks = (len(token_ids) - 1) // self.block_size
-        packed = pack_tokens(token_ids[: num_blocks * self.block_size])
-        stride, by_key, parent = 4 * self.block_size, self.blocks.by_key, root
+        by_key = self.blocks.by_key
+        # A prompt never seen (most) misses at its first block: probed alone, it is not
+        # packed whole first (~10 ns a token, 10 us for 1,024 tokens).
+        if root + self._pack_block(*token_ids[:bs]) not in by_key:
+            return hits, hashes
+        packed = pack_tokens(token_ids[: num_blocks * bs])
+        stride, parent = 4 * bs, root
         for start in range(0, len(packed), stride):
             # Indexed by the hash input: a cached block's hash is read, not recomputed.
             block = by_key.get(parent + packed[start : start + stride])

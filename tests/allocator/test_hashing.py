@@ -70,3 +70,29 @@ def test_hashing_fast_chain_equals_reference_chain():
     h.step([new("a", tokens)])
     h.step([], commits={"a": 40})
     assert set(h.pool.blocks.cached) == set(hash_chain(root, tokens, 4))
+
+
+def test_hashing_block_packer_encodes_as_the_profile_says():
+    # The one-block packer (a prefix lookup's first probe) gives the profile's u32le bytes.
+    from allocator_svc.core.hashing import block_packer, pack_tokens
+
+    tokens = [5, 70000, 2**32 - 1, 0]
+    assert block_packer(4)(*tokens) == b"".join(struct.pack("<I", t) for t in tokens)
+    assert block_packer(4)(*tokens) == pack_tokens(tokens)
+
+
+def test_prefix_lookup_of_a_prompt_never_seen_and_of_a_first_block_hit():
+    # A miss at the first block returns at once; a first-block hit goes on down the chain.
+    from tests.allocator.conftest import make_harness, new
+
+    h = make_harness(num_blocks=16, block_size=4)
+    tokens = list(range(100, 116))
+    h.step([new("a", tokens)])
+    h.step([], commits={"a": 16})
+    pool, root = h.pool, h.pool.root("")
+    assert pool.match_prefix(root, list(range(500, 516))) == ([], [])
+    hits, hashes = pool.match_prefix(root, tokens[:8] + [1, 2, 3, 4, 5])
+    assert hashes == hash_chain(root, tokens[:8], 4) and len(hits) == 2
+    hits, hashes = pool.match_prefix(root, tokens + [7])
+    assert hashes == hash_chain(root, tokens, 4) and len(hits) == 4
+    assert pool.match_prefix(root, tokens[:4]) == ([], [])  # the last token is recomputed
