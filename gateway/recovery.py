@@ -121,6 +121,7 @@ def execute_failed(engine: Engine, batch: Batch, exc: grpc.aio.AioRpcError) -> N
 def lose_executor(engine: Engine) -> None:
     """The executor is gone: everything it ran goes elsewhere; reconnect in the background."""
     engine.healthy = False
+    engine.deliver()  # tokens computed here reach their streams before any from elsewhere
     orphans.note_held(engine)
     seqs = engine.scheduler.evict_all()
     log.warning("executor_lost", pool_id=engine.pool_id, num_requeued=len(seqs))

@@ -333,3 +333,76 @@ def test_a_release_the_executor_refuses_waits_for_the_next_execute(tokenizer: To
     for req, prompt in ((first, [3] * 5), (again, [4] * 6), (other, [5] * 7)):
         assert [t for d in drain(req) for t in d.token_ids] == link.model.reference(prompt, 3)
     assert link.pool.all_free()
+
+
+def test_engine_streams_a_steps_outputs_while_the_next_execute_runs(tokenizer: Tokenizer):
+    # Step k's deltas are not in the stream when Execute k+1 starts; they are while it is
+    # still computing (after the executor's head start); the last step's go once the
+    # engine has nothing else to do. In order, and exactly the reference.
+    eng, link = engine(tokenizer, num_blocks=64)
+    req = submit(eng, "o", [5] * 6, max_tokens=4)
+    seen_at_start: list[int] = []
+    seen_while_running: list[int] = []
+    original = link.execute
+
+    async def slow_execute(call: ExecuteCall) -> ExecuteResult:
+        seen_at_start.append(req.outputs.qsize())
+        await asyncio.sleep(0.05)  # a forward pass
+        seen_while_running.append(req.outputs.qsize())
+        return await original(call)
+
+    link.execute = slow_execute  # type: ignore[method-assign]
+    asyncio.run(run_until_idle(eng))
+    # One token per Execute (the prompt fits one step): Execute k sees k-1 deltas queued
+    # only once it has been running a while.
+    assert seen_at_start == [0, 0, 1, 2]
+    assert seen_while_running == [0, 1, 2, 3]
+    deltas = drain(req)
+    assert [t for d in deltas for t in d.token_ids] == link.model.reference([5] * 6, 4)
+    assert deltas[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_engine_streams_held_outputs_before_a_failed_steps_error(tokenizer: Tokenizer):
+    # The allocator rejects Step k+1 while step k's tokens are held: they still reach the
+    # client, before the error; nothing leaks.
+    eng, link = engine(tokenizer, num_blocks=64)
+    req = submit(eng, "f", [9] * 5, max_tokens=8)
+    original = link.step
+
+    async def reject_third(call: StepCall) -> StepOutcome:
+        if link.num_steps == 2:
+            link.num_steps += 1
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, None, None, "no")
+        return await original(call)
+
+    link.step = reject_third  # type: ignore[method-assign]
+    asyncio.run(run_until_idle(eng))
+    deltas = drain(req)
+    assert [t for d in deltas[:-1] for t in d.token_ids] == link.model.reference([9] * 5, 2)
+    assert deltas[-1].error is not None and deltas[-1].error.code is grpc.StatusCode.UNAVAILABLE
+    assert link.pool.all_free()
+
+
+def test_engine_streams_held_outputs_before_moving_requests_elsewhere(tokenizer: Tokenizer):
+    # The executor is lost mid-run: the tokens it computed reach the stream before the
+    # requests are handed on (another executor would continue after them).
+    eng, link = engine(tokenizer, num_blocks=64)
+    req = submit(eng, "m", [6] * 5, max_tokens=8)
+    handed_on: list[tuple[int, int]] = []
+    eng.on_lost = lambda seqs: handed_on.append((len(seqs), req.outputs.qsize()))
+    original = link.execute
+    calls = 0
+
+    async def lost_third(call: ExecuteCall) -> ExecuteResult:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "gone")
+        return await original(call)
+
+    link.execute = lost_third  # type: ignore[method-assign]
+    asyncio.run(eng.step())
+    asyncio.run(eng.step())
+    asyncio.run(eng.step())
+    assert handed_on == [(1, 2)]
+    assert [t for d in drain(req) for t in d.token_ids] == link.model.reference([6] * 5, 2)
