@@ -33,7 +33,7 @@ from common.errors import (
     ResourceExhausted,
 )
 
-_NONE_RELEASED: set[str] = set()  # read only
+_NONE_RELEASED: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +137,7 @@ class Allocator:
                 check_owner(pool, [c.request_id for c in commits], lease_id)
             if free_ids or abort_ids:
                 check_owner(pool, (*free_ids, *abort_ids), lease_id)
-        # The common step is decodes and nothing else: skip the checks with nothing to check.
+        # Skip the checks with nothing to check (a call with no frees, commits or items).
         released = check_releases(pool, free_ids, abort_ids) if free_ids or abort_ids else set()
         if commits:
             check_commits(pool, commits)
@@ -173,9 +173,7 @@ class Allocator:
                 f"{num_decodes} items exceed the maximum batch of {self.limits.max_batch_items}"
             )
         if lease_id is not None:
-            lease = self.leases.leases.get(lease_id)
-            if lease is None or lease.expires_at <= self.clock():
-                self._live_lease(lease_id)  # raises, with the message
+            self._live_lease(lease_id)
         decode_requests = check_decodes(pool, decodes, [], _NONE_RELEASED, lease_id)
         if commit_previous:
             pool.commit_scheduled(lease_id)

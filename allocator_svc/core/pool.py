@@ -66,7 +66,7 @@ class Pool:
         hashes: list[bytes] = []
         bs = self.block_size
         num_blocks = (len(token_ids) - 1) // bs
-        if not num_blocks or not self.config.enable_prefix_caching:
+        if num_blocks <= 0 or not self.config.enable_prefix_caching:
             return hits, hashes
         by_key = self.blocks.by_key
         # A prompt never seen (most) misses at its first block: probed alone, it is not

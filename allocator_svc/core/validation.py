@@ -4,6 +4,7 @@ with a remedy, before anything is mutated."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
 from allocator_svc.core.pool import Pool, PoolConfig
@@ -109,29 +110,32 @@ def check_items(pool: Pool, items: list[StepItem], released: set[str]) -> None:
 
 
 def check_decodes(
-    pool: Pool, decodes: Decodes, items: list[StepItem], released: set[str], lease_id: str | None
+    pool: Pool,
+    decodes: Decodes,
+    items: list[StepItem],
+    released: AbstractSet[str],
+    lease_id: str | None,
 ) -> list[Request]:
     """The columns must be aligned, name known requests of the lease once each, and carry
     valid tokens. Returns the requests, in column order (the step then looks nothing up).
 
     Every step runs this over every running request: the common case costs one set, one
-    map and one pass; the rarer checks hide behind them."""
+    map and one pass."""
     ids, tokens = decodes.request_ids, decodes.token_ids
     if len(ids) != len(tokens):
         raise InvalidArgument(
             f"decode_request_ids has {len(ids)} entries but decode_token_ids has {len(tokens)}"
         )
     seen = set(ids)
-    if len(seen) != len(ids):
+    if len(seen) != len(ids) or "" in seen:
         _raise_bad_ids(ids)
     if items and not seen.isdisjoint(item.request_id for item in items):
         _raise_bad_ids([*ids, *(item.request_id for item in items)])
     if released and not released.isdisjoint(seen):
         raise InvalidArgument(f"requests {sorted(released & seen)} are both freed and scheduled")
     batch: list[Request] = list(map(pool.requests.get, ids))  # type: ignore[arg-type]
-    if None in batch:  # (an empty id is never a known request)
+    if None in batch:
         unknown = ids[batch.index(None)]  # type: ignore[arg-type]
-        _raise_bad_ids([unknown])
         raise NotFound(f"unknown request {unknown!r}: a new request must carry prompt_token_ids")
     if lease_id is not None:
         for request in batch:

@@ -233,6 +233,8 @@ def test_a_forked_child_decoding_in_columns_copies_its_shared_block():
         ([], [1], [new("n", [1])], [], InvalidArgument, "decode_request_ids has 0 entries"),
         (["a", "a"], [1, 2], [], [], InvalidArgument, "'a' appears twice"),
         (["a", ""], [1, 2], [], [], InvalidArgument, "needs a request_id"),
+        (["zz", ""], [1, 2], [], [], InvalidArgument, "needs a request_id"),  # before unknown
+        ([""], [1], [], ["a"], InvalidArgument, "needs a request_id"),  # before freed+decoded
         (["a"], [1], [StepItem("a", 1, None, "", [2])], [], InvalidArgument, "'a' appears twice"),
         (["a", "zz"], [1, 2], [], [], NotFound, "unknown request 'zz'"),
         (["a", "b"], [1, -3], [], [], InvalidArgument, "b: decode token ids must be >= 0, got -3"),
@@ -254,3 +256,30 @@ def test_columns_count_against_the_batch_limit():
     h.step([], commits={f"r{i}": 2 for i in range(40)})
     with pytest.raises(InvalidArgument, match="65 items exceed the maximum batch of 64"):
         _columns(h, [f"r{i}" for i in range(40)], [0] * 40, [new(f"n{i}", [1]) for i in range(25)])
+
+
+def test_a_decode_only_step_checks_its_lease_and_the_batch_limit():
+    # The decode-only fast path refuses what the general path refuses, changing nothing:
+    # an expired lease (NOT_FOUND), and more decodes than the batch limit.
+    now = [0.0]
+    allocator = Allocator(Limits(max_batch_items=2), clock=lambda: now[0])
+    pool, _ = allocator.register_pool(PoolConfig("p", 8, 2, 0, "m", "i", True))
+    lease = allocator.create_lease(5.0).lease_id
+    items = [StepItem(r, 2, [1, 2]) for r in ("a", "b")]
+    allocator.step("p", pool.epoch, lease, [], [], [], items, PreemptionMode.RECOMPUTE)
+    before = _state(pool)
+
+    def decode(ids: list[str]) -> StepResult:
+        return allocator.step(
+            "p", pool.epoch, lease, [], [], [], [], PreemptionMode.RECOMPUTE, True,
+            Decodes(ids, [3] * len(ids)),
+        )
+
+    with pytest.raises(InvalidArgument, match="3 items exceed the maximum batch of 2"):
+        decode(["a", "b", "c"])
+    assert _state(pool) == before
+    now[0] = 10.0  # the lease ran out
+    with pytest.raises(NotFound, match="unknown or expired"):
+        decode(["a", "b"])
+    assert not pool.requests  # the expired lease's requests were freed, nothing else
+    allocator.check_invariants()

@@ -114,6 +114,10 @@ def test_service_step_round_trip_with_prefix_hit(stub):
         pb.MatchPrefixRequest(token_ids=list(range(9)), pool_ids=[pool.pool_id])
     )
     assert match.matches[0].num_cached_tokens == 8
+    # An empty prompt (or one token: always recomputed) matches nothing; the call succeeds.
+    for tokens in ([], [0]):
+        match = stub.MatchPrefix(pb.MatchPrefixRequest(token_ids=tokens, pool_ids=[pool.pool_id]))
+        assert match.matches[0].num_cached_tokens == 0
     (grant,) = step(stub, pool, [new("b", list(range(9)))]).grants
     assert (grant.num_cached_tokens, grant.start_position, grant.num_scheduled_tokens) == (8, 8, 1)
     s = stats(stub, pool)

@@ -12,6 +12,7 @@ import pytest
 import structlog
 from in_process import CorePool, FakeModel
 
+from gateway import engine as engine_module
 from gateway import recovery
 from gateway.batch import Budget
 from gateway.engine import Engine
@@ -340,6 +341,7 @@ def test_engine_streams_a_steps_outputs_while_the_next_execute_runs(tokenizer: T
     # still computing (after the executor's head start); the last step's go once the
     # engine has nothing else to do. In order, and exactly the reference.
     eng, link = engine(tokenizer, num_blocks=64)
+    eng.min_deltas_to_hold = 1
     req = submit(eng, "o", [5] * 6, max_tokens=4)
     seen_at_start: list[int] = []
     seen_while_running: list[int] = []
@@ -362,10 +364,64 @@ def test_engine_streams_a_steps_outputs_while_the_next_execute_runs(tokenizer: T
     assert deltas[-1].finish_reason is FinishReason.LENGTH
 
 
+def test_engine_delivers_a_quiet_steps_outputs_at_once(tokenizer: Tokenizer):
+    # Fewer deltas than min_deltas_to_hold (16): in the stream as the step returns.
+    eng, link = engine(tokenizer, num_blocks=64, tokens=64)
+    reqs = [submit(eng, f"q{i}", [5 + i] * 6, max_tokens=4) for i in range(3)]
+    asyncio.run(eng.step())
+    assert [r.outputs.qsize() for r in reqs] == [1, 1, 1]
+    assert not eng.undelivered
+
+
+def test_engine_holds_outputs_for_the_hot_path_only(tokenizer: Tokenizer):
+    # Held deltas count as work (an idle engine delivers them); they go before a Free or
+    # Release is sent, and once a Step takes longer than STEP_HOLD_LIMIT_S.
+    eng, link = engine(tokenizer, num_blocks=64)
+    eng.min_deltas_to_hold = 1
+    req = submit(eng, "h", [5] * 6, max_tokens=3)
+    queued_at: dict[str, list[int]] = {"free": [], "release": [], "slow_step_return": []}
+    original_step, original_free, original_release = link.step, link.free, link.release
+
+    async def slow_step(call: StepCall) -> StepOutcome:
+        if link.num_steps == 1:  # the second Step: slower than the hold limit
+            await asyncio.sleep(5 * engine_module.STEP_HOLD_LIMIT_S)
+            queued_at["slow_step_return"].append(req.outputs.qsize())
+        return await original_step(call)
+
+    async def free(commits: tuple[Commit, ...], request_ids: tuple[str, ...]) -> None:
+        queued_at["free"].append(req.outputs.qsize())
+        await original_free(commits, request_ids)
+
+    async def release(request_ids: list[str]) -> None:
+        queued_at["release"].append(req.outputs.qsize())
+        await original_release(request_ids)
+
+    link.step, link.free, link.release = slow_step, free, release  # type: ignore[method-assign]
+    asyncio.run(eng.step())  # prefill: one delta, held
+    assert req.outputs.qsize() == 0 and eng.busy
+    asyncio.run(run_until_idle(eng))
+    assert queued_at["slow_step_return"] == [1]  # delivered while the slow Step ran
+    assert queued_at["free"] == [3] and queued_at["release"] == [3]
+    assert [t for d in drain(req) for t in d.token_ids] == link.model.reference([5] * 6, 3)
+    assert not eng.busy and link.pool.all_free()
+
+    # Held deltas alone keep an engine busy until a step delivers them.
+    idle, _ = engine(tokenizer, num_blocks=64)
+    assert not idle.busy
+    other = Request(request_id="x", prompt_token_ids=[6], cache_salt="",
+                    sampling=SamplingOptions(max_tokens=1))
+    delta = CompletionDelta(index=0, token_ids=(7,), text="")
+    idle.undelivered.append((other, delta))
+    assert idle.busy
+    asyncio.run(run_until_idle(idle))
+    assert drain(other) == [delta] and not idle.undelivered
+
+
 def test_engine_streams_held_outputs_before_a_failed_steps_error(tokenizer: Tokenizer):
     # The allocator rejects Step k+1 while step k's tokens are held: they still reach the
     # client, before the error; nothing leaks.
     eng, link = engine(tokenizer, num_blocks=64)
+    eng.min_deltas_to_hold = 1
     req = submit(eng, "f", [9] * 5, max_tokens=8)
     original = link.step
 
@@ -383,10 +439,41 @@ def test_engine_streams_held_outputs_before_a_failed_steps_error(tokenizer: Toke
     assert link.pool.all_free()
 
 
+def test_engine_streams_held_outputs_before_pausing_for_a_lost_allocator(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+):
+    # The allocator does not answer Step k+1: step k's tokens reach the client before the
+    # engine pauses and retries (they do not wait out the outage).
+    eng, link = engine(tokenizer, num_blocks=64)
+    eng.min_deltas_to_hold = 1
+    req = submit(eng, "u", [9] * 5, max_tokens=8)
+    original = link.step
+    queued_at_pause: list[int] = []
+    unreachable = recovery.allocator_unreachable
+
+    async def pause(engine: Engine, exc: grpc.aio.AioRpcError) -> None:
+        queued_at_pause.append(req.outputs.qsize())
+        await unreachable(engine, exc)
+
+    async def lost_second(call: StepCall) -> StepOutcome:
+        if link.num_steps == 1:
+            link.num_steps += 1
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "gone")
+        return await original(call)
+
+    monkeypatch.setattr(recovery, "allocator_unreachable", pause)
+    link.step = lost_second  # type: ignore[method-assign]
+    asyncio.run(eng.step())
+    asyncio.run(eng.step())
+    assert queued_at_pause == [1]
+
+
 def test_engine_streams_held_outputs_before_moving_requests_elsewhere(tokenizer: Tokenizer):
     # The executor is lost mid-run: the tokens it computed reach the stream before the
-    # requests are handed on (another executor would continue after them).
+    # requests are handed on (another executor continues after them), whether the loss
+    # shows on an Execute or anywhere else (recovery.lose_executor itself).
     eng, link = engine(tokenizer, num_blocks=64)
+    eng.min_deltas_to_hold = 1
     req = submit(eng, "m", [6] * 5, max_tokens=8)
     handed_on: list[tuple[int, int]] = []
     eng.on_lost = lambda seqs: handed_on.append((len(seqs), req.outputs.qsize()))
@@ -401,8 +488,16 @@ def test_engine_streams_held_outputs_before_moving_requests_elsewhere(tokenizer:
         return await original(call)
 
     link.execute = lost_third  # type: ignore[method-assign]
-    asyncio.run(eng.step())
-    asyncio.run(eng.step())
-    asyncio.run(eng.step())
+    for _ in range(3):
+        asyncio.run(eng.step())
     assert handed_on == [(1, 2)]
     assert [t for d in drain(req) for t in d.token_ids] == link.model.reference([6] * 5, 2)
+
+    eng2, _ = engine(tokenizer, num_blocks=64)
+    eng2.min_deltas_to_hold = 1
+    req2 = submit(eng2, "m2", [6] * 5, max_tokens=8)
+    asyncio.run(eng2.step())
+    assert eng2.undelivered
+    eng2.on_lost = lambda seqs: handed_on.append((len(seqs), req2.outputs.qsize()))
+    recovery.lose_executor(eng2)
+    assert handed_on[-1] == (1, 1)
