@@ -5,10 +5,11 @@ while the *next* Execute runs: writing a stream message costs ~60 us of grpc CPU
 at 64 running, which on the step's path delayed the allocator's reply. The writers start once
 the executor has had EXECUTE_HEAD_START_S to take its request (they starved its intake on two
 cores when they started at once), or once it replied. Outputs are held across nothing but
-that step's own Step and Execute: a Step slower than STEP_HOLD_LIMIT_S, any other call (frees,
-releases, orphan aborts), an error, a move to another executor or an idle engine deliver them
-first. A step with fewer than `min_deltas_to_hold` outputs delivers them at once: there the
-writers cost little, and holding would make every token a Step round trip later.
+the next step's Step and Execute: a Step slower than STEP_HOLD_LIMIT_S, any other call (frees,
+releases, orphan aborts, forks), an error, a move to another executor or an idle engine
+deliver them first. A step with fewer than `min_deltas_to_hold` outputs delivers them at
+once: there the writers cost little, and holding would make every token a Step round trip
+later.
 
 Single writer: the loop is the only code that mutates its scheduler, between awaits, so no
 lock is needed. Other coroutines (RPC handlers) only append sequences with `submit`, flag
@@ -186,7 +187,10 @@ class Engine:
         t_exec = time.perf_counter()
         for seq, token in self.scheduler.apply_result(batch, result):
             self._emit(seq, token)
-        for parent in self.scheduler.ready_to_fork(batch):
+        parents = self.scheduler.ready_to_fork(batch)
+        if parents:
+            self.deliver()  # a Fork is not the hot path: the outputs do not wait for it
+        for parent in parents:
             await self._fork(parent)
         self.holding = len(self.undelivered) >= self.min_deltas_to_hold
         done = time.perf_counter()
@@ -225,22 +229,28 @@ class Engine:
                 request.emit(delta)
 
     async def _allocator_step(self, plan: ScheduledStep) -> StepOutcome | None:
-        step = asyncio.ensure_future(self.link.step(plan.call))
         try:
-            if self.undelivered:  # held outputs wait for a quick Step only
-                await asyncio.wait([step], timeout=STEP_HOLD_LIMIT_S)
-                if not step.done():
-                    self.deliver()
-            outcome = await step
+            outcome = await (
+                self._step_holding_outputs(plan) if self.undelivered else self.link.step(plan.call)
+            )
         except grpc.aio.AioRpcError as exc:
             self.deliver()
             await recovery.allocator_step_failed(self, plan, exc)
             return None
+        self.allocator_down_since = None
+        return outcome
+
+    async def _step_holding_outputs(self, plan: ScheduledStep) -> StepOutcome:
+        """The Step, with held outputs delivered once it has taken STEP_HOLD_LIMIT_S."""
+        step = asyncio.ensure_future(self.link.step(plan.call))
+        try:
+            await asyncio.wait([step], timeout=STEP_HOLD_LIMIT_S)
+            if not step.done():
+                self.deliver()
+            return await step
         except BaseException:
             _cancel(step)
             raise
-        self.allocator_down_since = None
-        return outcome
 
     async def _fork(self, parent: Sequence) -> None:
         request = parent.request

@@ -234,7 +234,7 @@ def test_a_forked_child_decoding_in_columns_copies_its_shared_block():
         (["a", "a"], [1, 2], [], [], InvalidArgument, "'a' appears twice"),
         (["a", ""], [1, 2], [], [], InvalidArgument, "needs a request_id"),
         (["zz", ""], [1, 2], [], [], InvalidArgument, "needs a request_id"),  # before unknown
-        ([""], [1], [], ["a"], InvalidArgument, "needs a request_id"),  # before freed+decoded
+        (["a", ""], [1, 2], [], ["a"], InvalidArgument, "needs a request_id"),  # before freed
         (["a"], [1], [StepItem("a", 1, None, "", [2])], [], InvalidArgument, "'a' appears twice"),
         (["a", "zz"], [1, 2], [], [], NotFound, "unknown request 'zz'"),
         (["a", "b"], [1, -3], [], [], InvalidArgument, "b: decode token ids must be >= 0, got -3"),

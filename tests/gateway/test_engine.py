@@ -12,6 +12,7 @@ import pytest
 import structlog
 from in_process import CorePool, FakeModel
 
+from common.errors import Unavailable
 from gateway import engine as engine_module
 from gateway import recovery
 from gateway.batch import Budget
@@ -415,6 +416,61 @@ def test_engine_holds_outputs_for_the_hot_path_only(tokenizer: Tokenizer):
     assert idle.busy
     asyncio.run(run_until_idle(idle))
     assert drain(other) == [delta] and not idle.undelivered
+
+
+def test_engine_delivers_held_outputs_before_any_call_off_the_hot_path(tokenizer: Tokenizer):
+    # A Fork, an orphan abort and a lone Release find the held deltas already in their
+    # streams; so does an error reported with Engine.fail.
+    eng, link = engine(tokenizer, num_blocks=64, tokens=64)
+    eng.min_deltas_to_hold = 1
+    a = submit(eng, "a", [5] * 6, max_tokens=3)
+    submit(eng, "p", [7] * 6, max_tokens=3, n=2)
+    queued: dict[str, list[int]] = {"fork": [], "abort": [], "release": []}
+    fork, abort, release = link.fork, link.abort, link.release
+
+    async def record_fork(parent_id: str, child_ids: list[str], request_id: str) -> Any:
+        queued["fork"].append(a.outputs.qsize())
+        return await fork(parent_id, child_ids, request_id)
+
+    async def record_abort(request_ids: tuple[str, ...]) -> None:
+        queued["abort"].append(a.outputs.qsize())
+        await abort(request_ids)
+
+    async def record_release(request_ids: list[str]) -> None:
+        queued["release"].append(a.outputs.qsize())
+        await release(request_ids)
+
+    link.fork, link.abort, link.release = (  # type: ignore[method-assign]
+        record_fork, record_abort, record_release
+    )
+    asyncio.run(eng.step())  # both prefills; p's parent forks with a's first delta held
+    assert queued["fork"] == [1]
+    asyncio.run(eng.step())  # a's second delta, held
+    eng.orphan_ids.add("nobody")
+    asyncio.run(eng.step())
+    assert queued["abort"] and set(queued["abort"]) == {2}
+
+    idle, idle_link = engine(tokenizer, num_blocks=64)
+    held = Request(request_id="h", prompt_token_ids=[6], cache_salt="",
+                   sampling=SamplingOptions(max_tokens=1))
+    delta = CompletionDelta(index=0, token_ids=(7,), text="")
+    at_release: list[int] = []
+
+    async def lone_release(request_ids: list[str]) -> None:
+        at_release.append(held.outputs.qsize())
+
+    idle_link.release = lone_release  # type: ignore[method-assign]
+    idle.undelivered.append((held, delta))
+    idle.scheduler.pending.release_ids.append("gone")
+    asyncio.run(idle.step())
+    assert at_release == [1]
+
+    failing, _ = engine(tokenizer, num_blocks=64)
+    req = submit(failing, "e", [8] * 6, max_tokens=3)
+    failing.undelivered.append((req, delta))
+    failing.fail(failing.scheduler.sequences()[0], Unavailable("gone"))
+    first, second = drain(req)
+    assert first == delta and second.error is not None
 
 
 def test_engine_streams_held_outputs_before_a_failed_steps_error(tokenizer: Tokenizer):
