@@ -22,6 +22,7 @@ from bench.common import RESULTS_DIR, machine
 STEPS = (
     ("kv_utilisation", "KV memory utilisation (part 1)", False),
     ("allocator_bench", "Allocator hot path", False),
+    ("rpc_floor", "The gRPC floor under both", False),
     ("serving", "End-to-end serving (part 2)", True),
     ("prefix_caching", "Prefix caching (part 3)", True),
     ("preemption", "Preemption (part 4)", True),
