@@ -17,7 +17,6 @@ import hashlib
 import struct
 import sys
 from array import array
-from collections.abc import Callable
 from dataclasses import dataclass
 
 HASH_VERSION = "pagedkv-block-hash-v1"
@@ -99,12 +98,6 @@ def pack_tokens(token_ids: list[int]) -> bytes:
     if sys.byteorder != "little":
         packed.byteswap()
     return packed.tobytes()
-
-
-def block_packer(block_size: int) -> Callable[..., bytes]:
-    """`pack_tokens` for exactly one block's token ids, passed as arguments: a compiled
-    struct, cheaper than an array for so few."""
-    return struct.Struct(f"<{block_size}I").pack
 
 
 def hash_chain(root: BlockHash, token_ids: list[int], block_size: int) -> list[BlockHash]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from allocator_svc.core.block_pool import BlockPool
 from allocator_svc.core.events import EventLog
 from allocator_svc.core.free_queue import Block
-from allocator_svc.core.hashing import BlockHasher, block_packer, pack_tokens, root_hash
+from allocator_svc.core.hashing import BlockHasher, pack_tokens, root_hash
 from allocator_svc.core.request import BlockCopy, Grant, Request
 
 MAX_CACHED_ROOTS = 4096
@@ -44,7 +44,6 @@ class Pool:
         self.num_preemptions = 0
         self._roots: dict[str, bytes] = {}  # cache_salt -> chain root
         self.hash_block = BlockHasher(config.block_size)
-        self._pack_block = block_packer(config.block_size)
         # Per lease (None: no lease), the requests its latest step granted tokens: what its
         # next commit_previous_step commits. Two leases may step the same pool.
         self.last_scheduled: dict[str | None, list[Request]] = {}
@@ -64,26 +63,19 @@ class Pool:
         """Longest run of cached full blocks, capped so the last token is always computed."""
         hits: list[Block] = []
         hashes: list[bytes] = []
-        bs = self.block_size
-        num_blocks = (len(token_ids) - 1) // bs
-        if num_blocks <= 0 or not self.config.enable_prefix_caching:
+        if not self.config.enable_prefix_caching:
             return hits, hashes
-        by_key, stride = self.blocks.by_key, 4 * bs
-        # A prompt never seen (most) misses at its first block: probed alone, it is not
-        # packed whole first (~10 ns a token, 10 us for 1,024 tokens).
-        block = by_key.get(root + self._pack_block(*token_ids[:bs]))
-        packed = pack_tokens(token_ids[bs : num_blocks * bs]) if block is not None else b""
-        start = -stride
-        add_hit, add_hash = hits.append, hashes.append
-        while block is not None:
+        num_blocks = (len(token_ids) - 1) // self.block_size
+        packed = pack_tokens(token_ids[: num_blocks * self.block_size])
+        stride, by_key, parent = 4 * self.block_size, self.blocks.by_key, root
+        for start in range(0, len(packed), stride):
             # Indexed by the hash input: a cached block's hash is read, not recomputed.
-            parent = block.block_hash
-            add_hit(block)
-            add_hash(parent)  # type: ignore[arg-type]
-            start += stride
-            if start >= len(packed):
+            block = by_key.get(parent + packed[start : start + stride])
+            if block is None:
                 break
-            block = by_key.get(parent + packed[start : start + stride])  # type: ignore[operator]
+            parent = block.block_hash  # type: ignore[assignment]
+            hits.append(block)
+            hashes.append(parent)
         return hits, hashes
 
     def admit(self, request: Request, num_tokens: int) -> Grant | None:

