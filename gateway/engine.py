@@ -1,15 +1,7 @@
 """One executor's step loop: Step at the allocator, Execute at the executor, then outputs.
 
-A busy step's outputs (detokenized, stop conditions applied at once) reach the client streams
-while the *next* Execute runs: writing a stream message costs ~60 us of grpc CPU, 4 ms a step
-at 64 running, which on the step's path delayed the allocator's reply. The writers start once
-the executor has had EXECUTE_HEAD_START_S to take its request (they starved its intake on two
-cores when they started at once), or once it replied. Outputs are held across nothing but
-the next step's Step and Execute: a Step slower than STEP_HOLD_LIMIT_S, any other call (frees,
-releases, orphan aborts, forks), an error, a move to another executor or an idle engine
-deliver them first. A step with fewer than `min_deltas_to_hold` outputs delivers them at
-once: there the writers cost little, and holding would make every token a Step round trip
-later.
+A busy step's outputs reach the client streams while the next Execute runs, and wait for
+nothing else (held_outputs.py).
 
 Single writer: the loop is the only code that mutates its scheduler, between awaits, so no
 lock is needed. Other coroutines (RPC handlers) only append sequences with `submit`, flag
@@ -34,22 +26,15 @@ from common.errors import ServiceError, Unavailable
 from gateway import recovery
 from gateway.batch import Batch, ScheduledStep
 from gateway.executor_client import ExecutorDescription
+from gateway.held_outputs import HeldOutputs
 from gateway.output import OutputProcessor
 from gateway.pool_link import PoolLink
-from gateway.request_state import CompletionDelta, Request, Sequence
+from gateway.request_state import CompletionDelta, Sequence
 from gateway.scheduler import Scheduler
 from gateway.step import StepOutcome
 from gateway.step_stats import StepStats
 
 log = structlog.get_logger(__name__)
-
-# How long the next Execute gets before the previous step's streams are written (see above).
-# Measured at 64 running (four interleaved runs each): writing at once raised the Execute
-# round trip by ~1.2 ms; after 1 ms the control plane went 6.8 -> 5.3 ms.
-EXECUTE_HEAD_START_S = 0.001
-# Held outputs wait at most this long for the next Step (1.5-5 ms under load here).
-STEP_HOLD_LIMIT_S = 0.01
-
 
 @dataclass(slots=True, eq=False)
 class Engine:
@@ -72,11 +57,10 @@ class Engine:
     # The step in progress, for recovery when a bug interrupts it.
     plan: ScheduledStep | None = None
     batch: Batch | None = None
-    # The last executed step's deltas, held until the next Execute is out (see `step`), and
-    # whether this step holds its own for the next one.
-    undelivered: list[tuple[Request, CompletionDelta]] = field(default_factory=list)
+    # The last executed step's deltas, held until the next Execute is out, and whether this
+    # step holds its own for the next one.
+    held: HeldOutputs = field(default_factory=HeldOutputs)
     holding: bool = False
-    min_deltas_to_hold: int = 16  # ~1 ms of stream writes
 
     # Called by other coroutines.
 
@@ -170,19 +154,12 @@ class Engine:
             await self._flush_releases()
             return False
         t_sched = time.perf_counter()
-        execute = asyncio.ensure_future(self.link.execute(batch.call))
         try:
-            # The call goes out first; the previous step's streams are written while the
-            # executor computes.
-            await asyncio.wait([execute], timeout=EXECUTE_HEAD_START_S)
-            self.deliver()
-            result = await execute
+            # The previous step's streams are written while the executor computes.
+            result = await self.held.during_execute(self.link.execute(batch.call))
         except grpc.aio.AioRpcError as exc:
             recovery.execute_failed(self, batch, exc)
             return True
-        except BaseException:
-            _cancel(execute)
-            raise
         self.releases_refused = False  # any waiting releases went out with this Execute
         t_exec = time.perf_counter()
         for seq, token in self.scheduler.apply_result(batch, result):
@@ -192,7 +169,7 @@ class Engine:
             self.deliver()  # a Fork is not the hot path: the outputs do not wait for it
         for parent in parents:
             await self._fork(parent)
-        self.holding = len(self.undelivered) >= self.min_deltas_to_hold
+        self.holding = self.held.worth_holding()
         done = time.perf_counter()
         self.stats.record(
             total_ms=(done - started) * 1e3,
@@ -212,45 +189,28 @@ class Engine:
         return (
             self.scheduler.has_work() or pending.has_allocator_work()
             or (bool(pending.release_ids) and not self.releases_refused)
-            or self.has_cancellations or bool(self.orphan_ids) or bool(self.undelivered)
+            or self.has_cancellations or bool(self.orphan_ids) or bool(self.held)
         )
 
     def _emit(self, seq: Sequence, token: int) -> None:
         delta = self.output.process(seq, token)
-        self.undelivered.append((seq.request, delta))
+        self.held.add(seq.request, delta)
         if delta.finish_reason is not None:
             self.scheduler.finish(seq)
 
     def deliver(self) -> None:
-        """Hand every held delta to its stream, in order."""
-        held, self.undelivered = self.undelivered, []
-        for request, delta in held:
-            if not request.cancelled:
-                request.emit(delta)
+        """Hand every held delta to its stream now, in order."""
+        self.held.deliver()
 
     async def _allocator_step(self, plan: ScheduledStep) -> StepOutcome | None:
         try:
-            outcome = await (
-                self._step_holding_outputs(plan) if self.undelivered else self.link.step(plan.call)
-            )
+            outcome = await self.held.during_step(self.link.step(plan.call))
         except grpc.aio.AioRpcError as exc:
             self.deliver()
             await recovery.allocator_step_failed(self, plan, exc)
             return None
         self.allocator_down_since = None
         return outcome
-
-    async def _step_holding_outputs(self, plan: ScheduledStep) -> StepOutcome:
-        """The Step, with held outputs delivered once it has taken STEP_HOLD_LIMIT_S."""
-        step = asyncio.ensure_future(self.link.step(plan.call))
-        try:
-            await asyncio.wait([step], timeout=STEP_HOLD_LIMIT_S)
-            if not step.done():
-                self.deliver()
-            return await step
-        except BaseException:
-            _cancel(step)
-            raise
 
     async def _fork(self, parent: Sequence) -> None:
         request = parent.request
@@ -339,9 +299,3 @@ class Engine:
                       details=exc.details(), num=len(ids))
             self.releases_refused = True
 
-
-def _cancel(call: asyncio.Future[Any]) -> None:
-    """Cancel a call the step no longer awaits (its failure, if any, is the one raised)."""
-    if call.done() and not call.cancelled():
-        call.exception()  # retrieved: asyncio does not log it as never retrieved
-    call.cancel()

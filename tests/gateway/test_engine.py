@@ -13,8 +13,7 @@ import structlog
 from in_process import CorePool, FakeModel
 
 from common.errors import Unavailable
-from gateway import engine as engine_module
-from gateway import recovery
+from gateway import held_outputs, recovery
 from gateway.batch import Budget
 from gateway.engine import Engine
 from gateway.output import OutputProcessor
@@ -342,7 +341,7 @@ def test_engine_streams_a_steps_outputs_while_the_next_execute_runs(tokenizer: T
     # still computing (after the executor's head start); the last step's go once the
     # engine has nothing else to do. In order, and exactly the reference.
     eng, link = engine(tokenizer, num_blocks=64)
-    eng.min_deltas_to_hold = 1
+    eng.held.min_to_hold = 1
     req = submit(eng, "o", [5] * 6, max_tokens=4)
     seen_at_start: list[int] = []
     seen_while_running: list[int] = []
@@ -366,26 +365,26 @@ def test_engine_streams_a_steps_outputs_while_the_next_execute_runs(tokenizer: T
 
 
 def test_engine_delivers_a_quiet_steps_outputs_at_once(tokenizer: Tokenizer):
-    # Fewer deltas than min_deltas_to_hold (16): in the stream as the step returns.
+    # Fewer deltas than HeldOutputs.min_to_hold (16): in the stream as the step returns.
     eng, link = engine(tokenizer, num_blocks=64, tokens=64)
     reqs = [submit(eng, f"q{i}", [5 + i] * 6, max_tokens=4) for i in range(3)]
     asyncio.run(eng.step())
     assert [r.outputs.qsize() for r in reqs] == [1, 1, 1]
-    assert not eng.undelivered
+    assert not eng.held
 
 
 def test_engine_holds_outputs_for_the_hot_path_only(tokenizer: Tokenizer):
     # Held deltas count as work (an idle engine delivers them); they go before a Free or
     # Release is sent, and once a Step takes longer than STEP_HOLD_LIMIT_S.
     eng, link = engine(tokenizer, num_blocks=64)
-    eng.min_deltas_to_hold = 1
+    eng.held.min_to_hold = 1
     req = submit(eng, "h", [5] * 6, max_tokens=3)
     queued_at: dict[str, list[int]] = {"free": [], "release": [], "slow_step_return": []}
     original_step, original_free, original_release = link.step, link.free, link.release
 
     async def slow_step(call: StepCall) -> StepOutcome:
         if link.num_steps == 1:  # the second Step: slower than the hold limit
-            await asyncio.sleep(5 * engine_module.STEP_HOLD_LIMIT_S)
+            await asyncio.sleep(5 * held_outputs.STEP_HOLD_LIMIT_S)
             queued_at["slow_step_return"].append(req.outputs.qsize())
         return await original_step(call)
 
@@ -412,17 +411,17 @@ def test_engine_holds_outputs_for_the_hot_path_only(tokenizer: Tokenizer):
     other = Request(request_id="x", prompt_token_ids=[6], cache_salt="",
                     sampling=SamplingOptions(max_tokens=1))
     delta = CompletionDelta(index=0, token_ids=(7,), text="")
-    idle.undelivered.append((other, delta))
+    idle.held.add(other, delta)
     assert idle.busy
     asyncio.run(run_until_idle(idle))
-    assert drain(other) == [delta] and not idle.undelivered
+    assert drain(other) == [delta] and not idle.held
 
 
 def test_engine_delivers_held_outputs_before_any_call_off_the_hot_path(tokenizer: Tokenizer):
     # A Fork, an orphan abort and a lone Release find the held deltas already in their
     # streams; so does an error reported with Engine.fail.
     eng, link = engine(tokenizer, num_blocks=64, tokens=64)
-    eng.min_deltas_to_hold = 1
+    eng.held.min_to_hold = 1
     a = submit(eng, "a", [5] * 6, max_tokens=3)
     submit(eng, "p", [7] * 6, max_tokens=3, n=2)
     queued: dict[str, list[int]] = {"fork": [], "abort": [], "release": []}
@@ -460,14 +459,14 @@ def test_engine_delivers_held_outputs_before_any_call_off_the_hot_path(tokenizer
         at_release.append(held.outputs.qsize())
 
     idle_link.release = lone_release  # type: ignore[method-assign]
-    idle.undelivered.append((held, delta))
+    idle.held.add(held, delta)
     idle.scheduler.pending.release_ids.append("gone")
     asyncio.run(idle.step())
     assert at_release == [1]
 
     failing, _ = engine(tokenizer, num_blocks=64)
     req = submit(failing, "e", [8] * 6, max_tokens=3)
-    failing.undelivered.append((req, delta))
+    failing.held.add(req, delta)
     failing.fail(failing.scheduler.sequences()[0], Unavailable("gone"))
     first, second = drain(req)
     assert first == delta and second.error is not None
@@ -477,7 +476,7 @@ def test_engine_streams_held_outputs_before_a_failed_steps_error(tokenizer: Toke
     # The allocator rejects Step k+1 while step k's tokens are held: they still reach the
     # client, before the error; nothing leaks.
     eng, link = engine(tokenizer, num_blocks=64)
-    eng.min_deltas_to_hold = 1
+    eng.held.min_to_hold = 1
     req = submit(eng, "f", [9] * 5, max_tokens=8)
     original = link.step
 
@@ -501,7 +500,7 @@ def test_engine_streams_held_outputs_before_pausing_for_a_lost_allocator(
     # The allocator does not answer Step k+1: step k's tokens reach the client before the
     # engine pauses and retries (they do not wait out the outage).
     eng, link = engine(tokenizer, num_blocks=64)
-    eng.min_deltas_to_hold = 1
+    eng.held.min_to_hold = 1
     req = submit(eng, "u", [9] * 5, max_tokens=8)
     original = link.step
     queued_at_pause: list[int] = []
@@ -529,7 +528,7 @@ def test_engine_streams_held_outputs_before_moving_requests_elsewhere(tokenizer:
     # requests are handed on (another executor continues after them), whether the loss
     # shows on an Execute or anywhere else (recovery.lose_executor itself).
     eng, link = engine(tokenizer, num_blocks=64)
-    eng.min_deltas_to_hold = 1
+    eng.held.min_to_hold = 1
     req = submit(eng, "m", [6] * 5, max_tokens=8)
     handed_on: list[tuple[int, int]] = []
     eng.on_lost = lambda seqs: handed_on.append((len(seqs), req.outputs.qsize()))
@@ -550,10 +549,10 @@ def test_engine_streams_held_outputs_before_moving_requests_elsewhere(tokenizer:
     assert [t for d in drain(req) for t in d.token_ids] == link.model.reference([6] * 5, 2)
 
     eng2, _ = engine(tokenizer, num_blocks=64)
-    eng2.min_deltas_to_hold = 1
+    eng2.held.min_to_hold = 1
     req2 = submit(eng2, "m2", [6] * 5, max_tokens=8)
     asyncio.run(eng2.step())
-    assert eng2.undelivered
+    assert eng2.held
     eng2.on_lost = lambda seqs: handed_on.append((len(seqs), req2.outputs.qsize()))
     recovery.lose_executor(eng2)
     assert handed_on[-1] == (1, 1)
