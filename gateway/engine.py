@@ -1,7 +1,7 @@
 """One executor's step loop: Step at the allocator, Execute at the executor, then outputs.
 
-A busy step's outputs reach the client streams while the next Execute runs, and wait for
-nothing else (held_outputs.py).
+A busy step's outputs are held across the next step's Step (up to 10 ms) and reach the client
+streams while its Execute runs; nothing else waits for them (held_outputs.py).
 
 Single writer: the loop is the only code that mutates its scheduler, between awaits, so no
 lock is needed. Other coroutines (RPC handlers) only append sequences with `submit`, flag
@@ -35,6 +35,7 @@ from gateway.step import StepOutcome
 from gateway.step_stats import StepStats
 
 log = structlog.get_logger(__name__)
+
 
 @dataclass(slots=True, eq=False)
 class Engine:
@@ -298,4 +299,3 @@ class Engine:
             log.error("executor_release_refused", pool_id=self.pool_id, code=exc.code().name,
                       details=exc.details(), num=len(ids))
             self.releases_refused = True
-

@@ -1,7 +1,7 @@
 """Held outputs: a busy step's deltas reach the client streams while the next Execute runs.
 
-Writing a stream message costs ~60 us of grpc CPU (`python -m bench.rpc_floor`), 4 ms a step
-at 64 running; on the step's path it delayed the allocator's reply. So a step's deltas
+Writing a stream message costs ~60-76 us of grpc CPU (`python -m bench.rpc_floor`), ~4 ms a
+step at 64 running; on the step's path it delayed the allocator's reply. So a step's deltas
 (detokenized, stop conditions applied at once, so the next step never schedules a finished
 sequence) are held, and handed to the streams once the next Execute has had
 EXECUTE_HEAD_START_S to reach the executor, or has returned: started at once, the writers
@@ -23,8 +23,9 @@ from typing import Any, TypeVar
 
 from gateway.request_state import CompletionDelta, Request
 
-# Measured at 64 running (four interleaved runs each): writing at once raised the Execute
-# round trip by ~1.2 ms; after 1 ms the control plane went 6.8 -> 5.3 ms.
+# How long the next Execute gets before the previous step's streams are written. Measured at
+# 64 running (four interleaved runs each): writing at once raised the Execute round trip by
+# ~1.2 ms; after 1 ms the control plane went 6.8 -> 5.3 ms.
 EXECUTE_HEAD_START_S = 0.001
 # Held outputs wait at most this long for the next Step (1.5-5 ms under load here).
 STEP_HOLD_LIMIT_S = 0.01
