@@ -118,8 +118,6 @@ class Allocator:
         num_decodes = (
             len(decodes.request_ids) or len(decodes.token_ids) if decodes is not None else 0
         )
-        if decodes is not None and num_decodes and not (items or commits or free_ids or abort_ids):
-            return self._decode_step(pool, lease_id, decodes, num_decodes, mode, commit_previous)
         if not (items or num_decodes or commits or free_ids or abort_ids):
             raise InvalidArgument("empty step: send at least one item, commit, free or abort")
         if len(items) + num_decodes > self.limits.max_batch_items:
@@ -137,8 +135,10 @@ class Allocator:
                 check_owner(pool, [c.request_id for c in commits], lease_id)
             if free_ids or abort_ids:
                 check_owner(pool, (*free_ids, *abort_ids), lease_id)
-        # Skip the checks with nothing to check (a call with no frees, commits or items).
-        released = check_releases(pool, free_ids, abort_ids) if free_ids or abort_ids else set()
+        # The common step is decodes and nothing else: skip the checks with nothing to check.
+        released = (
+            check_releases(pool, free_ids, abort_ids) if free_ids or abort_ids else _NONE_RELEASED
+        )
         if commits:
             check_commits(pool, commits)
         if items:
@@ -156,28 +156,6 @@ class Allocator:
             for request_id in (*free_ids, *abort_ids):
                 pool.free(pool.requests[request_id])
         return run_step(pool, items, mode, lease_id, decodes, decode_requests)
-
-    def _decode_step(
-        self,
-        pool: Pool,
-        lease_id: str | None,
-        decodes: Decodes,
-        num_decodes: int,
-        mode: PreemptionMode,
-        commit_previous: bool,
-    ) -> StepResult:
-        """`step` with decodes alone, the common step: the same checks in the same order,
-        without those that have nothing to check (a quarter of a one-request step)."""
-        if num_decodes > self.limits.max_batch_items:
-            raise InvalidArgument(
-                f"{num_decodes} items exceed the maximum batch of {self.limits.max_batch_items}"
-            )
-        if lease_id is not None:
-            self._live_lease(lease_id)
-        decode_requests = check_decodes(pool, decodes, [], _NONE_RELEASED, lease_id)
-        if commit_previous:
-            pool.commit_scheduled(lease_id)
-        return run_step(pool, [], mode, lease_id, decodes, decode_requests)
 
     # Outside a step. `lease_id`: the caller's lease, which every named request must be in.
     def free(

@@ -79,7 +79,7 @@ def check_commits(pool: Pool, commits: list[Commit]) -> None:
             )
 
 
-def check_items(pool: Pool, items: list[StepItem], released: set[str]) -> None:
+def check_items(pool: Pool, items: list[StepItem], released: AbstractSet[str]) -> None:
     seen = {item.request_id for item in items}
     if len(seen) != len(items) or "" in seen:
         _raise_bad_ids(item.request_id for item in items)

@@ -470,6 +470,7 @@ def test_engine_delivers_held_outputs_before_any_call_off_the_hot_path(tokenizer
     failing.fail(failing.scheduler.sequences()[0], Unavailable("gone"))
     first, second = drain(req)
     assert first == delta and second.error is not None
+    assert second.error.code is grpc.StatusCode.UNAVAILABLE
 
 
 def test_engine_streams_held_outputs_before_a_failed_steps_error(tokenizer: Tokenizer):
