@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from allocator_svc.core.events import CacheEvent, EventKind
 from allocator_svc.core.hashing import hash_profile
+from allocator_svc.core.pipeline import Pipelined
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import BlockCopy, Commit, Grant, Request
 from allocator_svc.core.step import Decodes, PreemptionMode, StepItem, StepResult
@@ -68,6 +69,15 @@ def commits(msgs: list[pb.Commit]) -> list[Commit]:
 def decodes(msg: pb.StepRequest) -> Decodes:
     """The compact decode items (first in priority order), as columns."""
     return Decodes(list(msg.decode_request_ids), list(msg.decode_token_ids))
+
+
+def pipelined(msg: pb.StepRequest) -> Pipelined:
+    """The pipelining fields: previous step in flight, late tokens, pending decodes."""
+    return Pipelined(
+        msg.previous_step_in_flight,
+        Decodes(list(msg.late_request_ids), list(msg.late_token_ids)),
+        list(msg.pending_decode_request_ids),
+    )
 
 
 def step_items(msg: pb.StepRequest) -> list[StepItem]:

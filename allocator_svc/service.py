@@ -76,6 +76,7 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
             convert.preemption_mode(request.preemption_mode),
             request.commit_previous_step,
             convert.decodes(request),
+            convert.pipelined(request),
         )
         if result.preempted:
             log.info(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from itertools import chain
 
 from allocator_svc.core.leases import Lease, LeaseTable
+from allocator_svc.core.pipeline import Pipelined, check_pipelined
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import BlockCopy, Commit, Request
 from allocator_svc.core.step import Decodes, PreemptionMode, StepItem, StepResult, run_step
@@ -20,6 +21,7 @@ from allocator_svc.core.validation import (
     check_commits,
     check_decodes,
     check_items,
+    check_not_pending,
     check_owner,
     check_pool_config,
     check_releases,
@@ -34,6 +36,13 @@ from common.errors import (
 )
 
 _NONE_RELEASED: frozenset[str] = frozenset()
+
+
+def _scheduled_ids(decodes: Decodes | None, items: list[StepItem]) -> list[str]:
+    ids = [item.request_id for item in items]
+    if decodes is not None:
+        ids.extend(decodes.request_ids)
+    return ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,10 +116,12 @@ class Allocator:
         mode: PreemptionMode,
         commit_previous: bool = False,
         decodes: Decodes | None = None,
+        pipeline: Pipelined | None = None,
     ) -> StepResult:
         """One scheduling step. `commit_previous`: this lease's previous step was executed, so
         commit every request it scheduled (the compact form of a Commit per request).
-        `decodes` come first in priority order, then `items`."""
+        `decodes` come first in priority order, then `pipeline`'s pending decodes, then
+        `items`."""
         pool = self.pools.get(pool_id)
         if pool is None or pool.epoch != epoch:
             pool = self.pool(pool_id, epoch)  # raises, with the message
@@ -118,11 +129,16 @@ class Allocator:
         num_decodes = (
             len(decodes.request_ids) or len(decodes.token_ids) if decodes is not None else 0
         )
-        if not (items or num_decodes or commits or free_ids or abort_ids):
+        if pipeline is not None and not pipeline:
+            pipeline = None
+        num_pending = len(pipeline.pending_decode_ids) if pipeline is not None else 0
+        if not (
+            items or num_decodes or commits or free_ids or abort_ids or pipeline is not None
+        ):
             raise InvalidArgument("empty step: send at least one item, commit, free or abort")
-        if len(items) + num_decodes > self.limits.max_batch_items:
+        if len(items) + num_decodes + num_pending > self.limits.max_batch_items:
             raise InvalidArgument(
-                f"{len(items) + num_decodes} items exceed the maximum batch of "
+                f"{len(items) + num_decodes + num_pending} items exceed the maximum batch of "
                 f"{self.limits.max_batch_items}"
             )
         if lease_id is not None:
@@ -148,14 +164,31 @@ class Allocator:
             if decodes is not None and num_decodes
             else []
         )
-        if commit_previous:
-            pool.commit_scheduled(lease_id)
+        late_requests: list[Request] = []
+        if pipeline is not None:
+            late_requests, decodes, decode_requests = check_pipelined(
+                pool, pipeline, decodes, decode_requests, items, released, lease_id
+            )
+        elif pool.pending and (num_decodes or items):
+            check_not_pending(pool, _scheduled_ids(decodes, items), _NONE_RELEASED)
+        if late_requests:
+            pool.fill_pending(late_requests, pipeline.late.token_ids)  # type: ignore[union-attr]
+        pool.commit_steps(
+            lease_id, commit_previous, pipeline is not None and pipeline.previous_in_flight
+        )
         for commit in commits:
             pool.commit(pool.requests[commit.request_id], commit.num_computed)
         if released:
             for request_id in (*free_ids, *abort_ids):
                 pool.free(pool.requests[request_id])
-        return run_step(pool, items, mode, lease_id, decodes, decode_requests)
+        result = run_step(pool, items, mode, lease_id, decodes, decode_requests)
+        if num_pending:
+            granted = pipeline.pending_decode_ids  # type: ignore[union-attr]
+            if result.preempted:
+                preempted = {p.request_id for p in result.preempted}
+                granted = [i for i in granted if i not in preempted]
+            pool.pending.update(granted)
+        return result
 
     # Outside a step. `lease_id`: the caller's lease, which every named request must be in.
     def free(
@@ -197,6 +230,10 @@ class Allocator:
         self._check_owner(pool, [parent_id], lease_id)
         if parent.swapped:
             raise FailedPrecondition(f"parent {parent_id!r} is swapped out; swap it in first")
+        if parent_id in pool.pending:
+            raise FailedPrecondition(
+                f"parent {parent_id!r} holds a pending token; send its value first"
+            )
         if not child_ids or len(set(child_ids)) != len(child_ids):
             raise InvalidArgument("child_request_ids must be non-empty and distinct")
         for child_id in child_ids:
@@ -282,7 +319,7 @@ class Allocator:
                     pool.free(request)
                     freed.append(request.request_id)
                 for lease_id in expired:
-                    pool.last_scheduled.pop(lease_id, None)
+                    pool.scheduled.forget(lease_id)
         return freed
 
     def check_invariants(self) -> None:

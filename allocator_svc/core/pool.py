@@ -11,10 +11,11 @@ import hashlib
 from dataclasses import dataclass
 
 from allocator_svc.core.block_pool import BlockPool
+from allocator_svc.core.commit import ScheduledSteps, commit
 from allocator_svc.core.events import EventLog
 from allocator_svc.core.free_queue import Block
 from allocator_svc.core.hashing import BlockHasher, pack_tokens, root_hash
-from allocator_svc.core.request import BlockCopy, Grant, Request
+from allocator_svc.core.request import PENDING, BlockCopy, Grant, Request
 
 MAX_CACHED_ROOTS = 4096
 
@@ -44,9 +45,10 @@ class Pool:
         self.num_preemptions = 0
         self._roots: dict[str, bytes] = {}  # cache_salt -> chain root
         self.hash_block = BlockHasher(config.block_size)
-        # Per lease (None: no lease), the requests its latest step granted tokens: what its
-        # next commit_previous_step commits. Two leases may step the same pool.
-        self.last_scheduled: dict[str | None, list[Request]] = {}
+        # Per lease, what its steps granted and no call has committed yet (commit.py).
+        self.scheduled = ScheduledSteps()
+        # Requests whose last token is PENDING: granted, its value not known yet.
+        self.pending: set[str] = set()
 
     def root(self, cache_salt: str) -> bytes:
         root = self._roots.get(cache_salt)
@@ -152,69 +154,24 @@ class Pool:
 
     def commit(self, request: Request, num_computed: int) -> None:
         """KV of tokens [0, num_computed) is written: cache the full blocks among them."""
-        request.num_committed = max(request.num_committed, num_computed)
-        bs = self.block_size
-        num_full = num_computed // bs
-        hashes = request.block_hashes
-        if len(hashes) >= num_full or request.swapped:
-            return
-        first = len(hashes)
-        tokens = request.token_ids[first * bs : num_full * bs]
-        new_hashes, keys = self.hash_block.chain_with_keys(
-            hashes[-1] if hashes else request.root_hash, tokens, num_full - first
-        )
-        self.blocks.cache_run(
-            request.blocks[first:num_full],
-            new_hashes,
-            keys,
-            hashes[-1] if hashes else None,
-            tokens,
-        )
-        hashes.extend(new_hashes)
+        commit(self, request, num_computed)
 
-    def commit_scheduled(self, lease_id: str | None) -> None:
-        """Commit every request the lease's latest step scheduled (commit_previous_step). Most
-        decode steps fill no block; in one of every block_size steps each request fills one,
-        and those are hashed and cached together, as one event run."""
-        requests, bs = self.requests, self.block_size
-        filled: list[Request] = []
-        tokens: list[int] = []
-        for request in self.last_scheduled.pop(lease_id, ()):
-            if requests.get(request.request_id) is not request:
-                continue  # freed or preempted since
-            have, num_full = len(request.block_hashes), request.num_computed // bs
-            if num_full == have:  # no block filled up: nothing to hash (most decode steps)
-                request.num_committed = request.num_computed
-                continue
-            if num_full != have + 1 or request.cpu_block_ids is not None:
-                self.commit(request, request.num_computed)  # a prefill chunk: one chain
-                continue
-            filled.append(request)
-            tokens.extend(request.token_ids[have * bs : num_full * bs])
-        if not filled:
-            return
-        # One block per request: packed together, each hashed over parent + its slice.
-        packed, stride, sha256 = pack_tokens(tokens), 4 * bs, hashlib.sha256
-        blocks: list[Block] = []
-        hashes: list[bytes] = []
-        keys: list[bytes] = []
-        parents: list[bytes | None] = []  # None: a chain's first block
-        for index, request in enumerate(filled):
-            have = len(request.block_hashes)
-            parent = request.block_hashes[-1] if have else request.root_hash
-            key = parent + packed[index * stride : (index + 1) * stride]
-            block_hash = sha256(key).digest()
-            request.block_hashes.append(block_hash)
-            request.num_committed = request.num_computed
-            blocks.append(request.blocks[have])
-            hashes.append(block_hash)
-            keys.append(key)
-            parents.append(parent if have else None)
-        self.blocks.cache_blocks(blocks, hashes, keys, parents, tokens)
+    def commit_steps(
+        self, lease_id: str | None, commit_previous: bool, previous_in_flight: bool
+    ) -> None:
+        """Commit what the lease's executed steps scheduled (commit.py)."""
+        self.scheduled.advance(self, lease_id, commit_previous, previous_in_flight)
+
+    def fill_pending(self, requests: list[Request], token_ids: list[int]) -> None:
+        """Pending tokens learn their values (validated: each request holds one)."""
+        for request, token in zip(requests, token_ids, strict=True):
+            request.token_ids[-1] = token
+        self.pending.difference_update(r.request_id for r in requests)
 
     def free(self, request: Request) -> None:
         """Release every block, last first, so prefix blocks outlive suffix blocks in the LRU."""
         del self.requests[request.request_id]
+        self.pending.discard(request.request_id)
         self.blocks.free(reversed(request.blocks))
         request.blocks = []
         if request.cpu_block_ids is not None:
@@ -287,3 +244,11 @@ class Pool:
                     f"{request.request_id}: table covers exactly its computed tokens"
                 )
             assert request.num_committed <= request.num_computed <= len(request.token_ids)
+            is_pending = bool(request.token_ids) and request.token_ids[-1] == PENDING
+            assert is_pending == (request.request_id in self.pending), (
+                f"{request.request_id}: a PENDING placeholder exactly when listed as pending"
+            )
+            assert PENDING not in request.token_ids[:-1], "only the last token may be pending"
+            if is_pending:
+                assert request.num_committed < len(request.token_ids), "a pending token committed"
+        assert self.pending <= self.requests.keys(), "a freed request is still pending"

@@ -6,13 +6,17 @@ from dataclasses import dataclass, field
 
 from allocator_svc.core.free_queue import Block
 
+# The placeholder of a pending token: granted a slot while its value is still being sampled
+# (a pipelined step). Never hashed: a token id is >= 0, and commits stop short of it.
+PENDING = -1
+
 
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
     lease_id: str | None
     root_hash: bytes  # chain root: binds the model fingerprint and the cache salt
-    token_ids: list[int]  # every known token: the prompt, then appended outputs
+    token_ids: list[int]  # the prompt, then appended outputs (the last may be PENDING)
     num_prompt_tokens: int
     num_computed: int = 0  # tokens granted slots (their KV is written by the granting step)
     num_committed: int = 0  # tokens whose KV the gateway confirmed written

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from allocator_svc.core.pool import Pool
-from allocator_svc.core.request import BlockCopy, Grant, Request
+from allocator_svc.core.request import PENDING, BlockCopy, Grant, Request
 
 
 class PreemptionMode(Enum):
@@ -117,7 +117,7 @@ def run_step(
         if not _run_plain_decodes(pool, decodes, decode_requests, result):
             items = decodes.as_items() + items
         elif not items:  # the common step: served
-            pool.last_scheduled[lease_id] = decode_requests
+            pool.scheduled.record(lease_id, decode_requests)
             return result
         else:
             scheduled.extend(decode_requests)
@@ -191,7 +191,7 @@ def run_step(
         result.grants.append(grant)
         if grant.num_scheduled:
             scheduled.append(pool.requests[item.request_id])
-    pool.last_scheduled[lease_id] = scheduled
+    pool.scheduled.record(lease_id, scheduled)
     return result
 
 
@@ -255,6 +255,9 @@ def _last_unpreempted(
 def _preempt(pool: Pool, request: Request, mode: PreemptionMode, result: StepResult) -> None:
     pool.num_preemptions += 1
     if mode is PreemptionMode.SWAP:
+        if request.token_ids[-1] == PENDING:
+            # A pending decode not granted: its value comes with the swap-in's appends.
+            request.token_ids.pop()
         copies = pool.swap_out(request)
         if copies is not None:
             result.swap_out.extend(copies)

@@ -147,6 +147,86 @@ def check_decodes(
     return batch
 
 
+def check_late_tokens(pool: Pool, late: Decodes, lease_id: str | None) -> list[Request]:
+    """Each names a known request of the lease once, holding a pending token, and carries a
+    valid value. Returns the requests, in column order."""
+    ids, tokens = late.request_ids, late.token_ids
+    if len(ids) != len(tokens):
+        raise InvalidArgument(
+            f"late_request_ids has {len(ids)} entries but late_token_ids has {len(tokens)}"
+        )
+    if len(set(ids)) != len(ids) or "" in ids:
+        _raise_bad_ids(ids)
+    requests = _known(pool, ids, lease_id, "late token")
+    for request_id, token in zip(ids, tokens, strict=True):
+        if token < 0:
+            raise InvalidArgument(f"{request_id}: late token ids must be >= 0, got {token}")
+        if request_id not in pool.pending:
+            raise InvalidArgument(
+                f"request {request_id!r} has no pending token: a late token fills the one "
+                "granted by an earlier pending_decode_request_ids"
+            )
+    return requests
+
+
+def check_pending_decodes(
+    pool: Pool,
+    ids: list[str],
+    others: Iterable[str],
+    released: AbstractSet[str],
+    filled: AbstractSet[str],
+    lease_id: str | None,
+) -> list[Request]:
+    """Each names a known running request of the lease once, not otherwise scheduled or
+    freed in the call, whose known tokens are all computed and whose previous pending token
+    (if any) is `filled` by this call. Returns the requests, in column order."""
+    seen = set(ids)
+    if len(seen) != len(ids) or "" in seen:
+        _raise_bad_ids(ids)
+    if not seen.isdisjoint(others):
+        _raise_bad_ids([*ids, *others])
+    if released and not released.isdisjoint(seen):
+        raise InvalidArgument(f"requests {sorted(released & seen)} are both freed and scheduled")
+    requests = _known(pool, ids, lease_id, "pending decode")
+    for request in requests:
+        check_not_pending(pool, [request.request_id], filled)
+        if request.swapped:
+            raise InvalidArgument(
+                f"request {request.request_id!r} is swapped out: swap it in with an item "
+                "carrying its tokens, not a pending decode"
+            )
+        if request.num_computed != len(request.token_ids):
+            raise InvalidArgument(
+                f"request {request.request_id!r} has "
+                f"{len(request.token_ids) - request.num_computed} known tokens not computed: "
+                "a pending decode follows its last computed token"
+            )
+    return requests
+
+
+def check_not_pending(pool: Pool, request_ids: Iterable[str], filled: AbstractSet[str]) -> None:
+    """None of the requests may still hold a pending token this call does not fill: a
+    request's tokens stay in order."""
+    pending = pool.pending
+    for request_id in request_ids:
+        if request_id in pending and request_id not in filled:
+            raise InvalidArgument(
+                f"request {request_id!r} holds a pending token: send its value in "
+                "late_token_ids before scheduling it again"
+            )
+
+
+def _known(pool: Pool, ids: list[str], lease_id: str | None, what: str) -> list[Request]:
+    requests = []
+    for request_id in ids:
+        request = pool.requests.get(request_id)
+        if request is None:
+            raise NotFound(f"{what} for unknown request {request_id!r}")
+        requests.append(request)
+    check_owner(pool, ids, lease_id)
+    return requests
+
+
 def _raise_bad_ids(request_ids: Iterable[str]) -> None:
     seen: set[str] = set()
     for request_id in request_ids:

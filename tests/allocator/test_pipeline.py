@@ -1,0 +1,220 @@
+"""Pipelined steps (StepRequest fields 13-16): pending decodes, late tokens, and the commit
+rule with the previous step in flight. The random sequences are in
+test_pipeline_properties.py; here, each rule and every bad input on its own."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from allocator_svc.core.allocator import Allocator, Limits
+from allocator_svc.core.pipeline import Pipelined
+from allocator_svc.core.pool import Pool, PoolConfig
+from allocator_svc.core.request import PENDING, Commit
+from allocator_svc.core.step import Decodes, PreemptionMode, StepItem, StepResult
+from common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from pagedkv.allocator.v1 import allocator_pb2 as pb
+from tests.allocator.test_service import expect_error, new, register
+
+BS = 2
+
+
+class Driver:
+    """One pool and one lease; steps as the pipelining gateway sends them."""
+
+    def __init__(self, num_blocks: int = 10, num_cpu_blocks: int = 0) -> None:
+        self.allocator = Allocator(Limits(max_batch_items=8, event_capacity=1 << 10))
+        self.pool: Pool = self.allocator.register_pool(
+            PoolConfig("p", num_blocks, BS, num_cpu_blocks, "fp", "i", True)
+        )[0]
+        self.lease = self.allocator.create_lease(3600.0).lease_id
+
+    def step(
+        self,
+        items: list[StepItem] | None = None,
+        *,
+        pending: list[str] | None = None,
+        late: dict[str, int] | None = None,
+        in_flight: bool = True,
+        commit_previous: bool = True,
+        decodes: Decodes | None = None,
+        free: list[str] | None = None,
+        commits: list[Commit] | None = None,
+        lease: str | None = "own",
+        swap: bool = False,
+    ) -> StepResult:
+        late = late or {}
+        result = self.allocator.step(
+            "p",
+            self.pool.epoch,
+            self.lease if lease == "own" else lease,
+            commits or [],
+            free or [],
+            [],
+            items or [],
+            PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE,
+            commit_previous,
+            decodes,
+            Pipelined(in_flight, Decodes(list(late), list(late.values())), pending or []),
+        )
+        self.allocator.check_invariants()
+        return result
+
+    def tokens(self, request_id: str) -> list[int]:
+        return self.pool.requests[request_id].token_ids
+
+    def cached(self) -> int:
+        return len(self.pool.blocks.by_key)
+
+    def state(self) -> tuple:
+        return (
+            {r: (list(q.token_ids), q.num_computed, q.num_committed, [b.block_id for b in q.blocks])
+             for r, q in self.pool.requests.items()},
+            set(self.pool.pending),
+            self.pool.blocks.num_free,
+            self.cached(),
+        )
+
+
+def test_a_pending_decode_holds_a_placeholder_until_its_late_value():
+    d = Driver()
+    d.step([new("a", [1, 2, 3])], in_flight=False)  # prefill in flight, samples token 4
+    d.step(pending=["a"])  # step 2: position 3 granted, its value still being sampled
+    assert d.tokens("a") == [1, 2, 3, PENDING]
+    assert d.pool.requests["a"].num_computed == 4 and d.pool.pending == {"a"}
+    d.step(pending=["a"], late={"a": 4})  # step 3: learns 4, grants position 4
+    assert d.tokens("a") == [1, 2, 3, 4, PENDING]
+    assert d.pool.requests["a"].num_computed == 5 and d.pool.pending == {"a"}
+
+
+def test_a_block_is_cached_only_once_the_step_that_filled_it_has_executed():
+    d = Driver()
+    d.step([new("a", [1, 2, 3])], in_flight=False)  # step 1 fills block 0, writes position 2
+    d.step(pending=["a"])  # sent while step 1 executes: nothing may be cached yet
+    assert d.cached() == 0
+    d.step(pending=["a"], late={"a": 4})  # step 1 has executed: block 0 ([1, 2]) is cached
+    assert d.cached() == 1
+    # Step 2 filled block 1 ([3, 4]); it executes while step 3's call is made, so not yet.
+    assert d.pool.requests["a"].num_committed == 3
+    d.step(pending=["a"], late={"a": 5})
+    assert d.cached() == 2
+    # A new prompt sharing the prefix hits exactly the executed blocks.
+    result = d.step([new("b", [1, 2, 3, 4, 9])], pending=["a"], late={"a": 6})
+    assert [g.num_cached_tokens for g in result.grants if g.request_id == "b"] == [4]
+
+
+def test_without_commit_previous_the_executed_step_is_dropped_and_the_in_flight_one_kept():
+    d = Driver()
+    d.step([new("a", [1, 2, 3])], in_flight=False)
+    d.step(pending=["a"])
+    d.step(pending=["a"], late={"a": 4}, commit_previous=False)  # step 1's batch failed
+    assert d.cached() == 0
+    d.step(pending=["a"], late={"a": 5})  # step 2 executed: its count, 4, is committed
+    assert d.cached() == 2 and d.pool.requests["a"].num_committed == 4
+
+
+def test_a_step_out_of_the_pipeline_commits_everything_granted_so_far():
+    d = Driver()
+    d.step([new("a", [1, 2, 3])], in_flight=False)
+    d.step(pending=["a"])
+    # Both batches have executed (the engine went idle): one plain Step commits them all.
+    d.step(late={"a": 4}, decodes=Decodes(["a"], [5]), in_flight=False)
+    assert d.pool.requests["a"].num_committed == 4 and d.cached() == 2
+
+
+def test_a_pending_decode_preempted_by_swap_drops_its_placeholder():
+    d = Driver(num_blocks=4, num_cpu_blocks=4)
+    d.step([new("a", [1, 2]), new("b", [1, 3, 5, 7, 9])], in_flight=False)
+    # a enters a new block (3 needed, 4 - 3 - 1 free): b, behind it, is swapped out.
+    result = d.step(pending=["a", "b"], swap=True)
+    assert [p.request_id for p in result.preempted] == ["b"]
+    assert d.tokens("b") == [1, 3, 5, 7, 9] and d.pool.pending == {"a"}
+    assert d.pool.requests["b"].swapped
+
+
+def test_a_commit_never_reaches_a_pending_token():
+    d = Driver()
+    d.step([new("a", [1, 2, 3])], in_flight=False)
+    d.step(pending=["a"])  # position 3 pending: block 1 would be [3, PENDING]
+    d.step(commits=[Commit("a", 4)], commit_previous=False)  # a client's mistake
+    assert d.pool.requests["a"].num_committed == 3 and d.cached() == 1
+    d.step(late={"a": 4}, commits=[Commit("a", 4)], commit_previous=False)
+    assert d.cached() == 2
+
+
+def test_a_pending_request_is_freed_cleanly_and_cannot_be_forked():
+    d = Driver()
+    d.step([new("a", [1, 2, 3]), new("b", [5, 6])], in_flight=False)
+    d.step(pending=["a", "b"])
+    with pytest.raises(FailedPrecondition, match="holds a pending token"):
+        d.allocator.fork("p", d.pool.epoch, "a", ["c"], d.lease)
+    d.step(free=["a"], late={"a": 4, "b": 7})  # a finished: its late value may come along
+    assert not d.pool.pending and "a" not in d.pool.requests
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"late": {"b": 4}}, InvalidArgument, "'b' has no pending token"),
+        ({"late": {"zz": 4}}, NotFound, "late token for unknown request 'zz'"),
+        ({"late": {"a": -2}}, InvalidArgument, "a: late token ids must be >= 0, got -2"),
+        ({"late": {"": 1}}, InvalidArgument, "needs a request_id"),
+        ({"pending": ["a"]}, InvalidArgument, "'a' holds a pending token"),
+        ({"pending": ["b", "b"]}, InvalidArgument, "'b' appears twice"),
+        ({"pending": [""]}, InvalidArgument, "needs a request_id"),
+        ({"pending": ["zz"]}, NotFound, "pending decode for unknown request 'zz'"),
+        ({"pending": ["b"], "free": ["b"]}, InvalidArgument, "both freed and scheduled"),
+        ({"pending": ["b"], "decodes": Decodes(["b"], [1])}, InvalidArgument, "appears twice"),
+        ({"pending": ["c"]}, InvalidArgument, "'c' has 1 known tokens not computed"),
+        ({"decodes": Decodes(["a"], [1])}, InvalidArgument, "'a' holds a pending token"),
+        ({"items": [StepItem("a", 1, None, "", [1])]}, InvalidArgument, "holds a pending"),
+        ({"pending": ["b"], "lease": "other"}, PermissionDenied, "belongs to another lease"),
+        ({"late": {"a": 4}, "lease": "other"}, PermissionDenied, "belongs to another lease"),
+    ],
+)
+def test_bad_pipelining_fields_are_refused_and_change_nothing(kwargs, error, match):
+    d = Driver()
+    d.step([new("a", [1, 2, 3]), new("b", [5, 6]), new("c", [7, 8, 9], 2)], in_flight=False)
+    d.step(pending=["a"])  # a holds a pending token; b is plain; c has a token not computed
+    if kwargs.get("lease") == "other":
+        kwargs["lease"] = d.allocator.create_lease(60.0).lease_id
+    before = d.state()
+    with pytest.raises(error, match=match):
+        d.step(**kwargs)
+    assert d.state() == before
+
+
+def test_a_step_with_late_values_alone_is_not_empty():
+    d = Driver()
+    d.step([new("a", [1, 2, 3])], in_flight=False)
+    d.step(pending=["a"])
+    d.step(late={"a": 4}, in_flight=False)
+    assert d.tokens("a") == [1, 2, 3, 4] and not d.pool.pending
+
+
+def test_service_pipelined_step_round_trip_and_bad_input(stub):
+    pool = register(stub, block_size=2)
+
+    def call(**fields):
+        return stub.Step(pb.StepRequest(pool_id=pool.pool_id, epoch=pool.epoch, **fields))
+
+    call(items=[new("a", [1, 2, 3])])
+    response = call(previous_step_in_flight=True, pending_decode_request_ids=["a"],
+                    commit_previous_step=True, compact_grants=True)
+    assert not response.grants and not response.appended_request_ids  # position 3: block 1
+    response = call(previous_step_in_flight=True, pending_decode_request_ids=["a"],
+                    late_request_ids=["a"], late_token_ids=[4], commit_previous_step=True,
+                    compact_grants=True)
+    assert list(response.appended_request_ids) == ["a"]  # position 4 starts block 2
+    (grant,) = call(items=[new("b", [1, 2, 3, 4, 9])]).grants
+    assert grant.num_cached_tokens == 2  # block 0 only: block 1's step was still in flight
+    for code, match, fields in [
+        (grpc.StatusCode.INVALID_ARGUMENT, "late_request_ids has 1 entries",
+         {"late_request_ids": ["a"]}),
+        (grpc.StatusCode.INVALID_ARGUMENT, "holds a pending token",
+         {"decode_request_ids": ["a"], "decode_token_ids": [7]}),
+        (grpc.StatusCode.NOT_FOUND, "pending decode for unknown request 'zz'",
+         {"pending_decode_request_ids": ["zz"]}),
+    ]:
+        expect_error(code, lambda f=fields: call(**f), match=match)
+    assert stub.GetStats(pb.GetStatsRequest(pool_id=pool.pool_id)).pools[0].num_requests == 2

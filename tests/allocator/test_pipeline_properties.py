@@ -1,0 +1,248 @@
+"""Stateful property test of pipelined steps against a simple reference model.
+
+The model plays a pipelining gateway and its executor. Each step sends the allocator the next
+Step while the previous batch is still "executing": pending decodes for the requests that
+batch samples, the late values of the tokens it sampled the step before, frees, new prompts,
+swapped requests coming back. Only then does that batch execute: it writes a shadow KV cache
+(each slot remembers the salt, position and token that wrote it) through the tables it was
+granted, even for requests the Step just freed or preempted, as a real executor would.
+
+What must hold, checked against the shadow cache rather than the allocator's own state:
+- a prefix hit, read at the moment the Step returns (before the batch in flight has written
+  anything), holds exactly the new request's tokens: nothing is cached before its KV is
+  written (the commit rule under pipelining);
+- every batch reads back its own tokens through its table before it writes;
+- the allocator's invariants hold after every step, no placeholder is ever hashed (events
+  carry only real tokens), and freeing everything returns every block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from allocator_svc.core.allocator import Allocator, Limits
+from allocator_svc.core.pipeline import Pipelined
+from allocator_svc.core.pool import PoolConfig
+from allocator_svc.core.step import Decodes, PreemptionMode, StepItem
+
+BLOCK_SIZE = 2
+NUM_BLOCKS = 8
+NUM_CPU_BLOCKS = 6
+SALTS = ("", "tenant")
+
+Slot = tuple[str, int, int]  # (salt, position, token) that wrote the slot
+
+
+@dataclass
+class Mirror:
+    """What the gateway knows of one request."""
+
+    salt: str
+    tokens: list[int]  # every known value: the prompt, then sampled tokens
+    known_to_allocator: int = 0  # values the allocator holds
+    computed: int = 0  # positions granted by the allocator (executed or in flight)
+    pending: bool = False  # the allocator holds a placeholder at known_to_allocator
+    table: list[int] = field(default_factory=list)
+    swapped: bool = False
+
+
+@dataclass
+class Work:
+    """One request's part of the batch in flight, with the table it was granted."""
+
+    request_id: str
+    mirror: Mirror
+    start: int
+    num: int
+    sample: bool
+    table: list[int]
+
+
+def _sample(tokens: list[int], position: int) -> int:
+    """A deterministic 'model': equal prefixes continue equally, so prefixes get shared."""
+    return (sum(tokens[-2:]) + position) % 3
+
+
+class PipelineMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocator = Allocator(Limits(max_batch_items=64, event_capacity=1 << 16))
+        self.pool, _ = self.allocator.register_pool(
+            PoolConfig("p", NUM_BLOCKS, BLOCK_SIZE, NUM_CPU_BLOCKS, "fp", "i", True)
+        )
+        self.lease_id = self.allocator.create_lease(3600.0).lease_id
+        self.gpu: dict[int, list[Slot | None]] = {b: [None] * BLOCK_SIZE for b in range(NUM_BLOCKS)}
+        self.cpu: dict[int, list[Slot | None]] = {
+            b: [None] * BLOCK_SIZE for b in range(NUM_CPU_BLOCKS)
+        }
+        self.requests: dict[str, Mirror] = {}
+        self.in_flight: list[Work] = []
+        self.next_id = 0
+        self.num_pending_granted = 0
+
+    def _read(self, table: list[int], upto: int) -> list[Slot | None]:
+        return [self.gpu[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in range(upto)]
+
+    @staticmethod
+    def _expect(mirror: Mirror, upto: int) -> list[Slot]:
+        return [(mirror.salt, p, mirror.tokens[p]) for p in range(upto)]
+
+    @rule(
+        prompts=st.lists(
+            st.tuples(
+                st.lists(st.integers(0, 2), min_size=1, max_size=7),
+                st.sampled_from(SALTS),
+                st.integers(1, 7),
+            ),
+            max_size=2,
+        ),
+        data=st.data(),
+        swap=st.booleans(),
+        commit_previous=st.booleans(),
+        chunk=st.integers(1, 4),
+    )
+    def step(self, prompts, data, swap, commit_previous, chunk) -> None:
+        # 1. What the gateway sends while the batch in flight executes.
+        late_ids, late_tokens = [], []
+        for request_id, mirror in self.requests.items():
+            if mirror.pending:  # sampled by the batch before the one in flight: known now
+                late_ids.append(request_id)
+                late_tokens.append(mirror.tokens[mirror.known_to_allocator])
+        sampling_now = {w.request_id for w in self.in_flight if w.sample}
+        alive = sorted(self.requests)
+        free_ids = data.draw(st.lists(st.sampled_from(alive), unique=True), "free") if alive else []
+        pending_ids, items = [], []
+        for request_id in alive:
+            if request_id in free_ids or not data.draw(st.booleans(), "schedule"):
+                continue
+            mirror = self.requests[request_id]
+            if request_id in sampling_now and not mirror.swapped:
+                pending_ids.append(request_id)  # its next token is being sampled
+                continue
+            known = mirror.known_to_allocator + (request_id in late_ids)
+            if request_id in sampling_now:
+                continue  # swapped: it comes back once its sampled token is known
+            items.append(StepItem(request_id, chunk, None, "", mirror.tokens[known:]))
+        for prompt, salt, num in prompts:
+            request_id = f"r{self.next_id}"
+            self.next_id += 1
+            self.requests[request_id] = Mirror(salt, list(prompt))
+            items.append(StepItem(request_id, num, list(prompt), salt))
+        if not (items or pending_ids or late_ids or free_ids or self.in_flight):
+            return  # nothing to send, nothing executing
+        result = self.allocator.step(
+            "p",
+            self.pool.epoch,
+            self.lease_id,
+            [],
+            free_ids,
+            [],
+            items,
+            PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE,
+            commit_previous=commit_previous,
+            pipeline=Pipelined(bool(self.in_flight), Decodes(late_ids, late_tokens), pending_ids),
+        )
+        for request_id in late_ids:
+            mirror = self.requests[request_id]
+            mirror.known_to_allocator += 1
+            mirror.pending = False
+        for request_id in free_ids:
+            del self.requests[request_id]
+        for item in items:
+            if item.prompt_token_ids is None:
+                self.requests[item.request_id].known_to_allocator += len(item.append_token_ids)
+
+        # 2. The Step is back: a prefix hit must already hold the request's tokens.
+        grants = {g.request_id: g for g in result.all_grants(BLOCK_SIZE)}
+        for item in items:
+            grant = grants.get(item.request_id)
+            if item.prompt_token_ids is not None and grant is not None:
+                mirror = self.requests[item.request_id]
+                hit = grant.block_ids[: grant.num_cached_tokens // BLOCK_SIZE]
+                assert self._read(hit, grant.num_cached_tokens) == self._expect(
+                    mirror, grant.num_cached_tokens
+                ), f"{item.request_id}: a prefix hit on KV not written yet"
+
+        # 3. The batch in flight executes (after the Step, before the next batch).
+        for work in self.in_flight:
+            assert self._read(work.table, work.start) == self._expect(work.mirror, work.start), (
+                f"{work.request_id} reads foreign KV"
+            )
+            for p in range(work.start, work.start + work.num):
+                self.gpu[work.table[p // BLOCK_SIZE]][p % BLOCK_SIZE] = (
+                    work.mirror.salt, p, work.mirror.tokens[p],
+                )
+            if work.sample:
+                end = work.start + work.num
+                assert len(work.mirror.tokens) == end, "samples only at its last token"
+                work.mirror.tokens.append(_sample(work.mirror.tokens, end))
+
+        # 4. The outcome forms the next batch (the sampled values are known by now).
+        for c in result.swap_out:
+            self.cpu[c.dst_block_id] = list(self.gpu[c.src_block_id])
+        for p in result.preempted:
+            if p.mode is PreemptionMode.SWAP:
+                mirror = self.requests[p.request_id]
+                mirror.swapped, mirror.table = True, []
+                if p.request_id in pending_ids:  # not granted: no placeholder was kept
+                    assert p.request_id not in self.pool.pending
+            else:
+                del self.requests[p.request_id]
+        for c in result.swap_in:
+            self.gpu[c.dst_block_id] = list(self.cpu[c.src_block_id])
+        for c in result.copies:
+            self.gpu[c.dst_block_id] = list(self.gpu[c.src_block_id])
+        skipped = {p.request_id for p in result.preempted} | set(result.deferred)
+        for item in items:
+            if item.request_id in skipped and item.prompt_token_ids is not None:
+                self.requests.pop(item.request_id, None)
+        batch = []
+        for request_id in [*pending_ids, *(i.request_id for i in items)]:
+            if request_id in skipped:
+                continue
+            mirror = self.requests[request_id]
+            grant = grants.get(request_id)
+            if grant is not None:
+                mirror.table[grant.delta_start :] = grant.block_ids
+                mirror.swapped = False
+                start, num = grant.start_position, grant.num_scheduled
+                if grant.new_request:
+                    mirror.known_to_allocator = len(mirror.tokens)
+                    mirror.computed = grant.num_cached_tokens
+            else:  # granted without a table change
+                start = mirror.computed
+                num = 1 if request_id in pending_ids else min(
+                    chunk, mirror.known_to_allocator - mirror.computed
+                )
+            assert start == mirror.computed, f"{request_id}: grant starts where it stands"
+            if request_id in pending_ids:
+                assert num == 1
+                mirror.pending = True
+                self.num_pending_granted += 1
+            mirror.computed = start + num
+            if num:
+                sample = mirror.computed == len(mirror.tokens)
+                batch.append(Work(request_id, mirror, start, num, sample, list(mirror.table)))
+        self.in_flight = batch
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        self.allocator.check_invariants()
+        assert set(self.pool.requests) == set(self.requests)
+        assert self.pool.pending == {r for r, m in self.requests.items() if m.pending}
+
+    def teardown(self) -> None:
+        self.allocator.free("p", self.pool.epoch, [], sorted(self.requests), self.lease_id)
+        self.allocator.check_invariants()
+        assert self.pool.blocks.num_free == NUM_BLOCKS
+        assert len(self.pool.free_cpu_block_ids) == NUM_CPU_BLOCKS
+
+
+PipelineMachine.TestCase.settings = settings(
+    max_examples=400, stateful_step_count=30, deadline=None
+)
+test_pipelined_steps_against_a_reference = PipelineMachine.TestCase
