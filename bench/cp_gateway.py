@@ -5,13 +5,14 @@ what they do) the engine's step, the scheduler's three phases, the two clients' 
 protobuf encoders/decoders of the two hot-path RPCs, and appends one JSON line per executed
 step to $PAGEDKV_BENCH_STEP_LOG:
 
-    total      Engine.step, from scheduling to the last emitted token
+    total      Engine.step: scheduling, the Step, the previous batch's return and tokens
+               (pipelined: it was launched by the step before), the next Execute sent
     sched      Scheduler.schedule + apply_outcome + apply_result
     alloc      AllocatorClient.step (message building, the Step RPC, response conversion)
     exec       ExecutorClient.execute (the same for Execute)
     ser_alloc, ser_exec   protobuf encode of the request + decode of the response (gateway side)
     forward, sample, exec_total   the executor's own report (Timings)
-    seqs       sequences in the Execute call
+    seqs       sequences in the Execute call whose response this step decoded
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import functools
 import json
 import os
 import time
+from collections import deque
 from typing import Any
 
 from gateway import allocator_client, executor_client
@@ -29,6 +31,7 @@ from pagedkv.allocator.v1 import allocator_pb2 as apb
 from pagedkv.executor.v1 import executor_pb2 as epb
 
 _current: dict[str, Any] = {}
+_launched: deque[int] = deque()  # sizes of the batches whose Execute is out, oldest first
 _log = None
 
 
@@ -76,6 +79,7 @@ def _decoder(cls: Any, key: str, report: bool) -> Any:
         message = cls.FromString(data)
         _add(key, time.perf_counter() - t0)
         if report:
+            _current["seqs"] = _launched.popleft() if _launched else 0
             _current["forward"] = message.timings.forward_ms
             _current["sample"] = message.timings.sample_ms
             _current["exec_total"] = message.timings.total_ms
@@ -115,13 +119,15 @@ def install() -> None:
                      "/pagedkv.executor.v1.ExecutorService/Execute", epb.ExecuteResponse,
                      "ser_exec", report=True)
     original_step = Engine.step
-    original_execute = executor_client.ExecutorClient.execute
+    original_launch = Engine._launch
 
-    async def execute(self: Any, call: Any, *args: Any, **kwargs: Any) -> Any:
-        _current["seqs"] = call.num_seqs
-        return await original_execute(self, call, *args, **kwargs)
+    def launch(self: Any, batch: Any) -> None:
+        # Pipelined, a batch launched in one step returns in the next: its size travels
+        # with it to the step that decodes its response.
+        _launched.append(batch.call.num_seqs)
+        original_launch(self, batch)
 
-    executor_client.ExecutorClient.execute = execute
+    Engine._launch = launch  # type: ignore[method-assign]
 
     async def step(self: Any) -> bool:
         _current.clear()

@@ -163,6 +163,10 @@ class AllocatorClient:
             decode_request_ids=call.decode_request_ids,
             decode_token_ids=call.decode_token_ids,
             compact_grants=True,
+            previous_step_in_flight=call.previous_step_in_flight,
+            pending_decode_request_ids=call.pending_decode_request_ids,
+            late_request_ids=call.late_request_ids,
+            late_token_ids=call.late_token_ids,
         )
         # NOTE: Step is not idempotent; past the deadline its outcome is unknown (recovery.py).
         return _outcome(await self.stub.Step(request, timeout=self.timeout_s))

@@ -142,6 +142,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
             output=output,
             on_lost=router.requeue,
             stats=StepStats(window=settings.stats_every_steps),
+            pipeline=settings.pipeline_steps,
         )
         router.engines.append(engine)
     info = ModelInfo(

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from gateway.request_state import Sequence
-from gateway.step import ExecuteCall, StepCall
+from gateway.step import ExecuteCall, ExecuteResult, StepCall
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,7 @@ class ScheduledStep:
     call: StepCall
     seqs: dict[str, Sequence]
     executed: dict[str, int] = field(default_factory=dict)  # what commit_previous_step covers
+    late: list[Sequence] = field(default_factory=list)  # whose late token the call carries
 
 
 @dataclass(slots=True)
@@ -49,3 +51,12 @@ class Batch:
     call: ExecuteCall
     scheduled: list[tuple[Sequence, int]]
     num_decodes: int = 0
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A batch whose Execute is out: the next step is planned and allocated meanwhile."""
+
+    batch: Batch
+    execute: asyncio.Future[ExecuteResult]
+    launched: float  # time.perf_counter() when the call went out

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,15 +23,15 @@ import grpc
 import structlog
 
 from common.errors import ServiceError, Unavailable
-from gateway import recovery
-from gateway.batch import Batch, ScheduledStep
+from gateway import orphans, recovery
+from gateway.batch import Batch, InFlight, ScheduledStep
 from gateway.executor_client import ExecutorDescription
 from gateway.held_outputs import HeldOutputs
 from gateway.output import OutputProcessor
 from gateway.pool_link import PoolLink
 from gateway.request_state import CompletionDelta, Sequence
 from gateway.scheduler import Scheduler
-from gateway.step import StepOutcome
+from gateway.step import ExecuteResult, StepOutcome
 from gateway.step_stats import StepStats
 
 log = structlog.get_logger(__name__)
@@ -62,6 +62,12 @@ class Engine:
     # step holds its own for the next one.
     held: HeldOutputs = field(default_factory=HeldOutputs)
     holding: bool = False
+    # Pipelined steps (DESIGN.md, the hot path): a step's Step goes out while the previous
+    # step's batch executes. Off: each step's Execute returns before the next Step.
+    pipeline: bool = True
+    in_flight: InFlight | None = None
+    last_step_ms: float = 0.0  # the latest Step's round trip
+    stepping: bool = False
 
     # Called by other coroutines.
 
@@ -78,7 +84,8 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return self._has_work()
+        """Work left, or a step under way (its calls, a final Free among them, still out)."""
+        return self.stepping or self._has_work()
 
     @property
     def load(self) -> int:
@@ -110,6 +117,7 @@ class Engine:
                 progressed = await self.step()
             except Exception:  # noqa: BLE001 - a bug must not kill the loop and hang clients
                 log.exception("engine_step_failed", pool_id=self.pool_id)
+                self.abandon_in_flight()
                 recovery.step_crashed(self, self.plan, self.batch)
                 progressed = True
             # Yield to the RPC handlers; back off a little when nothing could be scheduled.
@@ -118,15 +126,20 @@ class Engine:
     async def step(self) -> bool:
         """One scheduling step; False when nothing could run (all deferred)."""
         self.holding = False
+        self.stepping = True
         try:
             return await self._step()
         finally:
+            self.stepping = False
             if not self.holding:  # no Execute follows with which to overlap: deliver now
                 self.deliver()
 
     async def _step(self) -> bool:
         self.plan = self.batch = None
-        if self.link.take_lease_renewal():
+        renewal = self.link.take_lease_renewal()
+        if renewal or self.orphan_ids:
+            await self._land()  # recovery starts from a settled state: nothing executing
+        if renewal:
             recovery.allocator_forgot(self, "lease_renewed")
         if self.has_cancellations:
             self._apply_cancellations()
@@ -135,18 +148,29 @@ class Engine:
             if not await recovery.abort_orphans(self):
                 return False
         started = time.perf_counter()
-        plan = self.plan = self.scheduler.schedule()
+        in_flight = self.in_flight is not None
+        plan = self.plan = self.scheduler.schedule(in_flight)
         if plan is None or not plan.call.has_items():
+            await self._land()  # nothing to overlap with the batch executing
             self.deliver()
             if plan is None:
                 await self._flush_releases()
             else:
                 await self._flush_housekeeping(plan)
             return True
-        outcome = await self._allocator_step(plan)
+        landed: tuple[ExecuteResult, float] | None = None
+        if in_flight:
+            # Pipelined: this step's Step goes out while the previous batch executes.
+            step_call = asyncio.ensure_future(self.link.step(plan.call))
+            landed = await self._land()
+            outcome = await self._allocator_step(plan, step_call)
+            if not self.healthy:  # the executor went away meanwhile: the Step's outcome too
+                orphans.note_held(self, plan)
+                return True
+        else:
+            outcome = await self._allocator_step(plan, self.link.step(plan.call))
         if outcome is None:
             return False
-        t_alloc = time.perf_counter()
         batch = self.batch = self.scheduler.apply_outcome(plan, outcome)
         if batch.call.is_empty():
             # Nothing to run, but releases (a recompute preemption) must still go out.
@@ -154,15 +178,46 @@ class Engine:
             self.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
             await self._flush_releases()
             return False
-        t_sched = time.perf_counter()
+        self._launch(batch)
+        if not self.pipeline:
+            landed = await self._land()
+        if landed is not None:
+            result, execute_ms = landed
+            self.stats.record(
+                total_ms=(time.perf_counter() - started) * 1e3,
+                allocator_ms=self.last_step_ms,
+                execute_ms=execute_ms,
+                compute_ms=result.compute_ms,
+                num_seqs=len(batch.scheduled),
+            )
+            if self.stats.should_report():
+                log.info("engine_step_stats", pool_id=self.pool_id, **self.stats.summary())
+        return True
+
+    def _launch(self, batch: Batch) -> None:
+        """Send the batch's Execute; it is awaited by `_land`, in this step or the next."""
+        execute = asyncio.ensure_future(self.link.execute(batch.call))
+        self.scheduler.launch(batch)
+        self.in_flight = InFlight(batch, execute, time.perf_counter())
+
+    async def _land(self) -> tuple[ExecuteResult, float] | None:
+        """Await the batch in flight, if any, and take its tokens (the previous step's
+        streams are written meanwhile); returns its result and round trip (ms), or None."""
+        flight, self.in_flight = self.in_flight, None
+        if flight is None:
+            return None
+        batch = self.batch = flight.batch
         try:
-            # The previous step's streams are written while the executor computes.
-            result = await self.held.during_execute(self.link.execute(batch.call))
+            result = await self.held.during_execute(flight.execute, flight.launched)
         except grpc.aio.AioRpcError as exc:
+            self.scheduler.land(batch)
             recovery.execute_failed(self, batch, exc)
-            return True
+            return None
+        except BaseException:
+            self.scheduler.land(batch)
+            raise
+        execute_ms = (time.perf_counter() - flight.launched) * 1e3
         self.releases_refused = False  # any waiting releases went out with this Execute
-        t_exec = time.perf_counter()
         for seq, token in self.scheduler.apply_result(batch, result):
             self._emit(seq, token)
         parents = self.scheduler.ready_to_fork(batch)
@@ -171,17 +226,16 @@ class Engine:
         for parent in parents:
             await self._fork(parent)
         self.holding = self.held.worth_holding()
-        done = time.perf_counter()
-        self.stats.record(
-            total_ms=(done - started) * 1e3,
-            allocator_ms=(t_alloc - started) * 1e3,
-            execute_ms=(t_exec - t_sched) * 1e3,
-            compute_ms=result.compute_ms,
-            num_seqs=len(batch.scheduled),
-        )
-        if self.stats.should_report():
-            log.info("engine_step_stats", pool_id=self.pool_id, **self.stats.summary())
-        return True
+        return result, execute_ms
+
+    def abandon_in_flight(self) -> None:
+        """A bug interrupted a step: the batch in flight is not awaited (its sequences are
+        failed and released by the caller)."""
+        flight, self.in_flight = self.in_flight, None
+        if flight is not None:
+            self.scheduler.land(flight.batch)
+            flight.execute.add_done_callback(_retrieve)
+            flight.execute.cancel()
 
     # Pieces of a step.
 
@@ -191,6 +245,7 @@ class Engine:
             self.scheduler.has_work() or pending.has_allocator_work()
             or (bool(pending.release_ids) and not self.releases_refused)
             or self.has_cancellations or bool(self.orphan_ids) or bool(self.held)
+            or self.in_flight is not None
         )
 
     def _emit(self, seq: Sequence, token: int) -> None:
@@ -203,13 +258,17 @@ class Engine:
         """Hand every held delta to its stream now, in order."""
         self.held.deliver()
 
-    async def _allocator_step(self, plan: ScheduledStep) -> StepOutcome | None:
+    async def _allocator_step(
+        self, plan: ScheduledStep, call: Awaitable[StepOutcome]
+    ) -> StepOutcome | None:
+        sent = time.perf_counter()
         try:
-            outcome = await self.held.during_step(self.link.step(plan.call))
+            outcome = await self.held.during_step(call)
         except grpc.aio.AioRpcError as exc:
             self.deliver()
             await recovery.allocator_step_failed(self, plan, exc)
             return None
+        self.last_step_ms = (time.perf_counter() - sent) * 1e3
         self.allocator_down_since = None
         return outcome
 
@@ -299,3 +358,9 @@ class Engine:
             log.error("executor_release_refused", pool_id=self.pool_id, code=exc.code().name,
                       details=exc.details(), num=len(ids))
             self.releases_refused = True
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark an abandoned call's failure as seen (asyncio would log it as never retrieved)."""
+    if not future.cancelled():
+        future.exception()

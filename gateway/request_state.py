@@ -84,6 +84,12 @@ class Sequence:
     num_allocator_tokens: int = 0      # tokens the allocator knows (0: not admitted there)
     known_to_allocator: bool = False
     known_to_executor: bool = False
+    # Pipelined steps: tokens it computes in the batch executing now, and whether that batch
+    # samples its next token; whether the allocator holds a slot for a token whose value it
+    # has not been sent yet (position num_allocator_tokens: a late token of the next Step).
+    num_in_flight: int = 0
+    samples_in_flight: bool = False
+    allocator_pending: bool = False
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     seed_offset: int = 0
@@ -108,6 +114,13 @@ class Sequence:
         if start >= num_prompt:
             return outputs[start - num_prompt : stop - num_prompt]
         return prompt[start:num_prompt] + outputs[: stop - num_prompt]
+
+    def token_at(self, position: int) -> int:
+        """token_ids[position] (hot path: a generated token, for a late value)."""
+        num_prompt = len(self.request.prompt_token_ids)
+        if position >= num_prompt and not self.is_prefill_parent:
+            return self.output_token_ids[position - num_prompt]
+        return self.token_slice(position, position + 1)[0]
 
     @property
     def last_token_id(self) -> int:
@@ -144,5 +157,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_allocator_tokens = 0
         self.known_to_allocator = False
+        self.allocator_pending = False
+        self.num_in_flight = 0
+        self.samples_in_flight = False
         self.block_table.clear()
         self.num_preemptions += 1

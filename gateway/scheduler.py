@@ -57,10 +57,11 @@ class Scheduler:
         return [s for q in (self.running, self.swapped, self.waiting) for s in q]
 
     # One step.
-    def schedule(self) -> ScheduledStep | None:
-        """The step's items under the budgets; None when there is nothing to send."""
+    def schedule(self, in_flight: bool = False) -> ScheduledStep | None:
+        """The step's items under the budgets; None when there is nothing to send.
+        `in_flight`: planned while the previous batch executes (pipelined)."""
         self._compact()
-        return plan_step(self)
+        return plan_step(self, in_flight)
 
     def apply_outcome(self, step: ScheduledStep, outcome: StepOutcome) -> Batch:
         """Apply the allocator's grants, preemptions and deferrals; build the Execute call."""
@@ -72,15 +73,21 @@ class Scheduler:
         sampled: list[tuple[Sequence, int]] = []
         executed = self.pending.executed
         scheduled = batch.scheduled
+        self.land(batch)
         # The compact decodes: one token computed and one sampled each, in column order.
+        # A sequence cancelled while its batch was executing is skipped.
         decodes = islice(scheduled, batch.num_decodes)
         for (seq, _), decoded in zip(decodes, result.decode_token_ids, strict=True):
+            if seq.status is SeqStatus.FINISHED:
+                continue
             seq.num_computed_tokens += 1
             executed[seq.seq_id] = seq.num_computed_tokens
             seq.output_token_ids.append(decoded)
             sampled.append((seq, decoded))
         tokens = {t.request_id: t.token_id for t in result.tokens}
         for seq, num in islice(scheduled, batch.num_decodes, None):
+            if seq.status is SeqStatus.FINISHED:
+                continue
             seq.num_computed_tokens += num
             executed[seq.seq_id] = seq.num_computed_tokens
             token = tokens.get(seq.seq_id)
@@ -88,6 +95,20 @@ class Scheduler:
                 seq.output_token_ids.append(token)
                 sampled.append((seq, token))
         return sampled
+
+    def launch(self, batch: Batch) -> None:
+        """The batch is executing: the next step plans on top of it (pipelined)."""
+        for seq, num in batch.scheduled:
+            seq.num_in_flight = num
+            seq.samples_in_flight = (
+                not seq.is_prefill_parent and seq.num_computed_tokens + num == seq.num_tokens
+            )
+
+    def land(self, batch: Batch) -> None:
+        """The batch is no longer executing (returned or failed)."""
+        for seq, _ in batch.scheduled:
+            seq.num_in_flight = 0
+            seq.samples_in_flight = False
 
     def ready_to_fork(self, batch: Batch) -> list[Sequence]:
         """Prefill parents (n > 1) whose shared prompt is now computed."""
@@ -119,6 +140,16 @@ class Scheduler:
             self.pending.abort_ids.append(seq.seq_id)
             seq.known_to_allocator = False
         self.release(seq)
+
+    def forget_freed(self, seq: Sequence) -> None:
+        """A finished sequence the allocator has freed on its own (preempted): nothing queued
+        for it may reach the allocator (it would name an unknown request)."""
+        pending = self.pending
+        pending.commits.pop(seq.seq_id, None)
+        pending.executed.pop(seq.seq_id, None)
+        for ids in (pending.free_ids, pending.abort_ids):
+            if seq.seq_id in ids:
+                ids.remove(seq.seq_id)
 
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's executor state with the next Execute (or Release)."""

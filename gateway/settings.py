@@ -42,6 +42,7 @@ class GatewaySettings:
     allocator_timeout_s: float
     execute_timeout_s: float
     stats_every_steps: int
+    pipeline_steps: bool
     log_json: bool
     log_level: str
 
@@ -111,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
         parser, "--stats-every-steps", type=int, default=500,
         help="log an engine_step_stats summary (control-plane cost) every N steps; 0: never",
     )
+    add_flag(
+        parser, "--pipeline-steps", type=parse_bool, default=True,
+        help="send each step's allocator Step while the previous step's Execute runs "
+        "(true/false); false: one call after the other",
+    )
     add_flag(parser, "--log-json", action="store_true", help="JSON logs (containers)")
     add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
     return parser
@@ -139,6 +145,7 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             allocator_timeout_s=args.allocator_timeout_s,
             execute_timeout_s=args.execute_timeout_s,
             stats_every_steps=args.stats_every_steps,
+            pipeline_steps=args.pipeline_steps,
             log_json=args.log_json,
             log_level=args.log_level,
         )

@@ -62,9 +62,16 @@ class StepCall:
     # that one token (no StepItem per decoding sequence on the hot path).
     decode_request_ids: tuple[str, ...] = ()
     decode_token_ids: tuple[int, ...] = ()
+    # Pipelined (sent while the previous step's batch executes): that batch is in flight;
+    # these sequences decode the token it is sampling for them (after the decodes in
+    # priority order), and these are the values of tokens such decodes were granted before.
+    previous_step_in_flight: bool = False
+    pending_decode_request_ids: tuple[str, ...] = ()
+    late_request_ids: tuple[str, ...] = ()
+    late_token_ids: tuple[int, ...] = ()
 
     def has_items(self) -> bool:
-        return bool(self.decode_request_ids or self.items)
+        return bool(self.decode_request_ids or self.pending_decode_request_ids or self.items)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -> Batch:
     """Apply the allocator's grants, preemptions and deferrals; build the Execute call."""
+    for seq in step.late:  # the allocator now holds these values
+        if seq.known_to_allocator and seq.allocator_pending:
+            seq.num_allocator_tokens += 1
+            seq.allocator_pending = False
     _apply_preemptions(sched, step, outcome)
     skipped = outcome.deferred_request_ids | {p.request_id for p in outcome.preempted}
     admitted: set[Sequence] = set()
@@ -40,6 +44,8 @@ def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -
             seq.num_allocator_tokens += 1 if item is None else len(item.append_token_ids)
         if request_id in skipped or seq.is_finished:
             continue
+        if item is _PENDING_DECODE:
+            seq.allocator_pending = True  # its value goes with the next Step
         grant = outcome.grants.get(request_id)
         if is_new:
             assert item is not None and grant is not None, (
@@ -99,11 +105,17 @@ def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -
                  num_decodes=len(decodes.scheduled))
 
 
+# The row of a pending decode: one token scheduled, none appended (its value is late).
+_PENDING_DECODE = StepItem("", 1)
+
+
 def _rows(call: StepCall) -> Iterator[tuple[str, StepItem | None]]:
     """The step's requests in priority order with their item; None for a compact decode
-    (one token appended, one scheduled)."""
+    (one token appended, one scheduled), _PENDING_DECODE for a pending one."""
     for request_id in call.decode_request_ids:
         yield request_id, None
+    for request_id in call.pending_decode_request_ids:
+        yield request_id, _PENDING_DECODE
     for item in call.items:
         yield item.request_id, item
 
@@ -141,6 +153,11 @@ def _apply_preemptions(sched: Scheduler, step: ScheduledStep, outcome: StepOutco
         seq = by_id.get(preemption.request_id) or step.seqs.get(preemption.request_id)
         assert seq is not None, f"allocator preempted unknown {preemption.request_id}"
         sched.num_preemptions += 1
+        if seq.is_finished:
+            # It ended while its batch executed, after this Step was planned (pipelined).
+            if not preemption.swapped:
+                sched.forget_freed(seq)  # the allocator freed it already
+            continue
         if seq in sched.running:
             sched.running.remove(seq)
         if preemption.swapped:

@@ -18,25 +18,43 @@ if TYPE_CHECKING:
     from gateway.scheduler import Scheduler
 
 
-def plan_step(sched: Scheduler) -> ScheduledStep | None:
+def plan_step(sched: Scheduler, in_flight: bool = False) -> ScheduledStep | None:
     """Choose the step's items under the budgets; None when there is nothing to send.
 
-    NOTE: running decodes go first, then running prefill chunks, swapped and new requests:
-    decodes travel in the allocator's compact form, which comes before the other items.
-    Under pressure, an old request still prefilling in chunks can therefore be preempted
-    before a newer decoding one (vLLM V1 orders purely by arrival).
+    `in_flight`: the previous step's batch is still executing (a pipelined step). Each of its
+    sequences that samples decodes the token being sampled (a pending decode: the allocator
+    needs the count, not the value), unless that token is its last by length; the others
+    plan on top of what the batch computes. The values of the tokens pending decodes were
+    granted in the previous step are known by now and go along as late tokens.
+
+    NOTE: running decodes go first, then pending decodes, then running prefill chunks,
+    swapped and new requests: decodes travel in the allocator's compact forms, which come
+    before the other items. Under pressure, an old request still prefilling in chunks can
+    therefore be preempted before a newer decoding one (vLLM V1 orders purely by arrival).
     """
     tokens_left = sched.budget.max_num_batched_tokens
     seqs_left = sched.budget.max_num_seqs
     decode_ids: list[str] = []
     decode_tokens: list[int] = []
+    pending_ids: list[str] = []
+    late: list[Sequence] = []
     items: list[StepItem] = []
     seqs: dict[str, Sequence] = {}
     for seq in [*sched.running, *sched.swapped]:
+        if seq.allocator_pending and seq.known_to_allocator:
+            late.append(seq)
         if seqs_left == 0 or tokens_left == 0:
-            break
-        num = min(seq.num_uncomputed_tokens, tokens_left)
-        if num == 0:
+            continue
+        ahead = seq.num_in_flight
+        if ahead and seq.samples_in_flight:
+            if not _samples_its_last(seq):
+                pending_ids.append(seq.seq_id)
+                seqs[seq.seq_id] = seq
+                tokens_left -= 1
+                seqs_left -= 1
+            continue
+        num = min(seq.num_uncomputed_tokens - ahead, tokens_left)
+        if num <= 0:
             continue
         if _is_decode(seq, num):
             decode_ids.append(seq.seq_id)
@@ -62,9 +80,10 @@ def plan_step(sched: Scheduler) -> ScheduledStep | None:
         tokens_left -= num
         seqs_left -= 1
     pending = sched.pending
-    if not decode_ids and not items and not pending.has_allocator_work():
+    has_items = bool(decode_ids or pending_ids or items)
+    if not has_items and not pending.has_allocator_work():
         return None
-    commit_previous = bool(decode_ids or items) and bool(pending.executed)
+    commit_previous = has_items and bool(pending.executed)
     if not commit_previous:
         for request_id, num_computed in pending.executed.items():
             pending.commits.setdefault(request_id, num_computed)
@@ -77,13 +96,24 @@ def plan_step(sched: Scheduler) -> ScheduledStep | None:
         commit_previous_step=commit_previous,
         decode_request_ids=tuple(decode_ids),
         decode_token_ids=tuple(decode_tokens),
+        previous_step_in_flight=in_flight and has_items,
+        pending_decode_request_ids=tuple(pending_ids),
+        late_request_ids=tuple(s.seq_id for s in late) if has_items else (),
+        late_token_ids=tuple(s.token_at(s.num_allocator_tokens) for s in late) if has_items else (),
     )
     executed = dict(pending.executed) if commit_previous else {}
     pending.executed.clear()
     pending.commits.clear()
     pending.free_ids.clear()
     pending.abort_ids.clear()
-    return ScheduledStep(call=call, seqs=seqs, executed=executed)
+    return ScheduledStep(call=call, seqs=seqs, executed=executed,
+                         late=late if has_items else [])
+
+
+def _samples_its_last(seq: Sequence) -> bool:
+    """The token the batch in flight samples for `seq` is its last (max_tokens): nothing to
+    plan. (A sequence that ends otherwise frees the slot it was granted.)"""
+    return len(seq.output_token_ids) + 1 >= seq.request.sampling.max_tokens
 
 
 def _is_decode(seq: Sequence, num: int) -> bool:

@@ -21,6 +21,7 @@ from allocator_svc import convert
 from allocator_svc.core import request as core_request
 from allocator_svc.core import step as core_step
 from allocator_svc.core.allocator import Allocator, Limits
+from allocator_svc.core.pipeline import Pipelined
 from allocator_svc.core.pool import Pool, PoolConfig
 from common.errors import ServiceError
 from gateway import allocator_client
@@ -48,6 +49,14 @@ def rpc_error(exc: ServiceError) -> grpc.aio.AioRpcError:
 
 def _decodes(call: StepCall) -> core_step.Decodes:
     return core_step.Decodes(list(call.decode_request_ids), list(call.decode_token_ids))
+
+
+def _pipelined(call: StepCall) -> Pipelined:
+    return Pipelined(
+        call.previous_step_in_flight,
+        core_step.Decodes(list(call.late_request_ids), list(call.late_token_ids)),
+        list(call.pending_decode_request_ids),
+    )
 
 
 def _items(call: StepCall) -> list[core_step.StepItem]:
@@ -107,7 +116,7 @@ class CorePool:
             result = self.allocator.step(
                 POOL_ID, self.epoch, None, _commits(call.commits),
                 list(call.free_request_ids), list(call.abort_request_ids), _items(call), mode,
-                call.commit_previous_step, _decodes(call),
+                call.commit_previous_step, _decodes(call), _pipelined(call),
             )
         except ServiceError as exc:
             raise rpc_error(exc) from exc

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,17 +36,45 @@ def add(sched: Scheduler, req: Request) -> list[Sequence]:
     return seqs
 
 
-def drive(sched: Scheduler, pool: CorePool, model: FakeModel, max_steps: int = 5000) -> int:
-    """Run every queued sequence to max_tokens; returns the number of steps."""
+def drive(
+    sched: Scheduler, pool: CorePool, model: FakeModel, max_steps: int = 5000,
+    pipelined: bool = False, stops: Callable[[int], bool] = lambda token: False,
+) -> int:
+    """Run every queued sequence to max_tokens (or a token `stops` accepts); returns the
+    number of steps. `pipelined`: the engine's order, each Step planned and sent while the
+    previous batch is in flight, which executes only after that Step (its writes land after
+    the Step's frees and preemptions, as on a real executor)."""
     steps = 0
-    while (plan := sched.schedule()) is not None:
+    in_flight = None
+
+    def land() -> None:
+        nonlocal in_flight
+        batch, in_flight = in_flight, None
+        assert batch is not None
+        for seq, token in sched.apply_result(batch, model.execute(batch.call)):
+            if len(seq.output_token_ids) >= seq.request.sampling.max_tokens or stops(token):
+                sched.finish(seq)
+
+    while True:
+        plan = sched.schedule(in_flight is not None)
+        if plan is None or not plan.call.has_items():
+            if in_flight is not None:
+                land()
+            if plan is None:
+                if in_flight is None and not sched.pending.has_allocator_work():
+                    break
+                continue
         steps += 1
         assert steps < max_steps, "no progress"
-        batch = sched.apply_outcome(plan, pool.step(plan.call))
-        result = model.execute(batch.call)
-        for seq, _ in sched.apply_result(batch, result):
-            if len(seq.output_token_ids) >= seq.request.sampling.max_tokens:
-                sched.finish(seq)
+        outcome = pool.step(plan.call)
+        if in_flight is not None:
+            land()
+        if not plan.call.has_items():
+            continue
+        in_flight = sched.apply_outcome(plan, outcome)
+        sched.launch(in_flight)
+        if not pipelined:
+            land()
     model.execute(sched.apply_outcome(*_empty_step(sched)).call)  # last releases
     return steps
 
@@ -265,27 +295,38 @@ def test_scheduler_fork_replaces_parent_with_children_sharing_its_table():
     num_blocks=st.integers(min_value=5, max_value=24),
     budget=st.integers(min_value=1, max_value=20),
 )
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "sequential"])
 def test_scheduler_any_pool_and_budget_gives_reference_outputs(
-    prompts: list[int], max_tokens: int, num_blocks: int, budget: int
+    prompts: list[int], max_tokens: int, num_blocks: int, budget: int, pipelined: bool
 ):
     # Whatever the pool size and token budget: same tokens, all blocks back, nothing held.
     sched = scheduler(seqs=4, tokens=budget)
     pool, model = CorePool(num_blocks, BLOCK), FakeModel(BLOCK)
     reqs = [request(f"r{i}", [(i * 7 + j) % 90 + 1 for j in range(p)], max_tokens=max_tokens)
             for i, p in enumerate(prompts)]
-    run_to_reference(sched, pool, model, reqs, max_tokens)
+    run_to_reference(sched, pool, model, reqs, max_tokens, pipelined)
+
+
+def _stop_token(token: int) -> bool:
+    """A stand-in for EOS or a stop token: a sequence may end before max_tokens, while the
+    pipelined step after it is already planned (and allocated) for it."""
+    return token % 7 == 0
 
 
 def run_to_reference(sched: Scheduler, pool: CorePool, model: FakeModel,
-                     reqs: list[Request], max_tokens: int) -> None:
+                     reqs: list[Request], max_tokens: int, pipelined: bool = False) -> None:
     """Drive every request that fits the pool alone (the gateway rejects the others up
-    front): each gets the reference tokens, and all blocks come back, nothing held."""
+    front): each gets the reference tokens (up to a stop token, when pipelined), and all
+    blocks come back, nothing held."""
     num_blocks = pool.pool.config.num_blocks
     reqs = [r for r in reqs if -(-(len(r.prompt_token_ids) + max_tokens) // BLOCK) <= num_blocks]
     seqs = [add(sched, r)[0] for r in reqs]
-    drive(sched, pool, model)
+    stops = _stop_token if pipelined else (lambda token: False)
+    drive(sched, pool, model, pipelined=pipelined, stops=stops)
     for r, seq in zip(reqs, seqs, strict=True):
-        assert seq.output_token_ids == model.reference(r.prompt_token_ids, max_tokens)
+        expected = model.reference(r.prompt_token_ids, max_tokens)
+        ends = [i for i, token in enumerate(expected) if stops(token)]
+        assert seq.output_token_ids == (expected[: ends[0] + 1] if ends else expected)
     assert sched.num_preemptions == pool.num_preemptions
     assert pool.all_free() and not model.held
 
@@ -300,9 +341,10 @@ def run_to_reference(sched: Scheduler, pool: CorePool, model: FakeModel,
     budget=st.integers(min_value=1, max_value=20),
     swap=st.booleans(),
 )
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "sequential"])
 def test_scheduler_shared_prefixes_and_swap_give_reference_outputs(
     prompts: list[int], shared: int, max_tokens: int, num_blocks: int, num_cpu_blocks: int,
-    budget: int, swap: bool,
+    budget: int, swap: bool, pipelined: bool,
 ):
     # Prompts sharing a prefix (prefix-cache hits), recompute or swap preemption (with or
     # without CPU blocks), any budget: same tokens, all blocks back, nothing held.
@@ -313,7 +355,7 @@ def test_scheduler_shared_prefixes_and_swap_give_reference_outputs(
     reqs = [request(f"r{i}", prefix + [(i * 7 + j) % 90 + 1 for j in range(p)],
                     max_tokens=max_tokens)
             for i, p in enumerate(prompts)]
-    run_to_reference(sched, pool, model, reqs, max_tokens)
+    run_to_reference(sched, pool, model, reqs, max_tokens, pipelined)
 
 
 @pytest.mark.parametrize("front", [True, False])
@@ -361,3 +403,71 @@ def test_scheduler_child_seed_wraps_to_uint64():
                   sampling=SamplingOptions(max_tokens=4, n=2, seed=2**64 - 1))
     child = Sequence(seq_id="r-1", request=req, index=1, seed_offset=1)
     assert child.exec_sampling().seed == 0
+
+
+def test_scheduler_pipelined_plans_on_top_of_the_batch_in_flight():
+    # While a batch executes, the next plan decodes what it samples (pending: no value yet)
+    # and continues a chunked prefill where the batch will leave it; the values follow as
+    # late tokens in the plan after.
+    sched, pool, model = scheduler(tokens=8), CorePool(32, BLOCK), FakeModel(BLOCK)
+    (a,) = add(sched, request("a", [5, 6, 7], max_tokens=5))
+    (b,) = add(sched, request("b", list(range(10, 22)), max_tokens=5))  # 12 tokens: chunked
+    plan = sched.schedule()
+    assert plan is not None
+    first = sched.apply_outcome(plan, pool.step(plan.call))  # a's prompt, b's first 5
+    sched.launch(first)
+    plan = sched.schedule(in_flight=True)
+    assert plan is not None
+    call = plan.call
+    assert call.previous_step_in_flight and call.pending_decode_request_ids == ("a",)
+    assert [(i.request_id, i.num_tokens) for i in call.items] == [("b", 7)]
+    assert call.late_request_ids == ()
+    outcome = pool.step(call)
+    sampled = sched.apply_result(first, model.execute(first.call))  # the batch returns
+    assert [(s.seq_id, t) for s, t in sampled] == [("a", model.reference([5, 6, 7], 1)[0])]
+    second = sched.apply_outcome(plan, outcome)
+    assert second.call.decode_request_ids == ("a",)  # the pending decode, with its value
+    assert second.call.decode_token_ids == (a.output_token_ids[0],)
+    sched.launch(second)
+    plan = sched.schedule(in_flight=True)
+    assert plan is not None
+    assert plan.call.late_request_ids == ("a",)
+    assert plan.call.late_token_ids == (a.output_token_ids[0],)
+    assert set(plan.call.pending_decode_request_ids) == {"a", "b"}
+
+
+def test_scheduler_pipelined_skips_a_sequence_whose_last_token_is_in_flight():
+    sched, pool = scheduler(), CorePool(32, BLOCK)
+    add(sched, request("a", [5, 6, 7], max_tokens=1))
+    plan = sched.schedule()
+    assert plan is not None
+    sched.launch(sched.apply_outcome(plan, pool.step(plan.call)))
+    assert sched.schedule(in_flight=True) is None  # its one token is being sampled
+
+
+def test_scheduler_a_sequence_ending_while_the_allocator_preempts_it_sends_it_no_more():
+    # Pipelined: b ends (a stop token) in the batch in flight, while the Step already sent
+    # makes room for a by preempting b (recompute), which frees it at the allocator. Nothing
+    # queued for b may reach the allocator afterwards (it would name an unknown request),
+    # and b does not come back.
+    sched, pool, model = scheduler(), CorePool(2, BLOCK), FakeModel(BLOCK)
+    (a,) = add(sched, request("a", [5, 6, 7, 8], max_tokens=5))
+    (b,) = add(sched, request("b", [9, 10, 11, 12], max_tokens=5))
+    plan = sched.schedule()
+    assert plan is not None
+    first = sched.apply_outcome(plan, pool.step(plan.call))  # one full block each
+    sched.launch(first)
+    plan = sched.schedule(in_flight=True)
+    assert plan is not None and plan.call.pending_decode_request_ids == ("a", "b")
+    outcome = pool.step(plan.call)  # both need a second block: b, behind a, is preempted
+    assert [p.request_id for p in outcome.preempted] == ["b"]
+    sched.apply_result(first, model.execute(first.call))
+    sched.finish(b)  # its sampled token was a stop token
+    second = sched.apply_outcome(plan, outcome)
+    assert b.is_finished and b not in sched.waiting
+    assert "b" not in sched.pending.free_ids and "b" not in sched.pending.commits
+    sched.launch(second)
+    plan = sched.schedule(in_flight=True)
+    assert plan is not None
+    pool.step(plan.call)  # accepted: it names only a
+    assert a.status is SeqStatus.RUNNING

@@ -1,0 +1,133 @@
+"""The engine's pipelined steps: each Step goes out while the previous batch executes, and
+whatever happens to that batch meanwhile (it fails, the executor goes away, a request is
+cancelled) leaves nothing held and no stream waiting. The engine runs on the real allocator
+core and a fake model (in_process.py) whose Execute takes a while, in one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from test_engine import FakeLink, drain, engine, run_until_idle, submit
+from test_engine import tokenizer as tokenizer  # the module-scoped fixture
+
+from gateway import recovery
+from gateway.request_state import Request, Sequence
+from gateway.step import ExecuteCall, ExecuteResult, StepCall, StepOutcome
+from gateway.tokenizer import Tokenizer
+
+
+def slow_executor(link: FakeLink, fail_call: int = 0, code: grpc.StatusCode | None = None,
+                  on_call: dict[int, object] | None = None) -> dict[str, object]:
+    """Each Execute takes 10 ms; call number `fail_call` fails with `code`. Returns a live
+    view: whether an Execute is running, and how many were made."""
+    state: dict[str, object] = {"executing": False, "calls": 0}
+    original = link.execute
+
+    async def execute(call: ExecuteCall) -> ExecuteResult:
+        state["calls"] = number = int(state["calls"]) + 1  # type: ignore[call-overload]
+        state["executing"] = True
+        try:
+            await asyncio.sleep(0.01)
+            if on_call and number in on_call:
+                on_call[number]()  # type: ignore[operator]
+            if number == fail_call:
+                assert code is not None
+                raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "no")
+            return await original(call)
+        finally:
+            state["executing"] = False
+
+    link.execute = execute  # type: ignore[method-assign]
+    return state
+
+
+def test_each_step_goes_out_while_the_previous_batch_executes(tokenizer: Tokenizer):
+    eng, link = engine(tokenizer, num_blocks=64, tokens=64)
+    reqs = [submit(eng, f"r{i}", [5 + i] * (4 + i), max_tokens=6) for i in range(3)]
+    state = slow_executor(link)
+    steps: list[tuple[bool, bool, int, int]] = []
+    original = link.step
+
+    async def step(call: StepCall) -> StepOutcome:
+        steps.append((bool(state["executing"]), call.previous_step_in_flight,
+                      len(call.pending_decode_request_ids), len(call.late_request_ids)))
+        return await original(call)
+
+    link.step = step  # type: ignore[method-assign]
+    asyncio.run(run_until_idle(eng))
+    for i, req in enumerate(reqs):
+        tokens = [t for d in drain(req) for t in d.token_ids]
+        assert tokens == link.model.reference([5 + i] * (4 + i), 6)
+    assert steps[0][:2] == (False, False)  # the first Step: nothing to overlap with
+    decoding = steps[1:]
+    assert len(decoding) == 5 and all(s[0] and s[1] and s[2] == 3 for s in decoding)
+    assert [s[3] for s in decoding] == [0, 3, 3, 3, 3]  # the values follow one step late
+    assert link.pool.all_free() and not link.model.held
+
+
+def test_a_rejected_batch_fails_its_requests_although_the_next_step_was_out(
+    tokenizer: Tokenizer,
+):
+    # The fourth Execute, which fills a's second block, is rejected after the fifth Step
+    # granted a another token; c arrives meanwhile. a fails with UNAVAILABLE after its three
+    # tokens and what it was granted is aborted; the block the rejected batch filled never
+    # enters the prefix cache, although the Step that aborts a also commits for c. c is
+    # served.
+    eng, link = engine(tokenizer, num_blocks=64)
+    a = submit(eng, "a", [9] * 5, max_tokens=8)
+    late: list[Request] = []
+    slow_executor(link, fail_call=4, code=grpc.StatusCode.INVALID_ARGUMENT,
+                  on_call={4: lambda: late.append(submit(eng, "c", [8] * 5, max_tokens=4))})
+    asyncio.run(run_until_idle(eng))
+    deltas = drain(a)
+    a_tokens = link.model.reference([9] * 5, 3)
+    assert [t for d in deltas for t in d.token_ids] == a_tokens
+    assert deltas[-1].error is not None and deltas[-1].error.code is grpc.StatusCode.UNAVAILABLE
+    assert [t for d in drain(late[0]) for t in d.token_ids] == link.model.reference([8] * 5, 4)
+    stored = [e.token_ids for e in link.pool.pool.events.after(0, 1 << 16).events if e.token_ids]
+    assert [9, 9, 9, 9] in stored and [9, *a_tokens] not in stored
+    assert link.pool.all_free() and not link.model.held
+
+
+def test_an_executor_lost_while_the_next_step_was_out_hands_its_requests_on(
+    tokenizer: Tokenizer,
+):
+    # The third Execute finds the executor gone; the fourth Step, already out, granted the
+    # request another token. The request is handed on after its two tokens; everything the
+    # allocator holds for it (that grant included) is aborted as an orphan.
+    eng, link = engine(tokenizer, num_blocks=64)
+    handed_on: list[Sequence] = []
+    eng.on_lost = handed_on.extend
+    a = submit(eng, "a", [6] * 5, max_tokens=8)
+    slow_executor(link, fail_call=3, code=grpc.StatusCode.UNAVAILABLE)
+
+    async def until_lost() -> None:
+        while eng.healthy:
+            await eng.step()
+        assert eng.in_flight is None
+        await recovery.abort_orphans(eng)
+
+    asyncio.run(until_lost())
+    assert [s.seq_id for s in handed_on] == ["a"]
+    assert [t for d in drain(a) for t in d.token_ids] == link.model.reference([6] * 5, 2)
+    assert link.pool.all_free() and not eng.orphan_ids
+
+
+def test_a_request_cancelled_while_its_batch_executes_gets_nothing_more(tokenizer: Tokenizer):
+    # a is cancelled while its third batch executes, with the next Step about to go out:
+    # its tokens stop at two (the third is dropped), its blocks come back and the executor
+    # drops it; b goes on to the reference.
+    eng, link = engine(tokenizer, num_blocks=64, tokens=64)
+    a = submit(eng, "a", [5] * 6, max_tokens=30)
+    b = submit(eng, "b", [7] * 6, max_tokens=8)
+
+    def cancel_a() -> None:
+        a.cancelled = True
+        eng.cancel()
+
+    slow_executor(link, on_call={3: cancel_a})
+    asyncio.run(run_until_idle(eng))
+    assert [t for d in drain(a) for t in d.token_ids] == link.model.reference([5] * 6, 2)
+    assert [t for d in drain(b) for t in d.token_ids] == link.model.reference([7] * 6, 8)
+    assert link.pool.all_free() and not link.model.held
