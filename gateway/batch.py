@@ -60,3 +60,13 @@ class InFlight:
     batch: Batch
     execute: asyncio.Future[ExecuteResult]
     launched: float  # time.perf_counter() when the call went out
+
+
+@dataclass(slots=True)
+class Landed:
+    """A batch whose Execute returned: its result, round trip (ms) and sampled tokens."""
+
+    batch: Batch
+    result: ExecuteResult
+    execute_ms: float
+    sampled: list[tuple[Sequence, int]]

@@ -24,14 +24,14 @@ import structlog
 
 from common.errors import ServiceError, Unavailable
 from gateway import orphans, recovery
-from gateway.batch import Batch, InFlight, ScheduledStep
+from gateway.batch import Batch, InFlight, Landed, ScheduledStep
 from gateway.executor_client import ExecutorDescription
 from gateway.held_outputs import HeldOutputs
 from gateway.output import OutputProcessor
 from gateway.pool_link import PoolLink
-from gateway.request_state import CompletionDelta, Sequence
+from gateway.request_state import CompletionDelta, SeqStatus, Sequence
 from gateway.scheduler import Scheduler
-from gateway.step import ExecuteResult, StepOutcome
+from gateway.step import StepOutcome
 from gateway.step_stats import StepStats
 
 log = structlog.get_logger(__name__)
@@ -138,7 +138,7 @@ class Engine:
         self.plan = self.batch = None
         renewal = self.link.take_lease_renewal()
         if renewal or self.orphan_ids:
-            await self._land()  # recovery starts from a settled state: nothing executing
+            await self._settle()  # recovery starts from a settled state: nothing executing
         if renewal:
             recovery.allocator_forgot(self, "lease_renewed")
         if self.has_cancellations:
@@ -151,19 +151,19 @@ class Engine:
         in_flight = self.in_flight is not None
         plan = self.plan = self.scheduler.schedule(in_flight)
         if plan is None or not plan.call.has_items():
-            await self._land()  # nothing to overlap with the batch executing
+            await self._settle()  # nothing to overlap with the batch executing
             self.deliver()
             if plan is None:
                 await self._flush_releases()
             else:
                 await self._flush_housekeeping(plan)
             return True
-        landed: tuple[ExecuteResult, float] | None = None
+        landed: Landed | None = None
         if in_flight:
             # Pipelined: this step's Step goes out while the previous batch executes.
             step_call = asyncio.ensure_future(self.link.step(plan.call))
             landed = await self._land()
-            outcome = await self._allocator_step(plan, step_call)
+            outcome = await self._allocator_step(plan, step_call, landed)
             if not self.healthy:  # the executor went away meanwhile: the Step's outcome too
                 orphans.note_held(self, plan)
                 return True
@@ -174,21 +174,25 @@ class Engine:
         batch = self.batch = self.scheduler.apply_outcome(plan, outcome)
         if batch.call.is_empty():
             # Nothing to run, but releases (a recompute preemption) must still go out.
+            await self._take_outputs(landed)
             self.deliver()
             self.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
             await self._flush_releases()
             return False
         self._launch(batch)
-        if not self.pipeline:
-            landed = await self._land()
+        if self.pipeline:
+            # The landed batch's outputs (detokenizing, stop strings) while the next computes:
+            # a sequence they end computes one token for nothing, which is dropped.
+            await self._take_outputs(landed)
+        else:
+            landed = await self._settle()
         if landed is not None:
-            result, execute_ms = landed
             self.stats.record(
                 total_ms=(time.perf_counter() - started) * 1e3,
                 allocator_ms=self.last_step_ms,
-                execute_ms=execute_ms,
-                compute_ms=result.compute_ms,
-                num_seqs=len(batch.scheduled),
+                execute_ms=landed.execute_ms,
+                compute_ms=landed.result.compute_ms,
+                num_seqs=len(landed.batch.scheduled),
             )
             if self.stats.should_report():
                 log.info("engine_step_stats", pool_id=self.pool_id, **self.stats.summary())
@@ -200,9 +204,10 @@ class Engine:
         self.scheduler.launch(batch)
         self.in_flight = InFlight(batch, execute, time.perf_counter())
 
-    async def _land(self) -> tuple[ExecuteResult, float] | None:
-        """Await the batch in flight, if any, and take its tokens (the previous step's
-        streams are written meanwhile); returns its result and round trip (ms), or None."""
+    async def _land(self) -> Landed | None:
+        """Await the batch in flight, if any (the previous step's streams are written
+        meanwhile), and take its tokens: computed counts and outputs advance; what they mean
+        for the streams waits for `_take_outputs`. None if nothing landed."""
         flight, self.in_flight = self.in_flight, None
         if flight is None:
             return None
@@ -218,15 +223,29 @@ class Engine:
             raise
         execute_ms = (time.perf_counter() - flight.launched) * 1e3
         self.releases_refused = False  # any waiting releases went out with this Execute
-        for seq, token in self.scheduler.apply_result(batch, result):
-            self._emit(seq, token)
-        parents = self.scheduler.ready_to_fork(batch)
+        sampled = self.scheduler.apply_result(batch, result)
+        return Landed(batch, result, execute_ms, sampled)
+
+    async def _take_outputs(self, landed: Landed | None) -> None:
+        """A landed batch's tokens become deltas (held for the streams), its finished
+        sequences end, its computed prefill parents fork."""
+        if landed is None:
+            return
+        for seq, token in landed.sampled:
+            if seq.status is not SeqStatus.FINISHED:  # ended since, e.g. cancelled
+                self._emit(seq, token)
+        parents = self.scheduler.ready_to_fork(landed.batch)
         if parents:
             self.deliver()  # a Fork is not the hot path: the outputs do not wait for it
         for parent in parents:
             await self._fork(parent)
         self.holding = self.held.worth_holding()
-        return result, execute_ms
+
+    async def _settle(self) -> Landed | None:
+        """Land the batch in flight, if any, and take its outputs."""
+        landed = await self._land()
+        await self._take_outputs(landed)
+        return landed
 
     def abandon_in_flight(self) -> None:
         """A bug interrupted a step: the batch in flight is not awaited (its sequences are
@@ -259,12 +278,15 @@ class Engine:
         self.held.deliver()
 
     async def _allocator_step(
-        self, plan: ScheduledStep, call: Awaitable[StepOutcome]
+        self, plan: ScheduledStep, call: Awaitable[StepOutcome], landed: Landed | None = None
     ) -> StepOutcome | None:
+        """The Step's outcome; None when it failed (after recovery; `landed`, a batch that
+        returned meanwhile, has had its outputs taken first)."""
         sent = time.perf_counter()
         try:
             outcome = await self.held.during_step(call)
         except grpc.aio.AioRpcError as exc:
+            await self._take_outputs(landed)
             self.deliver()
             await recovery.allocator_step_failed(self, plan, exc)
             return None
