@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
+from gateway.held_outputs import EXECUTE_HEAD_START_S
 from gateway.request_state import Sequence
 from gateway.step import ExecuteCall, ExecuteResult, StepCall
 
@@ -60,6 +62,13 @@ class InFlight:
     batch: Batch
     execute: asyncio.Future[ExecuteResult]
     launched: float  # time.perf_counter() when the call went out
+
+    async def head_start(self) -> None:
+        """Wait until the call has had EXECUTE_HEAD_START_S to reach the executor (or has
+        returned)."""
+        left = EXECUTE_HEAD_START_S - (time.perf_counter() - self.launched)
+        if left > 0:
+            await asyncio.wait([self.execute], timeout=left)
 
 
 @dataclass(slots=True)
