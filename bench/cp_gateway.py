@@ -121,11 +121,11 @@ def install() -> None:
     original_step = Engine.step
     original_launch = Engine._launch
 
-    def launch(self: Any, batch: Any) -> None:
+    def launch(self: Any, batch: Any) -> Any:
         # Pipelined, a batch launched in one step returns in the next: its size travels
         # with it to the step that decodes its response.
         _launched.append(batch.call.num_seqs)
-        original_launch(self, batch)
+        return original_launch(self, batch)
 
     Engine._launch = launch  # type: ignore[method-assign]
 

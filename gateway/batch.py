@@ -63,10 +63,9 @@ class InFlight:
     execute: asyncio.Future[ExecuteResult]
     launched: float  # time.perf_counter() when the call went out
 
-    async def head_start(self) -> None:
-        """Wait until the call has had EXECUTE_HEAD_START_S to reach the executor (or has
-        returned)."""
-        left = EXECUTE_HEAD_START_S - (time.perf_counter() - self.launched)
+    async def head_start(self, seconds: float = EXECUTE_HEAD_START_S) -> None:
+        """Wait until the call has been out for `seconds` (or has returned)."""
+        left = seconds - (time.perf_counter() - self.launched)
         if left > 0:
             await asyncio.wait([self.execute], timeout=left)
 

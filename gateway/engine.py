@@ -22,8 +22,8 @@ from typing import Any
 import grpc
 import structlog
 
-from common.errors import ServiceError, Unavailable
-from gateway import orphans, recovery
+from common.errors import ServiceError
+from gateway import orphans, recovery, side_calls
 from gateway.batch import Batch, InFlight, Landed, ScheduledStep
 from gateway.executor_client import ExecutorDescription
 from gateway.held_outputs import HeldOutputs
@@ -154,9 +154,9 @@ class Engine:
             await self._settle()  # nothing to overlap with the batch executing
             self.deliver()
             if plan is None:
-                await self._flush_releases()
+                await side_calls.flush_releases(self)
             else:
-                await self._flush_housekeeping(plan)
+                await side_calls.flush_housekeeping(self, plan)
             return True
         landed: Landed | None = None
         if in_flight:
@@ -177,7 +177,7 @@ class Engine:
             await self._take_outputs(landed)
             self.deliver()
             self.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
-            await self._flush_releases()
+            await side_calls.flush_releases(self)
             return False
         flight = self._launch(batch)
         if self.pipeline:
@@ -242,7 +242,7 @@ class Engine:
         if parents:
             self.deliver()  # a Fork is not the hot path: the outputs do not wait for it
         for parent in parents:
-            await self._fork(parent)
+            await side_calls.fork(self, parent)
         self.holding = self.held.worth_holding()
 
     async def _settle(self) -> Landed | None:
@@ -298,29 +298,6 @@ class Engine:
         self.allocator_down_since = None
         return outcome
 
-    async def _fork(self, parent: Sequence) -> None:
-        request = parent.request
-        children = [
-            Sequence(seq_id=f"{request.request_id}-{i}", request=request, index=i, seed_offset=i)
-            for i in range(request.sampling.n)
-        ]
-        child_ids = [c.seq_id for c in children]
-        # Orphans until the scheduler tracks them: a bug in between must not leak them.
-        self.orphan_ids.update(child_ids)
-        try:
-            tables = await self.link.fork(parent.seq_id, child_ids, request.request_id)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("fork_failed", code=exc.code().name, details=exc.details())
-            if exc.code() not in recovery.LOST_CODES:
-                # Refused, so not applied; lost: not idempotent either, the children may exist.
-                self.orphan_ids.difference_update(child_ids)
-            self.fail(parent, Unavailable(f"fork failed ({exc.code().name})"))
-            return
-        for child in children:
-            self.output.start(child)
-        self.scheduler.fork(parent, children, tables)
-        self.orphan_ids.difference_update(child_ids)
-
     def _apply_cancellations(self) -> None:
         self.has_cancellations = False
         for seq in self.scheduler.sequences():
@@ -343,47 +320,6 @@ class Engine:
         for seq in self.scheduler.sequences():
             if not seq.is_finished:
                 self.fail(seq, error)
-
-    async def _flush_housekeeping(self, plan: ScheduledStep) -> None:
-        """An idle engine: frees, commits and aborts go out without a step."""
-        call = plan.call
-        try:
-            if call.commits or call.free_request_ids:
-                await self.link.free(call.commits, call.free_request_ids)
-            if call.abort_request_ids:
-                await self.link.abort(call.abort_request_ids)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("allocator_free_failed", pool_id=self.pool_id, code=exc.code().name)
-            if exc.code() in recovery.STALE_POOL_CODES:
-                await recovery.reregister(self, plan)
-            elif exc.code() in recovery.LOST_CODES:
-                # Free may have been applied: abort the ids later, never free twice.
-                self.orphan_ids.update(call.free_request_ids, call.abort_request_ids)
-                await recovery.allocator_unreachable(self, exc)
-            else:
-                recovery.restore_housekeeping(self, plan)
-                await asyncio.sleep(recovery.RETRY_PAUSE_S)
-        await self._flush_releases()
-
-    async def _flush_releases(self) -> None:
-        ids = self.scheduler.pending.release_ids
-        if not ids or self.releases_refused:
-            return
-        try:
-            await self.link.release(list(ids))
-            ids.clear()
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in recovery.LOST_CODES:
-                # Kept: releasing is idempotent, and the executor may come back as the same
-                # instance, still holding them (a new instance ignores unknown ids).
-                recovery.lose_executor(self)
-                return
-            # A refusal: resent on every loop, it would keep the engine busy forever. Dropped,
-            # the executor would still hold ids that may come back (a recompute readmission,
-            # a client reusing its id) and refuse them. They ride on the next Execute.
-            log.error("executor_release_refused", pool_id=self.pool_id, code=exc.code().name,
-                      details=exc.details(), num=len(ids))
-            self.releases_refused = True
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

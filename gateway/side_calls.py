@@ -1,0 +1,89 @@
+"""An engine's calls off the hot path: Fork (n > 1), and Free, Abort and Release when no
+Step or Execute is there for them to ride on. Held outputs are delivered before each (the
+callers do it), and failures go to recovery.py like the hot path's."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import grpc
+import structlog
+
+from common.errors import Unavailable
+from gateway import recovery
+from gateway.batch import ScheduledStep
+from gateway.request_state import Sequence
+
+if TYPE_CHECKING:
+    from gateway.engine import Engine
+
+log = structlog.get_logger(__name__)
+
+
+async def fork(engine: Engine, parent: Sequence) -> None:
+    """A computed prefill parent (n > 1) becomes its children, which share its blocks."""
+    request = parent.request
+    children = [
+        Sequence(seq_id=f"{request.request_id}-{i}", request=request, index=i, seed_offset=i)
+        for i in range(request.sampling.n)
+    ]
+    child_ids = [c.seq_id for c in children]
+    # Orphans until the scheduler tracks them: a bug in between must not leak them.
+    engine.orphan_ids.update(child_ids)
+    try:
+        tables = await engine.link.fork(parent.seq_id, child_ids, request.request_id)
+    except grpc.aio.AioRpcError as exc:
+        log.warning("fork_failed", code=exc.code().name, details=exc.details())
+        if exc.code() not in recovery.LOST_CODES:
+            # Refused, so not applied; lost: not idempotent either, the children may exist.
+            engine.orphan_ids.difference_update(child_ids)
+        engine.fail(parent, Unavailable(f"fork failed ({exc.code().name})"))
+        return
+    for child in children:
+        engine.output.start(child)
+    engine.scheduler.fork(parent, children, tables)
+    engine.orphan_ids.difference_update(child_ids)
+
+
+async def flush_housekeeping(engine: Engine, plan: ScheduledStep) -> None:
+    """An idle engine: frees, commits and aborts go out without a step."""
+    call = plan.call
+    try:
+        if call.commits or call.free_request_ids:
+            await engine.link.free(call.commits, call.free_request_ids)
+        if call.abort_request_ids:
+            await engine.link.abort(call.abort_request_ids)
+    except grpc.aio.AioRpcError as exc:
+        log.warning("allocator_free_failed", pool_id=engine.pool_id, code=exc.code().name)
+        if exc.code() in recovery.STALE_POOL_CODES:
+            await recovery.reregister(engine, plan)
+        elif exc.code() in recovery.LOST_CODES:
+            # Free may have been applied: abort the ids later, never free twice.
+            engine.orphan_ids.update(call.free_request_ids, call.abort_request_ids)
+            await recovery.allocator_unreachable(engine, exc)
+        else:
+            recovery.restore_housekeeping(engine, plan)
+            await asyncio.sleep(recovery.RETRY_PAUSE_S)
+    await flush_releases(engine)
+
+async def flush_releases(engine: Engine) -> None:
+    """Executor releases with no Execute to ride on."""
+    ids = engine.scheduler.pending.release_ids
+    if not ids or engine.releases_refused:
+        return
+    try:
+        await engine.link.release(list(ids))
+        ids.clear()
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in recovery.LOST_CODES:
+            # Kept: releasing is idempotent, and the executor may come back as the same
+            # instance, still holding them (a new instance ignores unknown ids).
+            recovery.lose_executor(engine)
+            return
+        # A refusal: resent on every loop, it would keep the engine busy forever. Dropped,
+        # the executor would still hold ids that may come back (a recompute readmission,
+        # a client reusing its id) and refuse them. They ride on the next Execute.
+        log.error("executor_release_refused", pool_id=engine.pool_id, code=exc.code().name,
+                  details=exc.details(), num=len(ids))
+        engine.releases_refused = True
