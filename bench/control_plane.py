@@ -1,6 +1,7 @@
 """Control plane (issue 5, part 5): where a step's time goes at 8, 64 and 256 running requests.
 
-    python -m bench.control_plane [--quick]
+    python -m bench.control_plane [--quick] [--pipeline-steps false]
+    python -m bench.control_plane --quick --running 64,256 --compare 3   # pipelined vs not
 
 The allocator and the executor run as usual (models/small-llama, dummy weights); the gateway
 runs as `python -m bench.cp_gateway`, the real gateway with timers around its step phases (see
@@ -17,7 +18,9 @@ steps in which all N decode one token each are kept, and per step we split its t
     outputs/other   the rest of the step: emitting tokens to streams, detokenization, awaits
 
 Control plane = step - forward - sample (everything but the model). Target: < 10% of the step
-at 64 running requests.
+at 64 running requests. Pipelined (the gateway's default), a step runs from one Execute's
+launch to the next; its allocator RPC overlaps the previous Execute, so that column is not
+on the step's path and "outputs/other" is what is left once the parts that are add up.
 """
 
 from __future__ import annotations
@@ -64,22 +67,15 @@ def _split(step: dict[str, float]) -> dict[str, float]:
     return parts
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.control_plane", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--running", default="8,64,256")
-    p.add_argument("--threads", type=int, default=1, help="executor torch threads")
-    args = p.parse_args(argv)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    sizes = [int(x) for x in args.running.split(",")]
-    max_tokens = {8: 64, 64: 48, 256: 32} if args.quick else {8: 128, 64: 128, 256: 96}
+def measure(sizes: list[int], max_tokens: dict[int, int], pipeline: bool) -> list[dict[str, Any]]:
+    """One stack (a fresh gateway with --pipeline-steps `pipeline`): every size in turn."""
     log_dir = tempfile.mkdtemp(prefix="pagedkv-cp-")
     step_log = str(Path(log_dir) / "steps.jsonl")
     rows = []
     executor_args = ("--num-blocks", "8192", "--max-num-seqs", "512",
                      "--max-num-batched-tokens", "8192")
-    gateway_args = ("--max-num-seqs", "512", "--max-num-batched-tokens", "8192")
+    gateway_args = ("--max-num-seqs", "512", "--max-num-batched-tokens", "8192",
+                    "--pipeline-steps", str(pipeline).lower())
     with stack(MODEL, executor_args, gateway_args, SEED, log_dir, step_log) as running:
         run_load(running.gateway_addr, [BenchRequest([1, 5, 6, 7], 8)] * 4, 4)  # warm-up
         for n in tqdm(sizes, desc="control plane", file=sys.stderr):
@@ -101,7 +97,73 @@ def main(argv: list[str] | None = None) -> int:
                          "control_share": share, "wall_s": wall,
                          "tok_per_s": sum(len(r.tokens) for r in results) / wall,
                          "completed": sum(r.ok for r in results), "elapsed_s":
-                         time.perf_counter() - t0})
+                         time.perf_counter() - t0, "pipeline": pipeline})
+    return rows
+
+
+def compare(sizes: list[int], max_tokens: dict[int, int], pairs: int) -> list[dict[str, Any]]:
+    """Pipelined against sequential steps, `pairs` runs of each, interleaved; a table of the
+    per-run figures and their medians."""
+    runs: dict[bool, list[list[dict[str, Any]]]] = {True: [], False: []}
+    for _ in range(pairs):
+        for pipeline in (True, False):
+            runs[pipeline].append(measure(sizes, max_tokens, pipeline))
+    headers = ["running", "steps", "control plane ms (runs)", "median", "share",
+               "forward + sample ms", "step ms", "tok/s"]
+    print("### Control plane: pipelined steps against sequential ones (interleaved runs)\n")
+    summary = []
+    for n in sizes:
+        body = []
+        for pipeline in (True, False):
+            rows = [r for run in runs[pipeline] for r in run if r["running"] == n and r["steps"]]
+            if not rows:
+                continue
+
+            def med(key: str, rows: list[dict[str, Any]] = rows) -> float:
+                return statistics.median(r["median_ms"][key] for r in rows)
+
+            controls = [r["median_ms"]["control"] for r in rows]
+            entry = {
+                "running": n, "pipeline": pipeline, "control_ms": controls,
+                "control_median_ms": statistics.median(controls),
+                "share": statistics.median(r["control_share"] for r in rows),
+                "forward_sample_ms": med("forward") + med("sample"), "step_ms": med("total"),
+                "tok_per_s": statistics.median(r["tok_per_s"] for r in rows),
+            }
+            summary.append(entry)
+            body.append([f"{n}, {'pipelined' if pipeline else 'sequential'}",
+                         sum(r["steps"] for r in rows),
+                         " / ".join(f"{c:.2f}" for c in controls),
+                         f"{entry['control_median_ms']:.2f}", f"{entry['share']:.1%}",
+                         f"{entry['forward_sample_ms']:.2f}", f"{entry['step_ms']:.2f}",
+                         f"{entry['tok_per_s']:.0f}"])
+        print(markdown_table(headers, body) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.control_plane", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--running", default="8,64,256")
+    p.add_argument("--threads", type=int, default=1, help="executor torch threads")
+    p.add_argument("--pipeline-steps", default="true", choices=("true", "false"),
+                   help="the gateway's --pipeline-steps")
+    p.add_argument("--compare", type=int, default=0, metavar="PAIRS",
+                   help="instead: PAIRS interleaved runs each of pipelined and sequential steps")
+    args = p.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    sizes = [int(x) for x in args.running.split(",")]
+    max_tokens = {8: 64, 64: 48, 256: 32} if args.quick else {8: 128, 64: 128, 256: 96}
+    if args.compare:
+        summary = compare(sizes, max_tokens, args.compare)
+        write_results("control_plane_pipeline", {
+            "benchmark": "control_plane_pipeline", "model": MODEL, "seed": SEED,
+            "quick": args.quick, "torch_threads": args.threads, "max_tokens": max_tokens,
+            "pairs": args.compare, "rows": summary,
+        })
+        return 0
+    rows = measure(sizes, max_tokens, args.pipeline_steps == "true")
     headers = ["running", "steps", "step ms", *[LABELS[k] + " ms" for k in PARTS],
                "control plane ms", "control share"]
     body = []
@@ -128,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     write_results("control_plane", {
         "benchmark": "control_plane", "model": MODEL, "seed": SEED, "quick": args.quick,
         "torch_threads": args.threads, "max_tokens": max_tokens, "rows": rows,
-        "parts": LABELS, "plots": plots, "step_log": step_log,
+        "parts": LABELS, "plots": plots, "pipeline_steps": args.pipeline_steps == "true",
     })
     return 0
 
