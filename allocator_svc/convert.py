@@ -71,8 +71,16 @@ def decodes(msg: pb.StepRequest) -> Decodes:
     return Decodes(list(msg.decode_request_ids), list(msg.decode_token_ids))
 
 
-def pipelined(msg: pb.StepRequest) -> Pipelined:
-    """The pipelining fields: previous step in flight, late tokens, pending decodes."""
+def pipelined(msg: pb.StepRequest) -> Pipelined | None:
+    """The pipelining fields (previous step in flight, late tokens, pending decodes); None
+    when the call has none."""
+    if not (
+        msg.previous_step_in_flight
+        or msg.late_request_ids
+        or msg.late_token_ids
+        or msg.pending_decode_request_ids
+    ):
+        return None
     return Pipelined(
         msg.previous_step_in_flight,
         Decodes(list(msg.late_request_ids), list(msg.late_token_ids)),

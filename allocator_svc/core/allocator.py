@@ -164,18 +164,20 @@ class Allocator:
             if decodes is not None and num_decodes
             else []
         )
-        late_requests: list[Request] = []
+        in_flight = False
         if pipeline is not None:
             late_requests, decodes, decode_requests = check_pipelined(
                 pool, pipeline, decodes, decode_requests, items, released, lease_id
             )
+            if late_requests:
+                pool.fill_pending(late_requests, pipeline.late.token_ids)
+            in_flight = pipeline.previous_in_flight
         elif pool.pending and (num_decodes or items):
             check_not_pending(pool, _scheduled_ids(decodes, items), _NONE_RELEASED)
-        if late_requests:
-            pool.fill_pending(late_requests, pipeline.late.token_ids)  # type: ignore[union-attr]
-        pool.commit_steps(
-            lease_id, commit_previous, pipeline is not None and pipeline.previous_in_flight
-        )
+        scheduled = pool.scheduled
+        if commit_previous or in_flight or scheduled.executing:
+            scheduled.advance(pool, lease_id, commit_previous, in_flight)
+        # (Otherwise there is nothing to commit, and run_step replaces the latest step.)
         for commit in commits:
             pool.commit(pool.requests[commit.request_id], commit.num_computed)
         if released:

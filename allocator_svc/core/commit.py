@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from allocator_svc.core.free_queue import Block
@@ -21,9 +20,6 @@ from allocator_svc.core.request import Request
 
 if TYPE_CHECKING:
     from allocator_svc.core.pool import Pool
-
-_NUM_COMPUTED = attrgetter("num_computed")
-
 
 class ScheduledSteps:
     """Per lease (None: no lease): the requests its latest Step granted tokens, and in a
@@ -48,15 +44,15 @@ class ScheduledSteps:
     ) -> None:
         """Before a Step: commit the steps it confirms executed (commit_previous), drop the
         rest; with the previous step in flight, keep that one for the next call."""
-        executing = self.executing.pop(lease_id, None)
         latest = self.latest.pop(lease_id, None)
+        executing = self.executing.pop(lease_id, None) if self.executing else None
         if commit_previous and executing is not None:
             commit_run(pool, *executing)
         if previous_in_flight:
             if latest:
                 self.executing[lease_id] = (latest, [r.num_computed for r in latest])
         elif commit_previous and latest:
-            commit_run(pool, latest, map(_NUM_COMPUTED, latest))
+            commit_current(pool, latest)
 
 
 def commit(pool: Pool, request: Request, num_computed: int) -> None:
@@ -85,33 +81,59 @@ def commit(pool: Pool, request: Request, num_computed: int) -> None:
     hashes.extend(new_hashes)
 
 
+def commit_current(pool: Pool, requests: list[Request]) -> None:
+    """Commit each of a step's requests at its current count (nothing was granted since).
+    Most decode steps fill no block; in one of every block_size steps each request fills one,
+    and those are hashed and cached together, as one event run. The hot path of a step: the
+    loop of `commit_run` without the counts."""
+    live, bs = pool.requests, pool.block_size
+    filled: list[Request] = []
+    tokens: list[int] = []
+    for request in requests:
+        if live.get(request.request_id) is not request:
+            continue  # freed or preempted since
+        have, num_full = len(request.block_hashes), request.num_computed // bs
+        if num_full == have:  # no block filled up: nothing to hash (most decode steps)
+            request.num_committed = request.num_computed
+        elif _one_block_filled(pool, request, request.num_computed, have, num_full):
+            filled.append(request)
+            tokens.extend(request.token_ids[have * bs : num_full * bs])
+    if filled:
+        _cache_one_block_each(pool, filled, tokens)
+
+
 def commit_run(pool: Pool, requests: list[Request], counts: Iterable[int]) -> None:
-    """Commit each of a step's requests at its count. Most decode steps fill no block; in one
-    of every block_size steps each request fills one, and those are hashed and cached
-    together, as one event run."""
-    live, bs, pending = pool.requests, pool.block_size, pool.pending
+    """Commit each of a step's requests at the count it was granted then (a pipelined step,
+    confirmed executed one call later)."""
+    live, bs = pool.requests, pool.block_size
     filled: list[Request] = []
     tokens: list[int] = []
     for request, count in zip(requests, counts, strict=True):
         if live.get(request.request_id) is not request:
             continue  # freed or preempted since
         have, num_full = len(request.block_hashes), count // bs
-        if num_full == have:  # no block filled up: nothing to hash (most decode steps)
+        if num_full == have:
             if count > request.num_committed:
                 request.num_committed = count
-            continue
-        if (
-            num_full != have + 1
-            or request.cpu_block_ids is not None
-            or (num_full * bs >= len(request.token_ids) and request.request_id in pending)
-        ):
-            commit(pool, request, count)  # a prefill chunk, or an exception: one chain
-            continue
-        request.num_committed = max(request.num_committed, count)
-        filled.append(request)
-        tokens.extend(request.token_ids[have * bs : num_full * bs])
+        elif _one_block_filled(pool, request, count, have, num_full):
+            filled.append(request)
+            tokens.extend(request.token_ids[have * bs : num_full * bs])
     if filled:
         _cache_one_block_each(pool, filled, tokens)
+
+
+def _one_block_filled(pool: Pool, request: Request, count: int, have: int, num_full: int) -> bool:
+    """True: the request filled exactly its next block, to be hashed with the step's others.
+    Anything else (a prefill chunk, a swapped request, a block holding a pending token) is
+    committed on its own here."""
+    holds_pending = (
+        num_full * pool.block_size >= len(request.token_ids) and request.request_id in pool.pending
+    )
+    if num_full != have + 1 or request.cpu_block_ids is not None or holds_pending:
+        commit(pool, request, count)
+        return False
+    request.num_committed = max(request.num_committed, count)
+    return True
 
 
 def _cache_one_block_each(pool: Pool, filled: list[Request], tokens: list[int]) -> None:

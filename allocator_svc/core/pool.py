@@ -156,12 +156,6 @@ class Pool:
         """KV of tokens [0, num_computed) is written: cache the full blocks among them."""
         commit(self, request, num_computed)
 
-    def commit_steps(
-        self, lease_id: str | None, commit_previous: bool, previous_in_flight: bool
-    ) -> None:
-        """Commit what the lease's executed steps scheduled (commit.py)."""
-        self.scheduled.advance(self, lease_id, commit_previous, previous_in_flight)
-
     def fill_pending(self, requests: list[Request], token_ids: list[int]) -> None:
         """Pending tokens learn their values (validated: each request holds one)."""
         for request, token in zip(requests, token_ids, strict=True):
