@@ -162,7 +162,11 @@ class Engine:
         if in_flight:
             # Pipelined: this step's Step goes out while the previous batch executes.
             step_call = asyncio.ensure_future(self.link.step(plan.call))
-            landed = await self._land()
+            try:
+                landed = await self._land()
+            except BaseException:
+                step_call.add_done_callback(_retrieve)  # its outcome: orphans (step_crashed)
+                raise
             outcome = await self._allocator_step(plan, step_call, landed)
             if not self.healthy:  # the executor went away meanwhile: the Step's outcome too
                 orphans.note_held(self, plan)
@@ -257,6 +261,8 @@ class Engine:
         flight, self.in_flight = self.in_flight, None
         if flight is not None:
             self.scheduler.land(flight.batch)
+            # Its releases may not have been applied: they go again (releasing is idempotent).
+            self.scheduler.pending.release_ids.extend(flight.batch.call.release_request_ids)
             flight.execute.add_done_callback(_retrieve)
             flight.execute.cancel()
 

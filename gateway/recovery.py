@@ -112,7 +112,13 @@ def execute_failed(engine: Engine, batch: Batch, exc: grpc.aio.AioRpcError) -> N
     if code in LOST_CODES:
         lose_executor(engine)
         return
-    # The executor refused this step: nothing it wrote may be cached (the commit rule).
+    # The executor refused this step: nothing it wrote may be cached (the commit rule). The
+    # counts of the batch before it (still pending when the batch in flight lands first) go
+    # as explicit commits, so no Step says "the previous steps executed".
+    pending = engine.scheduler.pending
+    for request_id, num_computed in pending.executed.items():
+        pending.commits.setdefault(request_id, num_computed)
+    pending.executed.clear()
     error = Unavailable(f"executor {engine.pool_id} rejected a step ({code.name})")
     for seq, _ in batch.scheduled:
         engine.fail(seq, error)

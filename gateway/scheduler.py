@@ -7,6 +7,9 @@ One step is three calls, made by the engine in this order:
     batch = scheduler.apply_outcome(plan, o)  # allocator's answer -> ExecuteCall
     sampled = scheduler.apply_result(batch, r)  # executor's answer -> (sequence, token) pairs
 
+Pipelined, step k+1 is planned while batch k executes (`launch` marks it), so the calls
+interleave: schedule(k+1), apply_result(k), apply_outcome(k+1), launch(k+1).
+
 The first is planned in step_plan.py, the second applied in step_outcome.py; this module owns
 the state they work on and the lifecycle of sequences (add, finish, abort, fork, evict).
 Commits, frees, aborts and executor releases accumulate in `pending` and ride on the next
@@ -142,8 +145,8 @@ class Scheduler:
         self.release(seq)
 
     def forget_freed(self, seq: Sequence) -> None:
-        """A finished sequence the allocator has freed on its own (preempted): nothing queued
-        for it may reach the allocator (it would name an unknown request)."""
+        """The allocator has freed the sequence on its own (a recompute preemption): nothing
+        queued for it may reach the allocator (it would name an unknown request)."""
         pending = self.pending
         pending.commits.pop(seq.seq_id, None)
         pending.executed.pop(seq.seq_id, None)

@@ -167,6 +167,7 @@ def _apply_preemptions(sched: Scheduler, step: ScheduledStep, outcome: StepOutco
             continue
         if seq in sched.swapped:
             sched.swapped.remove(seq)
+        sched.forget_freed(seq)  # e.g. the count its batch in flight executed (pipelined)
         seq.reset_for_recompute()
         sched.release(seq)
         recomputed.append(seq)

@@ -41,8 +41,10 @@ def plan_step(sched: Scheduler, in_flight: bool = False) -> ScheduledStep | None
     items: list[StepItem] = []
     seqs: dict[str, Sequence] = {}
     for seq in [*sched.running, *sched.swapped]:
+        known = seq.num_allocator_tokens  # tokens whose values the allocator holds
         if seq.allocator_pending and seq.known_to_allocator:
             late.append(seq)
+            known += 1  # with this call's late token
         if seqs_left == 0 or tokens_left == 0:
             continue
         ahead = seq.num_in_flight
@@ -56,11 +58,11 @@ def plan_step(sched: Scheduler, in_flight: bool = False) -> ScheduledStep | None
         num = min(seq.num_uncomputed_tokens - ahead, tokens_left)
         if num <= 0:
             continue
-        if _is_decode(seq, num):
+        if _is_decode(seq, num, known):
             decode_ids.append(seq.seq_id)
             decode_tokens.append(seq.last_token_id)
         else:
-            append = tuple(seq.token_slice(seq.num_allocator_tokens))
+            append = tuple(seq.token_slice(known))
             items.append(StepItem(seq.seq_id, num, append_token_ids=append))
         seqs[seq.seq_id] = seq
         tokens_left -= num
@@ -116,9 +118,10 @@ def _samples_its_last(seq: Sequence) -> bool:
     return len(seq.output_token_ids) + 1 >= seq.request.sampling.max_tokens
 
 
-def _is_decode(seq: Sequence, num: int) -> bool:
-    """A running sequence computing one token, the one token the allocator has not seen."""
+def _is_decode(seq: Sequence, num: int, known: int) -> bool:
+    """A running sequence computing one token, the one token the allocator has not seen
+    (`known`: the tokens it will hold once this call's late token is in)."""
     return (
         num == 1 and seq.status is SeqStatus.RUNNING and not seq.is_prefill_parent
-        and seq.num_allocator_tokens + 1 == seq.num_tokens
+        and known + 1 == seq.num_tokens
     )

@@ -86,6 +86,9 @@ def commit_current(pool: Pool, requests: list[Request]) -> None:
     Most decode steps fill no block; in one of every block_size steps each request fills one,
     and those are hashed and cached together, as one event run. The hot path of a step: the
     loop of `commit_run` without the counts."""
+    if pool.pending:  # no count may reach a pending token: commit_run clamps them
+        commit_run(pool, requests, [r.num_computed for r in requests])
+        return
     live, bs = pool.requests, pool.block_size
     filled: list[Request] = []
     tokens: list[int] = []
@@ -105,7 +108,7 @@ def commit_current(pool: Pool, requests: list[Request]) -> None:
 def commit_run(pool: Pool, requests: list[Request], counts: Iterable[int]) -> None:
     """Commit each of a step's requests at the count it was granted then (a pipelined step,
     confirmed executed one call later)."""
-    live, bs = pool.requests, pool.block_size
+    live, bs, pending = pool.requests, pool.block_size, pool.pending
     filled: list[Request] = []
     tokens: list[int] = []
     for request, count in zip(requests, counts, strict=True):
@@ -113,6 +116,8 @@ def commit_run(pool: Pool, requests: list[Request], counts: Iterable[int]) -> No
             continue  # freed or preempted since
         have, num_full = len(request.block_hashes), count // bs
         if num_full == have:
+            if pending and request.request_id in pending:
+                count = min(count, len(request.token_ids) - 1)
             if count > request.num_committed:
                 request.num_committed = count
         elif _one_block_filled(pool, request, count, have, num_full):

@@ -146,12 +146,12 @@ def run_step(
             num_tokens = item.num_tokens
         if num_tokens <= 0:
             continue
-        scheduled.append(request)
         offset = computed % bs
         if num_tokens == item.num_tokens and offset + num_tokens <= bs:
             if offset and request.blocks[computed // bs].ref_count == 1:
                 # Fast path (most decode steps): the tokens fit the private last block.
                 request.num_computed = computed + num_tokens
+                scheduled.append(request)
                 continue
             if not offset and len(request.blocks) * bs == computed and free_blocks.num_free:
                 # Fast path (a decode step in every block_size): one fresh block appended.
@@ -160,6 +160,7 @@ def run_step(
                 block = taken[0]
                 request.blocks.append(block)
                 request.num_computed = computed + num_tokens
+                scheduled.append(request)
                 result.grants.append(
                     Grant(
                         item.request_id,
@@ -178,9 +179,13 @@ def run_step(
             preempted.add(victim.request_id)
         grant = pool.allocate(request, num_tokens, result.copies)
         if grant is None:
+            # Not scheduled: a step's commit must never reach it (swapped back in by a later
+            # step, its fresh blocks hold nothing until that step's batch has run).
             _preempt(pool, request, mode, result)
             preempted.add(request.request_id)
-        elif grant.changes_table or grant.num_scheduled != item.num_tokens:
+            continue
+        scheduled.append(request)
+        if grant.changes_table or grant.num_scheduled != item.num_tokens:
             result.grants.append(grant)
 
     for position, item in enumerate(admissions):

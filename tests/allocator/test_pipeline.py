@@ -218,3 +218,33 @@ def test_service_pipelined_step_round_trip_and_bad_input(stub):
     ]:
         expect_error(code, lambda f=fields: call(**f), match=match)
     assert stub.GetStats(pb.GetStatsRequest(pool_id=pool.pool_id)).pools[0].num_requests == 2
+
+
+def test_a_request_that_preempts_itself_is_not_in_its_steps_commit():
+    # R cannot grow and has nobody behind it: it swaps itself out in step 2, comes back on
+    # fresh blocks in step 3, which are written only when step 3's batch runs. Committing
+    # step 2 (in step 4's call) must not cache them; step 3's commit (in step 5's) does.
+    d = Driver(num_blocks=5, num_cpu_blocks=4)
+    d.step([new("a", [1, 2, 3, 4, 5]), new("r", [4, 5, 6, 7])], in_flight=False)
+    result = d.step(pending=["a", "r"], swap=True)
+    assert [p.request_id for p in result.preempted] == ["r"]
+    d.step([StepItem("r", 1, None, "", [9])], free=["a"], late={"a": 6})
+
+    def cached() -> int:
+        (match,) = d.allocator.match_prefix([4, 5, 6, 7, 8], "", ["p"])
+        return match.num_cached_tokens
+
+    d.step(pending=["r"])  # step 4: commits step 2
+    assert cached() == 0
+    d.step(pending=["r"], late={"r": 3})  # step 5: commits step 3, which swapped r in
+    assert cached() == 4
+
+
+def test_a_commit_of_the_latest_step_stops_short_of_a_pending_token():
+    # A client commits a plain Step's predecessor while a request still holds a pending
+    # token (its value never sent): the committed count stops before it.
+    d = Driver(num_blocks=10)
+    d.step([new("a", [1, 2])], in_flight=False)
+    d.step(pending=["a"])  # position 2, in a block it does not fill
+    d.step([new("b", [5])], in_flight=False)  # commits step 2's grants at current counts
+    assert d.pool.requests["a"].num_committed == 2

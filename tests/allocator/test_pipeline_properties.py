@@ -11,7 +11,10 @@ What must hold, checked against the shadow cache rather than the allocator's own
 - a prefix hit, read at the moment the Step returns (before the batch in flight has written
   anything), holds exactly the new request's tokens: nothing is cached before its KV is
   written (the commit rule under pipelining);
-- every batch reads back its own tokens through its table before it writes;
+- every batch reads back its own tokens through its table before it writes (its swap and
+  copy-on-write copies run first, when it executes, not when its Step returns);
+- a batch may fail: nothing of it is applied, its requests are aborted with the next Step,
+  which confirms nothing executed, and none of its blocks is ever served as a prefix hit;
 - the allocator's invariants hold after every step, no placeholder is ever hashed (events
   carry only real tokens), and freeing everything returns every block.
 """
@@ -81,6 +84,12 @@ class PipelineMachine(RuleBasedStateMachine):
         }
         self.requests: dict[str, Mirror] = {}
         self.in_flight: list[Work] = []
+        # The in-flight batch's copies (swap out, swap in, copy-on-write) and the requests
+        # its Step swapped out; the requests of the batch that failed, and whether it did.
+        self.in_flight_ops: tuple[list, list, list] = ([], [], [])
+        self.in_flight_swapped: set[str] = set()
+        self.failed: set[str] = set()
+        self.last_batch_failed = False
         self.next_id = 0
         self.num_pending_granted = 0
 
@@ -106,7 +115,13 @@ class PipelineMachine(RuleBasedStateMachine):
         chunk=st.integers(1, 4),
     )
     def step(self, prompts, data, swap, commit_previous, chunk) -> None:
-        # 1. What the gateway sends while the batch in flight executes.
+        # 1. What the gateway sends while the batch in flight executes. The requests of a
+        # batch that failed are aborted, and nothing is confirmed executed.
+        abort_ids = sorted(self.failed & set(self.requests))  # (not freed by a preemption)
+        for request_id in abort_ids:
+            del self.requests[request_id]
+        self.failed.clear()
+        commit_previous = commit_previous and not self.last_batch_failed
         late_ids, late_tokens = [], []
         for request_id, mirror in self.requests.items():
             if mirror.pending:  # sampled by the batch before the one in flight: known now
@@ -132,7 +147,7 @@ class PipelineMachine(RuleBasedStateMachine):
             self.next_id += 1
             self.requests[request_id] = Mirror(salt, list(prompt))
             items.append(StepItem(request_id, num, list(prompt), salt))
-        if not (items or pending_ids or late_ids or free_ids or self.in_flight):
+        if not (items or pending_ids or late_ids or free_ids or abort_ids or self.in_flight):
             return  # nothing to send, nothing executing
         result = self.allocator.step(
             "p",
@@ -140,7 +155,7 @@ class PipelineMachine(RuleBasedStateMachine):
             self.lease_id,
             [],
             free_ids,
-            [],
+            abort_ids,
             items,
             PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE,
             commit_previous=commit_previous,
@@ -167,7 +182,22 @@ class PipelineMachine(RuleBasedStateMachine):
                     mirror, grant.num_cached_tokens
                 ), f"{item.request_id}: a prefix hit on KV not written yet"
 
-        # 3. The batch in flight executes (after the Step, before the next batch).
+        # 3. The batch in flight executes (after the Step, before the next batch): its copies
+        # first, then its writes; or it fails, and nothing of it is applied.
+        self.last_batch_failed = bool(self.in_flight or self.in_flight_ops) and data.draw(
+            st.integers(0, 9), "fail"
+        ) == 0
+        if self.last_batch_failed:
+            self.failed = {w.request_id for w in self.in_flight} | self.in_flight_swapped
+            self.failed &= set(self.requests)
+            self.in_flight, self.in_flight_ops = [], ([], [], [])
+        swap_out, swap_in, copies = self.in_flight_ops
+        for c in swap_out:
+            self.cpu[c.dst_block_id] = list(self.gpu[c.src_block_id])
+        for c in swap_in:
+            self.gpu[c.dst_block_id] = list(self.cpu[c.src_block_id])
+        for c in copies:
+            self.gpu[c.dst_block_id] = list(self.gpu[c.src_block_id])
         for work in self.in_flight:
             assert self._read(work.table, work.start) == self._expect(work.mirror, work.start), (
                 f"{work.request_id} reads foreign KV"
@@ -181,9 +211,12 @@ class PipelineMachine(RuleBasedStateMachine):
                 assert len(work.mirror.tokens) == end, "samples only at its last token"
                 work.mirror.tokens.append(_sample(work.mirror.tokens, end))
 
-        # 4. The outcome forms the next batch (the sampled values are known by now).
-        for c in result.swap_out:
-            self.cpu[c.dst_block_id] = list(self.gpu[c.src_block_id])
+        # 4. The outcome forms the next batch (the sampled values are known by now); its
+        # copies run when it executes. A request of a failed batch is not in it.
+        self.in_flight_ops = (result.swap_out, result.swap_in, result.copies)
+        self.in_flight_swapped = {
+            p.request_id for p in result.preempted if p.mode is PreemptionMode.SWAP
+        }
         for p in result.preempted:
             if p.mode is PreemptionMode.SWAP:
                 mirror = self.requests[p.request_id]
@@ -192,10 +225,6 @@ class PipelineMachine(RuleBasedStateMachine):
                     assert p.request_id not in self.pool.pending
             else:
                 del self.requests[p.request_id]
-        for c in result.swap_in:
-            self.gpu[c.dst_block_id] = list(self.cpu[c.src_block_id])
-        for c in result.copies:
-            self.gpu[c.dst_block_id] = list(self.gpu[c.src_block_id])
         skipped = {p.request_id for p in result.preempted} | set(result.deferred)
         for item in items:
             if item.request_id in skipped and item.prompt_token_ids is not None:
@@ -224,7 +253,7 @@ class PipelineMachine(RuleBasedStateMachine):
                 mirror.pending = True
                 self.num_pending_granted += 1
             mirror.computed = start + num
-            if num:
+            if num and request_id not in self.failed:
                 sample = mirror.computed == len(mirror.tokens)
                 batch.append(Work(request_id, mirror, start, num, sample, list(mirror.table)))
         self.in_flight = batch

@@ -131,3 +131,58 @@ def test_a_request_cancelled_while_its_batch_executes_gets_nothing_more(tokenize
     assert [t for d in drain(a) for t in d.token_ids] == link.model.reference([5] * 6, 2)
     assert [t for d in drain(b) for t in d.token_ids] == link.model.reference([7] * 6, 8)
     assert link.pool.all_free() and not link.model.held
+
+
+def test_a_batch_rejected_while_landing_out_of_the_pipeline_confirms_nothing(
+    tokenizer: Tokenizer,
+):
+    # b ends with the third batch. An orphan to abort (noted while that batch runs) makes
+    # the next step land the
+    # batch in flight first, before planning; that batch (a's fourth, filling its second
+    # block) is rejected. The third batch's counts, not yet sent, go as explicit commits,
+    # so the plain Step that follows (admitting c) does not say "the previous steps
+    # executed", which would commit the rejected batch's grants too.
+    eng, link = engine(tokenizer, num_blocks=64, tokens=64)
+    a = submit(eng, "a", [9] * 5, max_tokens=8)
+    b = submit(eng, "b", [7] * 5, max_tokens=3)  # its last token: in the third batch
+    late: list[Request] = []
+
+    def orphan_and_c() -> None:
+        eng.orphan_ids.add("nobody")
+        late.append(submit(eng, "c", [8] * 5, max_tokens=4))
+
+    state = slow_executor(link, fail_call=4, code=grpc.StatusCode.INVALID_ARGUMENT,
+                          on_call={3: orphan_and_c})
+    after_rejection: list[tuple[bool, bool]] = []
+    original = link.step
+
+    async def step(call: StepCall) -> StepOutcome:
+        if state["calls"] == 4 and not state["executing"]:
+            after_rejection.append((call.commit_previous_step, call.previous_step_in_flight))
+        return await original(call)
+
+    link.step = step  # type: ignore[method-assign]
+    asyncio.run(run_until_idle(eng))
+    a_tokens = link.model.reference([9] * 5, 3)
+    assert [t for d in drain(a) for t in d.token_ids] == a_tokens
+    assert [t for d in drain(late[0]) for t in d.token_ids] == link.model.reference([8] * 5, 4)
+    assert [t for d in drain(b) for t in d.token_ids] == link.model.reference([7] * 5, 3)
+    assert after_rejection[0] == (False, False)  # a plain Step that confirms nothing
+    stored = [e.token_ids for e in link.pool.pool.events.after(0, 1 << 16).events if e.token_ids]
+    assert [9, *a_tokens] not in stored
+    assert link.pool.all_free() and not link.model.held
+
+
+def test_a_batch_abandoned_by_a_gateway_bug_has_its_releases_sent_again(tokenizer: Tokenizer):
+    eng, link = engine(tokenizer, num_blocks=64)
+    slow_executor(link)
+
+    async def scenario() -> None:
+        eng.scheduler.pending.release_ids.append("gone")
+        submit(eng, "a", [9] * 5, max_tokens=8)
+        await eng.step()  # the Execute carrying the release of "gone" is out
+        assert eng.in_flight is not None and not eng.scheduler.pending.release_ids
+        eng.abandon_in_flight()
+
+    asyncio.run(scenario())
+    assert eng.scheduler.pending.release_ids == ["gone"]

@@ -47,11 +47,16 @@ def drive(
     steps = 0
     in_flight = None
 
-    def land() -> None:
+    def land() -> list[tuple[Sequence, int]]:
         nonlocal in_flight
         batch, in_flight = in_flight, None
         assert batch is not None
-        for seq, token in sched.apply_result(batch, model.execute(batch.call)):
+        return sched.apply_result(batch, model.execute(batch.call))
+
+    def take_outputs(sampled: list[tuple[Sequence, int]]) -> None:
+        for seq, token in sampled:
+            if seq.is_finished:
+                continue
             if len(seq.output_token_ids) >= seq.request.sampling.max_tokens or stops(token):
                 sched.finish(seq)
 
@@ -59,7 +64,7 @@ def drive(
         plan = sched.schedule(in_flight is not None)
         if plan is None or not plan.call.has_items():
             if in_flight is not None:
-                land()
+                take_outputs(land())
             if plan is None:
                 if in_flight is None and not sched.pending.has_allocator_work():
                     break
@@ -67,14 +72,15 @@ def drive(
         steps += 1
         assert steps < max_steps, "no progress"
         outcome = pool.step(plan.call)
-        if in_flight is not None:
-            land()
+        sampled = land() if in_flight is not None else []
         if not plan.call.has_items():
+            take_outputs(sampled)
             continue
         in_flight = sched.apply_outcome(plan, outcome)
         sched.launch(in_flight)
+        take_outputs(sampled)  # the engine's order: after the next batch went out
         if not pipelined:
-            land()
+            take_outputs(land())
     model.execute(sched.apply_outcome(*_empty_step(sched)).call)  # last releases
     return steps
 
@@ -471,3 +477,52 @@ def test_scheduler_a_sequence_ending_while_the_allocator_preempts_it_sends_it_no
     assert plan is not None
     pool.step(plan.call)  # accepted: it names only a
     assert a.status is SeqStatus.RUNNING
+
+
+def test_scheduler_sends_a_pending_tokens_value_once_out_of_the_pipeline():
+    # The engine may plan with nothing in flight right after a pipelined step (an orphan
+    # abort lands the batch first): the value of the pending token goes once, as a late
+    # token, and the newest token as a plain decode; the run still ends at the reference.
+    sched, pool, model = scheduler(), CorePool(32, BLOCK), FakeModel(BLOCK)
+    (a,) = add(sched, request("a", [5, 6, 7], max_tokens=6))
+    plan = sched.schedule()
+    assert plan is not None
+    first = sched.apply_outcome(plan, pool.step(plan.call))
+    sched.launch(first)
+    plan = sched.schedule(in_flight=True)
+    assert plan is not None
+    outcome = pool.step(plan.call)
+    sched.apply_result(first, model.execute(first.call))
+    second = sched.apply_outcome(plan, outcome)
+    sched.launch(second)
+    assert a.allocator_pending
+    sched.apply_result(second, model.execute(second.call))  # landed: nothing in flight
+    plan = sched.schedule()
+    assert plan is not None and not plan.call.items
+    assert plan.call.late_token_ids == (a.output_token_ids[0],)
+    assert plan.call.decode_token_ids == (a.output_token_ids[1],)
+    third = sched.apply_outcome(plan, pool.step(plan.call))  # accepted
+    sched.apply_result(third, model.execute(third.call))
+    drive(sched, pool, model, pipelined=True)
+    assert a.output_token_ids == model.reference([5, 6, 7], 6)
+    assert pool.all_free() and not model.held
+
+
+def test_scheduler_a_sequence_preempted_while_its_batch_ran_commits_nothing_more():
+    # Pipelined: b's batch lands (its count is to be committed) after the Step already out
+    # preempted it by recompute, which freed it at the allocator: no commit may name it.
+    sched, pool, model = scheduler(), CorePool(2, BLOCK), FakeModel(BLOCK)
+    add(sched, request("a", [5, 6, 7, 8], max_tokens=5))
+    (b,) = add(sched, request("b", [9, 10, 11, 12], max_tokens=5))
+    plan = sched.schedule()
+    assert plan is not None
+    first = sched.apply_outcome(plan, pool.step(plan.call))
+    sched.launch(first)
+    plan = sched.schedule(in_flight=True)
+    assert plan is not None
+    outcome = pool.step(plan.call)
+    assert [p.request_id for p in outcome.preempted] == ["b"]
+    sched.apply_result(first, model.execute(first.call))
+    assert "b" in sched.pending.executed
+    sched.apply_outcome(plan, outcome)
+    assert "b" not in sched.pending.executed and b.status is SeqStatus.WAITING
