@@ -28,6 +28,9 @@ class Pending:
     # The last step's computed counts, not yet committed: the next Step commits them all
     # with one flag (commit_previous_step); an idle engine sends them as explicit commits.
     executed: dict[str, int] = field(default_factory=dict)
+    # The executor rejected a batch: the next Step confirms nothing with that flag (it would
+    # cover the rejected batch's grants too); its counts go as explicit commits.
+    batch_rejected: bool = False
 
     def has_allocator_work(self) -> bool:
         return bool(self.commits or self.free_ids or self.abort_ids or self.executed)
@@ -53,6 +56,8 @@ class Batch:
     call: ExecuteCall
     scheduled: list[tuple[Sequence, int]]
     num_decodes: int = 0
+    # Swapped out by this step: their KV reaches the CPU blocks only with this Execute.
+    swapped_out: list[Sequence] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -62,7 +62,7 @@ class Engine:
     # step holds its own for the next one.
     held: HeldOutputs = field(default_factory=HeldOutputs)
     holding: bool = False
-    # Pipelined steps (DESIGN.md, the hot path): a step's Step goes out while the previous
+    # Pipelined steps (README, "How it fits together"): a step's Step goes out while the previous
     # step's batch executes. Off: each step's Execute returns before the next Step.
     pipeline: bool = True
     in_flight: InFlight | None = None
@@ -138,7 +138,9 @@ class Engine:
         self.plan = self.batch = None
         renewal = self.link.take_lease_renewal()
         if renewal or self.orphan_ids:
-            await self._settle()  # recovery starts from a settled state: nothing executing
+            # Recovery starts from a settled state: nothing executing. (No fork for a lost
+            # lease: the parents are readmitted, and fork again once recomputed.)
+            await self._settle(fork=not renewal)
         if renewal:
             recovery.allocator_forgot(self, "lease_renewed")
         if self.has_cancellations:
@@ -234,25 +236,26 @@ class Engine:
         sampled = self.scheduler.apply_result(batch, result)
         return Landed(batch, result, execute_ms, sampled)
 
-    async def _take_outputs(self, landed: Landed | None) -> None:
+    async def _take_outputs(self, landed: Landed | None, fork: bool = True) -> None:
         """A landed batch's tokens become deltas (held for the streams), its finished
-        sequences end, its computed prefill parents fork."""
+        sequences end, its computed prefill parents fork (unless `fork` is False: recovery
+        is about to readmit or fail them)."""
         if landed is None:
             return
         for seq, token in landed.sampled:
             if seq.status is not SeqStatus.FINISHED:  # ended since, e.g. cancelled
                 self._emit(seq, token)
-        parents = self.scheduler.ready_to_fork(landed.batch)
+        parents = self.scheduler.ready_to_fork(landed.batch) if fork else []
         if parents:
             self.deliver()  # a Fork is not the hot path: the outputs do not wait for it
         for parent in parents:
             await side_calls.fork(self, parent)
         self.holding = self.held.worth_holding()
 
-    async def _settle(self) -> Landed | None:
+    async def _settle(self, fork: bool = True) -> Landed | None:
         """Land the batch in flight, if any, and take its outputs."""
         landed = await self._land()
-        await self._take_outputs(landed)
+        await self._take_outputs(landed, fork)
         return landed
 
     def abandon_in_flight(self) -> None:
@@ -296,7 +299,7 @@ class Engine:
         try:
             outcome = await self.held.during_step(call)
         except grpc.aio.AioRpcError as exc:
-            await self._take_outputs(landed)
+            await self._take_outputs(landed, fork=False)  # recovery readmits or fails them
             self.deliver()
             await recovery.allocator_step_failed(self, plan, exc)
             return None

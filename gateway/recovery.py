@@ -112,16 +112,14 @@ def execute_failed(engine: Engine, batch: Batch, exc: grpc.aio.AioRpcError) -> N
     if code in LOST_CODES:
         lose_executor(engine)
         return
-    # The executor refused this step: nothing it wrote may be cached (the commit rule). The
-    # counts of the batch before it (still pending when the batch in flight lands first) go
-    # as explicit commits, so no Step says "the previous steps executed".
-    pending = engine.scheduler.pending
-    for request_id, num_computed in pending.executed.items():
-        pending.commits.setdefault(request_id, num_computed)
-    pending.executed.clear()
+    # The executor refused this step: nothing it wrote may be cached (the commit rule), so
+    # the next Step confirms nothing with commit_previous_step (explicit commits instead).
+    # Its sequences fail, and so do the ones it swapped out: their KV never reached the CPU.
+    engine.scheduler.pending.batch_rejected = True
     error = Unavailable(f"executor {engine.pool_id} rejected a step ({code.name})")
-    for seq, _ in batch.scheduled:
-        engine.fail(seq, error)
+    for seq in [*(s for s, _ in batch.scheduled), *batch.swapped_out]:
+        if not seq.is_finished:  # (pipelined: one ended by the outputs taken meanwhile)
+            engine.fail(seq, error)
 
 
 def lose_executor(engine: Engine) -> None:

@@ -28,7 +28,7 @@ def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -
         if seq.known_to_allocator and seq.allocator_pending:
             seq.num_allocator_tokens += 1
             seq.allocator_pending = False
-    _apply_preemptions(sched, step, outcome)
+    swapped_out = _apply_preemptions(sched, step, outcome)
     skipped = outcome.deferred_request_ids | {p.request_id for p in outcome.preempted}
     admitted: set[Sequence] = set()
     work: list[SeqWork] = []
@@ -102,7 +102,7 @@ def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -
     )
     sched.pending.release_ids.clear()
     return Batch(call=call, scheduled=[*decodes.scheduled, *scheduled],
-                 num_decodes=len(decodes.scheduled))
+                 num_decodes=len(decodes.scheduled), swapped_out=swapped_out)
 
 
 # The row of a pending decode: one token scheduled, none appended (its value is late).
@@ -144,11 +144,15 @@ def _is_plain_decode(seq: Sequence, start: int, num: int, delta: TableDelta | No
     )
 
 
-def _apply_preemptions(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -> None:
+def _apply_preemptions(
+    sched: Scheduler, step: ScheduledStep, outcome: StepOutcome
+) -> list[Sequence]:
+    """Move the preempted sequences; returns the ones swapped out."""
     if not outcome.preempted:
-        return
+        return []
     by_id = {s.seq_id: s for s in sched.running}
     recomputed: list[Sequence] = []
+    swapped_out: list[Sequence] = []
     for preemption in outcome.preempted:
         seq = by_id.get(preemption.request_id) or step.seqs.get(preemption.request_id)
         assert seq is not None, f"allocator preempted unknown {preemption.request_id}"
@@ -164,6 +168,7 @@ def _apply_preemptions(sched: Scheduler, step: ScheduledStep, outcome: StepOutco
             seq.status = SeqStatus.SWAPPED
             seq.block_table.clear()
             sched.swapped.append(seq)
+            swapped_out.append(seq)
             continue
         if seq in sched.swapped:
             sched.swapped.remove(seq)
@@ -175,6 +180,7 @@ def _apply_preemptions(sched: Scheduler, step: ScheduledStep, outcome: StepOutco
     # The earliest preempted sequence goes first: the queue front keeps FCFS order.
     for seq in sorted(recomputed, key=_priority, reverse=True):
         sched.add(seq, front=True)
+    return swapped_out
 
 
 def _seq_work(seq: Sequence, start: int, num: int, delta: TableDelta | None) -> SeqWork:

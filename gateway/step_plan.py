@@ -85,7 +85,7 @@ def plan_step(sched: Scheduler, in_flight: bool = False) -> ScheduledStep | None
     has_items = bool(decode_ids or pending_ids or items)
     if not has_items and not pending.has_allocator_work():
         return None
-    commit_previous = has_items and bool(pending.executed)
+    commit_previous = has_items and bool(pending.executed) and not pending.batch_rejected
     if not commit_previous:
         for request_id, num_computed in pending.executed.items():
             pending.commits.setdefault(request_id, num_computed)
@@ -105,6 +105,7 @@ def plan_step(sched: Scheduler, in_flight: bool = False) -> ScheduledStep | None
     )
     executed = dict(pending.executed) if commit_previous else {}
     pending.executed.clear()
+    pending.batch_rejected = False
     pending.commits.clear()
     pending.free_ids.clear()
     pending.abort_ids.clear()

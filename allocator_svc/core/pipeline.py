@@ -1,5 +1,5 @@
 """Pipelined steps: the gateway sends step N+1's Step while step N's batch executes, so the
-allocator's round trip leaves the critical path (DESIGN.md, the hot path).
+allocator's round trip leaves the critical path.
 
 Decode slots depend on how many tokens a request holds, not on their values. A pending decode
 grants a slot to a token still being sampled: the request's token list ends with a PENDING

@@ -6,9 +6,12 @@ core and a fake model (in_process.py) whose Execute takes a while, in one event 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
-from test_engine import FakeLink, drain, engine, run_until_idle, submit
+import pytest
+from in_process import CorePool
+from test_engine import BLOCK, FakeLink, drain, engine, run_until_idle, submit
 from test_engine import tokenizer as tokenizer  # the module-scoped fixture
 
 from gateway import recovery
@@ -186,3 +189,81 @@ def test_a_batch_abandoned_by_a_gateway_bug_has_its_releases_sent_again(tokenize
 
     asyncio.run(scenario())
     assert eng.scheduler.pending.release_ids == ["gone"]
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
+def test_a_rejected_batch_fails_the_requests_it_was_swapping_out(
+    tokenizer: Tokenizer, pipeline: bool
+):
+    # Swap mode on a small pool: the first Execute that carries swap-out copies is
+    # rejected, so those copies never run. The requests it swapped out fail with
+    # UNAVAILABLE (their KV never reached the CPU) like the ones it computed for; no request
+    # gets a token that is not the reference, nothing is held afterwards.
+    eng, link = engine(tokenizer, num_blocks=8, tokens=64, pipeline=pipeline)
+    eng.scheduler.swap = True
+    link.pool = CorePool(8, BLOCK, num_cpu_blocks=16)
+    prompts = {f"s{i}": [6 + i] * 7 for i in range(3)}
+    reqs = {rid: submit(eng, rid, prompt, max_tokens=12) for rid, prompt in prompts.items()}
+    in_rejected_call: set[str] = set()
+    original = link.execute
+
+    async def reject_first_swap(call: ExecuteCall) -> ExecuteResult:
+        if call.swap_out and not in_rejected_call:
+            in_rejected_call.update(call.decode_request_ids, (s.request_id for s in call.seqs))
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), "no")
+        return await original(call)
+
+    link.execute = reject_first_swap  # type: ignore[method-assign]
+    asyncio.run(run_until_idle(eng))
+    assert in_rejected_call, "no swap happened"
+    failed = set()
+    for rid, req in reqs.items():
+        deltas = drain(req)
+        tokens = [t for d in deltas for t in d.token_ids]
+        assert tokens == link.model.reference(prompts[rid], 12)[: len(tokens)]
+        errors = [d.error for d in deltas if d.error is not None]
+        if errors:
+            assert errors[0].code is grpc.StatusCode.UNAVAILABLE
+            failed.add(rid)
+        else:
+            assert len(tokens) == 12
+    assert failed - in_rejected_call, "a swapped-out request was not failed"
+    assert link.pool.all_free() and not link.model.held
+
+
+def test_a_lost_step_readmits_a_prefill_parent_rather_than_forking_it(tokenizer: Tokenizer):
+    # The Step sent while an n=2 request's shared prompt computes is lost (the allocator is
+    # away, so is every Fork): the landed parent is not forked into the outage, which would
+    # fail the request; it is readmitted with the rest, and both completions finish.
+    eng, link = engine(tokenizer, num_blocks=64, tokens=64)
+    p = submit(eng, "p", [5] * 6, max_tokens=4, n=2)
+    a = submit(eng, "a", [7] * 6, max_tokens=4)
+    down = False
+    step, fork = link.step, link.fork
+
+    async def lost_second(call: StepCall) -> StepOutcome:
+        nonlocal down
+        if link.num_steps == 1:
+            link.num_steps += 1
+            down = True
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), "gone")
+        down = False
+        return await step(call)
+
+    async def fork_unless_down(parent_id: str, child_ids: list[str], request_id: str) -> Any:
+        if down:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), "gone")
+        return await fork(parent_id, child_ids, request_id)
+
+    link.step, link.fork = lost_second, fork_unless_down  # type: ignore[method-assign]
+    asyncio.run(run_until_idle(eng))
+    deltas = drain(p)
+    assert not [d for d in deltas if d.error is not None]
+    for index in (0, 1):
+        tokens = [t for d in deltas if d.index == index for t in d.token_ids]
+        assert tokens == link.model.reference([5] * 6, 4)
+    assert [t for d in drain(a) for t in d.token_ids] == link.model.reference([7] * 6, 4)
+    assert link.pool.all_free() and not link.model.held
