@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from in_process import CorePool, FakeModel
 
-from gateway.batch import Budget
+from gateway.batch import Batch, Budget, ScheduledStep
 from gateway.request_state import Request, SeqStatus, Sequence
 from gateway.router import initial_sequences
 from gateway.sampling import SamplingOptions
@@ -90,6 +90,20 @@ def _empty_step(sched: Scheduler):  # type: ignore[no-untyped-def]
     from gateway.step import StepCall
 
     return ScheduledStep(call=StepCall((), (), (), ()), seqs={}), StepOutcome()
+
+
+def launch_then_allocate(
+    sched: Scheduler, pool: CorePool
+) -> tuple[Batch, ScheduledStep, StepOutcome]:
+    """Step 1's batch goes out (launched, not landed); step 2 is planned and allocated
+    while it runs, as the pipelined engine does."""
+    plan = sched.schedule()
+    assert plan is not None
+    first = sched.apply_outcome(plan, pool.step(plan.call))
+    sched.launch(first)
+    plan = sched.schedule(in_flight=True)
+    assert plan is not None
+    return first, plan, pool.step(plan.call)
 
 
 def test_scheduler_lists_running_decodes_before_waiting_prefills():
@@ -459,13 +473,9 @@ def test_scheduler_a_sequence_ending_while_the_allocator_preempts_it_sends_it_no
     sched, pool, model = scheduler(), CorePool(2, BLOCK), FakeModel(BLOCK)
     (a,) = add(sched, request("a", [5, 6, 7, 8], max_tokens=5))
     (b,) = add(sched, request("b", [9, 10, 11, 12], max_tokens=5))
-    plan = sched.schedule()
-    assert plan is not None
-    first = sched.apply_outcome(plan, pool.step(plan.call))  # one full block each
-    sched.launch(first)
-    plan = sched.schedule(in_flight=True)
-    assert plan is not None and plan.call.pending_decode_request_ids == ("a", "b")
-    outcome = pool.step(plan.call)  # both need a second block: b, behind a, is preempted
+    first, plan, outcome = launch_then_allocate(sched, pool)  # one full block each
+    assert plan.call.pending_decode_request_ids == ("a", "b")
+    # Both need a second block: b, behind a, is preempted.
     assert [p.request_id for p in outcome.preempted] == ["b"]
     sched.apply_result(first, model.execute(first.call))
     sched.finish(b)  # its sampled token was a stop token
@@ -485,13 +495,7 @@ def test_scheduler_sends_a_pending_tokens_value_once_out_of_the_pipeline():
     # token, and the newest token as a plain decode; the run still ends at the reference.
     sched, pool, model = scheduler(), CorePool(32, BLOCK), FakeModel(BLOCK)
     (a,) = add(sched, request("a", [5, 6, 7], max_tokens=6))
-    plan = sched.schedule()
-    assert plan is not None
-    first = sched.apply_outcome(plan, pool.step(plan.call))
-    sched.launch(first)
-    plan = sched.schedule(in_flight=True)
-    assert plan is not None
-    outcome = pool.step(plan.call)
+    first, plan, outcome = launch_then_allocate(sched, pool)
     sched.apply_result(first, model.execute(first.call))
     second = sched.apply_outcome(plan, outcome)
     sched.launch(second)
@@ -514,13 +518,7 @@ def test_scheduler_a_sequence_preempted_while_its_batch_ran_commits_nothing_more
     sched, pool, model = scheduler(), CorePool(2, BLOCK), FakeModel(BLOCK)
     add(sched, request("a", [5, 6, 7, 8], max_tokens=5))
     (b,) = add(sched, request("b", [9, 10, 11, 12], max_tokens=5))
-    plan = sched.schedule()
-    assert plan is not None
-    first = sched.apply_outcome(plan, pool.step(plan.call))
-    sched.launch(first)
-    plan = sched.schedule(in_flight=True)
-    assert plan is not None
-    outcome = pool.step(plan.call)
+    first, plan, outcome = launch_then_allocate(sched, pool)
     assert [p.request_id for p in outcome.preempted] == ["b"]
     sched.apply_result(first, model.execute(first.call))
     assert "b" in sched.pending.executed
