@@ -28,8 +28,9 @@ class Pending:
     # The last step's computed counts, not yet committed: the next Step commits them all
     # with one flag (commit_previous_step); an idle engine sends them as explicit commits.
     executed: dict[str, int] = field(default_factory=dict)
-    # The executor rejected a batch: the next Step confirms nothing with that flag (it would
-    # cover the rejected batch's grants too); its counts go as explicit commits.
+    # The executor rejected a batch (or a call carrying this housekeeping was refused): the
+    # next Step confirms nothing with commit_previous_step, which would cover the rejected
+    # batch's grants too; its counts go as explicit commits.
     batch_rejected: bool = False
 
     def has_allocator_work(self) -> bool:

@@ -5,7 +5,9 @@
   for recompute, or fails it with UNAVAILABLE); what the allocator holds for them is aborted
   (orphans.py); the engine reconnects in the background and re-registers its pool (a
   restarted executor resets it);
-- the executor rejects a step: that step's sequences fail, the engine keeps serving;
+- the executor rejects a step: that step's sequences fail, and the ones its Step swapped out
+  (their KV never reached the CPU); the next Step confirms nothing executed; the engine keeps
+  serving;
 - the allocator says the pool or the lease is stale: the pool is re-registered and every
   sequence is readmitted (recompute);
 - a Step cut off (UNAVAILABLE, or DEADLINE_EXCEEDED past `--allocator-timeout-s`): whether
@@ -101,6 +103,9 @@ def restore_housekeeping(engine: Engine, plan: ScheduledStep) -> None:
         pending.commits.setdefault(commit.request_id, commit.num_computed_tokens)
     pending.free_ids[:0] = plan.call.free_request_ids
     pending.abort_ids[:0] = plan.call.abort_request_ids
+    # What the plan knew about unconfirmed batches holds for the next one, which confirms
+    # nothing with commit_previous_step (explicit commits are always safe).
+    pending.batch_rejected = True
 
 
 def execute_failed(engine: Engine, batch: Batch, exc: grpc.aio.AioRpcError) -> None:

@@ -105,7 +105,8 @@ def plan_step(sched: Scheduler, in_flight: bool = False) -> ScheduledStep | None
     )
     executed = dict(pending.executed) if commit_previous else {}
     pending.executed.clear()
-    pending.batch_rejected = False
+    if has_items:  # a Step: the allocator drops what it does not commit (a Free keeps it)
+        pending.batch_rejected = False
     pending.commits.clear()
     pending.free_ids.clear()
     pending.abort_ids.clear()

@@ -176,7 +176,10 @@ class Allocator:
             check_not_pending(pool, _scheduled_ids(decodes, items), _NONE_RELEASED)
         scheduled = pool.scheduled
         if commit_previous or in_flight or scheduled.executing:
-            scheduled.advance(pool, lease_id, commit_previous, in_flight)
+            scheduled.advance(
+                pool, lease_id, commit_previous, in_flight,
+                frozenset(abort_ids) if abort_ids else _NONE_RELEASED,
+            )
         # (Otherwise there is nothing to commit, and run_step replaces the latest step.)
         for commit in commits:
             pool.commit(pool.requests[commit.request_id], commit.num_computed)

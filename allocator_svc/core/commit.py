@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
 from allocator_svc.core.free_queue import Block
@@ -40,12 +41,25 @@ class ScheduledSteps:
         self.executing.pop(lease_id, None)
 
     def advance(
-        self, pool: Pool, lease_id: str | None, commit_previous: bool, previous_in_flight: bool
+        self,
+        pool: Pool,
+        lease_id: str | None,
+        commit_previous: bool,
+        previous_in_flight: bool,
+        aborted: AbstractSet[str] = frozenset(),
     ) -> None:
         """Before a Step: commit the steps it confirms executed (commit_previous), drop the
-        rest; with the previous step in flight, keep that one for the next call."""
+        rest; with the previous step in flight, keep that one for the next call. A request
+        the same call aborts is never committed (an abort commits nothing)."""
         latest = self.latest.pop(lease_id, None)
         executing = self.executing.pop(lease_id, None) if self.executing else None
+        if aborted and commit_previous:
+            if latest:
+                latest = [r for r in latest if r.request_id not in aborted]
+            if executing is not None:
+                kept = [(r, c) for r, c in zip(*executing, strict=True)
+                        if r.request_id not in aborted]
+                executing = ([r for r, _ in kept], [c for _, c in kept])
         if commit_previous and executing is not None:
             commit_run(pool, *executing)
         if previous_in_flight:

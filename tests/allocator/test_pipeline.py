@@ -39,6 +39,7 @@ class Driver:
         commit_previous: bool = True,
         decodes: Decodes | None = None,
         free: list[str] | None = None,
+        abort: list[str] | None = None,
         commits: list[Commit] | None = None,
         lease: str | None = "own",
         swap: bool = False,
@@ -50,7 +51,7 @@ class Driver:
             self.lease if lease == "own" else lease,
             commits or [],
             free or [],
-            [],
+            abort or [],
             items or [],
             PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE,
             commit_previous,
@@ -248,3 +249,18 @@ def test_a_commit_of_the_latest_step_stops_short_of_a_pending_token():
     d.step(pending=["a"])  # position 2, in a block it does not fill
     d.step([new("b", [5])], in_flight=False)  # commits step 2's grants at current counts
     assert d.pool.requests["a"].num_committed == 2
+
+
+@pytest.mark.parametrize("in_flight", [True, False])
+def test_a_step_never_commits_a_request_it_aborts(in_flight: bool):
+    # commit_previous_step and an abort of the same request in one call: the abort wins
+    # (an abort commits nothing), whichever of the kept steps the flag covers.
+    d = Driver()
+    d.step([new("a", [1, 2, 3, 4, 5]), new("b", [7, 8])], in_flight=False)
+    if in_flight:
+        d.step(pending=["a", "b"])  # step 1 is now the one kept with its counts
+    d.step([new("c", [9])], abort=["a"], late={"b": 1} if in_flight else None,
+           in_flight=False)
+    stored = [e.token_ids for e in d.pool.events.after(0, 1 << 10).events if e.token_ids]
+    assert [1, 2] not in stored and [3, 4] not in stored
+    assert [7, 8] in stored  # b's block: confirmed by the same flag

@@ -15,6 +15,7 @@ from test_engine import BLOCK, FakeLink, drain, engine, run_until_idle, submit
 from test_engine import tokenizer as tokenizer  # the module-scoped fixture
 
 from gateway import recovery
+from gateway.batch import ScheduledStep
 from gateway.request_state import Request, Sequence
 from gateway.step import ExecuteCall, ExecuteResult, StepCall, StepOutcome
 from gateway.tokenizer import Tokenizer
@@ -267,3 +268,14 @@ def test_a_lost_step_readmits_a_prefill_parent_rather_than_forking_it(tokenizer:
         assert tokens == link.model.reference([5] * 6, 4)
     assert [t for d in drain(a) for t in d.token_ids] == link.model.reference([7] * 6, 4)
     assert link.pool.all_free() and not link.model.held
+
+
+def test_a_refused_call_leaves_the_next_step_confirming_nothing(tokenizer: Tokenizer):
+    # A Step (or Free) the allocator refused applied nothing, so what its plan knew still
+    # holds: the next Step confirms nothing with the flag (explicit commits are always safe).
+    eng, _ = engine(tokenizer, num_blocks=64)
+    plan = ScheduledStep(call=StepCall((), (), ("a",), ()), seqs={}, executed={"b": 4})
+    recovery.restore_housekeeping(eng, plan)
+    pending = eng.scheduler.pending
+    assert pending.batch_rejected and pending.commits == {"b": 4}
+    assert pending.abort_ids == ["a"]

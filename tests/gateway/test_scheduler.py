@@ -524,3 +524,21 @@ def test_scheduler_a_sequence_preempted_while_its_batch_ran_commits_nothing_more
     assert "b" in sched.pending.executed
     sched.apply_outcome(plan, outcome)
     assert "b" not in sched.pending.executed and b.status is SeqStatus.WAITING
+
+
+def test_scheduler_confirms_nothing_after_a_rejection_until_a_step_goes_out():
+    # After a rejected batch, the next Step must not confirm the previous steps with the
+    # flag: a plan of housekeeping alone (a Free, which the allocator's step bookkeeping
+    # never sees) keeps that rule for the next one; the first Step sends explicit commits.
+    sched = scheduler()
+    sched.pending.batch_rejected = True
+    sched.pending.free_ids.append("x")
+    plan = sched.schedule()
+    assert plan is not None and not plan.call.has_items()
+    assert sched.pending.batch_rejected
+    add(sched, request("a", [5, 6, 7]))
+    sched.pending.executed["y"] = 3
+    plan = sched.schedule()
+    assert plan is not None and not plan.call.commit_previous_step
+    assert [(c.request_id, c.num_computed_tokens) for c in plan.call.commits] == [("y", 3)]
+    assert not sched.pending.batch_rejected
