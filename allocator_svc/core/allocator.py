@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
 
+from allocator_svc.core.commit import commit_current
 from allocator_svc.core.leases import Lease, LeaseTable
 from allocator_svc.core.pipeline import Pipelined, check_pipelined
 from allocator_svc.core.pool import Pool, PoolConfig
@@ -129,17 +130,17 @@ class Allocator:
         num_decodes = (
             len(decodes.request_ids) or len(decodes.token_ids) if decodes is not None else 0
         )
-        if pipeline is not None and not pipeline:
-            pipeline = None
-        num_pending = len(pipeline.pending_decode_ids) if pipeline is not None else 0
-        if not (
-            items or num_decodes or commits or free_ids or abort_ids or pipeline is not None
-        ):
+        num_items = len(items) + num_decodes
+        if pipeline is not None:
+            if pipeline:
+                num_items += len(pipeline.pending_decode_ids)
+            else:
+                pipeline = None
+        if not (num_items or commits or free_ids or abort_ids or pipeline is not None):
             raise InvalidArgument("empty step: send at least one item, commit, free or abort")
-        if len(items) + num_decodes + num_pending > self.limits.max_batch_items:
+        if num_items > self.limits.max_batch_items:
             raise InvalidArgument(
-                f"{len(items) + num_decodes + num_pending} items exceed the maximum batch of "
-                f"{self.limits.max_batch_items}"
+                f"{num_items} items exceed the maximum batch of {self.limits.max_batch_items}"
             )
         if lease_id is not None:
             self._live_lease(lease_id)
@@ -175,11 +176,12 @@ class Allocator:
         elif pool.pending and (num_decodes or items):
             check_not_pending(pool, _scheduled_ids(decodes, items), _NONE_RELEASED)
         scheduled = pool.scheduled
-        if commit_previous or in_flight or scheduled.executing:
-            scheduled.advance(
-                pool, lease_id, commit_previous, in_flight,
-                frozenset(abort_ids) if abort_ids else _NONE_RELEASED,
-            )
+        if in_flight or scheduled.executing or abort_ids:
+            scheduled.advance(pool, lease_id, commit_previous, in_flight, frozenset(abort_ids))
+        elif commit_previous:  # the common step: commit what the previous one granted
+            latest = scheduled.latest.pop(lease_id, None)
+            if latest:
+                commit_current(pool, latest)
         # (Otherwise there is nothing to commit, and run_step replaces the latest step.)
         for commit in commits:
             pool.commit(pool.requests[commit.request_id], commit.num_computed)
@@ -187,8 +189,8 @@ class Allocator:
             for request_id in (*free_ids, *abort_ids):
                 pool.free(pool.requests[request_id])
         result = run_step(pool, items, mode, lease_id, decodes, decode_requests)
-        if num_pending:
-            granted = pipeline.pending_decode_ids  # type: ignore[union-attr]
+        if pipeline is not None and pipeline.pending_decode_ids:
+            granted = pipeline.pending_decode_ids
             if result.preempted:
                 preempted = {p.request_id for p in result.preempted}
                 granted = [i for i in granted if i not in preempted]
