@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -86,11 +86,15 @@ class Streamed:
 
 
 def generate(stub: gpb_grpc.GatewayServiceStub, request: gpb.GenerateRequest,
-             timeout: float = 120.0) -> dict[int, Streamed]:
+             timeout: float = 120.0,
+             on_tokens: Callable[[int], None] | None = None) -> dict[int, Streamed]:
+    """Collect a Generate stream; `on_tokens(n)` is told each time n tokens have arrived."""
     out: dict[int, Streamed] = {}
     for response in stub.Generate(request, timeout=timeout):
         done = out.setdefault(response.index, Streamed())
         done.token_ids.extend(response.token_ids)
+        if on_tokens is not None:
+            on_tokens(sum(len(s.token_ids) for s in out.values()))
         done.text += response.text
         done.num_responses += 1
         if response.finish_reason:

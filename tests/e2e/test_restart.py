@@ -34,18 +34,23 @@ def test_allocator_restart_mid_stream_keeps_output(tmp_path: Path):
     try:
         prompt = next(prompts(1, 20, seed=61))
         result: dict[str, dict[int, Streamed] | Exception] = {}
+        streaming = threading.Event()
 
         def run() -> None:
             try:
                 result["ok"] = generate(clients.gateway, gpb.GenerateRequest(
                     token_ids=gpb.TokenIds(ids=prompt),
-                    sampling=sampling(300, ignore_eos=True)), timeout=90)
+                    sampling=sampling(300, ignore_eos=True)), timeout=90,
+                    on_tokens=lambda n: n >= 10 and streaming.set())
             except Exception as exc:  # noqa: BLE001 - reported by the assertion below
                 result["error"] = exc
+            streaming.set()
 
         thread = threading.Thread(target=run)
         thread.start()
-        time.sleep(1.0)
+        # Mid-stream: after its first tokens (a fixed sleep let a fast run finish first).
+        assert streaming.wait(60), "no tokens within 60 s"
+        assert "ok" not in result, "the request finished before the allocator was killed"
         port = stack.allocator_addr.rsplit(":", 1)[1]
         stack.kill("allocator")
         time.sleep(1.0)
