@@ -23,13 +23,13 @@ import grpc
 import structlog
 
 from common.errors import ServiceError
-from gateway import orphans, recovery, side_calls
+from gateway import landing, orphans, recovery, side_calls
 from gateway.batch import Batch, InFlight, Landed, ScheduledStep
 from gateway.executor_client import ExecutorDescription
 from gateway.held_outputs import HeldOutputs
 from gateway.output import OutputProcessor
 from gateway.pool_link import PoolLink
-from gateway.request_state import CompletionDelta, SeqStatus, Sequence
+from gateway.request_state import CompletionDelta, Sequence
 from gateway.scheduler import Scheduler
 from gateway.step import StepOutcome
 from gateway.step_stats import StepStats
@@ -140,7 +140,7 @@ class Engine:
         if renewal or self.orphan_ids:
             # Recovery starts from a settled state: nothing executing. (No fork for a lost
             # lease: the parents are readmitted, and fork again once recomputed.)
-            await self._settle(fork=not renewal)
+            await landing.settle(self, fork=not renewal)
         if renewal:
             recovery.allocator_forgot(self, "lease_renewed")
         if self.has_cancellations:
@@ -150,10 +150,10 @@ class Engine:
             if not await recovery.abort_orphans(self):
                 return False
         started = time.perf_counter()
-        in_flight = self.in_flight is not None
-        plan = self.plan = self.scheduler.schedule(in_flight)
+        overlapped = self.in_flight is not None
+        plan = self.plan = self.scheduler.schedule(overlapped)
         if plan is None or not plan.call.has_items():
-            await self._settle()  # nothing to overlap with the batch executing
+            await landing.settle(self)  # nothing to overlap with the batch executing
             self.deliver()
             if plan is None:
                 await side_calls.flush_releases(self)
@@ -161,13 +161,14 @@ class Engine:
                 await side_calls.flush_housekeeping(self, plan)
             return True
         landed: Landed | None = None
-        if in_flight:
+        if overlapped:
             # Pipelined: this step's Step goes out while the previous batch executes.
             step_call = asyncio.ensure_future(self.link.step(plan.call))
             try:
-                landed = await self._land()
+                landed = await landing.land(self)
             except BaseException:
-                step_call.add_done_callback(_retrieve)  # its outcome: orphans (step_crashed)
+                # Its outcome is unknown: step_crashed notes what it may hold as orphans.
+                step_call.add_done_callback(landing.retrieve)
                 raise
             outcome = await self._allocator_step(plan, step_call, landed)
             if not self.healthy:  # the executor went away meanwhile: the Step's outcome too
@@ -180,21 +181,21 @@ class Engine:
         batch = self.batch = self.scheduler.apply_outcome(plan, outcome)
         if batch.call.is_empty():
             # Nothing to run, but releases (a recompute preemption) must still go out.
-            await self._take_outputs(landed)
+            await landing.take_outputs(self, landed)
             self.deliver()
             self.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
             await side_calls.flush_releases(self)
             return False
-        flight = self._launch(batch)
+        flight = landing.launch(self, batch)
         if self.pipeline:
             # The landed batch's outputs (detokenizing, stop strings) while the next computes,
             # once it has reached the executor (on two cores, work started at once delays its
             # intake: control plane 3.3-4.0 -> 2.4-2.9 ms at 64 running, three interleaved
             # runs). A sequence they end computes one token for nothing, which is dropped.
             await flight.head_start()
-            await self._take_outputs(landed)
+            await landing.take_outputs(self, landed)
         else:
-            landed = await self._settle()
+            landed = await landing.settle(self)
         if landed is not None:
             self.stats.record(
                 total_ms=(time.perf_counter() - started) * 1e3,
@@ -207,67 +208,9 @@ class Engine:
                 log.info("engine_step_stats", pool_id=self.pool_id, **self.stats.summary())
         return True
 
-    def _launch(self, batch: Batch) -> InFlight:
-        """Send the batch's Execute; it is awaited by `_land`, in this step or the next."""
-        execute = asyncio.ensure_future(self.link.execute(batch.call))
-        self.scheduler.launch(batch)
-        flight = self.in_flight = InFlight(batch, execute, time.perf_counter())
-        return flight
-
-    async def _land(self) -> Landed | None:
-        """Await the batch in flight, if any (the previous step's streams are written
-        meanwhile), and take its tokens: computed counts and outputs advance; what they mean
-        for the streams waits for `_take_outputs`. None if nothing landed."""
-        flight, self.in_flight = self.in_flight, None
-        if flight is None:
-            return None
-        batch = self.batch = flight.batch
-        try:
-            result = await self.held.during_execute(flight.execute, flight.launched)
-        except grpc.aio.AioRpcError as exc:
-            self.scheduler.land(batch)
-            recovery.execute_failed(self, batch, exc)
-            return None
-        except BaseException:
-            self.scheduler.land(batch)
-            raise
-        execute_ms = (time.perf_counter() - flight.launched) * 1e3
-        self.releases_refused = False  # any waiting releases went out with this Execute
-        sampled = self.scheduler.apply_result(batch, result)
-        return Landed(batch, result, execute_ms, sampled)
-
-    async def _take_outputs(self, landed: Landed | None, fork: bool = True) -> None:
-        """A landed batch's tokens become deltas (held for the streams), its finished
-        sequences end, its computed prefill parents fork (unless `fork` is False: recovery
-        is about to readmit or fail them)."""
-        if landed is None:
-            return
-        for seq, token in landed.sampled:
-            if seq.status is not SeqStatus.FINISHED:  # ended since, e.g. cancelled
-                self._emit(seq, token)
-        parents = self.scheduler.ready_to_fork(landed.batch) if fork else []
-        if parents:
-            self.deliver()  # a Fork is not the hot path: the outputs do not wait for it
-        for parent in parents:
-            await side_calls.fork(self, parent)
-        self.holding = self.held.worth_holding()
-
-    async def _settle(self, fork: bool = True) -> Landed | None:
-        """Land the batch in flight, if any, and take its outputs."""
-        landed = await self._land()
-        await self._take_outputs(landed, fork)
-        return landed
-
     def abandon_in_flight(self) -> None:
-        """A bug interrupted a step: the batch in flight is not awaited (its sequences are
-        failed and released by the caller)."""
-        flight, self.in_flight = self.in_flight, None
-        if flight is not None:
-            self.scheduler.land(flight.batch)
-            # Its releases may not have been applied: they go again (releasing is idempotent).
-            self.scheduler.pending.release_ids.extend(flight.batch.call.release_request_ids)
-            flight.execute.add_done_callback(_retrieve)
-            flight.execute.cancel()
+        """A bug interrupted a step: the batch in flight is not awaited (landing.py)."""
+        landing.abandon(self)
 
     # Pieces of a step.
 
@@ -280,7 +223,7 @@ class Engine:
             or self.in_flight is not None
         )
 
-    def _emit(self, seq: Sequence, token: int) -> None:
+    def emit(self, seq: Sequence, token: int) -> None:
         delta = self.output.process(seq, token)
         self.held.add(seq.request, delta)
         if delta.finish_reason is not None:
@@ -299,7 +242,8 @@ class Engine:
         try:
             outcome = await self.held.during_step(call)
         except grpc.aio.AioRpcError as exc:
-            await self._take_outputs(landed, fork=False)  # recovery readmits or fails them
+            # (No fork: recovery readmits or fails the parents.)
+            await landing.take_outputs(self, landed, fork=False)
             self.deliver()
             await recovery.allocator_step_failed(self, plan, exc)
             return None
@@ -329,9 +273,3 @@ class Engine:
         for seq in self.scheduler.sequences():
             if not seq.is_finished:
                 self.fail(seq, error)
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    """Mark an abandoned call's failure as seen (asyncio would log it as never retrieved)."""
-    if not future.cancelled():
-        future.exception()

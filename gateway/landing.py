@@ -1,0 +1,89 @@
+"""The batch in flight: an engine sends each Execute as a task (`launch`), and awaits it in
+the same step or, pipelined, in the next (`land`): its tokens advance the scheduler at once,
+and become deltas, finishes and forks a little later (`take_outputs`), once the next Execute
+has had its head start. `settle` does both; recovery, housekeeping and idle start from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from gateway import recovery, side_calls
+from gateway.batch import Batch, InFlight, Landed
+from gateway.request_state import SeqStatus
+
+if TYPE_CHECKING:
+    from gateway.engine import Engine
+
+
+def launch(engine: Engine, batch: Batch) -> InFlight:
+    """Send the batch's Execute; it is awaited by `land`, in this step or the next."""
+    execute = asyncio.ensure_future(engine.link.execute(batch.call))
+    engine.scheduler.launch(batch)
+    flight = engine.in_flight = InFlight(batch, execute, time.perf_counter())
+    return flight
+
+async def land(engine: Engine) -> Landed | None:
+    """Await the batch in flight, if any (the previous step's streams are written
+    meanwhile), and take its tokens: computed counts and outputs advance; what they mean
+    for the streams waits for `take_outputs`. None if nothing landed."""
+    flight, engine.in_flight = engine.in_flight, None
+    if flight is None:
+        return None
+    batch = engine.batch = flight.batch
+    try:
+        result = await engine.held.during_execute(flight.execute, flight.launched)
+    except grpc.aio.AioRpcError as exc:
+        engine.scheduler.land(batch)
+        recovery.execute_failed(engine, batch, exc)
+        return None
+    except BaseException:
+        engine.scheduler.land(batch)
+        raise
+    execute_ms = (time.perf_counter() - flight.launched) * 1e3
+    engine.releases_refused = False  # any waiting releases went out with this Execute
+    sampled = engine.scheduler.apply_result(batch, result)
+    return Landed(batch, result, execute_ms, sampled)
+
+async def take_outputs(engine: Engine, landed: Landed | None, fork: bool = True) -> None:
+    """A landed batch's tokens become deltas (held for the streams), its finished
+    sequences end, its computed prefill parents fork (unless `fork` is False: recovery
+    is about to readmit or fail them)."""
+    if landed is None:
+        return
+    for seq, token in landed.sampled:
+        if seq.status is not SeqStatus.FINISHED:  # ended since, e.g. cancelled
+            engine.emit(seq, token)
+    parents = engine.scheduler.ready_to_fork(landed.batch) if fork else []
+    if parents:
+        engine.deliver()  # a Fork is not the hot path: the outputs do not wait for it
+    for parent in parents:
+        await side_calls.fork(engine, parent)
+    engine.holding = engine.held.worth_holding()
+
+async def settle(engine: Engine, fork: bool = True) -> Landed | None:
+    """Land the batch in flight, if any, and take its outputs."""
+    landed = await land(engine)
+    await take_outputs(engine, landed, fork)
+    return landed
+
+def abandon(engine: Engine) -> None:
+    """A bug interrupted a step: the batch in flight is not awaited (its sequences are
+    failed and released by the caller)."""
+    flight, engine.in_flight = engine.in_flight, None
+    if flight is not None:
+        engine.scheduler.land(flight.batch)
+        # Its releases may not have been applied: they go again (releasing is idempotent).
+        engine.scheduler.pending.release_ids.extend(flight.batch.call.release_request_ids)
+        flight.execute.add_done_callback(retrieve)
+        flight.execute.cancel()
+
+
+def retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark an abandoned call's failure as seen (asyncio would log it as never retrieved)."""
+    if not future.cancelled():
+        future.exception()
