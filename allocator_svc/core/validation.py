@@ -84,13 +84,19 @@ def check_items(pool: Pool, items: list[StepItem], released: AbstractSet[str]) -
     if len(seen) != len(items) or "" in seen:
         _raise_bad_ids(item.request_id for item in items)
     if released and not released.isdisjoint(seen):
-        raise InvalidArgument(f"requests {sorted(released & seen)} are both freed and scheduled")
+        # Freed and scheduled again in one call: only as a new admission (the free applies
+        # first), as when a client reuses the id of a request that has just finished.
+        running = {item.request_id for item in items if not item.prompt_token_ids}
+        if not released.isdisjoint(running):
+            raise InvalidArgument(
+                f"requests {sorted(released & running)} are both freed and scheduled"
+            )
     requests = pool.requests
     for item in items:
         request_id = item.request_id
         if item.append_token_ids and min(item.append_token_ids) < 0:
             check_token_ids(request_id, item.append_token_ids)
-        known = request_id in requests
+        known = request_id in requests and request_id not in released
         if known and not item.prompt_token_ids:
             continue
         if item.prompt_token_ids:

@@ -476,3 +476,18 @@ def test_service_decode_entering_a_new_block_travels_in_the_appended_columns(stu
     assert list(cow.appended_request_ids) == [] and grant.delta.start_index == 1
     (copy,) = cow.copies
     assert copy.dst_block_id == grant.delta.block_ids[0]
+
+
+def test_service_a_freed_id_may_be_admitted_again_in_the_same_step(stub):
+    # A client reuses the id of a request that has just finished: the gateway's next Step
+    # frees the old one and admits the new one. The free applies first; the new request
+    # starts from its own prompt (a running item under a freed id stays refused).
+    pool = register(stub, block_size=2)
+    step(stub, pool, [new("a", [1, 2, 3])])
+    response = step(stub, pool, [new("a", [7, 8])], commits={"a": 3}, free=["a"])
+    (grant,) = response.grants
+    assert grant.request_id == "a" and grant.new_request and grant.num_scheduled_tokens == 2
+    stats = stub.GetStats(pb.GetStatsRequest(pool_id=pool.pool_id, request_ids=["a"]))
+    assert stats.requests[0].num_tokens == 2 and stats.pools[0].num_requests == 1
+    (grant,) = step(stub, pool, [new("b", [1, 2, 3])]).grants
+    assert grant.num_cached_tokens == 2  # the old request's block, committed before its free

@@ -279,3 +279,30 @@ def test_a_refused_call_leaves_the_next_step_confirming_nothing(tokenizer: Token
     pending = eng.scheduler.pending
     assert pending.batch_rejected and pending.commits == {"b": 4}
     assert pending.abort_ids == ["a"]
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
+def test_a_request_id_reused_right_after_it_finished_is_served(
+    tokenizer: Tokenizer, pipeline: bool
+):
+    # The client sends a new request under the id of one that has just finished, before
+    # the engine has freed the old one: the next Step frees it and admits the new one
+    # (once refused as "freed and scheduled", which failed every request of the engine).
+    eng, link = engine(tokenizer, num_blocks=64, pipeline=pipeline)
+    other = submit(eng, "other", [6] * 5, max_tokens=12)
+    first = submit(eng, "r", [9] * 5, max_tokens=2)
+    again: list[Request] = []
+
+    async def scenario() -> None:
+        while not any(d.finish_reason for d in list(first.outputs._queue)):  # type: ignore[attr-defined]
+            await eng.step()
+        again.append(submit(eng, "r", [8] * 5, max_tokens=3))
+        await run_until_idle(eng)
+
+    asyncio.run(scenario())
+    assert [t for d in drain(first) for t in d.token_ids] == link.model.reference([9] * 5, 2)
+    deltas = drain(again[0])
+    assert not [d for d in deltas if d.error is not None]
+    assert [t for d in deltas for t in d.token_ids] == link.model.reference([8] * 5, 3)
+    assert [t for d in drain(other) for t in d.token_ids] == link.model.reference([6] * 5, 12)
+    assert link.pool.all_free() and not link.model.held
