@@ -69,9 +69,13 @@ class InFlight:
     execute: asyncio.Future[ExecuteResult]
     launched: float  # time.perf_counter() when the call went out
 
-    async def head_start(self, seconds: float = EXECUTE_HEAD_START_S) -> None:
-        """Wait until the call has been out for `seconds` (or has returned)."""
-        left = seconds - (time.perf_counter() - self.launched)
+    def head_start_left(self) -> float:
+        """Seconds until the call has had EXECUTE_HEAD_START_S to reach the executor."""
+        return max(0.0, EXECUTE_HEAD_START_S - (time.perf_counter() - self.launched))
+
+    async def head_start(self) -> None:
+        """Wait until the call has had its head start (or has returned)."""
+        left = self.head_start_left()
         if left > 0:
             await asyncio.wait([self.execute], timeout=left)
 

@@ -17,7 +17,6 @@ trip later.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -55,13 +54,12 @@ class HeldOutputs:
             if not request.cancelled:
                 request.emit(delta)
 
-    async def during_execute(self, execute: Awaitable[T], launched: float | None = None) -> T:
-        """Await the Execute call, delivering once it has had its head start (or returned).
-        `launched`: when the call went out (time.perf_counter()), if before this await."""
-        head_start = EXECUTE_HEAD_START_S
-        if launched is not None:
-            head_start = max(0.0, head_start - (time.perf_counter() - launched))
-        return await self._deliver_during(execute, head_start, after_return=True)
+    async def during_execute(
+        self, execute: Awaitable[T], head_start_s: float = EXECUTE_HEAD_START_S
+    ) -> T:
+        """Await the Execute call, delivering once it has had its head start (`head_start_s`
+        from now: less when the call went out before this await) or has returned."""
+        return await self._deliver_during(execute, head_start_s, after_return=True)
 
     async def during_step(self, step: Awaitable[T]) -> T:
         """Await the Step call, delivering if it takes longer than the hold limit."""

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 def launch(engine: Engine, batch: Batch) -> InFlight:
     """Send the batch's Execute; it is awaited by `land`, in this step or the next."""
     execute = asyncio.ensure_future(engine.link.execute(batch.call))
-    engine.scheduler.launch(batch)
+    if engine.pipeline:  # the next step is planned on top of it (sequential: it lands first)
+        engine.scheduler.launch(batch)
     flight = engine.in_flight = InFlight(batch, execute, time.perf_counter())
     return flight
 
@@ -36,7 +37,7 @@ async def land(engine: Engine) -> Landed | None:
         return None
     batch = engine.batch = flight.batch
     try:
-        result = await engine.held.during_execute(flight.execute, flight.launched)
+        result = await engine.held.during_execute(flight.execute, flight.head_start_left())
     except grpc.aio.AioRpcError as exc:
         engine.scheduler.land(batch)
         recovery.execute_failed(engine, batch, exc)

@@ -76,11 +76,13 @@ class Scheduler:
         sampled: list[tuple[Sequence, int]] = []
         executed = self.pending.executed
         scheduled = batch.scheduled
-        self.land(batch)
         # The compact decodes: one token computed and one sampled each, in column order.
-        # A sequence cancelled while its batch was executing is skipped.
+        # Each loop also lands its sequence (`land`, folded in: one pass over the batch). A
+        # sequence cancelled while its batch was executing is skipped.
         decodes = islice(scheduled, batch.num_decodes)
         for (seq, _), decoded in zip(decodes, result.decode_token_ids, strict=True):
+            seq.num_in_flight = 0
+            seq.samples_in_flight = False
             if seq.status is SeqStatus.FINISHED:
                 continue
             seq.num_computed_tokens += 1
@@ -89,6 +91,8 @@ class Scheduler:
             sampled.append((seq, decoded))
         tokens = {t.request_id: t.token_id for t in result.tokens}
         for seq, num in islice(scheduled, batch.num_decodes, None):
+            seq.num_in_flight = 0
+            seq.samples_in_flight = False
             if seq.status is SeqStatus.FINISHED:
                 continue
             seq.num_computed_tokens += num
@@ -108,7 +112,7 @@ class Scheduler:
             )
 
     def land(self, batch: Batch) -> None:
-        """The batch is no longer executing (returned or failed)."""
+        """The batch is no longer executing (it failed; apply_result does this itself)."""
         for seq, _ in batch.scheduled:
             seq.num_in_flight = 0
             seq.samples_in_flight = False

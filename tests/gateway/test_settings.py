@@ -36,3 +36,13 @@ def test_an_unknown_preemption_mode_is_refused_by_the_parser(capsys: pytest.Capt
     with pytest.raises(SystemExit) as info:
         load_settings(["--preemption-mode", "drop"])
     assert info.value.code == 2 and "--preemption-mode" in capsys.readouterr().err
+
+
+def test_pipeline_steps_is_on_by_default_and_takes_only_a_boolean(
+    capsys: pytest.CaptureFixture[str],
+):
+    assert load_settings([]).pipeline_steps
+    assert not load_settings(["--pipeline-steps", "false"]).pipeline_steps
+    with pytest.raises(SystemExit) as info:
+        load_settings(["--pipeline-steps", "sometimes"])
+    assert info.value.code == 2 and "--pipeline-steps" in capsys.readouterr().err
