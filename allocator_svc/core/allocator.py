@@ -14,7 +14,7 @@ from itertools import chain
 
 from allocator_svc.core.commit import commit_current
 from allocator_svc.core.leases import Lease, LeaseTable
-from allocator_svc.core.pipeline import Pipelined, check_pipelined
+from allocator_svc.core.pipeline import Pipelined, check_pipelined, scheduled_ids
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import BlockCopy, Commit, Request
 from allocator_svc.core.step import Decodes, PreemptionMode, StepItem, StepResult, run_step
@@ -37,13 +37,6 @@ from common.errors import (
 )
 
 _NONE_RELEASED: frozenset[str] = frozenset()
-
-
-def _scheduled_ids(decodes: Decodes | None, items: list[StepItem]) -> list[str]:
-    ids = [item.request_id for item in items]
-    if decodes is not None:
-        ids.extend(decodes.request_ids)
-    return ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +167,7 @@ class Allocator:
                 pool.fill_pending(late_requests, pipeline.late.token_ids)
             in_flight = pipeline.previous_in_flight
         elif pool.pending and (num_decodes or items):
-            check_not_pending(pool, _scheduled_ids(decodes, items), _NONE_RELEASED)
+            check_not_pending(pool, scheduled_ids(decodes, items), _NONE_RELEASED)
         scheduled = pool.scheduled
         if in_flight or scheduled.executing or abort_ids:
             scheduled.advance(pool, lease_id, commit_previous, in_flight, frozenset(abort_ids))

@@ -11,7 +11,6 @@ kept by `previous_in_flight`: the steps it covers are committed one call later (
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import TYPE_CHECKING
 
 from allocator_svc.core.request import PENDING, Request
@@ -63,7 +62,7 @@ def check_pipelined(
     )
     filled = set(late.request_ids)
     value_ids = decodes.request_ids if decodes is not None else []
-    others = list(chain(value_ids, (item.request_id for item in items)))
+    others = scheduled_ids(decodes, items)
     if pool.pending and others:
         check_not_pending(pool, others, filled)
     ids = pipeline.pending_decode_ids
@@ -73,3 +72,10 @@ def check_pipelined(
     tokens = decodes.token_ids if decodes is not None else []
     combined = Decodes([*value_ids, *ids], [*tokens, *([PENDING] * len(ids))])
     return late_requests, combined, decode_requests + pending_requests
+
+
+def scheduled_ids(decodes: Decodes | None, items: list[StepItem]) -> list[str]:
+    """The ids a call schedules with a known value: its decodes', then its items'."""
+    ids = list(decodes.request_ids) if decodes is not None else []
+    ids.extend(item.request_id for item in items)
+    return ids
