@@ -2,6 +2,7 @@
 
     python -m bench.control_plane [--quick] [--pipeline-steps false]
     python -m bench.control_plane --quick --running 64,256 --compare 3   # pipelined vs not
+    python -m bench.control_plane --quick --running 64,256 --compare 3 --baseline untuned-malloc
 
 The allocator and the executor run as usual (models/small-llama, dummy weights); the gateway
 runs as `python -m bench.cp_gateway`, the real gateway with timers around its step phases (see
@@ -67,13 +68,15 @@ def _split(step: dict[str, float]) -> dict[str, float]:
     return parts
 
 
-def measure(sizes: list[int], max_tokens: dict[int, int], pipeline: bool) -> list[dict[str, Any]]:
-    """One stack (a fresh gateway with --pipeline-steps `pipeline`): every size in turn."""
+def measure(sizes: list[int], max_tokens: dict[int, int], pipeline: bool,
+            executor_flags: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """One stack (a fresh gateway with --pipeline-steps `pipeline`, the executor with
+    `executor_flags` added): every size in turn."""
     log_dir = tempfile.mkdtemp(prefix="pagedkv-cp-")
     step_log = str(Path(log_dir) / "steps.jsonl")
     rows = []
     executor_args = ("--num-blocks", "8192", "--max-num-seqs", "512",
-                     "--max-num-batched-tokens", "8192")
+                     "--max-num-batched-tokens", "8192", *executor_flags)
     gateway_args = ("--max-num-seqs", "512", "--max-num-batched-tokens", "8192",
                     "--pipeline-steps", str(pipeline).lower())
     with stack(MODEL, executor_args, gateway_args, SEED, log_dir, step_log) as running:
@@ -101,21 +104,31 @@ def measure(sizes: list[int], max_tokens: dict[int, int], pipeline: bool) -> lis
     return rows
 
 
-def compare(sizes: list[int], max_tokens: dict[int, int], pairs: int) -> list[dict[str, Any]]:
-    """Pipelined against sequential steps, `pairs` runs of each, interleaved; a table of the
-    per-run figures and their medians."""
-    runs: dict[bool, list[list[dict[str, Any]]]] = {True: [], False: []}
+# What --compare runs against: (label, pipelined, executor flags), the default first.
+BASELINES = {
+    "sequential": (("pipelined", True, ()), ("sequential", False, ())),
+    "untuned-malloc": (("malloc tuned", True, ()),
+                       ("malloc untuned", True, ("--tune-malloc", "false"))),
+}
+
+
+def compare(sizes: list[int], max_tokens: dict[int, int], pairs: int,
+            baseline: str = "sequential") -> list[dict[str, Any]]:
+    """The defaults against `baseline` (BASELINES), `pairs` runs of each, interleaved; a table
+    of the per-run figures and their medians."""
+    variants = BASELINES[baseline]
+    runs: dict[str, list[list[dict[str, Any]]]] = {label: [] for label, _, _ in variants}
     for _ in range(pairs):
-        for pipeline in (True, False):
-            runs[pipeline].append(measure(sizes, max_tokens, pipeline))
+        for label, pipeline, flags in variants:
+            runs[label].append(measure(sizes, max_tokens, pipeline, flags))
     headers = ["running", "steps", "control plane ms (runs)", "median", "share",
                "forward + sample ms", "step ms", "tok/s"]
-    print("### Control plane: pipelined steps against sequential ones (interleaved runs)\n")
+    print(f"### Control plane: {variants[0][0]} against {variants[1][0]} (interleaved runs)\n")
     summary = []
     for n in sizes:
         body = []
-        for pipeline in (True, False):
-            rows = [r for run in runs[pipeline] for r in run if r["running"] == n and r["steps"]]
+        for label, pipeline, flags in variants:
+            rows = [r for run in runs[label] for r in run if r["running"] == n and r["steps"]]
             if not rows:
                 continue
 
@@ -124,14 +137,15 @@ def compare(sizes: list[int], max_tokens: dict[int, int], pairs: int) -> list[di
 
             controls = [r["median_ms"]["control"] for r in rows]
             entry = {
-                "running": n, "pipeline": pipeline, "control_ms": controls,
+                "running": n, "variant": label, "pipeline": pipeline,
+                "executor_flags": list(flags), "control_ms": controls,
                 "control_median_ms": statistics.median(controls),
                 "share": statistics.median(r["control_share"] for r in rows),
                 "forward_sample_ms": med("forward") + med("sample"), "step_ms": med("total"),
                 "tok_per_s": statistics.median(r["tok_per_s"] for r in rows),
             }
             summary.append(entry)
-            body.append([f"{n}, {'pipelined' if pipeline else 'sequential'}",
+            body.append([f"{n}, {label}",
                          sum(r["steps"] for r in rows),
                          " / ".join(f"{c:.2f}" for c in controls),
                          f"{entry['control_median_ms']:.2f}", f"{entry['share']:.1%}",
@@ -150,15 +164,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pipeline-steps", default="true", choices=("true", "false"),
                    help="the gateway's --pipeline-steps")
     p.add_argument("--compare", type=int, default=0, metavar="PAIRS",
-                   help="instead: PAIRS interleaved runs each of pipelined and sequential steps")
+                   help="instead: PAIRS interleaved runs each of the defaults and --baseline")
+    p.add_argument("--baseline", default="sequential", choices=sorted(BASELINES),
+                   help="with --compare: sequential steps, or an executor with "
+                   "--tune-malloc false")
     args = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     sizes = [int(x) for x in args.running.split(",")]
     max_tokens = {8: 64, 64: 48, 256: 32} if args.quick else {8: 128, 64: 128, 256: 96}
     if args.compare:
-        summary = compare(sizes, max_tokens, args.compare)
-        write_results("control_plane_pipeline", {
-            "benchmark": "control_plane_pipeline", "model": MODEL, "seed": SEED,
+        summary = compare(sizes, max_tokens, args.compare, args.baseline)
+        name = {"sequential": "control_plane_pipeline",
+                "untuned-malloc": "control_plane_malloc"}[args.baseline]
+        write_results(name, {
+            "benchmark": name, "model": MODEL, "seed": SEED, "baseline": args.baseline,
             "quick": args.quick, "torch_threads": args.threads, "max_tokens": max_tokens,
             "pairs": args.compare, "rows": summary,
         })

@@ -11,6 +11,16 @@ def env_name(flag: str) -> str:
     return "PAGEDKV_" + flag.lstrip("-").replace("-", "_").upper()
 
 
+def parse_bool(raw: str) -> bool:
+    """A boolean flag's value: true/false, 1/0, yes/no, on/off (any case)."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {raw!r}")
+
+
 def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
     """Add `flag`; its default comes from the environment variable when that is set."""
     name = env_name(flag)

@@ -16,6 +16,7 @@ import structlog
 
 from common.logging import configure_logging
 from common.server import run_until_signal, start_server
+from executor_svc.malloc_tuning import tune_malloc
 from executor_svc.model_loader import ModelLoadError
 from executor_svc.runner import build_runner
 from executor_svc.service import registration
@@ -55,7 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"executor_svc: {exc}", file=sys.stderr)  # before logging exists
         return 2
+    # Before any thread starts: a thread's first allocation picks its malloc arena.
+    malloc_tuned = settings.tune_malloc and tune_malloc()
     configure_logging("executor", json=settings.log_json, level=settings.log_level)
+    log.info("malloc_settings", tuned=malloc_tuned, requested=settings.tune_malloc)
     try:
         asyncio.run(serve(settings))
     except (SettingsError, ModelLoadError) as exc:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import add_flag
+from common.config import add_flag, parse_bool
 
 DEFAULT_PORT = 50053
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "tiny-llama")
@@ -51,6 +51,7 @@ class ExecutorSettings:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    tune_malloc: bool = True  # glibc: a step's large tensors reuse memory (malloc_tuning.py)
     log_json: bool = False
     log_level: str = "info"
 
@@ -139,6 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag(p, "--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")
     add_flag(p, "--max-model-len", type=int, default=None, help="longest sequence in tokens")
+    add_flag(
+        p,
+        "--tune-malloc",
+        type=parse_bool,
+        default=d.tune_malloc,
+        help="glibc only: one malloc arena, no mmap'ed chunks, freed memory kept, so that a "
+        "step's large tensors reuse memory (true/false)",
+    )
     add_flag(p, "--log-json", action="store_true", default=False, help="JSON logs")
     add_flag(p, "--log-level", default=d.log_level, help="debug, info, warning, error")
     return p

@@ -6,18 +6,9 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.config import add_flag
+from common.config import add_flag, parse_bool
 
 PREEMPTION_MODES = ("recompute", "swap")
-
-
-def parse_bool(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {raw!r}")
 
 
 @dataclass(frozen=True, slots=True)

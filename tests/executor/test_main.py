@@ -47,3 +47,4 @@ def test_main_writes_port_file_and_stops_on_sigterm(tmp_path: Path) -> None:
     assert process.returncode == 0, stderr[-2000:]
     assert f'"port": {port}' in stderr and '"event": "server_started"' in stderr
     assert '"event": "server_stopped"' in stderr
+    assert '"event": "malloc_settings"' in stderr and '"tuned": true' in stderr

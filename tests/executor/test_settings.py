@@ -49,3 +49,13 @@ def test_settings_parse_bytes_understands_units() -> None:
     assert parse_bytes("1024") == 1024
     assert parse_bytes("256MiB") == 256 * 2**20
     assert parse_bytes("1.5G") == 3 * 2**29
+
+
+def test_settings_tune_malloc_is_on_by_default_and_takes_only_a_boolean(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert parse_settings([]).tune_malloc
+    assert not parse_settings(["--tune-malloc", "false"]).tune_malloc
+    with pytest.raises(SystemExit) as info:
+        parse_settings(["--tune-malloc", "sometimes"])
+    assert info.value.code == 2 and "--tune-malloc" in capsys.readouterr().err
