@@ -12,6 +12,7 @@ from common.errors import AlreadyExists, InvalidArgument
 from gateway.request_state import CompletionDelta, Request
 from gateway.router import Router
 from gateway.sampling import ModelLimits, RawSampling, validate, validate_prompt
+from gateway.seq_ids import sequence_ids
 from gateway.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -32,6 +33,8 @@ class Frontend:
     router: Router
     info: ModelInfo
     active: dict[str, Request] = field(default_factory=dict)
+    # The sequence ids of the active requests (n > 1: `<id>-<i>`), each with its request's id.
+    seq_owners: dict[str, str] = field(default_factory=dict)
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -48,15 +51,18 @@ class Frontend:
         validate_prompt(prompt, self.limits)
         sampling = validate(raw, len(prompt), self.limits)
         request_id = self._unique_id(request_id)
+        seq_ids = sequence_ids(request_id, sampling.n, len(prompt))
+        self._check_seq_ids_free(request_id, seq_ids)
         # Every event of this call, and the allocator calls about it, carry this id.
         structlog.contextvars.bind_contextvars(request_id=request_id)
         request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                           cache_salt=cache_salt)
         self.active[request_id] = request
+        self.seq_owners.update(dict.fromkeys(seq_ids, request_id))
         try:
             engine = await self.router.submit(request)
         except BaseException:
-            del self.active[request_id]
+            self._forget(request)
             raise
         log.info("request_queued", pool_id=engine.pool_id,
                  num_prompt_tokens=len(prompt), n=sampling.n, max_tokens=sampling.max_tokens)
@@ -77,7 +83,7 @@ class Frontend:
                 num_tokens += len(delta.token_ids)
                 yield delta
         finally:
-            self.active.pop(request.request_id, None)
+            self._forget(request)
             if open_completions:
                 self.router.cancel(request)
                 log.info("request_cancelled", num_completion_tokens=num_tokens)
@@ -93,3 +99,23 @@ class Frontend:
         if request_id in self.active:
             raise AlreadyExists(f"request_id {request_id!r} is already in flight: use a new one")
         return request_id
+
+    def _check_seq_ids_free(self, request_id: str, seq_ids: list[str]) -> None:
+        """Another active request's sequence already has one of these ids (n > 1 names its
+        sequences `<id>-<i>`): refused here, not by the allocator, which would fail the step."""
+        for seq_id in seq_ids:
+            owner = self.seq_owners.get(seq_id)
+            if owner is not None:
+                raise AlreadyExists(
+                    f"request_id {request_id!r} needs sequence id {seq_id!r}, which request "
+                    f"{owner!r} is using (n > 1 names its sequences <id>-<i>): use another id"
+                )
+
+    def _forget(self, request: Request) -> None:
+        """The request is no longer active: its id and its sequence ids are free again."""
+        if self.active.get(request.request_id) is not request:
+            return
+        del self.active[request.request_id]
+        for seq_id in sequence_ids(request.request_id, request.sampling.n,
+                                   len(request.prompt_token_ids)):
+            self.seq_owners.pop(seq_id, None)

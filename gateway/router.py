@@ -13,6 +13,7 @@ from common.errors import ResourceExhausted, Unavailable
 from gateway.allocator_client import AllocatorClient
 from gateway.engine import Engine
 from gateway.request_state import CompletionDelta, Request, Sequence
+from gateway.seq_ids import child_seq_id, prefill_parent_id
 
 log = structlog.get_logger(__name__)
 
@@ -25,9 +26,9 @@ def initial_sequences(request: Request) -> list[Sequence]:
     if n == 1:
         return [Sequence(seq_id=rid, request=request, index=0)]
     if len(request.prompt_token_ids) >= 2:
-        return [Sequence(seq_id=f"{rid}-prefill", request=request, index=0,
+        return [Sequence(seq_id=prefill_parent_id(rid), request=request, index=0,
                          is_prefill_parent=True)]
-    return [Sequence(seq_id=f"{rid}-{i}", request=request, index=i, seed_offset=i)
+    return [Sequence(seq_id=child_seq_id(rid, i), request=request, index=i, seed_offset=i)
             for i in range(n)]
 
 

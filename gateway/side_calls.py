@@ -14,6 +14,7 @@ from common.errors import Unavailable
 from gateway import recovery
 from gateway.batch import ScheduledStep
 from gateway.request_state import Sequence
+from gateway.seq_ids import child_seq_id
 
 if TYPE_CHECKING:
     from gateway.engine import Engine
@@ -25,7 +26,8 @@ async def fork(engine: Engine, parent: Sequence) -> None:
     """A computed prefill parent (n > 1) becomes its children, which share its blocks."""
     request = parent.request
     children = [
-        Sequence(seq_id=f"{request.request_id}-{i}", request=request, index=i, seed_offset=i)
+        Sequence(seq_id=child_seq_id(request.request_id, i), request=request, index=i,
+                 seed_offset=i)
         for i in range(request.sampling.n)
     ]
     child_ids = [c.seq_id for c in children]

@@ -222,3 +222,36 @@ def test_generate_duplicate_request_id_in_flight_is_already_exists(clients: Clie
     assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
     first.cancel()
     clients.wait_all_blocks_back()
+
+
+@pytest.mark.parametrize(("first_id", "first_n", "second_id", "second_n", "taken"), [
+    ("fam", 2, "fam-1", 1, "fam-1"),  # a plain request named like a running child
+    ("kid-0", 1, "kid", 2, "kid-0"),  # an n > 1 request whose child a running request names
+])
+def test_generate_request_id_taken_by_another_requests_sequence_is_already_exists(
+    clients: Clients, first_id: str, first_n: int, second_id: str, second_n: int, taken: str,
+):
+    # n > 1 names its sequences <id>-<i> at the allocator: a request whose sequence ids
+    # collide with a running one's is refused alone, and the running one streams on.
+    prompt = next(prompts(1, 8, seed=31))
+    first = clients.gateway.Generate(gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(1500, n=first_n, ignore_eos=True),
+        request_id=first_id))
+    stream = iter(first)
+    next(stream)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(clients.gateway, gpb.GenerateRequest(
+            token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(4, n=second_n),
+            request_id=second_id))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert repr(taken) in (err.value.details() or "")
+    for _ in range(5):  # the first request was not failed with the refused one (it would raise)
+        assert next(stream).token_ids
+    first.cancel()
+    clients.wait_all_blocks_back()
+    # Once the first is gone, the id is free.
+    done = generate(clients.gateway, gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(4, n=second_n),
+        request_id=second_id))
+    assert sorted(done) == list(range(second_n))
+    clients.wait_all_blocks_back()
