@@ -2,6 +2,9 @@
 
 With `--port 0` the bound port is logged (`server_started port=...`) and, with `--port-file`,
 written to that file once the server accepts calls (written whole, then renamed).
+
+torch, grpc and transformers are imported only after malloc is tuned (malloc_tuning.py): they
+start threads, and a thread that allocates before the tuning keeps an arena of its own.
 """
 
 from __future__ import annotations
@@ -15,11 +18,7 @@ from pathlib import Path
 import structlog
 
 from common.logging import configure_logging
-from common.server import run_until_signal, start_server
 from executor_svc.malloc_tuning import tune_malloc
-from executor_svc.model_loader import ModelLoadError
-from executor_svc.runner import build_runner
-from executor_svc.service import registration
 from executor_svc.settings import ExecutorSettings, SettingsError, parse_settings
 
 log = structlog.get_logger("executor_svc")
@@ -32,6 +31,10 @@ def write_port_file(path: str, port: int) -> None:
 
 
 async def serve(settings: ExecutorSettings) -> None:
+    from common.server import run_until_signal, start_server
+    from executor_svc.runner import build_runner
+    from executor_svc.service import registration
+
     runner = await asyncio.to_thread(build_runner, settings)
     server = await start_server([registration(runner)], settings.host, settings.port)
     if settings.port_file:
@@ -56,10 +59,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"executor_svc: {exc}", file=sys.stderr)  # before logging exists
         return 2
-    # Before any thread starts: a thread's first allocation picks its malloc arena.
-    malloc_tuned = settings.tune_malloc and tune_malloc()
+    # Before torch and grpc are imported (module docstring). On CUDA a step's large tensors
+    # live on the device: nothing to gain, and the host copies of the weights made while
+    # loading could stay pinned in the heap.
+    malloc_tuned = settings.tune_malloc and not settings.on_cuda and tune_malloc()
     configure_logging("executor", json=settings.log_json, level=settings.log_level)
     log.info("malloc_settings", tuned=malloc_tuned, requested=settings.tune_malloc)
+    from executor_svc.model_loader import ModelLoadError
+
     try:
         asyncio.run(serve(settings))
     except (SettingsError, ModelLoadError) as exc:

@@ -13,12 +13,16 @@ At 512 rows, the lm_head plus log-softmax took 145 ms plus 9 ms to free, against
 0.02 ms tuned. `python -m bench.control_plane --compare N --baseline untuned-malloc` compares
 the two.
 
-So, before any thread starts:
-- one arena (M_ARENA_MAX=1);
-- no mmap'ed chunks (M_MMAP_MAX=0). glibc still maps memory when the heap cannot grow;
-- up to TRIM_THRESHOLD of freed memory kept (M_TRIM_THRESHOLD).
+So, before torch and grpc start their threads (executor_svc/__main__.py), on CPU executors:
+- one arena (M_ARENA_MAX=1). All threads then share one allocator lock; with a step's few
+  large allocations that cost did not show here, on 2 cores;
+- no mmap'ed chunks (M_MMAP_MAX=0). glibc still maps memory when the heap cannot grow, and
+  never returns that memory either;
+- up to TRIM_THRESHOLD of freed memory kept at the top of the heap (M_TRIM_THRESHOLD).
 
-The cost is that the process keeps its peak step memory, up to that threshold above what it uses.
+The cost: the process keeps its peak step memory. Freed memory returns to the system only
+from the top of the heap, and only beyond TRIM_THRESHOLD: a live allocation above freed
+memory keeps it in the process.
 """
 
 from __future__ import annotations
@@ -43,4 +47,5 @@ def tune_malloc() -> bool:
     mallopt = libc.mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    return all(mallopt(param, value) == 1 for param, value in SETTINGS)
+    applied = [mallopt(param, value) == 1 for param, value in SETTINGS]  # each one tried
+    return all(applied)

@@ -145,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tune-malloc",
         type=parse_bool,
         default=d.tune_malloc,
-        help="glibc only: one malloc arena, no mmap'ed chunks, freed memory kept, so that a "
-        "step's large tensors reuse memory (true/false)",
+        help="CPU executors on glibc: one malloc arena, no mmap'ed chunks, freed memory kept, "
+        "so that a step's large tensors reuse memory (true/false)",
     )
     add_flag(p, "--log-json", action="store_true", default=False, help="JSON logs")
     add_flag(p, "--log-level", default=d.log_level, help="debug, info, warning, error")

@@ -50,7 +50,7 @@ class Frontend:
         prompt = self.tokenizer.encode(text) if text else list(token_ids or [])
         validate_prompt(prompt, self.limits)
         sampling = validate(raw, len(prompt), self.limits)
-        request_id = self._unique_id(request_id)
+        request_id = self._unique_id(request_id, sampling.n, len(prompt))
         seq_ids = sequence_ids(request_id, sampling.n, len(prompt))
         self._check_seq_ids_free(request_id, seq_ids)
         # Every event of this call, and the allocator calls about it, carry this id.
@@ -91,11 +91,16 @@ class Frontend:
                 log.info("request_finished", num_completion_tokens=num_tokens,
                          num_cached_tokens=request.num_cached_tokens or 0)
 
-    def _unique_id(self, request_id: str) -> str:
+    def _unique_id(self, request_id: str, n: int, num_prompt_tokens: int) -> str:
         if not request_id:
+            # The caller's x-request-id when it is free, sequence ids included; else a new id.
             bound = structlog.contextvars.get_contextvars().get("request_id")
-            request_id = str(bound) if bound and bound not in self.active else ""
-            return request_id or uuid.uuid4().hex[:16]
+            if bound and str(bound) not in self.active and all(
+                seq_id not in self.seq_owners
+                for seq_id in sequence_ids(str(bound), n, num_prompt_tokens)
+            ):
+                return str(bound)
+            return uuid.uuid4().hex[:16]
         if request_id in self.active:
             raise AlreadyExists(f"request_id {request_id!r} is already in flight: use a new one")
         return request_id

@@ -149,7 +149,8 @@ class _DecodeColumns:
 
 
 def _is_plain_decode(seq: Sequence, start: int, num: int, delta: TableDelta | None) -> bool:
-    """One token, the sequence's last, sampled; no table change; the executor holds it."""
+    """One token, the sequence's last, sampled; no table change; the executor holds it.
+    (apply_outcome's short path tests the same for a decode row: keep the two alike.)"""
     return (
         num == 1 and delta is None and seq.known_to_executor and not seq.is_prefill_parent
         and start + 1 == seq.num_tokens

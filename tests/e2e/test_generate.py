@@ -226,32 +226,42 @@ def test_generate_duplicate_request_id_in_flight_is_already_exists(clients: Clie
 
 @pytest.mark.parametrize(("first_id", "first_n", "second_id", "second_n", "taken"), [
     ("fam", 2, "fam-1", 1, "fam-1"),  # a plain request named like a running child
+    ("pp", 2, "pp-prefill", 1, "pp-prefill"),  # ...like a running prefill parent
     ("kid-0", 1, "kid", 2, "kid-0"),  # an n > 1 request whose child a running request names
 ])
 def test_generate_request_id_taken_by_another_requests_sequence_is_already_exists(
     clients: Clients, first_id: str, first_n: int, second_id: str, second_n: int, taken: str,
 ):
-    # n > 1 names its sequences <id>-<i> at the allocator: a request whose sequence ids
-    # collide with a running one's is refused alone, and the running one streams on.
+    # n > 1 names its sequences <id>-prefill and <id>-<i> at the allocator: a request whose
+    # sequence ids collide with a running one's is refused alone; the running one completes.
     prompt = next(prompts(1, 8, seed=31))
+    max_tokens = 200
     first = clients.gateway.Generate(gpb.GenerateRequest(
-        token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(1500, n=first_n, ignore_eos=True),
-        request_id=first_id))
+        token_ids=gpb.TokenIds(ids=prompt),
+        sampling=sampling(max_tokens, n=first_n, ignore_eos=True), request_id=first_id))
     stream = iter(first)
-    next(stream)
+    responses = [next(stream)]
+
+    def second(request_id: str = "") -> gpb.GenerateRequest:
+        return gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=prompt),
+                                   sampling=sampling(4, n=second_n), request_id=request_id)
+
     with pytest.raises(grpc.RpcError) as err:
-        generate(clients.gateway, gpb.GenerateRequest(
-            token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(4, n=second_n),
-            request_id=second_id))
+        generate(clients.gateway, second(second_id))
     assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
-    assert repr(taken) in (err.value.details() or "")
-    for _ in range(5):  # the first request was not failed with the refused one (it would raise)
-        assert next(stream).token_ids
-    first.cancel()
+    details = err.value.details() or ""
+    assert repr(taken) in details and repr(first_id) in details
+    # The same id as the caller's x-request-id (no request_id): not used, a new id instead.
+    response = next(iter(clients.gateway.Generate(
+        second(), metadata=(("x-request-id", second_id),), timeout=60)))
+    assert response.request_id not in ("", second_id)
+    responses.extend(stream)  # raises if the first request failed
+    lengths = {i: sum(len(r.token_ids) for r in responses if r.index == i) for i in range(first_n)}
+    finishes = [r.finish_reason for r in responses if r.finish_reason]
+    assert lengths == dict.fromkeys(range(first_n), max_tokens)
+    assert finishes == [gpb.FINISH_REASON_LENGTH] * first_n
     clients.wait_all_blocks_back()
     # Once the first is gone, the id is free.
-    done = generate(clients.gateway, gpb.GenerateRequest(
-        token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(4, n=second_n),
-        request_id=second_id))
+    done = generate(clients.gateway, second(second_id))
     assert sorted(done) == list(range(second_n))
     clients.wait_all_blocks_back()
