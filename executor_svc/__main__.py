@@ -61,10 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # Before torch and grpc are imported (module docstring). On CUDA a step's large tensors
     # live on the device: nothing to gain, and the host copies of the weights made while
-    # loading could stay pinned in the heap.
+    # loading could stay in the heap, never returned to the system.
     malloc_tuned = settings.tune_malloc and not settings.on_cuda and tune_malloc()
     configure_logging("executor", json=settings.log_json, level=settings.log_level)
-    log.info("malloc_settings", tuned=malloc_tuned, requested=settings.tune_malloc)
+    log.info("malloc_settings", tuned=malloc_tuned, requested=settings.tune_malloc,
+             skipped="cuda" if settings.tune_malloc and settings.on_cuda else None)
     from executor_svc.model_loader import ModelLoadError
 
     try:

@@ -51,7 +51,7 @@ class ExecutorSettings:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    tune_malloc: bool = True  # glibc: a step's large tensors reuse memory (malloc_tuning.py)
+    tune_malloc: bool = True  # CPU, glibc: a step's large tensors reuse memory (malloc_tuning.py)
     log_json: bool = False
     log_level: str = "info"
 

@@ -33,7 +33,7 @@ class Frontend:
     router: Router
     info: ModelInfo
     active: dict[str, Request] = field(default_factory=dict)
-    # The sequence ids of the active requests (n > 1: `<id>-<i>`), each with its request's id.
+    # The sequence ids of the active requests (seq_ids.py), each with its request's id.
     seq_owners: dict[str, str] = field(default_factory=dict)
 
     def tokenize(self, text: str) -> list[int]:
@@ -107,13 +107,15 @@ class Frontend:
 
     def _check_seq_ids_free(self, request_id: str, seq_ids: list[str]) -> None:
         """Another active request's sequence already has one of these ids (n > 1 names its
-        sequences `<id>-<i>`): refused here, not by the allocator, which would fail the step."""
+        sequences `<id>-prefill` and `<id>-<i>`): refused here, not by the allocator, which
+        would fail the step."""
         for seq_id in seq_ids:
             owner = self.seq_owners.get(seq_id)
             if owner is not None:
                 raise AlreadyExists(
                     f"request_id {request_id!r} needs sequence id {seq_id!r}, which request "
-                    f"{owner!r} is using (n > 1 names its sequences <id>-<i>): use another id"
+                    f"{owner!r} is using (n > 1 names its sequences <id>-prefill and <id>-<i>): "
+                    "use another id"
                 )
 
     def _forget(self, request: Request) -> None:
