@@ -110,6 +110,8 @@ BASELINES = {
     "untuned-malloc": (("malloc tuned", True, ()),
                        ("malloc untuned", True, ("--tune-malloc", "false"))),
 }
+# Where each comparison's figures go (bench/results/<name>.json).
+RESULTS_NAMES = {"sequential": "control_plane_pipeline", "untuned-malloc": "control_plane_malloc"}
 
 
 def compare(sizes: list[int], max_tokens: dict[int, int], pairs: int,
@@ -174,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = {8: 64, 64: 48, 256: 32} if args.quick else {8: 128, 64: 128, 256: 96}
     if args.compare:
         summary = compare(sizes, max_tokens, args.compare, args.baseline)
-        name = {"sequential": "control_plane_pipeline",
-                "untuned-malloc": "control_plane_malloc"}[args.baseline]
+        name = RESULTS_NAMES[args.baseline]
         write_results(name, {
             "benchmark": name, "model": MODEL, "seed": SEED, "baseline": args.baseline,
             "quick": args.quick, "torch_threads": args.threads, "max_tokens": max_tokens,

@@ -95,10 +95,9 @@ class Frontend:
         if not request_id:
             # The caller's x-request-id when it is free, sequence ids included; else a new id.
             bound = structlog.contextvars.get_contextvars().get("request_id")
-            if bound and str(bound) not in self.active and all(
-                seq_id not in self.seq_owners
-                for seq_id in sequence_ids(str(bound), n, num_prompt_tokens)
-            ):
+            if bound and str(bound) not in self.active and self._taken(
+                sequence_ids(str(bound), n, num_prompt_tokens)
+            ) is None:
                 return str(bound)
             return uuid.uuid4().hex[:16]
         if request_id in self.active:
@@ -109,14 +108,17 @@ class Frontend:
         """Another active request's sequence already has one of these ids (n > 1 names its
         sequences `<id>-prefill` and `<id>-<i>`): refused here, not by the allocator, which
         would fail the step."""
-        for seq_id in seq_ids:
-            owner = self.seq_owners.get(seq_id)
-            if owner is not None:
-                raise AlreadyExists(
-                    f"request_id {request_id!r} needs sequence id {seq_id!r}, which request "
-                    f"{owner!r} is using (n > 1 names its sequences <id>-prefill and <id>-<i>): "
-                    "use another id"
-                )
+        seq_id = self._taken(seq_ids)
+        if seq_id is not None:
+            raise AlreadyExists(
+                f"request_id {request_id!r} needs sequence id {seq_id!r}, which request "
+                f"{self.seq_owners[seq_id]!r} is using (n > 1 names its sequences <id>-prefill "
+                "and <id>-<i>): use another id"
+            )
+
+    def _taken(self, seq_ids: list[str]) -> str | None:
+        """The first of these ids an active request's sequence has, if any."""
+        return next((seq_id for seq_id in seq_ids if seq_id in self.seq_owners), None)
 
     def _forget(self, request: Request) -> None:
         """The request is no longer active: its id and its sequence ids are free again."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from no_leak import free_all_and_check_no_leak
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.events import EventKind
@@ -243,11 +244,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.observed == {h: b.block_id for h, b in self.pool.blocks.cached.items()}
 
     def teardown(self) -> None:
-        # No leak: once every request is freed, every block is free again.
-        self.allocator.free("p", self.pool.epoch, [], sorted(self.requests))
-        self.allocator.check_invariants()
-        assert self.pool.blocks.num_free == NUM_BLOCKS
-        assert len(self.pool.free_cpu_block_ids) == NUM_CPU_BLOCKS
+        free_all_and_check_no_leak(self.allocator, self.pool, self.requests, NUM_BLOCKS,
+                                   NUM_CPU_BLOCKS)
 
 
 AllocatorMachine.TestCase.settings = settings(

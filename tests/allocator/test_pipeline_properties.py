@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from no_leak import free_all_and_check_no_leak
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pipeline import Pipelined
@@ -265,10 +266,8 @@ class PipelineMachine(RuleBasedStateMachine):
         assert self.pool.pending == {r for r, m in self.requests.items() if m.pending}
 
     def teardown(self) -> None:
-        self.allocator.free("p", self.pool.epoch, [], sorted(self.requests), self.lease_id)
-        self.allocator.check_invariants()
-        assert self.pool.blocks.num_free == NUM_BLOCKS
-        assert len(self.pool.free_cpu_block_ids) == NUM_CPU_BLOCKS
+        free_all_and_check_no_leak(self.allocator, self.pool, self.requests, NUM_BLOCKS,
+                                   NUM_CPU_BLOCKS, self.lease_id)
 
 
 PipelineMachine.TestCase.settings = settings(

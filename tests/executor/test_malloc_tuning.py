@@ -62,14 +62,15 @@ def _probe(mode: str) -> tuple[dict[str, int], int]:
     arenas = sum(line.startswith("Arena ") for line in result.stderr.splitlines())
     seen = json.loads(result.stdout)
     if not seen.get("probe", True):
-        pytest.skip("no glibc mallinfo2 (glibc >= 2.33) to observe malloc with")
+        pytest.skip("needs glibc >= 2.33 (mallinfo2), which this platform lacks; where it "
+                    "exists (Linux, the Docker image, CI): "
+                    ".venv/bin/pytest tests/executor/test_malloc_tuning.py")
     return seen, arenas
 
 
 def test_tuned_malloc_keeps_a_worker_threads_large_tensor_in_the_one_heap() -> None:
     seen, arenas = _probe("tune")
-    if not seen["tuned"]:
-        pytest.skip("this C library is not glibc: tune_malloc leaves malloc as it is")
+    assert seen["tuned"]  # glibc (mallinfo2 is there): every mallopt must take
     assert seen["mapped"] == 0  # not mmap'ed...
     assert seen["kept"] >= TENSOR_BYTES  # ...but carved from the heap, and kept once freed
     assert arenas == 1  # the worker thread allocated from the main arena

@@ -1,0 +1,18 @@
+"""The leak check the allocator's state machines end with."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from allocator_svc.core.allocator import Allocator
+from allocator_svc.core.pool import Pool
+
+
+def free_all_and_check_no_leak(allocator: Allocator, pool: Pool, request_ids: Iterable[str],
+                               num_blocks: int, num_cpu_blocks: int,
+                               lease_id: str | None = None) -> None:
+    """Once every request is freed, every block is free again, GPU and CPU."""
+    allocator.free("p", pool.epoch, [], sorted(request_ids), lease_id)
+    allocator.check_invariants()
+    assert pool.blocks.num_free == num_blocks
+    assert len(pool.free_cpu_block_ids) == num_cpu_blocks
