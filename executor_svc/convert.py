@@ -38,6 +38,7 @@ def sequence_from_proto(msg: pb.SequenceWork) -> SequenceWork:
         delta=_delta(msg),
         sampling=sampling_from_proto(msg.sampling) if msg.HasField("sampling") else None,
         sample=msg.sample,
+        use_sampled_token=msg.use_sampled_token,
     )
 
 
@@ -53,9 +54,20 @@ def compact_decodes(msg: pb.ExecuteRequest) -> list[SequenceWork]:
             f"decode_request_ids, decode_token_ids and decode_positions must have equal "
             f"lengths, got {len(ids)}, {len(tokens)} and {len(positions)}"
         )
+    use_sampled = msg.decode_use_sampled_token
+    if not use_sampled:
+        return [
+            SequenceWork(rid, (token,), position, None, None, True)
+            for rid, token, position in zip(ids, tokens, positions, strict=True)
+        ]
+    if len(use_sampled) != len(ids):
+        raise InvalidArgument(
+            f"decode_use_sampled_token must be empty or have one entry per compact decode, "
+            f"got {len(use_sampled)} for {len(ids)}"
+        )
     return [
-        SequenceWork(rid, (token,), position, None, None, True)
-        for rid, token, position in zip(ids, tokens, positions, strict=True)
+        SequenceWork(rid, (token,), position, None, None, True, chained)
+        for rid, token, position, chained in zip(ids, tokens, positions, use_sampled, strict=True)
     ]
 
 
@@ -106,4 +118,5 @@ def info_to_proto(info: ExecutorInfo) -> pb.DescribeResponse:
         vocab_size=info.vocab_size,
         max_num_batched_tokens=info.max_num_batched_tokens,
         max_num_seqs=info.max_num_seqs,
+        uses_sampled_tokens=True,
     )

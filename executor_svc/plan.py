@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import InvalidArgument, NotFound
+from common.errors import FailedPrecondition, InvalidArgument, NotFound
 from executor_svc.step import (
     BlockCopy,
     BlockTableDelta,
@@ -32,6 +32,9 @@ class RequestState:
     generator: torch.Generator | None  # seeded: reproducible sampling; None: shared RNG
     block_table: list[int]
     num_tokens: int  # tokens whose K/V are in the cache
+    # The token sampled in the request's last step (its position is num_tokens), until a step
+    # uses it: what a use_sampled_token row stands for. None when the last step sampled none.
+    sampled_token: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +57,7 @@ class PlannedSeq:
     work: SequenceWork
     block_table: tuple[int, ...]  # the table once this step's delta is applied
     is_new: bool
+    token_ids: tuple[int, ...]  # work.token_ids, the sampled token in place (use_sampled_token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +120,9 @@ def _plan_seq(work: SequenceWork, held: RequestState | None, limits: Limits) -> 
         check_sampling(work.sampling)
     if not work.token_ids:
         raise InvalidArgument(f"request {rid!r}: token_ids is empty; send at least one token")
+    token_ids = work.token_ids
+    if work.use_sampled_token:
+        token_ids = (_sampled_token(rid, held), *token_ids[1:])
     bad = [t for t in work.token_ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise InvalidArgument(
@@ -156,7 +163,22 @@ def _plan_seq(work: SequenceWork, held: RequestState | None, limits: Limits) -> 
             f"request {rid!r}: its {len(new_table)} blocks hold {capacity} tokens but the step "
             f"reaches position {end}; send the missing blocks in delta"
         )
-    return PlannedSeq(work=work, block_table=new_table, is_new=held is None)
+    return PlannedSeq(work=work, block_table=new_table, is_new=held is None, token_ids=token_ids)
+
+
+def _sampled_token(rid: str, held: RequestState | None) -> int:
+    """The token a use_sampled_token row stands for."""
+    if held is None:
+        raise FailedPrecondition(
+            f"request {rid!r}: use_sampled_token on a request not held here (it has sampled "
+            f"nothing yet): send its token id"
+        )
+    if held.sampled_token is None:
+        raise FailedPrecondition(
+            f"request {rid!r}: use_sampled_token, but its last step sampled no token here (or "
+            f"a step has already used it): send its token id"
+        )
+    return held.sampled_token
 
 
 def plan_step(step: StepRequest, requests: Mapping[str, RequestState], limits: Limits) -> StepPlan:

@@ -130,7 +130,7 @@ class ModelRunner:
         return ForwardOutput(
             logits=logits,
             sampling_request_ids=tuple(p.work.request_id for p in plan.seqs if p.work.sample),
-            num_tokens=sum(len(p.work.token_ids) for p in plan.seqs),
+            num_tokens=sum(len(p.token_ids) for p in plan.seqs),
         )
 
     def _forward(self, seqs: tuple[PlannedSeq, ...]) -> torch.Tensor:
@@ -141,11 +141,11 @@ class ModelRunner:
         keep: list[int] = []
         for planned in seqs:
             work = planned.work
-            n = len(work.token_ids)
+            n = len(planned.token_ids)
             end = work.start_position + n
             spans.append(SeqSpan(len(token_ids), n, end, planned.block_table))
             positions.extend(range(work.start_position, end))
-            token_ids.extend(work.token_ids)
+            token_ids.extend(planned.token_ids)
             if work.sample:
                 keep.append(len(token_ids) - 1)
         metadata = StepMetadata.build(tuple(spans), self.limits.block_size, device)
@@ -178,7 +178,8 @@ class ModelRunner:
                 self.requests[work.request_id] = state
             assert state is not None, f"planned request {work.request_id} vanished"
             state.block_table = list(planned.block_table)
-            state.num_tokens = work.start_position + len(work.token_ids)
+            state.num_tokens = work.start_position + len(planned.token_ids)
+            state.sampled_token = None  # used, or overtaken by these tokens
 
     def _sample(
         self, request_ids: tuple[str, ...], logits: torch.Tensor
@@ -187,6 +188,8 @@ class ModelRunner:
         token_ids, logprobs = self.sampler.sample(
             logits, [s.sampling for s in states], [s.generator for s in states]
         )
+        for state, token_id in zip(states, token_ids, strict=True):
+            state.sampled_token = token_id  # a use_sampled_token row in the next step uses it
         return tuple(
             SampledToken(s.request_id, t, lp)
             for s, t, lp in zip(states, token_ids, logprobs, strict=True)

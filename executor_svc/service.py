@@ -1,13 +1,17 @@
 """The gRPC servicer: decode the proto, call the runner, encode the answer.
 
-Steps run one at a time (an asyncio lock) in a worker thread, so the event loop keeps
-answering health checks and Describe while the model computes. Domain exceptions raised by the
-runner reach common.interceptor, which maps them to their status codes.
+Steps (and Releases) run one at a time, in arrival order, in one worker thread, so the event
+loop keeps answering health checks and Describe while the model computes. A step that arrives
+while another computes (the gateway launches ahead) is decoded meanwhile and waits in the
+worker's queue: the worker starts it the moment the one before ends, with no hop through the
+event loop. Domain exceptions raised by the runner reach common.interceptor, which maps them
+to their status codes.
 """
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -23,7 +27,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     def __init__(self, runner: ModelRunner) -> None:
         self._runner = runner
-        self._lock = asyncio.Lock()
+        # One thread: the runner is not thread-safe, and its queue keeps arrival order.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
 
     async def Describe(  # noqa: N802 - gRPC method name
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
@@ -34,22 +39,19 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self, request: pb.ExecuteRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExecuteResponse:
         step = convert.step_from_proto(request)
-        async with self._lock:
-            # NOTE: a cancelled RPC (client gone) must not release the lock while the step
-            # still runs in its thread: the next call would touch the same state.
-            task = asyncio.ensure_future(asyncio.to_thread(self._runner.execute, step))
-            try:
-                result = await asyncio.shield(task)
-            except asyncio.CancelledError:
-                await asyncio.wait([task])
-                raise
+        # A cancelled RPC (client gone) drops its step if it has not started; one that has
+        # runs to its end in the worker, before anything queued behind it.
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self._worker, self._runner.execute, step)
         return convert.result_to_proto(result, len(request.decode_request_ids))
 
     async def Release(  # noqa: N802
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
-        async with self._lock:
-            num_released = self._runner.release(tuple(request.request_ids))
+        loop = asyncio.get_running_loop()
+        num_released = await loop.run_in_executor(
+            self._worker, self._runner.release, tuple(request.request_ids)
+        )
         return pb.ReleaseResponse(num_released=num_released)
 
 

@@ -41,6 +41,9 @@ class SequenceWork:
     delta: BlockTableDelta | None = None  # None (or no block ids): the table stays as it is
     sampling: SamplingParams | None = None  # present exactly on a request's first step
     sample: bool = False
+    # token_ids[0] is a stand-in for the token this executor sampled for the request in its
+    # last step (the caller sent this step before that one returned): see plan.py.
+    use_sampled_token: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -230,3 +230,84 @@ def test_sampling_with_a_seed_reproduces(executor: Executor) -> None:
         runs.append(outputs[rid])
         executor.forget(rid)
     assert runs[0] == runs[1]
+
+
+def _uses_sampled_tokens(executor: Executor) -> None:
+    if not executor.info.uses_sampled_tokens:
+        pytest.skip(
+            "this executor's Describe reports uses_sampled_tokens = false: the gateway sends it "
+            "no use_sampled_token rows (optional part of the contract)"
+        )
+
+
+def test_sampled_tokens_are_used_before_they_return(
+    executor: Executor, reference: PreTrainedModel
+) -> None:
+    # Each decode step goes out before the one before it has returned (two calls in flight),
+    # its tokens standing for the ones that step samples: compact rows with
+    # decode_use_sampled_token, and SequenceWork with use_sampled_token when a sequence needs a
+    # new block. The tokens equal the reference's generate.
+    _uses_sampled_tokens(executor)
+    prompts = _prompts(executor.info.vocab_size, [6, 15, 29], seed=8)
+    rids = [f"ahead-{i}" for i in range(3)]
+    block_size = executor.info.block_size
+    prefill = [executor.work(r, p) for r, p in zip(rids, prompts, strict=True)]
+    calls = [([], executor.stub.Execute.future(pb.ExecuteRequest(seqs=prefill)))]
+    for step in range(20):
+        columns = [r for r in rids if executor.held[r] % block_size != 0]
+        seqs = [executor.work(r, [0]) for r in rids if r not in columns]
+        for work in seqs:
+            work.use_sampled_token = True
+        request = pb.ExecuteRequest(
+            seqs=seqs, decode_request_ids=columns, decode_token_ids=[0] * len(columns),
+            decode_positions=[executor.held[r] for r in columns],
+            decode_use_sampled_token=[True] * len(columns),
+        )
+        for rid in columns:
+            executor.held[rid] += 1
+        calls.append((columns, executor.stub.Execute.future(request)))
+        calls[step][1].result()  # the one before returns only now: two are in flight
+    outputs: dict[str, list[int]] = {r: [] for r in rids}
+    for columns, call in calls:
+        reply = call.result()
+        for rid, token in zip(columns, reply.decode_sampled_token_ids, strict=True):
+            outputs[rid].append(token)
+        for token in reply.tokens:
+            outputs[token.request_id].append(token.token_id)
+    executor.forget(*rids)
+    for rid, prompt in zip(rids, prompts, strict=True):
+        assert outputs[rid] == reference_generate(reference, prompt, 21), f"{rid} diverged"
+
+
+def test_use_sampled_token_needs_a_token_sampled_by_the_last_step(
+    executor: Executor, reference: PreTrainedModel
+) -> None:
+    # FAILED_PRECONDITION, changing nothing, where the request's last step sampled nothing:
+    # a new request, after a prefill chunk, after a step that did not sample. Between them
+    # the request goes on like the reference.
+    _uses_sampled_tokens(executor)
+    prompt = _prompts(executor.info.vocab_size, [12], seed=9)[0]
+
+    def use_sampled(rid: str) -> pb.SequenceWork:
+        work = executor.work(rid, [0])
+        work.use_sampled_token = True
+        return work
+
+    def rejected(rid: str) -> None:
+        held = executor.held.get(rid, 0)
+        with pytest.raises(grpc.RpcError) as err:
+            executor.execute(use_sampled(rid))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+        assert "use_sampled_token" in (err.value.details() or "")
+        executor.held[rid] = held  # work() counted the token the executor refused
+
+    rejected("used-new")
+    executor.forget("used-new")
+    executor.execute(executor.work("used", prompt[:8], sample=False))  # a chunk
+    rejected("used")
+    outputs = [executor.execute(executor.work("used", prompt[8:])).tokens[0].token_id]
+    outputs.append(executor.execute(use_sampled("used")).tokens[0].token_id)
+    executor.execute(executor.work("used", [outputs[-1]], sample=False))  # no sample
+    rejected("used")
+    executor.forget("used")
+    assert outputs == reference_generate(reference, prompt, 2)

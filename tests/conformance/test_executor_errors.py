@@ -15,6 +15,7 @@ from .conftest import Executor, reference_generate
 
 pytestmark = pytest.mark.conformance
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
+PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 
 # Each case builds a bad ExecuteRequest from (executor, the witness's next decode work).
 Case = Callable[[Executor, pb.SequenceWork], pb.ExecuteRequest]
@@ -170,7 +171,17 @@ CASES: dict[str, tuple[Case, grpc.StatusCode]] = {
         INVALID,
     ),
     "compact_decode_also_in_seqs": (lambda e, w: _compact(w, seqs=[w]), INVALID),
+    # use_sampled_token (only sent to executors whose Describe reports uses_sampled_tokens)
+    "use_sampled_token_on_a_new_request": (
+        lambda e, w: pb.ExecuteRequest(seqs=[w, _new(e, use_sampled_token=True)]),
+        PRECONDITION,
+    ),
+    "compact_decode_use_sampled_token_of_another_length": (
+        lambda e, w: _compact(w, decode_use_sampled_token=[True, True]),
+        INVALID,
+    ),
 }
+SAMPLED_TOKEN_CASES = {c for c in CASES if "use_sampled_token" in c}
 
 
 @pytest.fixture
@@ -192,6 +203,9 @@ def test_bad_execute_is_rejected_without_effect(
     # The bad step (which carries the witness's valid decode) fails with its status; then the
     # witness continues exactly like the reference, and no other state appeared.
     prompt, output = witness
+    if case in SAMPLED_TOKEN_CASES and not executor.info.uses_sampled_tokens:
+        pytest.skip("this executor's Describe reports uses_sampled_tokens = false: the gateway "
+                    "sends it no use_sampled_token rows (optional part of the contract)")
     build, code = CASES[case]
     next_work = pb.SequenceWork(
         request_id="witness",

@@ -109,3 +109,39 @@ def test_service_release_counts_held_requests(served: Served) -> None:
     stub.Execute(_first_step("a", [5, 6, 7], [1]))
     reply = stub.Release(pb.ReleaseRequest(request_ids=["a", "ghost"]))
     assert reply.num_released == 1 and runner.requests == {}
+
+
+def test_service_queues_a_step_that_arrives_while_one_computes(served: Served) -> None:
+    # Steps run one at a time in arrival order, in the worker: a step sent while another
+    # computes starts once that one ends; one whose caller gave up before it started never
+    # runs; Describe is answered meanwhile.
+    stub, _, runner = served
+    original = runner.execute
+    started, release = threading.Event(), threading.Event()
+    order: list[tuple[str, str]] = []
+
+    def execute(step):  # type: ignore[no-untyped-def]
+        rid = step.seqs[0].request_id
+        order.append(("start", rid))
+        if rid == "first":
+            started.set()
+            assert release.wait(timeout=30)
+        try:
+            return original(step)
+        finally:
+            order.append(("end", rid))
+
+    runner.execute = execute  # type: ignore[method-assign]
+    first = stub.Execute.future(_first_step("first", [5, 6, 7], [1]))
+    assert started.wait(timeout=30)
+    second = stub.Execute.future(_first_step("second", [8, 9], [2]))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Execute(_first_step("gave-up", [4], [3]), timeout=0.2)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert stub.Describe(pb.DescribeRequest(), timeout=5).num_blocks == 64
+    release.set()
+    assert first.result(timeout=30).tokens[0].request_id == "first"
+    assert second.result(timeout=30).tokens[0].request_id == "second"
+    assert order == [("start", "first"), ("end", "first"), ("start", "second"),
+                     ("end", "second")]
+    assert set(runner.requests) == {"first", "second"}
