@@ -143,6 +143,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
             on_lost=router.requeue,
             stats=StepStats(window=settings.stats_every_steps),
             pipeline=settings.pipeline_steps,
+            launch_ahead=settings.launch_ahead,
         )
         router.engines.append(engine)
     info = ModelInfo(

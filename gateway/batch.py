@@ -59,6 +59,9 @@ class Batch:
     num_decodes: int = 0
     # Swapped out by this step: their KV reaches the CPU blocks only with this Execute.
     swapped_out: list[Sequence] = field(default_factory=list)
+    # Once advanced (Scheduler.advance): each sequence it samples for, the index of the
+    # UNSAMPLED stand-in in its outputs, and its row in the batch. None before.
+    stand_ins: list[tuple[Sequence, int, int]] | None = None
 
 
 @dataclass(slots=True)
@@ -68,6 +71,9 @@ class InFlight:
     batch: Batch
     execute: asyncio.Future[ExecuteResult]
     launched: float  # time.perf_counter() when the call went out
+    # The batch launched before it failed: this one, which may build on it (sampled tokens),
+    # may fail too, so the next is not launched before it lands.
+    after_failure: bool = False
 
     def head_start_left(self) -> float:
         """Seconds until the call has had EXECUTE_HEAD_START_S to reach the executor."""

@@ -3,6 +3,10 @@
 A busy step's outputs are held across the next step's Step (up to 10 ms) and reach the client
 streams while its Execute runs; nothing else waits for them (held_outputs.py).
 
+Launching ahead (the default with an executor that uses its own sampled tokens), a step's
+Execute goes out as soon as its Step returns, before the previous batch lands: the executor
+starts it the moment the previous one ends, and the landed outputs go to the streams at once.
+
 Single writer: the loop is the only code that mutates its scheduler, between awaits, so no
 lock is needed. Other coroutines (RPC handlers) only append sequences with `submit`, flag
 cancellations on the request, and wake the loop.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,7 +70,10 @@ class Engine:
     # Pipelined steps (README, "How it fits together"): a step's Step goes out while the previous
     # step's batch executes. Off: each step's Execute returns before the next Step.
     pipeline: bool = True
-    in_flight: InFlight | None = None
+    # Pipelined, and the executor uses its own sampled tokens: a step's Execute goes out
+    # before the previous batch lands (landing.py), which then lands in the same step.
+    launch_ahead: bool = True
+    in_flight: deque[InFlight] = field(default_factory=deque)  # oldest first; at most two
     last_step_ms: float = 0.0  # the latest Step's round trip
     stepping: bool = False
 
@@ -150,7 +158,7 @@ class Engine:
             if not await recovery.abort_orphans(self):
                 return False
         started = time.perf_counter()
-        overlapped = self.in_flight is not None
+        overlapped = bool(self.in_flight)
         plan = self.plan = self.scheduler.schedule(overlapped)
         if plan is None or not plan.call.has_items():
             await landing.settle(self)  # nothing to overlap with the batch executing
@@ -161,7 +169,13 @@ class Engine:
                 await side_calls.flush_housekeeping(self, plan)
             return True
         landed: Landed | None = None
-        if overlapped:
+        if overlapped and self._launches_ahead():
+            # The batch in flight counts as landed, its sampled tokens as stand-ins: this
+            # step's batch is built on top of it and goes out before it returns.
+            outcome = await self._allocator_step(plan, self.link.step(plan.call), settle=True)
+            if outcome is not None:
+                self.scheduler.advance(self.in_flight[0].batch)
+        elif overlapped:
             # Pipelined: this step's Step goes out while the previous batch executes.
             step_call = asyncio.ensure_future(self.link.step(plan.call))
             try:
@@ -181,13 +195,21 @@ class Engine:
         batch = self.batch = self.scheduler.apply_outcome(plan, outcome)
         if batch.call.is_empty():
             # Nothing to run, but releases (a recompute preemption) must still go out.
+            if self.in_flight:  # launching ahead: the batch in flight lands first
+                landed = await landing.land(self)
             await landing.take_outputs(self, landed)
             self.deliver()
             self.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
             await side_calls.flush_releases(self)
             return False
         flight = landing.launch(self, batch)
-        if self.pipeline:
+        if len(self.in_flight) > 1:
+            # Launched ahead: the batch before lands now, and its outputs go to the streams
+            # at once (nothing left to give a head start to).
+            landed = await landing.land(self)
+            await landing.take_outputs(self, landed)
+            self.holding = False
+        elif self.pipeline:
             # The landed batch's outputs (detokenizing, stop strings) while the next computes,
             # once it has reached the executor (on two cores, work started at once delays its
             # intake: control plane 3.3-4.0 -> 2.4-2.9 ms at 64 running, three interleaved
@@ -209,10 +231,18 @@ class Engine:
         return True
 
     def abandon_in_flight(self) -> None:
-        """A bug interrupted a step: the batch in flight is not awaited (landing.py)."""
+        """A bug interrupted a step, or the executor is gone: the batches in flight are not
+        awaited (landing.py)."""
         landing.abandon(self)
 
     # Pieces of a step.
+
+    def _launches_ahead(self) -> bool:
+        """This step's Execute may go out before the batch in flight lands."""
+        return (
+            self.launch_ahead and self.link.description.uses_sampled_tokens
+            and not self.in_flight[0].after_failure
+        )
 
     def _has_work(self) -> bool:
         pending = self.scheduler.pending
@@ -220,7 +250,7 @@ class Engine:
             self.scheduler.has_work() or pending.has_allocator_work()
             or (bool(pending.release_ids) and not self.releases_refused)
             or self.has_cancellations or bool(self.orphan_ids) or bool(self.held)
-            or self.in_flight is not None
+            or bool(self.in_flight)
         )
 
     def emit(self, seq: Sequence, token: int) -> None:
@@ -234,14 +264,18 @@ class Engine:
         self.held.deliver()
 
     async def _allocator_step(
-        self, plan: ScheduledStep, call: Awaitable[StepOutcome], landed: Landed | None = None
+        self, plan: ScheduledStep, call: Awaitable[StepOutcome], landed: Landed | None = None,
+        settle: bool = False,
     ) -> StepOutcome | None:
         """The Step's outcome; None when it failed (after recovery; `landed`, a batch that
-        returned meanwhile, has had its outputs taken first)."""
+        returned meanwhile, has had its outputs taken first; with `settle`, the batch in
+        flight lands first)."""
         sent = time.perf_counter()
         try:
             outcome = await self.held.during_step(call)
         except grpc.aio.AioRpcError as exc:
+            if settle:
+                landed = await landing.land(self)
             # (No fork: recovery readmits or fails the parents.)
             await landing.take_outputs(self, landed, fork=False)
             self.deliver()

@@ -28,6 +28,9 @@ class ExecutorDescription:
     vocab_size: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    # It fills in its own sampled tokens (use_sampled_token): the next Execute may go out
+    # before the previous one returns.
+    uses_sampled_tokens: bool = False
 
 
 def _copies(copies: Sequence[BlockCopy]) -> list[pb.BlockCopy]:
@@ -41,6 +44,7 @@ def _seq(work: SeqWork) -> pb.SequenceWork:
         token_ids=work.token_ids,
         start_position=work.start_position,
         sample=work.sample,
+        use_sampled_token=work.use_sampled_token,
     )
     if work.delta is not None:
         seq.delta.start_index = work.delta.start_index
@@ -80,6 +84,7 @@ class ExecutorClient:
             vocab_size=r.vocab_size,
             max_num_batched_tokens=r.max_num_batched_tokens,
             max_num_seqs=r.max_num_seqs,
+            uses_sampled_tokens=r.uses_sampled_tokens,
         )
 
     async def execute(self, call: ExecuteCall, timeout: float | None = None) -> ExecuteResult:
@@ -93,20 +98,25 @@ class ExecutorClient:
             decode_request_ids=call.decode_request_ids,
             decode_token_ids=call.decode_token_ids,
             decode_positions=call.decode_positions,
+            decode_use_sampled_token=call.decode_use_sampled_token,
         )
         response = await self.stub.Execute(request, timeout=timeout)
         num_decodes = len(call.decode_request_ids)
         if len(response.decode_sampled_token_ids) != num_decodes:
             # An executor that predates the compact columns ignored them: a rejected step.
-            raise grpc.aio.AioRpcError(
+            raise _broken_contract(
                 grpc.StatusCode.UNIMPLEMENTED,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                details=(
-                    f"the executor returned {len(response.decode_sampled_token_ids)} tokens "
-                    f"for {num_decodes} compact decodes: it must implement decode_request_ids "
-                    "(pagedkv.executor.v1; see tests/conformance)"
-                ),
+                f"the executor returned {len(response.decode_sampled_token_ids)} tokens for "
+                f"{num_decodes} compact decodes: it must implement decode_request_ids "
+                "(pagedkv.executor.v1; see tests/conformance)",
+            )
+        sampling = [w.request_id for w in call.seqs if w.sample]
+        if [t.request_id for t in response.tokens] != sampling:
+            raise _broken_contract(
+                grpc.StatusCode.INTERNAL,
+                f"the executor returned sampled tokens for {len(response.tokens)} sequences, "
+                f"not one for each of the {len(sampling)} that sample, in their order "
+                "(pagedkv.executor.v1; see tests/conformance)",
             )
         return ExecuteResult(
             tokens=tuple(Sampled(t.request_id, t.token_id) for t in response.tokens),
@@ -120,3 +130,8 @@ class ExecutorClient:
             metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
             timeout=timeout,
         )
+
+
+def _broken_contract(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The executor answered, but not as the contract says: the step counts as rejected."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)

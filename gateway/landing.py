@@ -1,7 +1,10 @@
-"""The batch in flight: an engine sends each Execute as a task (`launch`), and awaits it in
+"""The batches in flight: an engine sends each Execute as a task (`launch`), and awaits it in
 the same step or, pipelined, in the next (`land`): its tokens advance the scheduler at once,
 and become deltas, finishes and forks a little later (`take_outputs`), once the next Execute
 has had its head start. `settle` does both; recovery, housekeeping and idle start from there.
+
+Launching ahead, a step's Execute goes out before the previous one lands: two are in flight
+for that while (`engine.in_flight`, oldest first), and they land in order.
 """
 
 from __future__ import annotations
@@ -25,21 +28,24 @@ def launch(engine: Engine, batch: Batch) -> InFlight:
     execute = asyncio.ensure_future(engine.link.execute(batch.call))
     if engine.pipeline:  # the next step is planned on top of it (sequential: it lands first)
         engine.scheduler.launch(batch)
-    flight = engine.in_flight = InFlight(batch, execute, time.perf_counter())
+    flight = InFlight(batch, execute, time.perf_counter())
+    engine.in_flight.append(flight)
     return flight
 
 async def land(engine: Engine) -> Landed | None:
-    """Await the batch in flight, if any (the previous step's streams are written
+    """Await the oldest batch in flight, if any (the previous step's streams are written
     meanwhile), and take its tokens: computed counts and outputs advance; what they mean
     for the streams waits for `take_outputs`. None if nothing landed."""
-    flight, engine.in_flight = engine.in_flight, None
-    if flight is None:
+    if not engine.in_flight:
         return None
+    flight = engine.in_flight.popleft()
     batch = engine.batch = flight.batch
     try:
         result = await engine.held.during_execute(flight.execute, flight.head_start_left())
     except grpc.aio.AioRpcError as exc:
         engine.scheduler.land(batch)
+        if engine.in_flight:  # launched ahead on top of this one: it may fail too
+            engine.in_flight[0].after_failure = True
         recovery.execute_failed(engine, batch, exc)
         return None
     except BaseException:
@@ -67,16 +73,18 @@ async def take_outputs(engine: Engine, landed: Landed | None, fork: bool = True)
     engine.holding = engine.held.worth_holding()
 
 async def settle(engine: Engine, fork: bool = True) -> Landed | None:
-    """Land the batch in flight, if any, and take its outputs."""
-    landed = await land(engine)
-    await take_outputs(engine, landed, fork)
+    """Land every batch in flight and take its outputs; the last one landed, if any."""
+    landed = None
+    while engine.in_flight:
+        landed = await land(engine)
+        await take_outputs(engine, landed, fork)
     return landed
 
 def abandon(engine: Engine) -> None:
-    """A bug interrupted a step: the batch in flight is not awaited (its sequences are
-    failed and released by the caller)."""
-    flight, engine.in_flight = engine.in_flight, None
-    if flight is not None:
+    """A bug interrupted a step, or the executor is gone: the batches in flight are not
+    awaited (the caller fails or evicts their sequences and releases them)."""
+    while engine.in_flight:
+        flight = engine.in_flight.popleft()
         engine.scheduler.land(flight.batch)
         # Its releases may not have been applied: they go again (releasing is idempotent).
         engine.scheduler.pending.release_ids.extend(flight.batch.call.release_request_ids)

@@ -7,7 +7,8 @@
   restarted executor resets it);
 - the executor rejects a step: that step's sequences fail, and the ones its Step swapped out
   (their KV never reached the CPU); the next Step confirms nothing executed; the engine keeps
-  serving;
+  serving. A step launched ahead of it (use_sampled_token) is rejected too when it names
+  those sequences, and its own sequences fail then; the step after waits for it to land;
 - the allocator says the pool or the lease is stale: the pool is re-registered and every
   sequence is readmitted (recompute);
 - a Step cut off (UNAVAILABLE, or DEADLINE_EXCEEDED past `--allocator-timeout-s`): whether
@@ -129,6 +130,7 @@ def execute_failed(engine: Engine, batch: Batch, exc: grpc.aio.AioRpcError) -> N
 
 def lose_executor(engine: Engine) -> None:
     """The executor is gone: everything it ran goes elsewhere; reconnect in the background."""
+    engine.abandon_in_flight()  # a batch launched ahead of the failed one is not awaited
     engine.healthy = False
     engine.deliver()  # tokens computed here reach their streams before any from elsewhere
     orphans.note_held(engine)

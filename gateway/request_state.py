@@ -21,6 +21,11 @@ from gateway.detokenizer import Detokenizer
 from gateway.sampling import SamplingOptions
 from gateway.step import ExecSampling
 
+# A sampled token whose value has not come back yet: it stands in the sequence's outputs
+# while the next batch is built on top of the batch sampling it (the executor fills it in
+# itself: use_sampled_token), and is replaced once that batch lands (Scheduler.fill).
+UNSAMPLED = -1
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"

@@ -8,7 +8,10 @@ One step is three calls, made by the engine in this order:
     sampled = scheduler.apply_result(batch, r)  # executor's answer -> (sequence, token) pairs
 
 Pipelined, step k+1 is planned while batch k executes (`launch` marks it), so the calls
-interleave: schedule(k+1), apply_result(k), apply_outcome(k+1), launch(k+1).
+interleave: schedule(k+1), apply_result(k), apply_outcome(k+1), launch(k+1). With sampled
+tokens (the executor uses its own), batch k+1 goes out before batch k returns: apply_result
+splits into `advance` (counts; UNSAMPLED stand-ins for the tokens) and `fill` (the values):
+schedule(k+1), advance(k), apply_outcome(k+1), launch(k+1), fill(k).
 
 The first is planned in step_plan.py, the second applied in step_outcome.py; this module owns
 the state they work on and the lifecycle of sequences (add, finish, abort, fork, evict).
@@ -20,10 +23,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import islice
 
 from gateway.batch import Batch, Budget, Pending, ScheduledStep
-from gateway.request_state import SeqStatus, Sequence
+from gateway.request_state import UNSAMPLED, SeqStatus, Sequence
 from gateway.step import ExecuteResult, StepOutcome, TableDelta
 from gateway.step_outcome import apply_outcome
 from gateway.step_plan import plan_step
@@ -73,33 +75,41 @@ class Scheduler:
     def apply_result(self, batch: Batch, result: ExecuteResult) -> list[tuple[Sequence, int]]:
         """Advance computed counts; return the sampled (sequence, token) pairs: the compact
         decodes first (column order), then the other sequences in schedule order."""
-        sampled: list[tuple[Sequence, int]] = []
+        if batch.stand_ins is None:
+            self.advance(batch)
+        return self.fill(batch, result)
+
+    def advance(self, batch: Batch) -> None:
+        """The batch's computed counts, as if it had returned, with an UNSAMPLED stand-in for
+        each token it samples (`fill` puts the values in). This also lands it: the next batch
+        is built on top of it. A sequence finished while it executed is left alone."""
         executed = self.pending.executed
-        scheduled = batch.scheduled
-        # The compact decodes: one token computed and one sampled each, in column order.
-        # Each loop also lands its sequence (`land`, folded in: one pass over the batch). A
-        # sequence cancelled while its batch was executing is skipped.
-        decodes = islice(scheduled, batch.num_decodes)
-        for (seq, _), decoded in zip(decodes, result.decode_token_ids, strict=True):
-            seq.num_in_flight = 0
-            seq.samples_in_flight = False
-            if seq.status is SeqStatus.FINISHED:
-                continue
-            seq.num_computed_tokens += 1
-            executed[seq.seq_id] = seq.num_computed_tokens
-            seq.output_token_ids.append(decoded)
-            sampled.append((seq, decoded))
-        tokens = {t.request_id: t.token_id for t in result.tokens}
-        for seq, num in islice(scheduled, batch.num_decodes, None):
+        stand_ins: list[tuple[Sequence, int, int]] = []
+        num_decodes, works = batch.num_decodes, batch.call.seqs
+        for row, (seq, num) in enumerate(batch.scheduled):
             seq.num_in_flight = 0
             seq.samples_in_flight = False
             if seq.status is SeqStatus.FINISHED:
                 continue
             seq.num_computed_tokens += num
             executed[seq.seq_id] = seq.num_computed_tokens
-            token = tokens.get(seq.seq_id)
-            if token is not None:
-                seq.output_token_ids.append(token)
+            if row < num_decodes or works[row - num_decodes].sample:
+                outputs = seq.output_token_ids
+                stand_ins.append((seq, len(outputs), row))
+                outputs.append(UNSAMPLED)
+        batch.stand_ins = stand_ins
+
+    def fill(self, batch: Batch, result: ExecuteResult) -> list[tuple[Sequence, int]]:
+        """Put the sampled values in place of the advanced batch's stand-ins; the (sequence,
+        token) pairs in batch order, but for sequences that finished since."""
+        assert batch.stand_ins is not None, "fill before advance"
+        decoded, num_decodes = result.decode_token_ids, batch.num_decodes
+        tokens = {t.request_id: t.token_id for t in result.tokens} if result.tokens else {}
+        sampled: list[tuple[Sequence, int]] = []
+        for seq, index, row in batch.stand_ins:
+            token = decoded[row] if row < num_decodes else tokens[seq.seq_id]
+            seq.output_token_ids[index] = token
+            if seq.status is not SeqStatus.FINISHED:
                 sampled.append((seq, token))
         return sampled
 
@@ -112,10 +122,17 @@ class Scheduler:
             )
 
     def land(self, batch: Batch) -> None:
-        """The batch is no longer executing (it failed; apply_result does this itself)."""
-        for seq, _ in batch.scheduled:
-            seq.num_in_flight = 0
-            seq.samples_in_flight = False
+        """The batch failed: it is no longer executing, and an advanced one's stand-ins are
+        taken out (its sequences are failed or evicted next, so its counts do not matter)."""
+        if batch.stand_ins is None:
+            for seq, _ in batch.scheduled:
+                seq.num_in_flight = 0
+                seq.samples_in_flight = False
+            return
+        for seq, index, _ in batch.stand_ins:
+            if seq.output_token_ids[index:] == [UNSAMPLED]:
+                del seq.output_token_ids[index]
+        batch.stand_ins = []
 
     def ready_to_fork(self, batch: Batch) -> list[Sequence]:
         """Prefill parents (n > 1) whose shared prompt is now computed."""

@@ -34,6 +34,7 @@ class GatewaySettings:
     execute_timeout_s: float
     stats_every_steps: int
     pipeline_steps: bool
+    launch_ahead: bool
     log_json: bool
     log_level: str
 
@@ -108,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="send each step's allocator Step while the previous step's Execute runs "
         "(true/false); false: one call after the other",
     )
+    add_flag(
+        parser, "--launch-ahead", type=parse_bool, default=True,
+        help="pipelined, send each Execute before the previous one returns, its decode tokens "
+        "being the ones the executor sampled itself (true/false; only with an executor whose "
+        "Describe reports uses_sampled_tokens); false: each Execute waits for the one before",
+    )
     add_flag(parser, "--log-json", action="store_true", help="JSON logs (containers)")
     add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
     return parser
@@ -137,6 +144,7 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             execute_timeout_s=args.execute_timeout_s,
             stats_every_steps=args.stats_every_steps,
             pipeline_steps=args.pipeline_steps,
+            launch_ahead=args.launch_ahead,
             log_json=args.log_json,
             log_level=args.log_level,
         )

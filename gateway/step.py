@@ -122,6 +122,9 @@ class SeqWork:
     delta: TableDelta | None
     sample: bool
     sampling: ExecSampling | None  # only on the sequence's first Execute
+    # token_ids[0] is the token the executor sampled for it in the batch before, not landed
+    # yet (sent as 0): the executor's contract, use_sampled_token.
+    use_sampled_token: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +140,9 @@ class ExecuteCall:
     decode_request_ids: tuple[str, ...] = ()
     decode_token_ids: tuple[int, ...] = ()
     decode_positions: tuple[int, ...] = ()
+    # Empty, or per row: its token is the one the executor sampled in the batch before (the
+    # column's value is 0), as SeqWork.use_sampled_token.
+    decode_use_sampled_token: tuple[bool, ...] = ()
 
     def is_empty(self) -> bool:
         return not (

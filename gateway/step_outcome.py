@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.batch import Batch, ScheduledStep
-from gateway.request_state import SeqStatus, Sequence
+from gateway.request_state import UNSAMPLED, SeqStatus, Sequence
 from gateway.step import ExecuteCall, SeqWork, StepCall, StepItem, StepOutcome, TableDelta
 
 if TYPE_CHECKING:
@@ -110,6 +110,7 @@ def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -
         decode_request_ids=tuple(decodes.request_ids),
         decode_token_ids=tuple(decodes.token_ids),
         decode_positions=tuple(decodes.positions),
+        decode_use_sampled_token=tuple(decodes.use_sampled) if decodes.num_unsampled else (),
     )
     sched.pending.release_ids.clear()
     return Batch(call=call, scheduled=[*decodes.scheduled, *scheduled],
@@ -138,12 +139,18 @@ class _DecodeColumns:
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
+    use_sampled: list[bool] = field(default_factory=list)
+    num_unsampled: int = 0
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
 
     def add(self, seq: Sequence, start: int) -> None:
+        token = seq.last_token_id
+        unsampled = token == UNSAMPLED  # the executor has it: the batch before sampled it
         self.request_ids.append(seq.seq_id)
-        self.token_ids.append(seq.last_token_id)
+        self.token_ids.append(0 if unsampled else token)
         self.positions.append(start)
+        self.use_sampled.append(unsampled)
+        self.num_unsampled += unsampled
         self.scheduled.append((seq, 1))
 
 
@@ -197,13 +204,19 @@ def _apply_preemptions(
 def _seq_work(seq: Sequence, start: int, num: int, delta: TableDelta | None) -> SeqWork:
     first = not seq.known_to_executor
     seq.known_to_executor = True
+    token_ids = seq.token_slice(start, start + num)
+    # A stand-in is the sequence's last token, so it can only open the row.
+    unsampled = token_ids[0] == UNSAMPLED
+    assert not first or not unsampled, f"{seq.seq_id}: a stand-in sent to a new executor"
+    assert UNSAMPLED not in token_ids[1:], f"{seq.seq_id}: a stand-in inside a row"
     return SeqWork(
         request_id=seq.seq_id,
-        token_ids=tuple(seq.token_slice(start, start + num)),
+        token_ids=(0, *token_ids[1:]) if unsampled else tuple(token_ids),
         start_position=start,
         delta=TableDelta(0, tuple(seq.block_table)) if first else delta,
         sample=not seq.is_prefill_parent and start + num == seq.num_tokens,
         sampling=seq.exec_sampling() if first else None,
+        use_sampled_token=unsampled,
     )
 
 

@@ -23,7 +23,7 @@ from allocator_svc.core import step as core_step
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pipeline import Pipelined
 from allocator_svc.core.pool import Pool, PoolConfig
-from common.errors import ServiceError
+from common.errors import FailedPrecondition, InvalidArgument, ServiceError
 from gateway import allocator_client
 from gateway.step import (
     BlockCopy,
@@ -149,6 +149,7 @@ class Held:
 
     num_tokens: int
     table: list[int] = field(default_factory=list)
+    sampled: int | None = None  # the last step's sampled token, until a step uses it
 
 
 @dataclass(slots=True)
@@ -183,6 +184,7 @@ class FakeModel:
         return [t for t in tokens if t is not None]
 
     def execute(self, call: ExecuteCall) -> ExecuteResult:
+        self._check(call)
         # The executor's order: releases, swap out, swap in, copies, then the forward pass.
         for request_id in call.release_request_ids:  # unknown ids are ignored (the contract)
             self.held.pop(request_id, None)
@@ -193,15 +195,36 @@ class FakeModel:
             self.gpu[c.dst_block_id] = list(self.cpu.pop(c.src_block_id))
         for c in call.copies:
             self.gpu[c.dst_block_id] = list(self._block(c.src_block_id))
+        use_sampled = call.decode_use_sampled_token or (False,) * len(call.decode_request_ids)
         decode_tokens = [
-            self._run(SeqWork(rid, (token,), position, None, True, None))
-            for rid, token, position in zip(call.decode_request_ids, call.decode_token_ids,
-                                            call.decode_positions, strict=True)
+            self._run(SeqWork(rid, (token,), position, None, True, None, chained))
+            for rid, token, position, chained in zip(
+                call.decode_request_ids, call.decode_token_ids, call.decode_positions,
+                use_sampled, strict=True,
+            )
         ]
         sampled = [Sampled(seq.request_id, token) for seq in call.seqs
                    if (token := self._run(seq)) is not None]
         return ExecuteResult(tokens=tuple(sampled), compute_ms=0.0,
                              decode_token_ids=tuple(t for t in decode_tokens if t is not None))
+
+    def _check(self, call: ExecuteCall) -> None:
+        """What the executor rejects before it changes anything, as the status it sends: a
+        row that does not continue what it holds, or uses a sampled token it does not have
+        (a batch launched ahead of one that was rejected)."""
+        gone = set(call.release_request_ids)
+        rows = [(rid, position, chained) for rid, position, chained in zip(
+            call.decode_request_ids, call.decode_positions,
+            call.decode_use_sampled_token or (False,) * len(call.decode_request_ids),
+            strict=True)]
+        rows += [(s.request_id, s.start_position, s.use_sampled_token) for s in call.seqs
+                 if s.sampling is None]
+        for request_id, position, chained in rows:
+            held = None if request_id in gone else self.held.get(request_id)
+            if held is None or held.num_tokens != position:
+                raise rpc_error(InvalidArgument(f"{request_id}: start_position {position}"))
+            if chained and held.sampled is None:
+                raise rpc_error(FailedPrecondition(f"{request_id}: no sampled token"))
 
     def _run(self, seq: SeqWork) -> int | None:
         """Write the sequence's tokens into its slots; its sampled token, if it samples."""
@@ -215,14 +238,20 @@ class FakeModel:
         assert seq.start_position == held.num_tokens, (
             f"{seq.request_id}: start {seq.start_position}, executor holds {held.num_tokens}"
         )
+        token_ids = seq.token_ids
+        if seq.use_sampled_token:
+            assert held.sampled is not None, f"{seq.request_id}: no sampled token to use"
+            assert token_ids[0] == 0, f"{seq.request_id}: a stand-in sent as {token_ids[0]}"
+            token_ids = (held.sampled, *token_ids[1:])
         if seq.delta is not None:
             seq.delta.apply(held.table)
-        end = seq.start_position + len(seq.token_ids)
+        end = seq.start_position + len(token_ids)
         assert len(held.table) * bs >= end, f"{seq.request_id}: table too short"
-        for position, token in enumerate(seq.token_ids, start=seq.start_position):
+        for position, token in enumerate(token_ids, start=seq.start_position):
             self._block(held.table[position // bs])[position % bs] = token
         held.num_tokens = end
-        return self.next_token(self._read(held)) if seq.sample else None
+        held.sampled = self.next_token(self._read(held)) if seq.sample else None
+        return held.sampled
 
     def reference(self, prompt: list[int], max_tokens: int) -> list[int]:
         tokens = list(prompt)

@@ -321,6 +321,31 @@ def test_an_executor_ignoring_the_compact_decode_columns_fails_the_step_cleanly(
     assert held == [] and healthy
 
 
+class ExecutorDroppingSampledTokens(StallingExecutor):
+    """Answers Execute with a token for each compact decode but none for the sequences of
+    `seqs` that sample (the prefill): it breaks the contract."""
+
+    async def Execute(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return epb.ExecuteResponse(
+            decode_sampled_token_ids=[5] * len(request.decode_request_ids),
+            num_tokens=sum(len(s.token_ids) for s in request.seqs),
+        )
+
+
+def test_an_executor_returning_no_token_for_a_sampling_sequence_fails_the_step_cleanly(
+    tokenizer: Tokenizer,
+):
+    # The prefill samples, and no token comes back for it: the request fails with a status
+    # saying so (the step counts as rejected), nothing leaks, the engine keeps serving.
+    deltas, held, healthy = asyncio.run(
+        one_request_against(ExecutorDroppingSampledTokens(), tokenizer)
+    )
+    error = deltas[-1].error
+    assert error is not None and error.code is grpc.StatusCode.UNAVAILABLE
+    assert "INTERNAL" in str(error) and not [t for d in deltas for t in d.token_ids]
+    assert held == [] and healthy
+
+
 def test_orphans_the_allocator_refuses_to_abort_are_given_up_and_the_engine_goes_on(
     tokenizer: Tokenizer,
 ):

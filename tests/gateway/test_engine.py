@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -38,6 +39,9 @@ class FakeLink:
     # at the first call `crash_when` accepts.
     crash_at: str = ""
     crash_when: Callable[[Any], bool] = lambda call: True
+    # What the engine reads of the executor's Describe: FakeModel uses its sampled tokens.
+    description: Any = field(default_factory=lambda: SimpleNamespace(uses_sampled_tokens=True))
+    executor_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def take_lease_renewal(self) -> bool:
         return False
@@ -56,6 +60,12 @@ class FakeLink:
 
     async def execute(self, call: ExecuteCall) -> ExecuteResult:
         self._maybe_crash("before_execute", call)
+        # As an executor runs them: one at a time, in the order they arrive.
+        async with self.executor_lock:
+            return await self.compute(call)
+
+    async def compute(self, call: ExecuteCall) -> ExecuteResult:
+        """One Execute (tests replace it to make it slow or fail)."""
         self.released += call.release_request_ids
         return self.model.execute(call)
 
@@ -87,23 +97,25 @@ def tokenizer() -> Tokenizer:
 
 
 def engine(
-    tokenizer: Tokenizer, num_blocks: int, tokens: int = 16, pipeline: bool = True
+    tokenizer: Tokenizer, num_blocks: int, tokens: int = 16, pipeline: str = "ahead"
 ) -> tuple[Engine, FakeLink]:
-    """An engine on the real allocator core and a fake model. `pipeline` (the default, as
-    in the gateway): each Step goes out while the previous Execute is in flight, which
-    lands in the next step, so a test stepping it by hand runs it in one event loop."""
+    """An engine on the real allocator core and a fake model. `pipeline`: "pipelined", each
+    Step goes out while the previous Execute is in flight, which lands in the next step, so
+    a test stepping it by hand runs it in one event loop; "ahead" (the default, as in the
+    gateway), also each Execute goes out before the previous one lands; "sequential"."""
     link = FakeLink(CorePool(num_blocks, BLOCK), FakeModel(BLOCK))
     eng = Engine(
         link=link,  # type: ignore[arg-type]
         scheduler=Scheduler(Budget(max_num_seqs=8, max_num_batched_tokens=tokens), BLOCK),
         output=OutputProcessor(tokenizer, frozenset({2}), max_model_len=256),
         on_lost=lambda seqs: None,
-        pipeline=pipeline,
+        pipeline=pipeline != "sequential",
+        launch_ahead=pipeline == "ahead",
     )
     return eng, link
 
 
-PIPELINE = pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
+PIPELINE = pytest.mark.parametrize("pipeline", ["ahead", "pipelined", "sequential"])
 
 
 def submit(eng: Engine, rid: str, prompt: list[int], max_tokens: int, n: int = 1) -> Request:
@@ -131,7 +143,7 @@ async def run_until_idle(eng: Engine, max_steps: int = 2000) -> None:
 
 @PIPELINE
 def test_engine_streams_reference_tokens_and_frees_everything(
-    tokenizer: Tokenizer, pipeline: bool
+    tokenizer: Tokenizer, pipeline: str
 ):
     # 4 requests on 12 blocks of 4 tokens: preemption, then the exact reference outputs,
     # one delta per token, a final LENGTH with usage; all blocks back, nothing held.
@@ -151,7 +163,7 @@ def test_engine_streams_reference_tokens_and_frees_everything(
 @pytest.mark.parametrize("num_cpu_blocks", [0, 16])
 @PIPELINE
 def test_engine_fork_and_swap_preemption_give_reference_outputs(
-    tokenizer: Tokenizer, num_cpu_blocks: int, pipeline: bool
+    tokenizer: Tokenizer, num_cpu_blocks: int, pipeline: str
 ):
     # n=3 next to two plain requests on 8 blocks, swap mode: the children share the prompt
     # (copy-on-write), requests are swapped out (or recomputed without CPU blocks); every
@@ -173,7 +185,7 @@ def test_engine_fork_and_swap_preemption_give_reference_outputs(
 
 
 @PIPELINE
-def test_engine_cancellation_aborts_and_releases(tokenizer: Tokenizer, pipeline: bool):
+def test_engine_cancellation_aborts_and_releases(tokenizer: Tokenizer, pipeline: str):
     # A request cancelled mid-stream: aborted at the allocator, released at the executor.
     eng, link = engine(tokenizer, num_blocks=64, pipeline=pipeline)
     req = submit(eng, "c", [7] * 9, max_tokens=100)
@@ -192,7 +204,7 @@ def test_engine_cancellation_aborts_and_releases(tokenizer: Tokenizer, pipeline:
 
 @PIPELINE
 def test_engine_preempted_request_is_released_before_readmission(
-    tokenizer: Tokenizer, pipeline: bool
+    tokenizer: Tokenizer, pipeline: str
 ):
     # 6 blocks for two 20-token requests, whole prompts per step: the preempted one is
     # released at the executor before it is created again (the fake refuses a second
@@ -209,23 +221,23 @@ def test_engine_preempted_request_is_released_before_readmission(
 def test_engine_fails_sequences_of_a_rejected_step(tokenizer: Tokenizer):
     # The executor rejects a step (INVALID_ARGUMENT): that request fails with UNAVAILABLE,
     # its blocks are aborted, the engine keeps serving the next request.
-    eng, link = engine(tokenizer, num_blocks=64, pipeline=False)
+    eng, link = engine(tokenizer, num_blocks=64, pipeline="sequential")
     req = submit(eng, "bad", [9] * 5, max_tokens=4)
 
     class Rejected(grpc.aio.AioRpcError):
         def __init__(self) -> None:
             super().__init__(grpc.StatusCode.INVALID_ARGUMENT, None, None, "no")
 
-    original = link.execute
+    original = link.compute
 
     async def reject(call: ExecuteCall) -> ExecuteResult:
         raise Rejected()
 
-    link.execute = reject  # type: ignore[method-assign]
+    link.compute = reject  # type: ignore[method-assign]
     asyncio.run(eng.step())
     (delta,) = drain(req)
     assert delta.error is not None and "rejected" in str(delta.error)
-    link.execute = original  # type: ignore[method-assign]
+    link.compute = original  # type: ignore[method-assign]
     ok = submit(eng, "ok", [9] * 5, max_tokens=4)
     asyncio.run(run_until_idle(eng))
     assert [t for d in drain(ok) for t in d.token_ids] == link.model.reference([9] * 5, 4)
@@ -264,7 +276,7 @@ CRASHES = {
 @pytest.mark.parametrize("where", list(CRASHES))
 @PIPELINE
 def test_engine_bug_mid_step_fails_requests_and_leaks_nothing(
-    tokenizer: Tokenizer, where: str, pipeline: bool
+    tokenizer: Tokenizer, where: str, pipeline: str
 ):
     # A gateway bug interrupts a step at `where`: the open requests fail with INTERNAL,
     # every block is back at the allocator and the executor holds nothing.
@@ -285,7 +297,7 @@ def test_engine_bug_mid_step_fails_requests_and_leaks_nothing(
 @pytest.mark.parametrize("by", ["stop_string", "stop_token_id"])
 @PIPELINE
 def test_engine_stops_exactly_at_the_stop_string_or_stop_token(
-    tokenizer: Tokenizer, by: str, pipeline: bool
+    tokenizer: Tokenizer, by: str, pipeline: str
 ):
     # The completion ends exactly at the token that completes the stop string (or is the
     # stop token id), reports STOP with its usage, and everything is given back.
@@ -362,7 +374,7 @@ def test_a_release_the_executor_refuses_waits_for_the_next_execute(tokenizer: To
 
 @PIPELINE
 def test_engine_streams_a_steps_outputs_while_the_next_execute_runs(
-    tokenizer: Tokenizer, pipeline: bool
+    tokenizer: Tokenizer, pipeline: str
 ):
     # Step k's deltas are not in the stream when Execute k+1 starts; they are while it is
     # still computing (after the executor's head start); the last step's go once the
@@ -372,7 +384,7 @@ def test_engine_streams_a_steps_outputs_while_the_next_execute_runs(
     req = submit(eng, "o", [5] * 6, max_tokens=4)
     seen_at_start: list[int] = []
     seen_while_running: list[int] = []
-    original = link.execute
+    original = link.compute
 
     async def slow_execute(call: ExecuteCall) -> ExecuteResult:
         seen_at_start.append(req.outputs.qsize())
@@ -380,7 +392,7 @@ def test_engine_streams_a_steps_outputs_while_the_next_execute_runs(
         seen_while_running.append(req.outputs.qsize())
         return await original(call)
 
-    link.execute = slow_execute  # type: ignore[method-assign]
+    link.compute = slow_execute  # type: ignore[method-assign]
     asyncio.run(run_until_idle(eng))
     # One token per Execute (the prompt fits one step): Execute k sees k-1 deltas queued
     # only once it has been running a while.
@@ -393,7 +405,7 @@ def test_engine_streams_a_steps_outputs_while_the_next_execute_runs(
 
 def test_engine_delivers_a_quiet_steps_outputs_at_once(tokenizer: Tokenizer):
     # Fewer deltas than HeldOutputs.min_to_hold (16): in the stream as the step returns.
-    eng, link = engine(tokenizer, num_blocks=64, tokens=64, pipeline=False)
+    eng, link = engine(tokenizer, num_blocks=64, tokens=64, pipeline="sequential")
     reqs = [submit(eng, f"q{i}", [5 + i] * 6, max_tokens=4) for i in range(3)]
     asyncio.run(eng.step())
     assert [r.outputs.qsize() for r in reqs] == [1, 1, 1]
@@ -403,7 +415,7 @@ def test_engine_delivers_a_quiet_steps_outputs_at_once(tokenizer: Tokenizer):
 def test_engine_holds_outputs_for_the_hot_path_only(tokenizer: Tokenizer):
     # Held deltas count as work (an idle engine delivers them); they go before a Free or
     # Release is sent, and once a Step takes longer than STEP_HOLD_LIMIT_S.
-    eng, link = engine(tokenizer, num_blocks=64, pipeline=False)
+    eng, link = engine(tokenizer, num_blocks=64, pipeline="sequential")
     eng.held.min_to_hold = 1
     req = submit(eng, "h", [5] * 6, max_tokens=3)
     queued_at: dict[str, list[int]] = {"free": [], "release": [], "slow_step_return": []}
@@ -447,7 +459,7 @@ def test_engine_holds_outputs_for_the_hot_path_only(tokenizer: Tokenizer):
 def test_engine_delivers_held_outputs_before_any_call_off_the_hot_path(tokenizer: Tokenizer):
     # A Fork, an orphan abort and a lone Release find the held deltas already in their
     # streams; so does an error reported with Engine.fail.
-    eng, link = engine(tokenizer, num_blocks=64, tokens=64, pipeline=False)
+    eng, link = engine(tokenizer, num_blocks=64, tokens=64, pipeline="sequential")
     eng.held.min_to_hold = 1
     a = submit(eng, "a", [5] * 6, max_tokens=3)
     submit(eng, "p", [7] * 6, max_tokens=3, n=2)
@@ -502,7 +514,7 @@ def test_engine_delivers_held_outputs_before_any_call_off_the_hot_path(tokenizer
 
 @PIPELINE
 def test_engine_streams_held_outputs_before_a_failed_steps_error(
-    tokenizer: Tokenizer, pipeline: bool
+    tokenizer: Tokenizer, pipeline: str
 ):
     # The allocator rejects Step k+1 while step k's tokens are held: they still reach the
     # client, before the error; nothing leaks.
@@ -530,7 +542,7 @@ def test_engine_streams_held_outputs_before_pausing_for_a_lost_allocator(
 ):
     # The allocator does not answer Step k+1: step k's tokens reach the client before the
     # engine pauses and retries (they do not wait out the outage).
-    eng, link = engine(tokenizer, num_blocks=64, pipeline=False)
+    eng, link = engine(tokenizer, num_blocks=64, pipeline="sequential")
     eng.held.min_to_hold = 1
     req = submit(eng, "u", [9] * 5, max_tokens=8)
     original = link.step
@@ -558,12 +570,12 @@ def test_engine_streams_held_outputs_before_moving_requests_elsewhere(tokenizer:
     # The executor is lost mid-run: the tokens it computed reach the stream before the
     # requests are handed on (another executor continues after them), whether the loss
     # shows on an Execute or anywhere else (recovery.lose_executor itself).
-    eng, link = engine(tokenizer, num_blocks=64, pipeline=False)
+    eng, link = engine(tokenizer, num_blocks=64, pipeline="sequential")
     eng.held.min_to_hold = 1
     req = submit(eng, "m", [6] * 5, max_tokens=8)
     handed_on: list[tuple[int, int]] = []
     eng.on_lost = lambda seqs: handed_on.append((len(seqs), req.outputs.qsize()))
-    original = link.execute
+    original = link.compute
     calls = 0
 
     async def lost_third(call: ExecuteCall) -> ExecuteResult:
@@ -573,13 +585,13 @@ def test_engine_streams_held_outputs_before_moving_requests_elsewhere(tokenizer:
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "gone")
         return await original(call)
 
-    link.execute = lost_third  # type: ignore[method-assign]
+    link.compute = lost_third  # type: ignore[method-assign]
     for _ in range(3):
         asyncio.run(eng.step())
     assert handed_on == [(1, 2)]
     assert [t for d in drain(req) for t in d.token_ids] == link.model.reference([6] * 5, 2)
 
-    eng2, _ = engine(tokenizer, num_blocks=64, pipeline=False)
+    eng2, _ = engine(tokenizer, num_blocks=64, pipeline="sequential")
     eng2.held.min_to_hold = 1
     req2 = submit(eng2, "m2", [6] * 5, max_tokens=8)
     asyncio.run(eng2.step())

@@ -6,6 +6,7 @@ core and a fake model (in_process.py) whose Execute takes a while, in one event 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -26,7 +27,7 @@ def slow_executor(link: FakeLink, fail_call: int = 0, code: grpc.StatusCode | No
     """Each Execute takes 10 ms; call number `fail_call` fails with `code`. Returns a live
     view: whether an Execute is running, and how many were made."""
     state: dict[str, object] = {"executing": False, "calls": 0}
-    original = link.execute
+    original = link.compute
 
     async def execute(call: ExecuteCall) -> ExecuteResult:
         state["calls"] = number = int(state["calls"]) + 1  # type: ignore[call-overload]
@@ -42,7 +43,7 @@ def slow_executor(link: FakeLink, fail_call: int = 0, code: grpc.StatusCode | No
         finally:
             state["executing"] = False
 
-    link.execute = execute  # type: ignore[method-assign]
+    link.compute = execute  # type: ignore[method-assign]
     return state
 
 
@@ -109,7 +110,7 @@ def test_an_executor_lost_while_the_next_step_was_out_hands_its_requests_on(
     async def until_lost() -> None:
         while eng.healthy:
             await eng.step()
-        assert eng.in_flight is None
+        assert not eng.in_flight
         await recovery.abort_orphans(eng)
 
     asyncio.run(until_lost())
@@ -185,16 +186,16 @@ def test_a_batch_abandoned_by_a_gateway_bug_has_its_releases_sent_again(tokenize
         eng.scheduler.pending.release_ids.append("gone")
         submit(eng, "a", [9] * 5, max_tokens=8)
         await eng.step()  # the Execute carrying the release of "gone" is out
-        assert eng.in_flight is not None and not eng.scheduler.pending.release_ids
+        assert eng.in_flight and not eng.scheduler.pending.release_ids
         eng.abandon_in_flight()
 
     asyncio.run(scenario())
     assert eng.scheduler.pending.release_ids == ["gone"]
 
 
-@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
+@pytest.mark.parametrize("pipeline", ["ahead", "pipelined", "sequential"])
 def test_a_rejected_batch_fails_the_requests_it_was_swapping_out(
-    tokenizer: Tokenizer, pipeline: bool
+    tokenizer: Tokenizer, pipeline: str
 ):
     # Swap mode on a small pool: the first Execute that carries swap-out copies is
     # rejected, so those copies never run. The requests it swapped out fail with
@@ -206,7 +207,7 @@ def test_a_rejected_batch_fails_the_requests_it_was_swapping_out(
     prompts = {f"s{i}": [6 + i] * 7 for i in range(3)}
     reqs = {rid: submit(eng, rid, prompt, max_tokens=12) for rid, prompt in prompts.items()}
     in_rejected_call: set[str] = set()
-    original = link.execute
+    original = link.compute
 
     async def reject_first_swap(call: ExecuteCall) -> ExecuteResult:
         if call.swap_out and not in_rejected_call:
@@ -215,7 +216,7 @@ def test_a_rejected_batch_fails_the_requests_it_was_swapping_out(
                                        grpc.aio.Metadata(), "no")
         return await original(call)
 
-    link.execute = reject_first_swap  # type: ignore[method-assign]
+    link.compute = reject_first_swap  # type: ignore[method-assign]
     asyncio.run(run_until_idle(eng))
     assert in_rejected_call, "no swap happened"
     failed = set()
@@ -281,9 +282,9 @@ def test_a_refused_call_leaves_the_next_step_confirming_nothing(tokenizer: Token
     assert pending.abort_ids == ["a"]
 
 
-@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sequential"])
+@pytest.mark.parametrize("pipeline", ["ahead", "pipelined", "sequential"])
 def test_a_request_id_reused_right_after_it_finished_is_served(
-    tokenizer: Tokenizer, pipeline: bool
+    tokenizer: Tokenizer, pipeline: str
 ):
     # The client sends a new request under the id of one that has just finished, before
     # the engine has freed the old one: the next Step frees it and admits the new one
@@ -305,4 +306,73 @@ def test_a_request_id_reused_right_after_it_finished_is_served(
     assert not [d for d in deltas if d.error is not None]
     assert [t for d in deltas for t in d.token_ids] == link.model.reference([8] * 5, 3)
     assert [t for d in drain(other) for t in d.token_ids] == link.model.reference([6] * 5, 12)
+    assert link.pool.all_free() and not link.model.held
+
+
+def record_launches(link: FakeLink) -> list[tuple[int, int]]:
+    """Per Execute, in order: how many were out when it went (itself included), and how
+    many of its rows stood for a token the executor sampled (use_sampled_token)."""
+    launches: list[tuple[int, int]] = []
+    out = 0
+    original = link.execute
+
+    async def execute(call: ExecuteCall) -> ExecuteResult:
+        nonlocal out
+        out += 1
+        used = sum(call.decode_use_sampled_token) + sum(s.use_sampled_token for s in call.seqs)
+        launches.append((out, used))
+        try:
+            return await original(call)
+        finally:
+            out -= 1
+
+    link.execute = execute  # type: ignore[method-assign]
+    return launches
+
+
+@pytest.mark.parametrize("uses_sampled_tokens", [True, False])
+def test_an_execute_goes_out_before_the_previous_returns_if_the_executor_fills_tokens_in(
+    tokenizer: Tokenizer, uses_sampled_tokens: bool
+):
+    # With an executor that uses its sampled tokens, each decode Execute goes out while the
+    # one before is still executing, its rows standing for the tokens that one samples; with
+    # one that does not (Describe), one Execute at a time. The same tokens either way.
+    eng, link = engine(tokenizer, num_blocks=64, tokens=64)
+    link.description = SimpleNamespace(uses_sampled_tokens=uses_sampled_tokens)
+    reqs = [submit(eng, f"r{i}", [5 + i] * (4 + i), max_tokens=6) for i in range(3)]
+    slow_executor(link)
+    launches = record_launches(link)
+    asyncio.run(run_until_idle(eng))
+    for i, req in enumerate(reqs):
+        assert [t for d in drain(req) for t in d.token_ids] == link.model.reference(
+            [5 + i] * (4 + i), 6)
+    assert len(launches) == 6  # the prefill, then five decodes
+    if uses_sampled_tokens:
+        assert launches == [(1, 0)] + [(2, 3)] * 5
+    else:
+        assert launches == [(1, 0)] * 6
+    assert link.pool.all_free() and not link.model.held
+
+
+def test_after_a_rejected_batch_the_one_launched_ahead_lands_before_the_next_goes(
+    tokenizer: Tokenizer,
+):
+    # The third Execute is rejected while the fourth, built on the tokens it samples, is out:
+    # the executor rejects that one too (it names a's sampled token), and the fifth waits for
+    # it to land instead of building on it. a fails with UNAVAILABLE after its two tokens; b,
+    # which arrives meanwhile, is served; nothing is held.
+    eng, link = engine(tokenizer, num_blocks=64, tokens=64)
+    a = submit(eng, "a", [9] * 5, max_tokens=8)
+    late: list[Request] = []
+    slow_executor(link, fail_call=3, code=grpc.StatusCode.INVALID_ARGUMENT,
+                  on_call={3: lambda: late.append(submit(eng, "b", [8] * 5, max_tokens=4))})
+    launches = record_launches(link)
+    asyncio.run(run_until_idle(eng))
+    deltas = drain(a)
+    assert [t for d in deltas for t in d.token_ids] == link.model.reference([9] * 5, 2)
+    assert deltas[-1].error is not None and deltas[-1].error.code is grpc.StatusCode.UNAVAILABLE
+    assert [t for d in drain(late[0]) for t in d.token_ids] == link.model.reference([8] * 5, 4)
+    assert [n for n, _ in launches[:5]] == [1, 2, 2, 2, 1]
+    assert launches[3][1] == 1  # the fourth stood for a's token from the rejected third
+    assert len(launches) > 5 and launches[5][0] == 2  # then ahead again
     assert link.pool.all_free() and not link.model.held

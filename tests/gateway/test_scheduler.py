@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import pytest
@@ -39,18 +40,19 @@ def add(sched: Scheduler, req: Request) -> list[Sequence]:
 def drive(
     sched: Scheduler, pool: CorePool, model: FakeModel, max_steps: int = 5000,
     pipelined: bool = False, stops: Callable[[int], bool] = lambda token: False,
+    ahead: bool = False,
 ) -> int:
     """Run every queued sequence to max_tokens (or a token `stops` accepts); returns the
     number of steps. `pipelined`: the engine's order, each Step planned and sent while the
     previous batch is in flight, which executes only after that Step (its writes land after
-    the Step's frees and preemptions, as on a real executor)."""
+    the Step's frees and preemptions, as on a real executor). `ahead` (pipelined): also each
+    batch is built and launched before the previous one lands, with stand-ins for the
+    tokens it samples, which the model fills in (use_sampled_token)."""
     steps = 0
-    in_flight = None
+    flights: deque[Batch] = deque()
 
     def land() -> list[tuple[Sequence, int]]:
-        nonlocal in_flight
-        batch, in_flight = in_flight, None
-        assert batch is not None
+        batch = flights.popleft()
         return sched.apply_result(batch, model.execute(batch.call))
 
     def take_outputs(sampled: list[tuple[Sequence, int]]) -> None:
@@ -61,23 +63,30 @@ def drive(
                 sched.finish(seq)
 
     while True:
-        plan = sched.schedule(in_flight is not None)
+        plan = sched.schedule(bool(flights))
         if plan is None or not plan.call.has_items():
-            if in_flight is not None:
+            while flights:
                 take_outputs(land())
             if plan is None:
-                if in_flight is None and not sched.pending.has_allocator_work():
+                if not sched.pending.has_allocator_work():
                     break
                 continue
         steps += 1
         assert steps < max_steps, "no progress"
         outcome = pool.step(plan.call)
-        sampled = land() if in_flight is not None else []
+        if ahead and flights:
+            sched.advance(flights[0])
+            batch = sched.apply_outcome(plan, outcome)
+            sched.launch(batch)
+            flights.append(batch)
+            take_outputs(land())  # the batch before, which its tokens fill in
+            continue
+        sampled = land() if flights else []
         if not plan.call.has_items():
             take_outputs(sampled)
             continue
-        in_flight = sched.apply_outcome(plan, outcome)
-        sched.launch(in_flight)
+        flights.append(sched.apply_outcome(plan, outcome))
+        sched.launch(flights[-1])
         take_outputs(sampled)  # the engine's order: after the next batch went out
         if not pipelined:
             take_outputs(land())
@@ -315,16 +324,16 @@ def test_scheduler_fork_replaces_parent_with_children_sharing_its_table():
     num_blocks=st.integers(min_value=5, max_value=24),
     budget=st.integers(min_value=1, max_value=20),
 )
-@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "sequential"])
+@pytest.mark.parametrize("mode", ["ahead", "pipelined", "sequential"])
 def test_scheduler_any_pool_and_budget_gives_reference_outputs(
-    prompts: list[int], max_tokens: int, num_blocks: int, budget: int, pipelined: bool
+    prompts: list[int], max_tokens: int, num_blocks: int, budget: int, mode: str
 ):
     # Whatever the pool size and token budget: same tokens, all blocks back, nothing held.
     sched = scheduler(seqs=4, tokens=budget)
     pool, model = CorePool(num_blocks, BLOCK), FakeModel(BLOCK)
     reqs = [request(f"r{i}", [(i * 7 + j) % 90 + 1 for j in range(p)], max_tokens=max_tokens)
             for i, p in enumerate(prompts)]
-    run_to_reference(sched, pool, model, reqs, max_tokens, pipelined)
+    run_to_reference(sched, pool, model, reqs, max_tokens, mode)
 
 
 def _stop_token(token: int) -> bool:
@@ -334,15 +343,16 @@ def _stop_token(token: int) -> bool:
 
 
 def run_to_reference(sched: Scheduler, pool: CorePool, model: FakeModel,
-                     reqs: list[Request], max_tokens: int, pipelined: bool = False) -> None:
+                     reqs: list[Request], max_tokens: int, mode: str = "sequential") -> None:
     """Drive every request that fits the pool alone (the gateway rejects the others up
     front): each gets the reference tokens (up to a stop token, when pipelined), and all
     blocks come back, nothing held."""
     num_blocks = pool.pool.config.num_blocks
     reqs = [r for r in reqs if -(-(len(r.prompt_token_ids) + max_tokens) // BLOCK) <= num_blocks]
     seqs = [add(sched, r)[0] for r in reqs]
+    pipelined = mode != "sequential"
     stops = _stop_token if pipelined else (lambda token: False)
-    drive(sched, pool, model, pipelined=pipelined, stops=stops)
+    drive(sched, pool, model, pipelined=pipelined, stops=stops, ahead=mode == "ahead")
     for r, seq in zip(reqs, seqs, strict=True):
         expected = model.reference(r.prompt_token_ids, max_tokens)
         ends = [i for i, token in enumerate(expected) if stops(token)]
@@ -361,10 +371,10 @@ def run_to_reference(sched: Scheduler, pool: CorePool, model: FakeModel,
     budget=st.integers(min_value=1, max_value=20),
     swap=st.booleans(),
 )
-@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "sequential"])
+@pytest.mark.parametrize("mode", ["ahead", "pipelined", "sequential"])
 def test_scheduler_shared_prefixes_and_swap_give_reference_outputs(
     prompts: list[int], shared: int, max_tokens: int, num_blocks: int, num_cpu_blocks: int,
-    budget: int, swap: bool, pipelined: bool,
+    budget: int, swap: bool, mode: str,
 ):
     # Prompts sharing a prefix (prefix-cache hits), recompute or swap preemption (with or
     # without CPU blocks), any budget: same tokens, all blocks back, nothing held.
@@ -375,7 +385,7 @@ def test_scheduler_shared_prefixes_and_swap_give_reference_outputs(
     reqs = [request(f"r{i}", prefix + [(i * 7 + j) % 90 + 1 for j in range(p)],
                     max_tokens=max_tokens)
             for i, p in enumerate(prompts)]
-    run_to_reference(sched, pool, model, reqs, max_tokens, pipelined)
+    run_to_reference(sched, pool, model, reqs, max_tokens, mode)
 
 
 @pytest.mark.parametrize("front", [True, False])

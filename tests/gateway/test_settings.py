@@ -46,3 +46,13 @@ def test_pipeline_steps_is_on_by_default_and_takes_only_a_boolean(
     with pytest.raises(SystemExit) as info:
         load_settings(["--pipeline-steps", "sometimes"])
     assert info.value.code == 2 and "--pipeline-steps" in capsys.readouterr().err
+
+
+def test_launch_ahead_is_on_by_default_and_takes_only_a_boolean(
+    capsys: pytest.CaptureFixture[str],
+):
+    assert load_settings([]).launch_ahead
+    assert not load_settings(["--launch-ahead", "false"]).launch_ahead
+    with pytest.raises(SystemExit) as info:
+        load_settings(["--launch-ahead", "maybe"])
+    assert info.value.code == 2 and "--launch-ahead" in capsys.readouterr().err
