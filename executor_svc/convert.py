@@ -72,7 +72,10 @@ def compact_decodes(msg: pb.ExecuteRequest) -> list[SequenceWork]:
 
 
 def step_from_proto(msg: pb.ExecuteRequest) -> StepRequest:
-    columns = msg.decode_request_ids or msg.decode_token_ids or msg.decode_positions
+    columns = (
+        msg.decode_request_ids or msg.decode_token_ids or msg.decode_positions
+        or msg.decode_use_sampled_token
+    )
     decodes = compact_decodes(msg) if columns else []
     return StepRequest(
         seqs=(*decodes, *(sequence_from_proto(s) for s in msg.seqs)),

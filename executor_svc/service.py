@@ -1,17 +1,21 @@
 """The gRPC servicer: decode the proto, call the runner, encode the answer.
 
-Steps (and Releases) run one at a time, in arrival order, in one worker thread, so the event
-loop keeps answering health checks and Describe while the model computes. A step that arrives
-while another computes (the gateway launches ahead) is decoded meanwhile and waits in the
-worker's queue: the worker starts it the moment the one before ends, with no hop through the
-event loop. Domain exceptions raised by the runner reach common.interceptor, which maps them
-to their status codes.
+Steps (and Releases) run one at a time, in the order they are queued, in one worker thread, so
+the event loop keeps answering health checks and Describe while the model computes. A step
+that arrives while another computes (the gateway launches ahead) is decoded meanwhile and
+waits in the worker's queue: the worker starts it the moment the one before ends, with no hop
+through the event loop. A step naming a `previous_step_id` not queued yet waits for it first
+(gRPC may deliver two calls out of order). Domain exceptions raised by the runner reach
+common.interceptor, which maps them to their status codes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import grpc
 
@@ -22,13 +26,16 @@ from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
+T = TypeVar("T")
 
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     def __init__(self, runner: ModelRunner) -> None:
         self._runner = runner
-        # One thread: the runner is not thread-safe, and its queue keeps arrival order.
+        # One thread: the runner is not thread-safe, and its queue keeps the order.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
+        self._queued_step_id = 0  # the highest step_id queued so far
+        self._step_queued = asyncio.Condition()
 
     async def Describe(  # noqa: N802 - gRPC method name
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
@@ -39,20 +46,29 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self, request: pb.ExecuteRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExecuteResponse:
         step = convert.step_from_proto(request)
-        # A cancelled RPC (client gone) drops its step if it has not started; one that has
-        # runs to its end in the worker, before anything queued behind it.
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self._worker, self._runner.execute, step)
-        return convert.result_to_proto(result, len(request.decode_request_ids))
+        previous = request.previous_step_id
+        if previous > self._queued_step_id:  # the step it builds on has not arrived yet
+            async with self._step_queued:
+                await self._step_queued.wait_for(lambda: self._queued_step_id >= previous)
+        # Queued now, before any other await. A cancelled RPC (client gone) drops its step if
+        # it has not started; one that has runs to its end, before anything queued behind it.
+        result = self._in_worker(self._runner.execute, step)
+        if request.step_id > self._queued_step_id:
+            async with self._step_queued:
+                self._queued_step_id = request.step_id
+                self._step_queued.notify_all()
+        return convert.result_to_proto(await result, len(request.decode_request_ids))
 
     async def Release(  # noqa: N802
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
-        loop = asyncio.get_running_loop()
-        num_released = await loop.run_in_executor(
-            self._worker, self._runner.release, tuple(request.request_ids)
-        )
+        num_released = await self._in_worker(self._runner.release, tuple(request.request_ids))
         return pb.ReleaseResponse(num_released=num_released)
+
+    def _in_worker(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Queue `fn(*args)` for the worker, in the caller's context (its log bindings)."""
+        context = contextvars.copy_context()
+        return asyncio.get_running_loop().run_in_executor(self._worker, context.run, fn, *args)
 
 
 def registration(runner: ModelRunner) -> Registration:

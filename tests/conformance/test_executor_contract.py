@@ -311,3 +311,23 @@ def test_use_sampled_token_needs_a_token_sampled_by_the_last_step(
     rejected("used")
     executor.forget("used")
     assert outputs == reference_generate(reference, prompt, 2)
+
+
+def test_a_step_naming_its_previous_step_waits_for_it(
+    executor: Executor, reference: PreTrainedModel
+) -> None:
+    # gRPC does not order two calls: the second step, which builds on the first's sampled
+    # token, is sent first. Naming the first (previous_step_id), it runs after it; both
+    # give the reference's tokens.
+    _uses_sampled_tokens(executor)
+    prompt = _prompts(executor.info.vocab_size, [10], seed=10)[0]
+    first = pb.ExecuteRequest(seqs=[executor.work("order", prompt)], step_id=1_000_001)
+    second_work = executor.work("order", [0])
+    second_work.use_sampled_token = True
+    second = pb.ExecuteRequest(seqs=[second_work], step_id=1_000_002,
+                               previous_step_id=1_000_001)
+    second_call = executor.stub.Execute.future(second, timeout=30)
+    first_reply = executor.stub.Execute(first, timeout=30)
+    tokens = [first_reply.tokens[0].token_id, second_call.result().tokens[0].token_id]
+    executor.forget("order")
+    assert tokens == reference_generate(reference, prompt, 2)

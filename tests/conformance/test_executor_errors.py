@@ -180,6 +180,20 @@ CASES: dict[str, tuple[Case, grpc.StatusCode]] = {
         lambda e, w: _compact(w, decode_use_sampled_token=[True, True]),
         INVALID,
     ),
+    "decode_use_sampled_token_without_compact_decodes": (
+        lambda e, w: pb.ExecuteRequest(seqs=[w], decode_use_sampled_token=[True]),
+        INVALID,
+    ),
+    "use_sampled_token_for_a_request_not_held": (
+        lambda e, w: _compact(_with(w, request_id="never-seen", token_ids=[0]),
+                              decode_use_sampled_token=[True]),
+        NOT_FOUND,
+    ),
+    "use_sampled_token_at_the_wrong_position": (
+        lambda e, w: pb.ExecuteRequest(seqs=[_with(w, token_ids=[0], use_sampled_token=True,
+                                                   start_position=w.start_position + 1)]),
+        INVALID,
+    ),
 }
 SAMPLED_TOKEN_CASES = {c for c in CASES if "use_sampled_token" in c}
 
