@@ -167,7 +167,7 @@ class Allocator:
                 pool.fill_pending(late_requests, pipeline.late.token_ids)
             in_flight = pipeline.previous_in_flight
         elif pool.pending and (num_decodes or items):
-            check_not_pending(pool, scheduled_ids(decodes, items), _NONE_RELEASED)
+            check_not_pending(pool, scheduled_ids(decodes, items), released)
         scheduled = pool.scheduled
         if in_flight or scheduled.executing or abort_ids:
             scheduled.advance(pool, lease_id, commit_previous, in_flight, frozenset(abort_ids))

@@ -64,7 +64,8 @@ def check_pipelined(
     value_ids = decodes.request_ids if decodes is not None else []
     others = scheduled_ids(decodes, items)
     if pool.pending and others:
-        check_not_pending(pool, others, filled)
+        # (A request freed in this call may be admitted again: its pending token goes too.)
+        check_not_pending(pool, others, filled | released)
     ids = pipeline.pending_decode_ids
     if not ids:
         return late_requests, decodes, decode_requests

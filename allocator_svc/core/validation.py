@@ -211,7 +211,8 @@ def check_pending_decodes(
 
 
 def check_not_pending(pool: Pool, request_ids: Iterable[str], filled: AbstractSet[str]) -> None:
-    """None of the requests may still hold a pending token this call does not fill: a
+    """None of the requests may still hold a pending token this call does not fill (or
+    free, `filled` then names it too: a freed request admitted again starts anew): a
     request's tokens stay in order."""
     pending = pool.pending
     for request_id in request_ids:

@@ -153,6 +153,17 @@ def test_a_pending_request_is_freed_cleanly_and_cannot_be_forked():
     assert not d.pool.pending and "a" not in d.pool.requests
 
 
+@pytest.mark.parametrize("in_flight", [True, False], ids=["pipelined", "out-of-pipeline"])
+def test_a_pending_request_aborted_and_admitted_again_in_one_step_starts_anew(in_flight: bool):
+    # The gateway lost the step a pending request was in and starts it over: the abort and
+    # the new admission go in one call; the old pending token goes with the old request.
+    d = Driver()
+    d.step([new("a", [1, 2, 3])], in_flight=False)
+    d.step(pending=["a"])
+    d.step([new("a", [1, 2, 3])], abort=["a"], in_flight=in_flight)
+    assert d.tokens("a") == [1, 2, 3] and not d.pool.pending
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
