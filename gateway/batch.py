@@ -27,6 +27,9 @@ class Pending:
     release_ids: list[str] = field(default_factory=list)
     # The last step's computed counts, not yet committed: the next Step commits them all
     # with one flag (commit_previous_step); an idle engine sends them as explicit commits.
+    # Launching ahead, a batch's counts are recorded when it is advanced, before it returns;
+    # the next Step is planned only once it has landed, and a failed batch's sequences are
+    # failed, recomputed or evicted (which drops their counts) before then.
     executed: dict[str, int] = field(default_factory=dict)
     # The executor rejected a batch (or a call carrying this housekeeping was refused): the
     # next Step confirms nothing with commit_previous_step, which would cover the rejected
@@ -71,6 +74,7 @@ class InFlight:
     batch: Batch
     execute: asyncio.Future[ExecuteResult]
     launched: float  # time.perf_counter() when the call went out
+    step_id: int = 0  # its number at the executor (0: not numbered)
     # The batch launched before it failed: this one, which may build on it (sampled tokens),
     # may fail too, so the next is not launched before it lands.
     after_failure: bool = False

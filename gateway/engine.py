@@ -5,7 +5,7 @@ streams while its Execute runs; nothing else waits for them (held_outputs.py).
 
 Launching ahead (the default with an executor that uses its own sampled tokens), a step's
 Execute goes out as soon as its Step returns, before the previous batch lands: the executor
-starts it the moment the previous one ends, and the landed outputs go to the streams at once.
+starts it the moment the previous one ends. Then the previous batch lands in the same step.
 
 Single writer: the loop is the only code that mutates its scheduler, between awaits, so no
 lock is needed. Other coroutines (RPC handlers) only append sequences with `submit`, flag
@@ -18,6 +18,7 @@ holding requests nobody tracks after a call whose outcome is unknown.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
@@ -74,7 +75,13 @@ class Engine:
     # before the previous batch lands (landing.py), which then lands in the same step.
     launch_ahead: bool = True
     in_flight: deque[InFlight] = field(default_factory=deque)  # oldest first; at most two
+    # Execute numbers (step_id), increasing; from the clock (us), so that a restarted gateway
+    # goes on above the numbers the executor has seen.
+    step_ids: itertools.count[int] = field(
+        default_factory=lambda: itertools.count(time.time_ns() // 1000)
+    )
     last_step_ms: float = 0.0  # the latest Step's round trip
+    last_landed: float | None = None  # when the last step that landed a batch ended (stats)
     stepping: bool = False
 
     # Called by other coroutines.
@@ -119,6 +126,7 @@ class Engine:
                 continue
             if not self._has_work():
                 self.wakeup.clear()
+                self.last_landed = None
                 await self.wakeup.wait()
                 continue
             try:
@@ -173,7 +181,13 @@ class Engine:
             # The batch in flight counts as landed, its sampled tokens as stand-ins: this
             # step's batch is built on top of it and goes out before it returns.
             outcome = await self._allocator_step(plan, self.link.step(plan.call), settle=True)
-            if outcome is not None:
+            if outcome is not None and self.in_flight[0].execute.done():
+                # It returned meanwhile (or failed): it lands first, as pipelined.
+                landed = await landing.land(self)
+                if not self.healthy:  # the executor went away: the Step's outcome too
+                    orphans.note_held(self, plan)
+                    return True
+            elif outcome is not None:
                 self.scheduler.advance(self.in_flight[0].batch)
         elif overlapped:
             # Pipelined: this step's Step goes out while the previous batch executes.
@@ -204,11 +218,11 @@ class Engine:
             return False
         flight = landing.launch(self, batch)
         if len(self.in_flight) > 1:
-            # Launched ahead: the batch before lands now, and its outputs go to the streams
-            # at once (nothing left to give a head start to).
+            # Launched ahead: the batch before lands now. A busy step's outputs are held
+            # until the next Execute is out, as pipelined: then no stream write delays it
+            # (256 writes take ~15-19 ms, longer than a GPU step).
             landed = await landing.land(self)
             await landing.take_outputs(self, landed)
-            self.holding = False
         elif self.pipeline:
             # The landed batch's outputs (detokenizing, stop strings) while the next computes,
             # once it has reached the executor (on two cores, work started at once delays its
@@ -219,8 +233,13 @@ class Engine:
         else:
             landed = await landing.settle(self)
         if landed is not None:
+            # A step's time runs from the previous step's landing to this one's: busy, that is
+            # the executor's period whatever overlaps what (launched ahead, a step's own span
+            # is not); the first step after idle counts from its start.
+            now = time.perf_counter()
+            since, self.last_landed = self.last_landed or started, now
             self.stats.record(
-                total_ms=(time.perf_counter() - started) * 1e3,
+                total_ms=(now - since) * 1e3,
                 allocator_ms=self.last_step_ms,
                 execute_ms=landed.execute_ms,
                 compute_ms=landed.result.compute_ms,
@@ -238,10 +257,12 @@ class Engine:
     # Pieces of a step.
 
     def _launches_ahead(self) -> bool:
-        """This step's Execute may go out before the batch in flight lands."""
+        """This step's Execute may go out before the batch in flight lands (not when it has
+        returned already: landing it first costs nothing and builds on what is known)."""
+        flight = self.in_flight[0]
         return (
             self.launch_ahead and self.link.description.uses_sampled_tokens
-            and not self.in_flight[0].after_failure
+            and not flight.after_failure and not flight.execute.done()
         )
 
     def _has_work(self) -> bool:

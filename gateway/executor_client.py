@@ -87,7 +87,11 @@ class ExecutorClient:
             uses_sampled_tokens=r.uses_sampled_tokens,
         )
 
-    async def execute(self, call: ExecuteCall, timeout: float | None = None) -> ExecuteResult:
+    async def execute(
+        self, call: ExecuteCall, timeout: float | None = None, step_id: int = 0,
+        previous_step_id: int = 0,
+    ) -> ExecuteResult:
+        """`step_id` / `previous_step_id`: the ordering of calls launched ahead (the proto)."""
         # Plain decodes travel in the compact columns (a message per sequence costs ~4 us).
         request = pb.ExecuteRequest(
             release_request_ids=call.release_request_ids,
@@ -99,6 +103,8 @@ class ExecutorClient:
             decode_token_ids=call.decode_token_ids,
             decode_positions=call.decode_positions,
             decode_use_sampled_token=call.decode_use_sampled_token,
+            step_id=step_id,
+            previous_step_id=previous_step_id,
         )
         response = await self.stub.Execute(request, timeout=timeout)
         num_decodes = len(call.decode_request_ids)

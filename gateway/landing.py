@@ -4,7 +4,8 @@ and become deltas, finishes and forks a little later (`take_outputs`), once the 
 has had its head start. `settle` does both; recovery, housekeeping and idle start from there.
 
 Launching ahead, a step's Execute goes out before the previous one lands: two are in flight
-for that while (`engine.in_flight`, oldest first), and they land in order.
+for that while (`engine.in_flight`, oldest first), and they land in order. The older one has
+been advanced already (Scheduler.advance): landing it only puts its sampled values in.
 """
 
 from __future__ import annotations
@@ -24,18 +25,23 @@ if TYPE_CHECKING:
 
 
 def launch(engine: Engine, batch: Batch) -> InFlight:
-    """Send the batch's Execute; it is awaited by `land`, in this step or the next."""
-    execute = asyncio.ensure_future(engine.link.execute(batch.call))
+    """Send the batch's Execute; it is awaited by `land`, in this step or the next. Numbered
+    for an executor that uses its sampled tokens, and launched ahead, naming the one before
+    (the executor runs it after that one, however the two arrive)."""
+    step_id = next(engine.step_ids) if engine.link.description.uses_sampled_tokens else 0
+    previous = engine.in_flight[-1].step_id if engine.in_flight else 0
+    execute = asyncio.ensure_future(engine.link.execute(batch.call, step_id, previous))
     if engine.pipeline:  # the next step is planned on top of it (sequential: it lands first)
         engine.scheduler.launch(batch)
-    flight = InFlight(batch, execute, time.perf_counter())
+    flight = InFlight(batch, execute, time.perf_counter(), step_id)
     engine.in_flight.append(flight)
     return flight
 
 async def land(engine: Engine) -> Landed | None:
     """Await the oldest batch in flight, if any (the previous step's streams are written
-    meanwhile), and take its tokens: computed counts and outputs advance; what they mean
-    for the streams waits for `take_outputs`. None if nothing landed."""
+    meanwhile), and take its tokens: computed counts and outputs advance (an advanced
+    batch's outputs get their values); what they mean for the streams waits for
+    `take_outputs`. None if nothing landed."""
     if not engine.in_flight:
         return None
     flight = engine.in_flight.popleft()
@@ -46,7 +52,7 @@ async def land(engine: Engine) -> Landed | None:
         engine.scheduler.land(batch)
         if engine.in_flight:  # launched ahead on top of this one: it may fail too
             engine.in_flight[0].after_failure = True
-        recovery.execute_failed(engine, batch, exc)
+        recovery.execute_failed(engine, batch, exc, flight.after_failure)
         return None
     except BaseException:
         engine.scheduler.land(batch)

@@ -65,8 +65,15 @@ class PoolLink:
     async def step(self, call: StepCall) -> StepOutcome:
         return await self.allocator.step(self.pool_id, self.epoch, self.lease.lease_id, call)
 
-    async def execute(self, call: ExecuteCall) -> ExecuteResult:
-        return await self.executor.execute(call, timeout=self.execute_timeout_s)
+    async def execute(
+        self, call: ExecuteCall, step_id: int = 0, previous_step_id: int = 0
+    ) -> ExecuteResult:
+        """Launched ahead (`previous_step_id`), the call also waits at the executor for the
+        one before it: it gets that one's deadline as well as its own."""
+        timeout = self.execute_timeout_s
+        if timeout is not None and previous_step_id:
+            timeout *= 2
+        return await self.executor.execute(call, timeout, step_id, previous_step_id)
 
     async def free(self, commits: Sequence[Commit], request_ids: Sequence[str]) -> None:
         await self.allocator.free(self.pool_id, self.epoch, commits, request_ids,

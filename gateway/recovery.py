@@ -31,6 +31,7 @@ import structlog
 from common.errors import ServiceError, Unavailable
 from gateway import orphans
 from gateway.batch import Batch, ScheduledStep
+from gateway.request_state import Sequence
 
 if TYPE_CHECKING:
     from gateway.engine import Engine
@@ -109,7 +110,10 @@ def restore_housekeeping(engine: Engine, plan: ScheduledStep) -> None:
     pending.batch_rejected = True
 
 
-def execute_failed(engine: Engine, batch: Batch, exc: grpc.aio.AioRpcError) -> None:
+def execute_failed(
+    engine: Engine, batch: Batch, exc: grpc.aio.AioRpcError, after_failure: bool = False
+) -> None:
+    """`after_failure`: the batch was launched ahead on one that failed before it."""
     code = exc.code()
     log.warning("execute_failed", pool_id=engine.pool_id, code=code.name,
                 details=exc.details(), num_seqs=len(batch.scheduled))
@@ -123,9 +127,20 @@ def execute_failed(engine: Engine, batch: Batch, exc: grpc.aio.AioRpcError) -> N
     # Its sequences fail, and so do the ones it swapped out: their KV never reached the CPU.
     engine.scheduler.pending.batch_rejected = True
     error = Unavailable(f"executor {engine.pool_id} rejected a step ({code.name})")
+    recomputed: set[Sequence] = set()
+    if after_failure:
+        # Most likely rejected for naming the failed batch's sequences (failed already):
+        # the others start over, once (the allocator aborts what it holds for them).
+        recomputed = {s for s, _ in batch.scheduled
+                      if not s.is_finished and s not in batch.swapped_out}
+        for seq in sorted(recomputed, key=lambda s: (s.request.arrival_time, s.index),
+                          reverse=True):
+            engine.scheduler.recompute(seq)
+        log.warning("requests_recomputed", pool_id=engine.pool_id, num=len(recomputed),
+                    why="rejected_after_failure")
     for seq in [*(s for s, _ in batch.scheduled), *batch.swapped_out]:
-        if not seq.is_finished:  # (pipelined: one ended by the outputs taken meanwhile)
-            engine.fail(seq, error)
+        if not seq.is_finished and seq not in recomputed:
+            engine.fail(seq, error)  # (pipelined: one ended by the outputs taken meanwhile)
 
 
 def lose_executor(engine: Engine) -> None:

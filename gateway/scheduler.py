@@ -41,6 +41,7 @@ class Scheduler:
     swapped: list[Sequence] = field(default_factory=list)
     pending: Pending = field(default_factory=Pending)
     num_preemptions: int = 0
+    num_advanced: int = 0  # batches advanced and not landed: their stand-ins are out
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         seq.status = SeqStatus.WAITING
@@ -65,6 +66,7 @@ class Scheduler:
     def schedule(self, in_flight: bool = False) -> ScheduledStep | None:
         """The step's items under the budgets; None when there is nothing to send.
         `in_flight`: planned while the previous batch executes (pipelined)."""
+        assert not self.num_advanced, "planning with stand-ins out: they would reach the allocator"
         self._compact()
         return plan_step(self, in_flight)
 
@@ -98,11 +100,13 @@ class Scheduler:
                 stand_ins.append((seq, len(outputs), row))
                 outputs.append(UNSAMPLED)
         batch.stand_ins = stand_ins
+        self.num_advanced += 1
 
     def fill(self, batch: Batch, result: ExecuteResult) -> list[tuple[Sequence, int]]:
         """Put the sampled values in place of the advanced batch's stand-ins; the (sequence,
         token) pairs in batch order, but for sequences that finished since."""
         assert batch.stand_ins is not None, "fill before advance"
+        self.num_advanced -= 1
         decoded, num_decodes = result.decode_token_ids, batch.num_decodes
         tokens = {t.request_id: t.token_id for t in result.tokens} if result.tokens else {}
         sampled: list[tuple[Sequence, int]] = []
@@ -122,17 +126,19 @@ class Scheduler:
             )
 
     def land(self, batch: Batch) -> None:
-        """The batch failed: it is no longer executing, and an advanced one's stand-ins are
-        taken out (its sequences are failed or evicted next, so its counts do not matter)."""
+        """The batch failed or is abandoned: it is no longer executing, and an advanced one's
+        stand-ins are taken out (its sequences are failed, recomputed or evicted next, so
+        its counts do not matter)."""
         if batch.stand_ins is None:
             for seq, _ in batch.scheduled:
                 seq.num_in_flight = 0
                 seq.samples_in_flight = False
             return
         for seq, index, _ in batch.stand_ins:
-            if seq.output_token_ids[index:] == [UNSAMPLED]:
-                del seq.output_token_ids[index]
-        batch.stand_ins = []
+            assert seq.output_token_ids[index:] == [UNSAMPLED], f"{seq.seq_id}: stand-in moved"
+            del seq.output_token_ids[index]
+        batch.stand_ins = None  # (landing it again is harmless)
+        self.num_advanced -= 1
 
     def ready_to_fork(self, batch: Batch) -> list[Sequence]:
         """Prefill parents (n > 1) whose shared prompt is now computed."""
@@ -174,6 +180,21 @@ class Scheduler:
         for ids in (pending.free_ids, pending.abort_ids):
             if seq.seq_id in ids:
                 ids.remove(seq.seq_id)
+
+    def recompute(self, seq: Sequence) -> None:
+        """Start the sequence over at the queue front (its step was lost): the allocator aborts
+        what it holds (nothing is committed), the executor releases it."""
+        pending = self.pending
+        pending.commits.pop(seq.seq_id, None)
+        pending.executed.pop(seq.seq_id, None)
+        if seq.known_to_allocator:
+            pending.abort_ids.append(seq.seq_id)
+        self.release(seq)
+        for queue in (self.running, self.swapped, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        seq.reset_for_recompute()
+        self.add(seq, front=True)
 
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's executor state with the next Execute (or Release)."""

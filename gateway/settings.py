@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag(
         parser, "--execute-timeout-s", type=float, default=60.0,
-        help="deadline of each Execute (one batched forward pass) and Release; an executor "
-        "past it is treated as lost: its requests move to another executor",
+        help="deadline of each Execute (one batched forward pass; twice this for one launched "
+        "ahead, which waits for the one before) and Release; an executor past it is treated "
+        "as lost: its requests move to another executor",
     )
     add_flag(
         parser, "--stats-every-steps", type=int, default=500,

@@ -1,6 +1,7 @@
 """Applying the allocator's answer to a planned step: grants, preemptions and deferrals move
 sequences between the queues, and what was granted becomes the Execute call. The second of
-the scheduler's three calls.
+the scheduler's calls in a step (scheduler.py). A row whose token is an UNSAMPLED stand-in
+(launched ahead) goes with use_sampled_token.
 
 The allocator preempts from the tail of the step's order when its pool is short and never
 admits new requests in a step that preempted; a recompute preemption sends the sequence back
@@ -45,6 +46,8 @@ def apply_outcome(sched: Scheduler, step: ScheduledStep, outcome: StepOutcome) -
             seq.num_allocator_tokens += 1 if item is None else len(item.append_token_ids)
         if request_id in skipped or seq.status is SeqStatus.FINISHED:
             continue
+        if not is_new and not seq.known_to_allocator:
+            continue  # started over since the plan (its batch was lost): readmitted later
         if item is _PENDING_DECODE:
             seq.allocator_pending = True  # its value goes with the next Step
         if (

@@ -1,5 +1,6 @@
 """Planning a step: which sequences run next and how many tokens each computes, under the
-budgets (`max_num_seqs`, `max_num_batched_tokens`). The first of the scheduler's three calls.
+budgets (`max_num_seqs`, `max_num_batched_tokens`). The first of the scheduler's calls in a
+step (scheduler.py).
 
 Priority is FCFS: running sequences first (one decode token each, or their next prefill
 chunk), then swapped ones (swap-in), then waiting ones (prefill, chunked when the token budget

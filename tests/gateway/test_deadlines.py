@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -117,7 +117,10 @@ class InProcessExecutor:
     model: FakeModel = field(default_factory=lambda: FakeModel(BLOCK))
     address: str = "in-process"
 
-    async def execute(self, call: ExecuteCall, timeout: float | None = None) -> ExecuteResult:
+    async def execute(
+        self, call: ExecuteCall, timeout: float | None = None, step_id: int = 0,
+        previous_step_id: int = 0,
+    ) -> ExecuteResult:
         return self.model.execute(call)
 
     async def release(self, request_ids: list[str], timeout: float | None = None) -> None:
@@ -125,6 +128,35 @@ class InProcessExecutor:
 
     async def describe(self, timeout: float | None = None) -> ExecutorDescription:
         return DESCRIPTION
+
+
+@dataclass
+class QueueingExecutor(InProcessExecutor):
+    """Runs Executes one at a time, each taking `compute_s`, against the caller's deadline
+    (which runs while a call waits for the one before, as at a real executor); records the
+    calls launched ahead (`previous_step_id`)."""
+
+    compute_s: float = 0.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    ahead: int = 0
+
+    async def execute(
+        self, call: ExecuteCall, timeout: float | None = None, step_id: int = 0,
+        previous_step_id: int = 0,
+    ) -> ExecuteResult:
+        self.ahead += bool(previous_step_id)
+
+        async def run() -> ExecuteResult:
+            async with self.lock:
+                await asyncio.sleep(self.compute_s)
+                return self.model.execute(call)
+
+        try:
+            return await asyncio.wait_for(run(), timeout)
+        except TimeoutError:
+            metadata = grpc.aio.Metadata()
+            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, metadata, metadata,
+                                       "deadline") from None
 
 
 async def serve(
@@ -145,7 +177,9 @@ class Rig:
 
 
 @asynccontextmanager
-async def rig(tokenizer: Tokenizer, executor: Any = None) -> AsyncIterator[Rig]:
+async def rig(
+    tokenizer: Tokenizer, executor: Any = None, description: ExecutorDescription = DESCRIPTION
+) -> AsyncIterator[Rig]:
     """The real allocator on a port, one engine over it (its loop running), a router."""
     servicer = StallingAllocator()
     server = await serve(allocator_pb2_grpc.add_AllocatorServiceServicer_to_server, servicer,
@@ -154,7 +188,7 @@ async def rig(tokenizer: Tokenizer, executor: Any = None) -> AsyncIterator[Rig]:
     lease = Lease(allocator=client, ttl_ms=10_000)
     await lease.acquire()
     link = PoolLink(pool_id="pool-0", executor=executor or InProcessExecutor(),
-                    allocator=client, lease=lease, description=DESCRIPTION,
+                    allocator=client, lease=lease, description=description,
                     enable_prefix_caching=True, execute_timeout_s=TIMEOUT_S)
     await link.register()
     router = Router(engines=[], allocator=client, max_waiting=64)
@@ -395,3 +429,22 @@ def test_orphan_aborts_cannot_touch_another_leases_request_with_the_same_id(
     held, left, events = asyncio.run(scenario())
     assert held == ["shared"] and left == set()
     assert "orphans_given_up" not in events and "orphans_aborted" in events
+
+
+def test_a_call_launched_ahead_may_wait_for_the_one_before_within_its_deadline(
+    tokenizer: Tokenizer,
+):
+    # Each Execute takes 60% of --execute-timeout-s; one launched ahead waits for the one
+    # before at the executor, 120% in all: it gets the deadline of both, so the executor
+    # is not taken for lost, and the request completes.
+    executor = QueueingExecutor(compute_s=0.6 * TIMEOUT_S)
+
+    async def scenario() -> tuple[list[CompletionDelta], bool]:
+        async with rig(tokenizer, executor, replace(DESCRIPTION, uses_sampled_tokens=True)) as r:
+            deltas = await collect(await submit(r, "a", [3] * 6, max_tokens=4), timeout_s=30)
+            await until_idle(r.engine)
+            return deltas, r.engine.healthy
+
+    deltas, healthy = asyncio.run(scenario())
+    assert healthy and executor.ahead >= 2
+    assert [t for d in deltas for t in d.token_ids] == executor.model.reference([3] * 6, 4)

@@ -58,7 +58,9 @@ class FakeLink:
         self._maybe_crash("after_step", call)
         return outcome
 
-    async def execute(self, call: ExecuteCall) -> ExecuteResult:
+    async def execute(
+        self, call: ExecuteCall, step_id: int = 0, previous_step_id: int = 0
+    ) -> ExecuteResult:
         self._maybe_crash("before_execute", call)
         # As an executor runs them: one at a time, in the order they arrive.
         async with self.executor_lock:

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
+import structlog
 from in_process import CorePool
 from test_engine import BLOCK, FakeLink, drain, engine, run_until_idle, submit
 from test_engine import tokenizer as tokenizer  # the module-scoped fixture
@@ -316,13 +317,13 @@ def record_launches(link: FakeLink) -> list[tuple[int, int]]:
     out = 0
     original = link.execute
 
-    async def execute(call: ExecuteCall) -> ExecuteResult:
+    async def execute(call: ExecuteCall, *ids: int) -> ExecuteResult:
         nonlocal out
         out += 1
         used = sum(call.decode_use_sampled_token) + sum(s.use_sampled_token for s in call.seqs)
         launches.append((out, used))
         try:
-            return await original(call)
+            return await original(call, *ids)
         finally:
             out -= 1
 
@@ -375,4 +376,64 @@ def test_after_a_rejected_batch_the_one_launched_ahead_lands_before_the_next_goe
     assert [n for n, _ in launches[:5]] == [1, 2, 2, 2, 1]
     assert launches[3][1] == 1  # the fourth stood for a's token from the rejected third
     assert len(launches) > 5 and launches[5][0] == 2  # then ahead again
+    assert link.pool.all_free() and not link.model.held
+
+
+def test_a_request_new_in_a_batch_rejected_after_the_one_before_starts_over(
+    tokenizer: Tokenizer,
+):
+    # b arrives while the second Execute runs: its prefill goes out in the fourth, launched
+    # ahead on the third, which is rejected. The executor rejects the fourth too (it names
+    # a's token from the third); b was in no failed batch of its own, so it starts over
+    # (recompute) and gets the reference tokens; a fails; nothing is held.
+    eng, link = engine(tokenizer, num_blocks=64, tokens=64)
+    a = submit(eng, "a", [9] * 5, max_tokens=8)
+    late: list[Request] = []
+    slow_executor(link, fail_call=3, code=grpc.StatusCode.INVALID_ARGUMENT,
+                  on_call={2: lambda: late.append(submit(eng, "b", [8] * 5, max_tokens=4))})
+    launches = record_launches(link)
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(run_until_idle(eng))
+    deltas = drain(a)
+    assert [t for d in deltas for t in d.token_ids] == link.model.reference([9] * 5, 2)
+    assert deltas[-1].error is not None and deltas[-1].error.code is grpc.StatusCode.UNAVAILABLE
+    b_deltas = drain(late[0])
+    assert [t for d in b_deltas for t in d.token_ids] == link.model.reference([8] * 5, 4)
+    assert b_deltas[-1].error is None and b_deltas[-1].finish_reason is not None
+    assert launches[3][0] == 2  # b's prefill, launched ahead on the rejected third
+    recomputed = [e for e in logs if e["event"] == "requests_recomputed"]
+    assert [e["num"] for e in recomputed] == [1]
+    assert link.pool.all_free() and not link.model.held
+
+
+def test_a_batch_that_failed_while_the_step_was_out_lands_before_the_next_is_built(
+    tokenizer: Tokenizer,
+):
+    # As above, but the fourth Step answers only after the third Execute has been rejected:
+    # that batch lands first, and the fourth is built without a (failed), not launched ahead
+    # on it. b's prefill is not rejected; nothing starts over.
+    eng, link = engine(tokenizer, num_blocks=64, tokens=64)
+    a = submit(eng, "a", [9] * 5, max_tokens=8)
+    late: list[Request] = []
+    slow_executor(link, fail_call=3, code=grpc.StatusCode.INVALID_ARGUMENT,
+                  on_call={2: lambda: late.append(submit(eng, "b", [8] * 5, max_tokens=4))})
+    launches = record_launches(link)
+    original, steps = link.step, []
+
+    async def step(call: StepCall) -> StepOutcome:
+        steps.append(call)
+        if len(steps) == 4:
+            await asyncio.sleep(0.03)  # the third Execute (10 ms) fails meanwhile
+        return await original(call)
+
+    link.step = step  # type: ignore[method-assign]
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(run_until_idle(eng))
+    deltas = drain(a)
+    assert [t for d in deltas for t in d.token_ids] == link.model.reference([9] * 5, 2)
+    assert deltas[-1].error is not None
+    assert [t for d in drain(late[0]) for t in d.token_ids] == link.model.reference([8] * 5, 4)
+    assert launches[3] == (1, 0)  # b's prefill alone, after the third landed
+    assert not [e for e in logs if e["event"] == "requests_recomputed"]
+    assert [e["event"] for e in logs].count("execute_failed") == 1
     assert link.pool.all_free() and not link.model.held
