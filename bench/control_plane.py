@@ -3,6 +3,7 @@
     python -m bench.control_plane [--quick] [--pipeline-steps false]
     python -m bench.control_plane --quick --running 64,256 --compare 3   # pipelined vs not
     python -m bench.control_plane --quick --running 64,256 --compare 3 --baseline untuned-malloc
+    python -m bench.control_plane --quick --running 64,256 --compare 3 --baseline no-launch-ahead
 
 The allocator and the executor run as usual (models/small-llama, dummy weights); the gateway
 runs as `python -m bench.cp_gateway`, the real gateway with timers around its step phases (see
@@ -18,10 +19,19 @@ steps in which all N decode one token each are kept, and per step we split its t
     serialization   protobuf encode/decode of both calls on the gateway side
     outputs/other   the rest of the step: emitting tokens to streams, detokenization, awaits
 
-Control plane = step - forward - sample (everything but the model). Target: < 10% of the step
-at 64 running requests. Pipelined (the gateway's default), a step runs from one Execute's
-launch to the next; its allocator RPC overlaps the previous Execute, so that column is not
-on the step's path and "outputs/other" is what is left once the parts that are add up.
+Control plane = step - forward - sample (everything but the model), where a step is the
+executor's period: the time from one Execute response's arrival at the gateway to the next
+(`period`). Target: < 10% of the step at 64 running requests. Pipelined, a step runs from one
+Execute's launch to the next; its allocator RPC overlaps the previous Execute, so that column
+is not on the step's path and "outputs/other" is what is left once the parts that are add up.
+
+Launched ahead (the gateway's default), each Execute goes out before the previous one
+returns, and the gateway's work and both round trips overlap the executor's forward pass:
+the control plane is the time the executor spends between two forward passes. The gateway's
+parts are then off the step's path and reported apart (`off path` ms); on it, "executor
+wait" is the period less the executor's own report (its intake of the next call).
+Sequential or pipelined, a step's parts are timed in the gateway's Engine.step, whose
+duration is the period in the steady state.
 """
 
 from __future__ import annotations
@@ -43,15 +53,29 @@ from bench.load import read_steps, run_load, stack
 
 MODEL = "models/small-llama"
 SEED = 0
-PARTS = ("sched", "alloc_rpc", "forward", "sample", "exec_other", "transport", "ser", "other")
+PARTS = ("sched", "alloc_rpc", "forward", "sample", "exec_other", "transport", "ser", "other",
+         "wait")
 LABELS = {"sched": "scheduling", "alloc_rpc": "allocator RPC", "forward": "forward",
           "sample": "sample", "exec_other": "executor other", "transport": "transport",
-          "ser": "serialization", "other": "outputs/other"}
+          "ser": "serialization", "other": "outputs/other", "wait": "executor wait"}
 
 
 def _split(step: dict[str, float]) -> dict[str, float]:
     ser_alloc, ser_exec = step.get("ser_alloc", 0.0), step.get("ser_exec", 0.0)
     exec_total = step.get("exec_total", step["forward"] + step["sample"])
+    if step.get("ahead"):
+        # Overlapped with the executor's forward passes: none of the gateway's parts. (Its
+        # Engine.step runs from one landing to the next, not from one launch to the next.)
+        period = step.get("period", step["total"])
+        on_path = {"sched": 0.0, "alloc_rpc": 0.0, "transport": 0.0, "ser": 0.0, "other": 0.0}
+        return {
+            **on_path, "forward": step["forward"], "sample": step["sample"],
+            "exec_other": max(0.0, exec_total - step["forward"] - step["sample"]),
+            "wait": max(0.0, period - exec_total), "total": period,
+            "control": period - step["forward"] - step["sample"],
+            "off_path": step.get("sched", 0.0) + step.get("alloc", 0.0) + ser_exec,
+            "period": period,
+        }
     parts = {
         "sched": step.get("sched", 0.0),
         "forward": step["forward"],
@@ -63,22 +87,26 @@ def _split(step: dict[str, float]) -> dict[str, float]:
     parts["transport"] = max(0.0, step.get("exec", 0.0) - exec_total - ser_exec)
     parts["alloc_rpc"] = max(0.0, step.get("alloc", 0.0) - ser_alloc)
     parts["other"] = max(0.0, step["total"] - sum(parts.values()))
+    parts["wait"] = 0.0  # the executor waits through all of the above
+    parts["off_path"] = 0.0
     parts["total"] = step["total"]
+    parts["period"] = step.get("period", step["total"])  # the same in the steady state
     parts["control"] = step["total"] - step["forward"] - step["sample"]
     return parts
 
 
 def measure(sizes: list[int], max_tokens: dict[int, int], pipeline: bool,
-            executor_flags: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """One stack (a fresh gateway with --pipeline-steps `pipeline`, the executor with
-    `executor_flags` added): every size in turn."""
+            executor_flags: tuple[str, ...] = (),
+            gateway_flags: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """One stack (a fresh gateway with --pipeline-steps `pipeline` and `gateway_flags`, the
+    executor with `executor_flags` added): every size in turn."""
     log_dir = tempfile.mkdtemp(prefix="pagedkv-cp-")
     step_log = str(Path(log_dir) / "steps.jsonl")
     rows = []
     executor_args = ("--num-blocks", "8192", "--max-num-seqs", "512",
                      "--max-num-batched-tokens", "8192", *executor_flags)
     gateway_args = ("--max-num-seqs", "512", "--max-num-batched-tokens", "8192",
-                    "--pipeline-steps", str(pipeline).lower())
+                    "--pipeline-steps", str(pipeline).lower(), *gateway_flags)
     with stack(MODEL, executor_args, gateway_args, SEED, log_dir, step_log) as running:
         run_load(running.gateway_addr, [BenchRequest([1, 5, 6, 7], 8)] * 4, 4)  # warm-up
         for n in tqdm(sizes, desc="control plane", file=sys.stderr):
@@ -104,14 +132,18 @@ def measure(sizes: list[int], max_tokens: dict[int, int], pipeline: bool,
     return rows
 
 
-# What --compare runs against: (label, pipelined, executor flags), the default first.
+# What --compare runs against: (label, pipelined, executor flags, gateway flags), the default
+# first.
 BASELINES = {
-    "sequential": (("pipelined", True, ()), ("sequential", False, ())),
-    "untuned-malloc": (("malloc tuned", True, ()),
-                       ("malloc untuned", True, ("--tune-malloc", "false"))),
+    "sequential": (("pipelined", True, (), ()), ("sequential", False, (), ())),
+    "untuned-malloc": (("malloc tuned", True, (), ()),
+                       ("malloc untuned", True, ("--tune-malloc", "false"), ())),
+    "no-launch-ahead": (("launch ahead", True, (), ()),
+                        ("no launch ahead", True, (), ("--launch-ahead", "false"))),
 }
 # Where each comparison's figures go (bench/results/<name>.json).
-RESULTS_NAMES = {"sequential": "control_plane_pipeline", "untuned-malloc": "control_plane_malloc"}
+RESULTS_NAMES = {"sequential": "control_plane_pipeline", "untuned-malloc": "control_plane_malloc",
+                 "no-launch-ahead": "control_plane_launch_ahead"}
 
 
 def compare(sizes: list[int], max_tokens: dict[int, int], pairs: int,
@@ -119,17 +151,17 @@ def compare(sizes: list[int], max_tokens: dict[int, int], pairs: int,
     """The defaults against `baseline` (BASELINES), `pairs` runs of each, interleaved; a table
     of the per-run figures and their medians."""
     variants = BASELINES[baseline]
-    runs: dict[str, list[list[dict[str, Any]]]] = {label: [] for label, _, _ in variants}
+    runs: dict[str, list[list[dict[str, Any]]]] = {label: [] for label, *_ in variants}
     for _ in range(pairs):
-        for label, pipeline, flags in variants:
-            runs[label].append(measure(sizes, max_tokens, pipeline, flags))
+        for label, pipeline, flags, gateway_flags in variants:
+            runs[label].append(measure(sizes, max_tokens, pipeline, flags, gateway_flags))
     headers = ["running", "steps", "control plane ms (runs)", "median", "share",
-               "forward + sample ms", "step ms", "tok/s"]
+               "forward + sample ms", "step ms", "period ms", "off path ms", "tok/s"]
     print(f"### Control plane: {variants[0][0]} against {variants[1][0]} (interleaved runs)\n")
     summary = []
     for n in sizes:
         body = []
-        for label, pipeline, flags in variants:
+        for label, pipeline, flags, gateway_flags in variants:
             rows = [r for run in runs[label] for r in run if r["running"] == n and r["steps"]]
             if not rows:
                 continue
@@ -140,10 +172,12 @@ def compare(sizes: list[int], max_tokens: dict[int, int], pairs: int,
             controls = [r["median_ms"]["control"] for r in rows]
             entry = {
                 "running": n, "variant": label, "pipeline": pipeline,
-                "executor_flags": list(flags), "control_ms": controls,
+                "executor_flags": list(flags), "gateway_flags": list(gateway_flags),
+                "control_ms": controls,
                 "control_median_ms": statistics.median(controls),
                 "share": statistics.median(r["control_share"] for r in rows),
                 "forward_sample_ms": med("forward") + med("sample"), "step_ms": med("total"),
+                "off_path_ms": med("off_path"), "period_ms": med("period"),
                 "tok_per_s": statistics.median(r["tok_per_s"] for r in rows),
             }
             summary.append(entry)
@@ -152,6 +186,7 @@ def compare(sizes: list[int], max_tokens: dict[int, int], pairs: int,
                          " / ".join(f"{c:.2f}" for c in controls),
                          f"{entry['control_median_ms']:.2f}", f"{entry['share']:.1%}",
                          f"{entry['forward_sample_ms']:.2f}", f"{entry['step_ms']:.2f}",
+                         f"{entry['period_ms']:.2f}", f"{entry['off_path_ms']:.2f}",
                          f"{entry['tok_per_s']:.0f}"])
         print(markdown_table(headers, body) + "\n")
     return summary
@@ -168,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", type=int, default=0, metavar="PAIRS",
                    help="instead: PAIRS interleaved runs each of the defaults and --baseline")
     p.add_argument("--baseline", default="sequential", choices=sorted(BASELINES),
-                   help="with --compare: sequential steps, or an executor with "
-                   "--tune-malloc false")
+                   help="with --compare: sequential steps, an executor with "
+                   "--tune-malloc false, or a gateway with --launch-ahead false")
     args = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     sizes = [int(x) for x in args.running.split(",")]
@@ -185,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = measure(sizes, max_tokens, args.pipeline_steps == "true")
     headers = ["running", "steps", "step ms", *[LABELS[k] + " ms" for k in PARTS],
-               "control plane ms", "control share"]
+               "control plane ms", "control share", "off path ms"]
     body = []
     for r in rows:
         if not r["steps"]:
@@ -194,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         m = r["median_ms"]
         body.append([r["running"], r["steps"], f"{m['total']:.2f}",
                      *[f"{m[k]:.2f}" for k in PARTS], f"{m['control']:.2f}",
-                     f"{r['control_share']:.1%}"])
+                     f"{r['control_share']:.1%}", f"{m['off_path']:.2f}"])
     print("### Control plane: per-step split (medians over the steps where all N decode)\n")
     print(markdown_table(headers, body))
     at64 = next((r for r in rows if r["running"] == 64 and r["steps"]), None)

@@ -13,6 +13,10 @@ step to $PAGEDKV_BENCH_STEP_LOG:
     ser_alloc, ser_exec   protobuf encode of the request + decode of the response (gateway side)
     forward, sample, exec_total   the executor's own report (Timings)
     seqs       sequences in the Execute call whose response this step decoded
+    ahead      1 when that Execute was launched ahead (before the one before it returned):
+               then its round trip includes the wait for that one
+    period     ms between this Execute response's arrival and the previous one's: busy, the
+               executor's period, whatever the gateway overlaps with what
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from pagedkv.allocator.v1 import allocator_pb2 as apb
 from pagedkv.executor.v1 import executor_pb2 as epb
 
 _current: dict[str, Any] = {}
-_launched: deque[int] = deque()  # sizes of the batches whose Execute is out, oldest first
+# (size, launched ahead) of the batches whose Execute is out, oldest first
+_launched: deque[tuple[int, bool]] = deque()
 _log = None
+_last_arrival: list[float] = []  # when the previous Execute response arrived
 
 
 def _add(key: str, seconds: float) -> None:
@@ -79,7 +85,11 @@ def _decoder(cls: Any, key: str, report: bool) -> Any:
         message = cls.FromString(data)
         _add(key, time.perf_counter() - t0)
         if report:
-            _current["seqs"] = _launched.popleft() if _launched else 0
+            if _last_arrival:
+                _current["period"] = (t0 - _last_arrival[0]) * 1e3
+            _last_arrival[:] = [t0]
+            _current["seqs"], ahead = _launched.popleft() if _launched else (0, False)
+            _current["ahead"] = int(ahead)
             _current["forward"] = message.timings.forward_ms
             _current["sample"] = message.timings.sample_ms
             _current["exec_total"] = message.timings.total_ms
@@ -124,7 +134,7 @@ def install() -> None:
     def launch(engine: Any, batch: Any) -> Any:
         # Pipelined, a batch launched in one step returns in the next: its size travels
         # with it to the step that decodes its response.
-        _launched.append(batch.call.num_seqs)
+        _launched.append((batch.call.num_seqs, bool(engine.in_flight)))
         return original_launch(engine, batch)
 
     landing.launch = launch
