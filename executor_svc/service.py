@@ -4,9 +4,9 @@ Steps (and Releases) run one at a time, in the order they are queued, in one wor
 the event loop keeps answering health checks and Describe while the model computes. A step
 that arrives while another computes (the gateway launches ahead) is decoded meanwhile and
 waits in the worker's queue: the worker starts it the moment the one before ends, with no hop
-through the event loop. A step naming a `previous_step_id` not queued yet waits for it first
-(gRPC may deliver two calls out of order). Domain exceptions raised by the runner reach
-common.interceptor, which maps them to their status codes.
+through the event loop. A step naming a `previous_step_id` not taken yet waits for it first
+(step_order.py). Domain exceptions raised by the runner reach common.interceptor, which maps
+them to their status codes.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import grpc
 from common.server import Registration
 from executor_svc import convert
 from executor_svc.runner import ModelRunner
+from executor_svc.step_order import StepOrder
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -34,8 +35,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self._runner = runner
         # One thread: the runner is not thread-safe, and its queue keeps the order.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
-        self._queued_step_id = 0  # the highest step_id queued so far
-        self._step_queued = asyncio.Condition()
+        self._order = StepOrder()
 
     async def Describe(  # noqa: N802 - gRPC method name
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
@@ -45,18 +45,14 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def Execute(  # noqa: N802
         self, request: pb.ExecuteRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExecuteResponse:
-        step = convert.step_from_proto(request)
-        previous = request.previous_step_id
-        if previous > self._queued_step_id:  # the step it builds on has not arrived yet
-            async with self._step_queued:
-                await self._step_queued.wait_for(lambda: self._queued_step_id >= previous)
-        # Queued now, before any other await. A cancelled RPC (client gone) drops its step if
-        # it has not started; one that has runs to its end, before anything queued behind it.
-        result = self._in_worker(self._runner.execute, step)
-        if request.step_id > self._queued_step_id:
-            async with self._step_queued:
-                self._queued_step_id = request.step_id
-                self._step_queued.notify_all()
+        try:
+            step = convert.step_from_proto(request)
+            await self._order.after(request.previous_step_id)
+            # A cancelled RPC (client gone) drops its step if it has not started; one that has
+            # runs to its end, before anything queued behind it.
+            result = self._in_worker(self._runner.execute, step)
+        finally:
+            self._order.take(request.step_id)  # queued, refused or given up: the next goes on
         return convert.result_to_proto(await result, len(request.decode_request_ids))
 
     async def Release(  # noqa: N802

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import grpc
 import pytest
@@ -317,16 +318,19 @@ def test_a_step_naming_its_previous_step_waits_for_it(
     executor: Executor, reference: PreTrainedModel
 ) -> None:
     # gRPC does not order two calls: the second step, which builds on the first's sampled
-    # token, is sent first. Naming the first (previous_step_id), it runs after it; both
-    # give the reference's tokens.
+    # token, is sent first. Naming the first (previous_step_id), it waits for it and runs
+    # after it; both give the reference's tokens.
     _uses_sampled_tokens(executor)
     prompt = _prompts(executor.info.vocab_size, [10], seed=10)[0]
-    first = pb.ExecuteRequest(seqs=[executor.work("order", prompt)], step_id=1_000_001)
+    first_id = time.time_ns()  # ids unlike any another caller sent this executor
+    first = pb.ExecuteRequest(seqs=[executor.work("order", prompt)], step_id=first_id)
     second_work = executor.work("order", [0])
     second_work.use_sampled_token = True
-    second = pb.ExecuteRequest(seqs=[second_work], step_id=1_000_002,
-                               previous_step_id=1_000_001)
+    second = pb.ExecuteRequest(seqs=[second_work], step_id=first_id + 1,
+                               previous_step_id=first_id)
     second_call = executor.stub.Execute.future(second, timeout=30)
+    time.sleep(0.2)
+    assert not second_call.done(), "the second step ran before the one it names arrived"
     first_reply = executor.stub.Execute(first, timeout=30)
     tokens = [first_reply.tokens[0].token_id, second_call.result().tokens[0].token_id]
     executor.forget("order")

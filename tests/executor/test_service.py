@@ -9,6 +9,7 @@ from concurrent.futures import Future
 
 import grpc
 import pytest
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.server import Server, start_server
@@ -145,3 +146,26 @@ def test_service_queues_a_step_that_arrives_while_one_computes(served: Served) -
     assert order == [("start", "first"), ("end", "first"), ("start", "second"),
                      ("end", "second")]
     assert set(runner.requests) == {"first", "second"}
+
+
+def test_service_a_call_naming_a_refused_call_goes_on_and_one_never_seen_is_not_waited_for(
+    served: Served,
+) -> None:
+    # A refused call counts as taken: the call naming it runs without waiting. A call naming
+    # an id never seen runs after a bounded wait, which is logged.
+    stub, _, _ = served
+    refused = _first_step("refused", [1, 2], [64])  # block 64 is out of range
+    refused.step_id = 41
+    with structlog.testing.capture_logs() as logs:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Execute(refused, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        after_refused = _first_step("after-refused", [1, 2], [0])
+        after_refused.step_id, after_refused.previous_step_id = 42, 41
+        assert stub.Execute(after_refused, timeout=30).tokens[0].request_id == "after-refused"
+        assert not [e for e in logs if e["event"] == "previous_step_not_seen"]
+        orphan = _first_step("orphan", [3, 4], [1])
+        orphan.step_id, orphan.previous_step_id = 44, 43  # 43 never comes
+        assert stub.Execute(orphan, timeout=30).tokens[0].request_id == "orphan"
+    waited = [e for e in logs if e["event"] == "previous_step_not_seen"]
+    assert [e["previous_step_id"] for e in waited] == [43]
