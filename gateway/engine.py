@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
@@ -75,10 +76,9 @@ class Engine:
     # before the previous batch lands (landing.py), which then lands in the same step.
     launch_ahead: bool = True
     in_flight: deque[InFlight] = field(default_factory=deque)  # oldest first; at most two
-    # Execute numbers (step_id), increasing; from the clock (us), so that a restarted gateway
-    # goes on above the numbers the executor has seen.
+    # Execute numbers (step_id), from a random start: unlike any other caller's at the executor.
     step_ids: itertools.count[int] = field(
-        default_factory=lambda: itertools.count(time.time_ns() // 1000)
+        default_factory=lambda: itertools.count(secrets.randbits(62) + 1)
     )
     last_step_ms: float = 0.0  # the latest Step's round trip
     last_landed: float | None = None  # when the last step that landed a batch ended (stats)

@@ -7,8 +7,9 @@
   restarted executor resets it);
 - the executor rejects a step: that step's sequences fail, and the ones its Step swapped out
   (their KV never reached the CPU); the next Step confirms nothing executed; the engine keeps
-  serving. A step launched ahead of it (use_sampled_token) is rejected too when it names
-  those sequences, and its own sequences fail then; the step after waits for it to land;
+  serving. A step launched ahead on it (use_sampled_token) is rejected too when it names
+  those sequences; its other sequences start over (recompute), and the step after it waits
+  for it to land;
 - the allocator says the pool or the lease is stale: the pool is re-registered and every
   sequence is readmitted (recompute);
 - a Step cut off (UNAVAILABLE, or DEADLINE_EXCEEDED past `--allocator-timeout-s`): whether
@@ -130,9 +131,10 @@ def execute_failed(
     recomputed: set[Sequence] = set()
     if after_failure:
         # Most likely rejected for naming the failed batch's sequences (failed already):
-        # the others start over, once (the allocator aborts what it holds for them).
-        recomputed = {s for s, _ in batch.scheduled
-                      if not s.is_finished and s not in batch.swapped_out}
+        # the others start over, once (the allocator aborts what it holds for them), the
+        # ones its Step swapped out too (their KV never reached the CPU).
+        recomputed = {s for s in [*(s for s, _ in batch.scheduled), *batch.swapped_out]
+                      if not s.is_finished}
         for seq in sorted(recomputed, key=lambda s: (s.request.arrival_time, s.index),
                           reverse=True):
             engine.scheduler.recompute(seq)

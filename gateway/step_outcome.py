@@ -183,6 +183,12 @@ def _apply_preemptions(
             if not preemption.swapped:
                 sched.forget_freed(seq)  # the allocator freed it already
             continue
+        if seq.status is SeqStatus.WAITING and not seq.known_to_allocator:
+            # Started over since the plan (Scheduler.recompute): queued already, its abort
+            # pending; a recompute preemption has freed it at the allocator instead.
+            if not preemption.swapped:
+                sched.forget_freed(seq)
+            continue
         if seq in sched.running:
             sched.running.remove(seq)
         if preemption.swapped:

@@ -434,10 +434,10 @@ def test_orphan_aborts_cannot_touch_another_leases_request_with_the_same_id(
 def test_a_call_launched_ahead_may_wait_for_the_one_before_within_its_deadline(
     tokenizer: Tokenizer,
 ):
-    # Each Execute takes 60% of --execute-timeout-s; one launched ahead waits for the one
-    # before at the executor, 120% in all: it gets the deadline of both, so the executor
+    # Each Execute takes 70% of --execute-timeout-s; one launched ahead waits for the one
+    # before at the executor, 140% in all: it gets the deadline of both, so the executor
     # is not taken for lost, and the request completes.
-    executor = QueueingExecutor(compute_s=0.6 * TIMEOUT_S)
+    executor = QueueingExecutor(compute_s=0.7 * TIMEOUT_S)
 
     async def scenario() -> tuple[list[CompletionDelta], bool]:
         async with rig(tokenizer, executor, replace(DESCRIPTION, uses_sampled_tokens=True)) as r:

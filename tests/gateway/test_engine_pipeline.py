@@ -24,17 +24,31 @@ from gateway.tokenizer import Tokenizer
 
 
 def slow_executor(link: FakeLink, fail_call: int = 0, code: grpc.StatusCode | None = None,
-                  on_call: dict[int, object] | None = None) -> dict[str, object]:
-    """Each Execute takes 10 ms; call number `fail_call` fails with `code`. Returns a live
-    view: whether an Execute is running, and how many were made."""
+                  on_call: dict[int, object] | None = None,
+                  until_next: bool = False) -> dict[str, object]:
+    """Each Execute takes 10 ms (`until_next`: until the next call has arrived at the
+    executor, or 0.5 s: whether the engine launches ahead then depends on nothing but the
+    engine); call number `fail_call` fails with `code`. Returns a live view: whether an
+    Execute is running, and how many were made."""
     state: dict[str, object] = {"executing": False, "calls": 0}
-    original = link.compute
+    arrived = [0]
+    outer, original = link.execute, link.compute
+
+    async def arrive(call: ExecuteCall, *ids: int) -> ExecuteResult:
+        arrived[0] += 1
+        return await outer(call, *ids)
 
     async def execute(call: ExecuteCall) -> ExecuteResult:
         state["calls"] = number = int(state["calls"]) + 1  # type: ignore[call-overload]
         state["executing"] = True
         try:
-            await asyncio.sleep(0.01)
+            if until_next:
+                for _ in range(250):
+                    if arrived[0] > number:
+                        break
+                    await asyncio.sleep(0.002)
+            else:
+                await asyncio.sleep(0.01)
             if on_call and number in on_call:
                 on_call[number]()  # type: ignore[operator]
             if number == fail_call:
@@ -44,6 +58,7 @@ def slow_executor(link: FakeLink, fail_call: int = 0, code: grpc.StatusCode | No
         finally:
             state["executing"] = False
 
+    link.execute = arrive  # type: ignore[method-assign]
     link.compute = execute  # type: ignore[method-assign]
     return state
 
@@ -312,16 +327,25 @@ def test_a_request_id_reused_right_after_it_finished_is_served(
 
 def record_launches(link: FakeLink) -> list[tuple[int, int]]:
     """Per Execute, in order: how many were out when it went (itself included), and how
-    many of its rows stood for a token the executor sampled (use_sampled_token)."""
+    many of its rows stood for a token the executor sampled (use_sampled_token). Checks
+    that each call launched ahead names the one before it (previous_step_id)."""
     launches: list[tuple[int, int]] = []
     out = 0
     original = link.execute
+    last_id = [0]
 
     async def execute(call: ExecuteCall, *ids: int) -> ExecuteResult:
         nonlocal out
         out += 1
         used = sum(call.decode_use_sampled_token) + sum(s.use_sampled_token for s in call.seqs)
         launches.append((out, used))
+        step_id, previous = ids
+        if step_id:  # numbered: the executor uses its sampled tokens
+            assert step_id != last_id[0], "each call is numbered anew"
+            assert previous == (last_id[0] if out > 1 else 0), "ahead: names the one before"
+            last_id[0] = step_id
+        else:
+            assert out == 1 and not previous
         try:
             return await original(call, *ids)
         finally:
@@ -341,7 +365,7 @@ def test_an_execute_goes_out_before_the_previous_returns_if_the_executor_fills_t
     eng, link = engine(tokenizer, num_blocks=64, tokens=64)
     link.description = SimpleNamespace(uses_sampled_tokens=uses_sampled_tokens)
     reqs = [submit(eng, f"r{i}", [5 + i] * (4 + i), max_tokens=6) for i in range(3)]
-    slow_executor(link)
+    slow_executor(link, until_next=uses_sampled_tokens)
     launches = record_launches(link)
     asyncio.run(run_until_idle(eng))
     for i, req in enumerate(reqs):
@@ -366,7 +390,8 @@ def test_after_a_rejected_batch_the_one_launched_ahead_lands_before_the_next_goe
     a = submit(eng, "a", [9] * 5, max_tokens=8)
     late: list[Request] = []
     slow_executor(link, fail_call=3, code=grpc.StatusCode.INVALID_ARGUMENT,
-                  on_call={3: lambda: late.append(submit(eng, "b", [8] * 5, max_tokens=4))})
+                  on_call={3: lambda: late.append(submit(eng, "b", [8] * 5, max_tokens=4))},
+                  until_next=True)
     launches = record_launches(link)
     asyncio.run(run_until_idle(eng))
     deltas = drain(a)
@@ -390,7 +415,8 @@ def test_a_request_new_in_a_batch_rejected_after_the_one_before_starts_over(
     a = submit(eng, "a", [9] * 5, max_tokens=8)
     late: list[Request] = []
     slow_executor(link, fail_call=3, code=grpc.StatusCode.INVALID_ARGUMENT,
-                  on_call={2: lambda: late.append(submit(eng, "b", [8] * 5, max_tokens=4))})
+                  on_call={2: lambda: late.append(submit(eng, "b", [8] * 5, max_tokens=4))},
+                  until_next=True)
     launches = record_launches(link)
     with structlog.testing.capture_logs() as logs:
         asyncio.run(run_until_idle(eng))
@@ -423,7 +449,7 @@ def test_a_batch_that_failed_while_the_step_was_out_lands_before_the_next_is_bui
     async def step(call: StepCall) -> StepOutcome:
         steps.append(call)
         if len(steps) == 4:
-            await asyncio.sleep(0.03)  # the third Execute (10 ms) fails meanwhile
+            await asyncio.sleep(0.2)  # the third Execute (10 ms) fails meanwhile
         return await original(call)
 
     link.step = step  # type: ignore[method-assign]

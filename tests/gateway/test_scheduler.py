@@ -552,3 +552,24 @@ def test_scheduler_confirms_nothing_after_a_rejection_until_a_step_goes_out():
     assert plan is not None and not plan.call.commit_previous_step
     assert [(c.request_id, c.num_computed_tokens) for c in plan.call.commits] == [("y", 3)]
     assert not sched.pending.batch_rejected
+
+
+@pytest.mark.parametrize("swapped", [False, True], ids=["recompute", "swap"])
+def test_scheduler_a_sequence_started_over_then_preempted_is_queued_once(swapped: bool):
+    # b's batch was lost after its next Step went out (recovery starts it over); that
+    # Step's outcome then preempts it: b stays queued once, for readmission, and its abort
+    # goes only where the allocator still holds it (swapped out, not freed).
+    sched = scheduler()
+    pool, model = CorePool(16, BLOCK), FakeModel(BLOCK)
+    [b] = add(sched, request("b", [1, 2, 3], max_tokens=8))
+    plan = sched.schedule()
+    assert plan is not None
+    batch = sched.apply_outcome(plan, pool.step(plan.call))
+    sched.apply_result(batch, model.execute(batch.call))
+    plan = sched.schedule()  # b decodes
+    assert plan is not None
+    sched.recompute(b)
+    sched.apply_outcome(plan, StepOutcome(preempted=(Preemption("b", swapped=swapped),)))
+    assert list(sched.waiting) == [b] and not sched.running and not sched.swapped
+    assert b.status is SeqStatus.WAITING and not b.known_to_allocator
+    assert ("b" in sched.pending.abort_ids) == swapped
