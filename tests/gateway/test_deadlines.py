@@ -340,21 +340,6 @@ class ExecutorWithoutCompactDecodes(StallingExecutor):
         )
 
 
-def test_an_executor_ignoring_the_compact_decode_columns_fails_the_step_cleanly(
-    tokenizer: Tokenizer,
-):
-    # The first decode goes out in the compact columns and comes back without tokens: the
-    # request fails with a status naming the cause (not an internal error), nothing leaks,
-    # and the engine keeps serving.
-    deltas, held, healthy = asyncio.run(
-        one_request_against(ExecutorWithoutCompactDecodes(), tokenizer)
-    )
-    error = deltas[-1].error
-    assert error is not None and error.code is grpc.StatusCode.UNAVAILABLE
-    assert "UNIMPLEMENTED" in str(error)
-    assert held == [] and healthy
-
-
 class ExecutorDroppingSampledTokens(StallingExecutor):
     """Answers Execute with a token for each compact decode but none for the sequences of
     `seqs` that sample (the prefill): it breaks the contract."""
@@ -366,17 +351,23 @@ class ExecutorDroppingSampledTokens(StallingExecutor):
         )
 
 
-def test_an_executor_returning_no_token_for_a_sampling_sequence_fails_the_step_cleanly(
-    tokenizer: Tokenizer,
+@pytest.mark.parametrize(
+    ("servicer", "code", "num_tokens"),
+    [(ExecutorWithoutCompactDecodes, "UNIMPLEMENTED", 1),
+     (ExecutorDroppingSampledTokens, "INTERNAL", 0)],
+    ids=["ignores-compact-decodes", "no-token-for-a-sampling-sequence"],
+)
+def test_an_executor_breaking_the_contract_fails_the_step_cleanly(
+    tokenizer: Tokenizer, servicer: type[StallingExecutor], code: str, num_tokens: int
 ):
-    # The prefill samples, and no token comes back for it: the request fails with a status
-    # saying so (the step counts as rejected), nothing leaks, the engine keeps serving.
-    deltas, held, healthy = asyncio.run(
-        one_request_against(ExecutorDroppingSampledTokens(), tokenizer)
-    )
+    # An executor that ignores the compact decode columns (the first decode comes back
+    # without tokens), or returns no token for the prefill, which samples: the request fails
+    # with a status naming the cause (the step counts as rejected, not an internal error of
+    # the gateway) after the tokens it had, nothing leaks, and the engine keeps serving.
+    deltas, held, healthy = asyncio.run(one_request_against(servicer(), tokenizer))
     error = deltas[-1].error
     assert error is not None and error.code is grpc.StatusCode.UNAVAILABLE
-    assert "INTERNAL" in str(error) and not [t for d in deltas for t in d.token_ids]
+    assert code in str(error) and len([t for d in deltas for t in d.token_ids]) == num_tokens
     assert held == [] and healthy
 
 

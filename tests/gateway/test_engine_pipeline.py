@@ -18,6 +18,7 @@ from test_engine import tokenizer as tokenizer  # the module-scoped fixture
 
 from gateway import recovery
 from gateway.batch import ScheduledStep
+from gateway.engine import Engine
 from gateway.request_state import Request, Sequence
 from gateway.step import ExecuteCall, ExecuteResult, StepCall, StepOutcome
 from gateway.tokenizer import Tokenizer
@@ -379,57 +380,59 @@ def test_an_execute_goes_out_before_the_previous_returns_if_the_executor_fills_t
     assert link.pool.all_free() and not link.model.held
 
 
-def test_after_a_rejected_batch_the_one_launched_ahead_lands_before_the_next_goes(
-    tokenizer: Tokenizer,
-):
-    # The third Execute is rejected while the fourth, built on the tokens it samples, is out:
-    # the executor rejects that one too (it names a's sampled token), and the fifth waits for
-    # it to land instead of building on it. a fails with UNAVAILABLE after its two tokens; b,
-    # which arrives meanwhile, is served; nothing is held.
+def third_rejected(
+    tokenizer: Tokenizer, b_arrives_in: int, until_next: bool = True
+) -> tuple[Engine, FakeLink, Request, list[Request], list[tuple[int, int]]]:
+    """a runs alone; the third Execute is rejected (INVALID_ARGUMENT); b arrives while
+    Execute `b_arrives_in` runs. Returns the engine, its link, a, [b] and the launches."""
     eng, link = engine(tokenizer, num_blocks=64, tokens=64)
     a = submit(eng, "a", [9] * 5, max_tokens=8)
     late: list[Request] = []
     slow_executor(link, fail_call=3, code=grpc.StatusCode.INVALID_ARGUMENT,
-                  on_call={3: lambda: late.append(submit(eng, "b", [8] * 5, max_tokens=4))},
-                  until_next=True)
-    launches = record_launches(link)
-    asyncio.run(run_until_idle(eng))
+                  on_call={b_arrives_in: lambda: late.append(submit(eng, "b", [8] * 5, 4))},
+                  until_next=until_next)
+    return eng, link, a, late, record_launches(link)
+
+
+def assert_a_failed_and_b_served(link: FakeLink, a: Request, b: Request) -> None:
+    """a ends with UNAVAILABLE after its two tokens; b gets the reference; nothing held."""
     deltas = drain(a)
     assert [t for d in deltas for t in d.token_ids] == link.model.reference([9] * 5, 2)
     assert deltas[-1].error is not None and deltas[-1].error.code is grpc.StatusCode.UNAVAILABLE
-    assert [t for d in drain(late[0]) for t in d.token_ids] == link.model.reference([8] * 5, 4)
+    b_deltas = drain(b)
+    assert [t for d in b_deltas for t in d.token_ids] == link.model.reference([8] * 5, 4)
+    assert b_deltas[-1].error is None and b_deltas[-1].finish_reason is not None
+    assert link.pool.all_free() and not link.model.held
+
+
+def test_after_a_rejected_batch_the_one_launched_ahead_lands_before_the_next_goes(
+    tokenizer: Tokenizer,
+):
+    # The third Execute is rejected while the fourth, built on the tokens it samples, is out:
+    # the executor rejects that one too (its row for a no longer continues what it holds),
+    # and the fifth waits for it to land instead of building on it. b arrives during the
+    # third, after the fourth was planned, and is served.
+    eng, link, a, late, launches = third_rejected(tokenizer, b_arrives_in=3)
+    asyncio.run(run_until_idle(eng))
+    assert_a_failed_and_b_served(link, a, late[0])
     assert [n for n, _ in launches[:5]] == [1, 2, 2, 2, 1]
     assert launches[3][1] == 1  # the fourth stood for a's token from the rejected third
     assert len(launches) > 5 and launches[5][0] == 2  # then ahead again
-    assert link.pool.all_free() and not link.model.held
 
 
 def test_a_request_new_in_a_batch_rejected_after_the_one_before_starts_over(
     tokenizer: Tokenizer,
 ):
     # b arrives while the second Execute runs: its prefill goes out in the fourth, launched
-    # ahead on the third, which is rejected. The executor rejects the fourth too (it names
-    # a's token from the third); b was in no failed batch of its own, so it starts over
-    # (recompute) and gets the reference tokens; a fails; nothing is held.
-    eng, link = engine(tokenizer, num_blocks=64, tokens=64)
-    a = submit(eng, "a", [9] * 5, max_tokens=8)
-    late: list[Request] = []
-    slow_executor(link, fail_call=3, code=grpc.StatusCode.INVALID_ARGUMENT,
-                  on_call={2: lambda: late.append(submit(eng, "b", [8] * 5, max_tokens=4))},
-                  until_next=True)
-    launches = record_launches(link)
+    # ahead on the third, which is rejected. The executor rejects the fourth too; b was in
+    # no failed batch of its own, so it starts over (recompute) and is served.
+    eng, link, a, late, launches = third_rejected(tokenizer, b_arrives_in=2)
     with structlog.testing.capture_logs() as logs:
         asyncio.run(run_until_idle(eng))
-    deltas = drain(a)
-    assert [t for d in deltas for t in d.token_ids] == link.model.reference([9] * 5, 2)
-    assert deltas[-1].error is not None and deltas[-1].error.code is grpc.StatusCode.UNAVAILABLE
-    b_deltas = drain(late[0])
-    assert [t for d in b_deltas for t in d.token_ids] == link.model.reference([8] * 5, 4)
-    assert b_deltas[-1].error is None and b_deltas[-1].finish_reason is not None
+    assert_a_failed_and_b_served(link, a, late[0])
     assert launches[3][0] == 2  # b's prefill, launched ahead on the rejected third
     recomputed = [e for e in logs if e["event"] == "requests_recomputed"]
     assert [e["num"] for e in recomputed] == [1]
-    assert link.pool.all_free() and not link.model.held
 
 
 def test_a_batch_that_failed_while_the_step_was_out_lands_before_the_next_is_built(
@@ -438,12 +441,7 @@ def test_a_batch_that_failed_while_the_step_was_out_lands_before_the_next_is_bui
     # As above, but the fourth Step answers only after the third Execute has been rejected:
     # that batch lands first, and the fourth is built without a (failed), not launched ahead
     # on it. b's prefill is not rejected; nothing starts over.
-    eng, link = engine(tokenizer, num_blocks=64, tokens=64)
-    a = submit(eng, "a", [9] * 5, max_tokens=8)
-    late: list[Request] = []
-    slow_executor(link, fail_call=3, code=grpc.StatusCode.INVALID_ARGUMENT,
-                  on_call={2: lambda: late.append(submit(eng, "b", [8] * 5, max_tokens=4))})
-    launches = record_launches(link)
+    eng, link, a, late, launches = third_rejected(tokenizer, b_arrives_in=2, until_next=False)
     original, steps = link.step, []
 
     async def step(call: StepCall) -> StepOutcome:
@@ -455,11 +453,7 @@ def test_a_batch_that_failed_while_the_step_was_out_lands_before_the_next_is_bui
     link.step = step  # type: ignore[method-assign]
     with structlog.testing.capture_logs() as logs:
         asyncio.run(run_until_idle(eng))
-    deltas = drain(a)
-    assert [t for d in deltas for t in d.token_ids] == link.model.reference([9] * 5, 2)
-    assert deltas[-1].error is not None
-    assert [t for d in drain(late[0]) for t in d.token_ids] == link.model.reference([8] * 5, 4)
+    assert_a_failed_and_b_served(link, a, late[0])
     assert launches[3] == (1, 0)  # b's prefill alone, after the third landed
     assert not [e for e in logs if e["event"] == "requests_recomputed"]
     assert [e["event"] for e in logs].count("execute_failed") == 1
-    assert link.pool.all_free() and not link.model.held
