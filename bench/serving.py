@@ -30,7 +30,6 @@ any two systems disagree the request is re-run alone (batch 1, no padding) as th
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import statistics
@@ -155,7 +154,7 @@ def _step_span(x: dict[str, float]) -> float:
     return busy + (wait if 0 <= wait < IDLE_WAIT_MS else 0.0)
 
 
-def step_profile(steps: list[dict[str, float]], wall_s: float) -> dict[str, float]:
+def step_profile(steps: list[dict[str, float]], wall_s: float) -> dict[str, float | None]:
     """Where pagedkv's wall time went, from the instrumented gateway's per-step records."""
     if not steps:
         return {}
@@ -176,7 +175,7 @@ def step_profile(steps: list[dict[str, float]], wall_s: float) -> dict[str, floa
         "allocator_ms_per_step": sum(x.get("alloc", 0.0) for x in steps) / len(steps),
         "execute_overhead_ms_per_step": (
             sum(x.get("exec", 0.0) - x["forward"] - x["sample"] for x in in_turn) / len(in_turn)
-            if in_turn else float("nan")
+            if in_turn else None
         ),
         "sched_ms_per_step": sum(x.get("sched", 0.0) for x in steps) / len(steps),
         "step_ms_mean": total / len(steps),
@@ -431,7 +430,7 @@ def render(rows: list[dict[str, Any]]) -> str:
                      f"{x['step_ms_mean']:.1f}", f"{x['forward_share']:.0%}",
                      f"{x['sample_share']:.0%}", f"{x['control_share']:.0%}",
                      f"{1 - x['busy_share']:.0%}", f"{x['allocator_ms_per_step']:.2f}",
-                     "-" if math.isnan(x["execute_overhead_ms_per_step"])
+                     "-" if x["execute_overhead_ms_per_step"] is None
                      else f"{x['execute_overhead_ms_per_step']:.2f}"])
     if prof:
         out += ["### Where pagedkv's wall time went (gateway step timers, last repeat)", "",

@@ -4,9 +4,9 @@ Steps (and Releases) run one at a time, in the order they are queued, in one wor
 the event loop keeps answering health checks and Describe while the model computes. A step
 that arrives while another computes (the gateway launches ahead) is decoded meanwhile and
 waits in the worker's queue: the worker starts it the moment the one before ends, with no hop
-through the event loop. A step naming a `previous_step_id` not taken yet waits for it first
-(step_order.py). Domain exceptions raised by the runner reach common.interceptor, which maps
-them to their status codes.
+through the event loop. A step naming a `previous_step_id` not taken yet waits for it first,
+and is refused if it never comes (step_order.py). Domain exceptions raised by the runner
+reach common.interceptor, which maps them to their status codes.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from typing import Any, TypeVar
 
 import grpc
 
+from common.errors import FailedPrecondition, InvalidArgument
 from common.server import Registration
 from executor_svc import convert
 from executor_svc.runner import ModelRunner
-from executor_svc.step_order import StepOrder
+from executor_svc.step_order import ORDER_WAIT_S, StepOrder
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -47,7 +48,14 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     ) -> pb.ExecuteResponse:
         try:
             step = convert.step_from_proto(request)
-            await self._order.after(request.previous_step_id)
+            previous = request.previous_step_id
+            if previous and previous == request.step_id:
+                raise InvalidArgument(f"previous_step_id {previous} names this call itself")
+            if not await self._order.after(previous):
+                raise FailedPrecondition(
+                    f"previous_step_id {previous}: no such call reached this executor within "
+                    f"{ORDER_WAIT_S:g} s; this call builds on it, so it does not run"
+                )
             # A cancelled RPC (client gone) drops its step if it has not started; one that has
             # runs to its end, before anything queued behind it.
             result = self._in_worker(self._runner.execute, step)

@@ -194,8 +194,13 @@ CASES: dict[str, tuple[Case, grpc.StatusCode]] = {
                                                    start_position=w.start_position + 1)]),
         INVALID,
     ),
+    "previous_step_id_naming_the_call_itself": (
+        lambda e, w: pb.ExecuteRequest(seqs=[w], step_id=7, previous_step_id=7),
+        INVALID,
+    ),
 }
-SAMPLED_TOKEN_CASES = {c for c in CASES if "use_sampled_token" in c}
+# Cases of the optional part of the contract (Describe's uses_sampled_tokens).
+SAMPLED_TOKEN_CASES = {c for c in CASES if "use_sampled_token" in c or "step_id" in c}
 
 
 @pytest.fixture

@@ -148,24 +148,35 @@ def test_service_queues_a_step_that_arrives_while_one_computes(served: Served) -
     assert set(runner.requests) == {"first", "second"}
 
 
-def test_service_a_call_naming_a_refused_call_goes_on_and_one_never_seen_is_not_waited_for(
-    served: Served,
-) -> None:
-    # A refused call counts as taken: the call naming it runs without waiting. A call naming
-    # an id never seen runs after a bounded wait, which is logged.
+def test_service_orders_calls_by_previous_step_id(served: Served) -> None:
+    # A call refused while it is decoded, or given up by its caller while it waits, counts as
+    # taken: the call naming it runs at once. A call naming an id that never comes is refused
+    # after a bounded, logged wait (FAILED_PRECONDITION); one naming itself, at once.
     stub, _, _ = served
-    refused = _first_step("refused", [1, 2], [64])  # block 64 is out of range
-    refused.step_id = 41
+
+    def step(rid: str, block: int, step_id: int, previous: int) -> pb.ExecuteRequest:
+        request = _first_step(rid, [1, 2], [block])
+        request.step_id, request.previous_step_id = step_id, previous
+        return request
+
     with structlog.testing.capture_logs() as logs:
+        refused = pb.ExecuteRequest(decode_request_ids=["x", "y"], decode_token_ids=[1],
+                                    decode_positions=[0, 0], step_id=41)
         with pytest.raises(grpc.RpcError) as err:
             stub.Execute(refused, timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        after_refused = _first_step("after-refused", [1, 2], [0])
-        after_refused.step_id, after_refused.previous_step_id = 42, 41
-        assert stub.Execute(after_refused, timeout=30).tokens[0].request_id == "after-refused"
+        assert stub.Execute(step("after-refused", 0, 42, 41), timeout=30).tokens
+        with pytest.raises(grpc.RpcError) as err:  # waits for 44, which never comes
+            stub.Execute(step("given-up", 1, 45, 44), timeout=0.2)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert stub.Execute(step("after-given-up", 2, 46, 45), timeout=30).tokens
         assert not [e for e in logs if e["event"] == "previous_step_not_seen"]
-        orphan = _first_step("orphan", [3, 4], [1])
-        orphan.step_id, orphan.previous_step_id = 44, 43  # 43 never comes
-        assert stub.Execute(orphan, timeout=30).tokens[0].request_id == "orphan"
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Execute(step("orphan", 3, 48, 47), timeout=30)  # 47 never comes
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "previous_step_id 47" in (err.value.details() or "")
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Execute(step("itself", 4, 49, 49), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     waited = [e for e in logs if e["event"] == "previous_step_not_seen"]
-    assert [e["previous_step_id"] for e in waited] == [43]
+    assert [e["previous_step_id"] for e in waited] == [47]

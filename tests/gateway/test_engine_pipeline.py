@@ -31,7 +31,7 @@ def slow_executor(link: FakeLink, fail_call: int = 0, code: grpc.StatusCode | No
     executor, or 0.5 s: whether the engine launches ahead then depends on nothing but the
     engine); call number `fail_call` fails with `code`. Returns a live view: whether an
     Execute is running, and how many were made."""
-    state: dict[str, object] = {"executing": False, "calls": 0}
+    state: dict[str, object] = {"executing": False, "calls": 0, "failed": asyncio.Event()}
     arrived = [0]
     outer, original = link.execute, link.compute
 
@@ -54,6 +54,7 @@ def slow_executor(link: FakeLink, fail_call: int = 0, code: grpc.StatusCode | No
                 on_call[number]()  # type: ignore[operator]
             if number == fail_call:
                 assert code is not None
+                state["failed"].set()  # type: ignore[attr-defined]
                 raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "no")
             return await original(call)
         finally:
@@ -381,17 +382,20 @@ def test_an_execute_goes_out_before_the_previous_returns_if_the_executor_fills_t
 
 
 def third_rejected(
-    tokenizer: Tokenizer, b_arrives_in: int, until_next: bool = True
-) -> tuple[Engine, FakeLink, Request, list[Request], list[tuple[int, int]]]:
+    tokenizer: Tokenizer, b_arrives_in: int
+) -> tuple[Engine, FakeLink, Request, list[Request], list[tuple[int, int]], asyncio.Event]:
     """a runs alone; the third Execute is rejected (INVALID_ARGUMENT); b arrives while
-    Execute `b_arrives_in` runs. Returns the engine, its link, a, [b] and the launches."""
+    Execute `b_arrives_in` runs; each Execute ends once the next has arrived (or after
+    0.5 s). Returns the engine, its link, a, [b], the launches and the rejection's event."""
     eng, link = engine(tokenizer, num_blocks=64, tokens=64)
     a = submit(eng, "a", [9] * 5, max_tokens=8)
     late: list[Request] = []
-    slow_executor(link, fail_call=3, code=grpc.StatusCode.INVALID_ARGUMENT,
-                  on_call={b_arrives_in: lambda: late.append(submit(eng, "b", [8] * 5, 4))},
-                  until_next=until_next)
-    return eng, link, a, late, record_launches(link)
+    state = slow_executor(
+        link, fail_call=3, code=grpc.StatusCode.INVALID_ARGUMENT, until_next=True,
+        on_call={b_arrives_in: lambda: late.append(submit(eng, "b", [8] * 5, 4))})
+    failed = state["failed"]
+    assert isinstance(failed, asyncio.Event)
+    return eng, link, a, late, record_launches(link), failed
 
 
 def assert_a_failed_and_b_served(link: FakeLink, a: Request, b: Request) -> None:
@@ -412,7 +416,7 @@ def test_after_a_rejected_batch_the_one_launched_ahead_lands_before_the_next_goe
     # the executor rejects that one too (its row for a no longer continues what it holds),
     # and the fifth waits for it to land instead of building on it. b arrives during the
     # third, after the fourth was planned, and is served.
-    eng, link, a, late, launches = third_rejected(tokenizer, b_arrives_in=3)
+    eng, link, a, late, launches, _ = third_rejected(tokenizer, b_arrives_in=3)
     asyncio.run(run_until_idle(eng))
     assert_a_failed_and_b_served(link, a, late[0])
     assert [n for n, _ in launches[:5]] == [1, 2, 2, 2, 1]
@@ -426,7 +430,7 @@ def test_a_request_new_in_a_batch_rejected_after_the_one_before_starts_over(
     # b arrives while the second Execute runs: its prefill goes out in the fourth, launched
     # ahead on the third, which is rejected. The executor rejects the fourth too; b was in
     # no failed batch of its own, so it starts over (recompute) and is served.
-    eng, link, a, late, launches = third_rejected(tokenizer, b_arrives_in=2)
+    eng, link, a, late, launches, _ = third_rejected(tokenizer, b_arrives_in=2)
     with structlog.testing.capture_logs() as logs:
         asyncio.run(run_until_idle(eng))
     assert_a_failed_and_b_served(link, a, late[0])
@@ -441,13 +445,13 @@ def test_a_batch_that_failed_while_the_step_was_out_lands_before_the_next_is_bui
     # As above, but the fourth Step answers only after the third Execute has been rejected:
     # that batch lands first, and the fourth is built without a (failed), not launched ahead
     # on it. b's prefill is not rejected; nothing starts over.
-    eng, link, a, late, launches = third_rejected(tokenizer, b_arrives_in=2, until_next=False)
+    eng, link, a, late, launches, failed = third_rejected(tokenizer, b_arrives_in=2)
     original, steps = link.step, []
 
     async def step(call: StepCall) -> StepOutcome:
         steps.append(call)
         if len(steps) == 4:
-            await asyncio.sleep(0.2)  # the third Execute (10 ms) fails meanwhile
+            await asyncio.wait_for(failed.wait(), 5)  # the third Execute fails meanwhile
         return await original(call)
 
     link.step = step  # type: ignore[method-assign]
