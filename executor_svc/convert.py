@@ -54,12 +54,7 @@ def compact_decodes(msg: pb.ExecuteRequest) -> list[SequenceWork]:
             f"decode_request_ids, decode_token_ids and decode_positions must have equal "
             f"lengths, got {len(ids)}, {len(tokens)} and {len(positions)}"
         )
-    use_sampled = msg.decode_use_sampled_token
-    if not use_sampled:
-        return [
-            SequenceWork(rid, (token,), position, None, None, True)
-            for rid, token, position in zip(ids, tokens, positions, strict=True)
-        ]
+    use_sampled = msg.decode_use_sampled_token or [False] * len(ids)
     if len(use_sampled) != len(ids):
         raise InvalidArgument(
             f"decode_use_sampled_token must be empty or have one entry per compact decode, "

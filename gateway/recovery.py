@@ -32,7 +32,7 @@ import structlog
 from common.errors import ServiceError, Unavailable
 from gateway import orphans
 from gateway.batch import Batch, ScheduledStep
-from gateway.request_state import Sequence
+from gateway.request_state import Sequence, priority
 
 if TYPE_CHECKING:
     from gateway.engine import Engine
@@ -135,8 +135,7 @@ def execute_failed(
         # ones its Step swapped out too (their KV never reached the CPU).
         recomputed = {s for s in [*(s for s, _ in batch.scheduled), *batch.swapped_out]
                       if not s.is_finished}
-        for seq in sorted(recomputed, key=lambda s: (s.request.arrival_time, s.index),
-                          reverse=True):
+        for seq in sorted(recomputed, key=priority, reverse=True):
             engine.scheduler.recompute(seq)
         log.warning("requests_recomputed", pool_id=engine.pool_id, num=len(recomputed),
                     why="rejected_after_failure")
@@ -217,6 +216,6 @@ def readmit_all(engine: Engine, why: str) -> None:
     allocator holds none of them, or noted them as orphans."""
     seqs = engine.scheduler.evict_all()
     log.warning("requests_readmitted", pool_id=engine.pool_id, why=why, num=len(seqs))
-    for seq in sorted(seqs, key=lambda s: (s.request.arrival_time, s.index)):
+    for seq in sorted(seqs, key=priority):
         if not seq.request.cancelled:
             engine.scheduler.add(seq)

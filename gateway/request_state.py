@@ -167,3 +167,8 @@ class Sequence:
         self.samples_in_flight = False
         self.block_table.clear()
         self.num_preemptions += 1
+
+
+def priority(seq: Sequence) -> tuple[float, int]:
+    """FCFS order: the request's arrival, then the completion's index."""
+    return (seq.request.arrival_time, seq.index)

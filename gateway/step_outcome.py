@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.batch import Batch, ScheduledStep
-from gateway.request_state import UNSAMPLED, SeqStatus, Sequence
+from gateway.request_state import UNSAMPLED, SeqStatus, Sequence, priority
 from gateway.step import ExecuteCall, SeqWork, StepCall, StepItem, StepOutcome, TableDelta
 
 if TYPE_CHECKING:
@@ -203,9 +203,9 @@ def _apply_preemptions(
         seq.reset_for_recompute()
         sched.release(seq)
         recomputed.append(seq)
-    sched.swapped.sort(key=_priority)
+    sched.swapped.sort(key=priority)
     # The earliest preempted sequence goes first: the queue front keeps FCFS order.
-    for seq in sorted(recomputed, key=_priority, reverse=True):
+    for seq in sorted(recomputed, key=priority, reverse=True):
         sched.add(seq, front=True)
     return swapped_out
 
@@ -228,6 +228,3 @@ def _seq_work(seq: Sequence, start: int, num: int, delta: TableDelta | None) -> 
         use_sampled_token=unsampled,
     )
 
-
-def _priority(seq: Sequence) -> tuple[float, int]:
-    return (seq.request.arrival_time, seq.index)

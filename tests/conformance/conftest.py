@@ -193,3 +193,14 @@ def reference_generate(model: PreTrainedModel, prompt: list[int], num_new: int) 
 def reference_logprobs(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)  # [T, V]
+
+
+def require_uses_sampled_tokens(executor: Executor) -> None:
+    """The use_sampled_token / step_id cases are an optional part of the contract."""
+    if not executor.info.uses_sampled_tokens:
+        pytest.skip(
+            "the executor under test reports uses_sampled_tokens = false (Describe), so the "
+            "gateway never sends it use_sampled_token or step_id; these cases run against an "
+            "executor that implements them, e.g. this project's: "
+            ".venv/bin/python -m pytest -q tests/conformance"
+        )

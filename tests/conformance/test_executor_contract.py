@@ -14,7 +14,12 @@ from transformers import PreTrainedModel
 
 from pagedkv.executor.v1 import executor_pb2 as pb
 
-from .conftest import Executor, reference_generate, reference_logprobs
+from .conftest import (
+    Executor,
+    reference_generate,
+    reference_logprobs,
+    require_uses_sampled_tokens,
+)
 
 SERVICE = "pagedkv.executor.v1.ExecutorService"
 pytestmark = pytest.mark.conformance
@@ -233,14 +238,6 @@ def test_sampling_with_a_seed_reproduces(executor: Executor) -> None:
     assert runs[0] == runs[1]
 
 
-def _uses_sampled_tokens(executor: Executor) -> None:
-    if not executor.info.uses_sampled_tokens:
-        pytest.skip(
-            "this executor's Describe reports uses_sampled_tokens = false: the gateway sends it "
-            "no use_sampled_token rows (optional part of the contract)"
-        )
-
-
 def test_sampled_tokens_are_used_before_they_return(
     executor: Executor, reference: PreTrainedModel
 ) -> None:
@@ -248,7 +245,7 @@ def test_sampled_tokens_are_used_before_they_return(
     # its tokens standing for the ones that step samples: compact rows with
     # decode_use_sampled_token, and SequenceWork with use_sampled_token when a sequence needs a
     # new block. The tokens equal the reference's generate.
-    _uses_sampled_tokens(executor)
+    require_uses_sampled_tokens(executor)
     prompts = _prompts(executor.info.vocab_size, [6, 15, 29], seed=8)
     rids = [f"ahead-{i}" for i in range(3)]
     block_size = executor.info.block_size
@@ -286,7 +283,7 @@ def test_use_sampled_token_needs_a_token_sampled_by_the_last_step(
     # FAILED_PRECONDITION, changing nothing, where the request's last step sampled nothing:
     # a new request, after a prefill chunk, after a step that did not sample. Between them
     # the request goes on like the reference.
-    _uses_sampled_tokens(executor)
+    require_uses_sampled_tokens(executor)
     prompt = _prompts(executor.info.vocab_size, [12], seed=9)[0]
 
     def use_sampled(rid: str) -> pb.SequenceWork:
@@ -320,7 +317,7 @@ def test_a_step_naming_its_previous_step_waits_for_it(
     # gRPC does not order two calls: the second step, which builds on the first's sampled
     # token, is sent first. Naming the first (previous_step_id), it waits for it and runs
     # after it; both give the reference's tokens.
-    _uses_sampled_tokens(executor)
+    require_uses_sampled_tokens(executor)
     prompt = _prompts(executor.info.vocab_size, [10], seed=10)[0]
     first_id = time.time_ns()  # ids unlike any another caller sent this executor
     first = pb.ExecuteRequest(seqs=[executor.work("order", prompt)], step_id=first_id)

@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 
 from pagedkv.executor.v1 import executor_pb2 as pb
 
-from .conftest import Executor, reference_generate
+from .conftest import Executor, reference_generate, require_uses_sampled_tokens
 
 pytestmark = pytest.mark.conformance
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
@@ -222,9 +222,8 @@ def test_bad_execute_is_rejected_without_effect(
     # The bad step (which carries the witness's valid decode) fails with its status; then the
     # witness continues exactly like the reference, and no other state appeared.
     prompt, output = witness
-    if case in SAMPLED_TOKEN_CASES and not executor.info.uses_sampled_tokens:
-        pytest.skip("this executor's Describe reports uses_sampled_tokens = false: the gateway "
-                    "sends it no use_sampled_token rows (optional part of the contract)")
+    if case in SAMPLED_TOKEN_CASES:
+        require_uses_sampled_tokens(executor)
     build, code = CASES[case]
     next_work = pb.SequenceWork(
         request_id="witness",

@@ -143,6 +143,11 @@ class CorePool:
         return [TableDelta(0, tuple(b.block_id for b in c.blocks)) for c in children]
 
 
+def _use_sampled(call: ExecuteCall) -> tuple[bool, ...]:
+    """decode_use_sampled_token, one per compact decode (empty means none)."""
+    return call.decode_use_sampled_token or (False,) * len(call.decode_request_ids)
+
+
 @dataclass(slots=True)
 class Held:
     """What the executor holds for one request: its token count and block table."""
@@ -195,7 +200,7 @@ class FakeModel:
             self.gpu[c.dst_block_id] = list(self.cpu.pop(c.src_block_id))
         for c in call.copies:
             self.gpu[c.dst_block_id] = list(self._block(c.src_block_id))
-        use_sampled = call.decode_use_sampled_token or (False,) * len(call.decode_request_ids)
+        use_sampled = _use_sampled(call)
         decode_tokens = [
             self._run(SeqWork(rid, (token,), position, None, True, None, chained))
             for rid, token, position, chained in zip(
@@ -215,7 +220,7 @@ class FakeModel:
         gone = set(call.release_request_ids)
         rows = [(rid, position, chained) for rid, position, chained in zip(
             call.decode_request_ids, call.decode_positions,
-            call.decode_use_sampled_token or (False,) * len(call.decode_request_ids),
+            _use_sampled(call),
             strict=True)]
         rows += [(s.request_id, s.start_position, s.use_sampled_token) for s in call.seqs
                  if s.sampling is None]

@@ -38,21 +38,13 @@ def test_an_unknown_preemption_mode_is_refused_by_the_parser(capsys: pytest.Capt
     assert info.value.code == 2 and "--preemption-mode" in capsys.readouterr().err
 
 
-def test_pipeline_steps_is_on_by_default_and_takes_only_a_boolean(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize(("flag", "attr"), [("--pipeline-steps", "pipeline_steps"),
+                                           ("--launch-ahead", "launch_ahead")])
+def test_step_order_flags_are_on_by_default_and_take_only_a_boolean(
+    capsys: pytest.CaptureFixture[str], flag: str, attr: str
 ):
-    assert load_settings([]).pipeline_steps
-    assert not load_settings(["--pipeline-steps", "false"]).pipeline_steps
+    assert getattr(load_settings([]), attr)
+    assert not getattr(load_settings([flag, "false"]), attr)
     with pytest.raises(SystemExit) as info:
-        load_settings(["--pipeline-steps", "sometimes"])
-    assert info.value.code == 2 and "--pipeline-steps" in capsys.readouterr().err
-
-
-def test_launch_ahead_is_on_by_default_and_takes_only_a_boolean(
-    capsys: pytest.CaptureFixture[str],
-):
-    assert load_settings([]).launch_ahead
-    assert not load_settings(["--launch-ahead", "false"]).launch_ahead
-    with pytest.raises(SystemExit) as info:
-        load_settings(["--launch-ahead", "maybe"])
-    assert info.value.code == 2 and "--launch-ahead" in capsys.readouterr().err
+        load_settings([flag, "sometimes"])
+    assert info.value.code == 2 and flag in capsys.readouterr().err
