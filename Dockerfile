@@ -24,8 +24,13 @@ COPY protos ./protos
 RUN python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. \
         $(find protos -name '*.proto')
 
-COPY common ./common
+# The embedded real model (SmolLM2-135M-Instruct), converted once at build time; the
+# conversion-only packages stay out of the services' way (nothing imports them at run time).
 COPY models ./models
+RUN pip install ${PIP_EXTRA_ARGS} gguf accelerate \
+    && python models/fetch_smollm2.py --out models/smollm2-135m-instruct
+
+COPY common ./common
 COPY allocator_svc ./allocator_svc
 COPY executor_svc ./executor_svc
 COPY gateway ./gateway

@@ -8,19 +8,25 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := pagedkv/.generated
+# The embedded real model, converted once at set-up (models/fetch_smollm2.py); never at run time.
+MODEL_DIR := models/smollm2-135m-instruct
 
-.PHONY: setup protos lint typecheck test conformance run run-allocator bench bench-full bench-executor compose-check clean
+.PHONY: setup model protos lint typecheck test conformance run run-allocator bench bench-full bench-executor compose-check clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed model
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,convert]"
 	touch $@
 
+model: $(MODEL_DIR)/.complete
+$(MODEL_DIR)/.complete: | $(VENV)/.installed
+	$(PY) models/fetch_smollm2.py --out $(MODEL_DIR)
+
 protos: $(PROTO_STAMP)
-$(PROTO_STAMP): $(PROTO_SRC) $(VENV)/.installed
+$(PROTO_STAMP): $(PROTO_SRC) $(VENV)/.installed $(MODEL_DIR)/.complete
 	rm -rf pagedkv
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_SRC)
 	touch $@

@@ -1,8 +1,11 @@
 """Load a decoder-only transformers model with the paged attention plugged in.
 
 Weights come from the model directory (safetensors) or, with `dummy`, from a seeded random
-initialisation of its config. The fingerprint identifies config + weights: the allocator mixes
-it into block hashes, so two executors share prefix-cache entries only when it matches.
+initialisation of its config. `auto` never serves random weights silently: a directory without
+safetensors is refused (with what to do), except a config-only preset shipped in `models/`,
+which gets dummy weights and a WARNING. The fingerprint identifies config + weights: the
+allocator mixes it into block hashes, so two executors share prefix-cache entries only when it
+matches.
 """
 
 from __future__ import annotations
@@ -11,11 +14,20 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers.models.auto.auto_factory import _get_model_class
 
+from common.model_dirs import FOREIGN_SUFFIXES, TOKENIZER_FILES, ModelDir
 from executor_svc.attention import ATTENTION_NAME, register_attention
 from executor_svc.lm_head import speed_up_lm_head
 
@@ -68,15 +80,12 @@ def fingerprint(config: PretrainedConfig, weights: str) -> str:
     return digest.hexdigest()
 
 
-def _weights_identity(path: Path) -> str:
+def _weights_identity(files: tuple[Path, ...]) -> str:
     """sha256 of every safetensors file's contents, in name order.
 
     NOTE: the whole contents, not the headers: two fine-tunes of one model have identical
     headers and sizes, and must never share prefix-cache entries.
     """
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors in {path}; use --load-format dummy for a config")
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.name.encode())
@@ -86,11 +95,75 @@ def _weights_identity(path: Path) -> str:
     return "safetensors:" + digest.hexdigest()
 
 
-def _eos_ids(config: PretrainedConfig) -> tuple[int, ...]:
-    eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(int(x) for x in eos) if isinstance(eos, list | tuple) else (int(eos),)
+def _eos_ids(directory: Path, config: PretrainedConfig) -> tuple[int, ...]:
+    """EOS ids of the config and of the generation config, in that order, each once.
+
+    Chat models often end a turn with a token only the generation config names.
+    """
+    ids: list[int] = []
+    sources: list[Any] = [getattr(config, "eos_token_id", None)]
+    if (directory / "generation_config.json").is_file():
+        try:
+            generation = GenerationConfig.from_pretrained(directory, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(
+                f"unreadable generation_config.json in {directory}: {exc}"
+            ) from exc
+        sources.append(generation.eos_token_id)
+    for eos in sources:
+        for token_id in eos if isinstance(eos, list | tuple) else [eos]:
+            if token_id is not None and int(token_id) not in ids:
+                ids.append(int(token_id))
+    return tuple(ids)
+
+
+def choose_weights(found: ModelDir, load_format: str) -> str:
+    """"safetensors" or "dummy" for this directory, or ModelLoadError saying what to do."""
+    if load_format == "dummy":
+        return "dummy"
+    if found.weight_files:
+        if not found.has_tokenizer:
+            raise ModelLoadError(
+                f"no tokenizer in {found.path} (looked for {', '.join(TOKENIZER_FILES)}): copy "
+                "the model's tokenizer files next to its weights; the gateway needs them"
+            )
+        return "safetensors"
+    if found.foreign_files:
+        first = found.foreign_files[0]
+        raise ModelLoadError(f"{first} is {FOREIGN_SUFFIXES[first.suffix]}")
+    if found.is_preset:
+        log.warning(
+            "dummy_weights",
+            model=found.path.name,
+            reason="a config-only preset: random weights (seeded), output is not meaningful",
+        )
+        return "dummy"
+    raise ModelLoadError(
+        f"no *.safetensors weights in {found.path}: put the model's weights there, or pass "
+        "--load-format dummy to serve random weights on purpose"
+    )
+
+
+def _check_architecture(config: PretrainedConfig) -> None:
+    """Decoder-only models that call transformers' attention interface can be served."""
+    try:
+        model_class = _get_model_class(config, AutoModelForCausalLM._model_mapping)
+    except (KeyError, ValueError) as exc:
+        kind = getattr(config, "model_type", "?")
+        raise ModelLoadError(
+            f"architecture {kind!r} is not a causal LM transformers can build: serve a "
+            "decoder-only model (Llama, Qwen2/3, Mistral, ...)"
+        ) from exc
+    if config.is_encoder_decoder or not model_class.__name__.endswith("ForCausalLM"):
+        raise ModelLoadError(
+            f"{model_class.__name__} is not a decoder-only *ForCausalLM model: serve a Llama, "
+            "Qwen2/3 or Mistral-style model"
+        )
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise ModelLoadError(
+            f"{model_class.__name__} does not use transformers' attention interface, so paged "
+            "attention cannot be plugged in: serve a Llama, Qwen2/3 or Mistral-style model"
+        )
 
 
 def load_model(
@@ -102,9 +175,12 @@ def load_model(
     register_attention()
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read a transformers config in {directory}: {exc}") from exc
-    if load_format == "dummy":
+    _check_architecture(config)
+    found = ModelDir.inspect(directory)
+    weights_source = choose_weights(found, load_format)
+    if weights_source == "dummy":
         torch.manual_seed(seed)
         with device:  # initialise in place: an 8B model is never built on the CPU first
             model = AutoModelForCausalLM.from_config(
@@ -112,10 +188,13 @@ def load_model(
             )
         weights = f"dummy:seed={seed}"
     else:
-        weights = _weights_identity(directory)
-        model = AutoModelForCausalLM.from_pretrained(
-            directory, dtype=dtype, attn_implementation=ATTENTION_NAME, local_files_only=True
-        )
+        weights = _weights_identity(found.weight_files)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                directory, dtype=dtype, attn_implementation=ATTENTION_NAME, local_files_only=True
+            )
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot load the weights in {directory}: {exc}") from exc
     model = model.to(device).eval()
     model.requires_grad_(False)
     if device.type == "cpu":
@@ -127,12 +206,13 @@ def load_model(
         fingerprint=fingerprint(config, weights),
         dtype=dtype,
         device=device,
-        eos_token_ids=_eos_ids(config),
+        eos_token_ids=_eos_ids(directory, config),
     )
     log.info(
         "model_loaded",
         model=loaded.name,
         load_format=load_format,
+        weights=weights_source,
         dtype=dtype_name(dtype),
         device=str(device),
         num_params=sum(p.numel() for p in model.parameters()),

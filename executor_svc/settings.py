@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import add_flag, parse_bool
+from common.model_dirs import DEFAULT_MODEL as EMBEDDED_MODEL
+from common.model_dirs import missing_model_message
 
 DEFAULT_PORT = 50053
-DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "tiny-llama")
+DEFAULT_MODEL = str(EMBEDDED_MODEL)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -38,7 +40,9 @@ class ExecutorSettings:
     port: int = DEFAULT_PORT
     port_file: str | None = None  # the bound port is written here once serving (port 0)
     model: str = DEFAULT_MODEL
-    load_format: str = "auto"  # auto: safetensors from the directory; dummy: seeded random
+    # auto: the directory's safetensors (a config-only preset: dummy, with a WARNING);
+    # dummy: seeded random weights on purpose
+    load_format: str = "auto"
     seed: int = 0
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "cpu"
@@ -101,7 +105,7 @@ class ExecutorSettings:
                 self.max_model_len is None or self.max_model_len > 0,
                 "--max-model-len must be positive (or unset for the model's own limit)",
             ),
-            (Path(self.model).is_dir(), f"--model {self.model!r} is not a directory"),
+            (Path(self.model).is_dir(), missing_model_message("--model", self.model)),
         ]
         for ok, message in checks:
             if not ok:

@@ -4,23 +4,34 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
+
+import structlog
 
 from common.logging import configure_logging
 from gateway.app import start_gateway
 from gateway.settings import load_settings
+from gateway.tokenizer import TokenizerLoadError
+
+log = structlog.get_logger("gateway")
 
 
-async def main() -> None:
+async def main() -> int:
     settings = load_settings()
     configure_logging("gateway", json=settings.log_json, level=settings.log_level)
-    gateway = await start_gateway(settings)
+    try:
+        gateway = await start_gateway(settings)
+    except TokenizerLoadError as exc:
+        log.error("gateway_failed_to_start", error=str(exc))
+        return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await gateway.stop()
+    return 0
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    sys.exit(asyncio.run(main()))

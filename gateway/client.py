@@ -22,12 +22,21 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
         sampling.top_p = args.top_p
     if args.seed is not None:
         sampling.seed = args.seed
+    if args.chat:
+        messages = [pb.ChatMessage(role="user", content=args.prompt)]
+        if args.system:
+            messages.insert(0, pb.ChatMessage(role="system", content=args.system))
+        return pb.GenerateRequest(chat=pb.ChatMessages(messages=messages), sampling=sampling,
+                                  cache_salt=args.cache_salt)
     return pb.GenerateRequest(text=args.prompt, sampling=sampling, cache_salt=args.cache_salt)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gateway.client", description=__doc__)
     parser.add_argument("prompt")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user message in the model's chat template")
+    parser.add_argument("--system", default="", help="with --chat: a system message first")
     parser.add_argument("--addr", default="localhost:50051", help="gateway host:port")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=None, help="0: greedy")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from common.config import add_flag
+from common.model_dirs import DEFAULT_MODEL
 from gateway.health_probe import is_serving
 
 HOST = "127.0.0.1"
@@ -31,13 +32,13 @@ class StackError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class StackSpec:
-    model: str = "models/tiny-llama"
+    model: str = str(DEFAULT_MODEL)
     num_executors: int = 1
     allocator_port: int = 50052
     executor_port: int = 50053   # the first; the others follow (0: any free ports)
     gateway_port: int = 50051
     allocator_args: tuple[str, ...] = ()
-    executor_args: tuple[str, ...] = ("--load-format", "dummy")
+    executor_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     log_dir: str | None = None   # None: children log to this terminal
     startup_timeout_s: float = 120.0
@@ -155,6 +156,8 @@ def usage_text(stack: Stack) -> str:
     return (
         f"\npagedkv is up: gateway {addr}, allocator {stack.allocator_addr}, "
         f"executors {', '.join(stack.executor_addrs())}\n\n"
+        f"  .venv/bin/python -m gateway.client --addr {addr} --chat "
+        "\"What is the capital of France?\" --temperature 0\n"
         f"  .venv/bin/python -m gateway.client --addr {addr} \"The quick brown fox\" "
         "--max-tokens 32 --temperature 0\n"
         f"  grpcurl -plaintext -d '{{\"text\": \"Hello\", \"sampling\": {{\"max_tokens\": 16}}}}' "
@@ -165,12 +168,15 @@ def usage_text(stack: Stack) -> str:
 
 def parse_spec(argv: list[str] | None = None) -> StackSpec:
     p = argparse.ArgumentParser(prog="python -m gateway.launch", description=__doc__)
-    add_flag(p, "--model", default="models/tiny-llama", help="model preset directory")
+    add_flag(p, "--model", default=str(DEFAULT_MODEL),
+             help="model directory (safetensors + tokenizer) or a preset under models/")
     add_flag(p, "--num-executors", type=int, default=1, help="executors (one KV pool each)")
     add_flag(p, "--gateway-port", type=int, default=50051, help="gateway port")
     add_flag(p, "--allocator-port", type=int, default=50052, help="allocator port")
     add_flag(p, "--executor-port", type=int, default=50053, help="first executor port")
-    add_flag(p, "--load-format", default="dummy", help="executor weights: dummy or auto")
+    add_flag(p, "--load-format", default="auto",
+             help="executor weights: auto (the directory's; a config-only preset gets random "
+                  "ones, with a warning) or dummy (random on purpose)")
     add_flag(p, "--log-dir", default=None, help="write each service's log here")
     args, extra = p.parse_known_args(argv)
     return StackSpec(

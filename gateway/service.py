@@ -11,6 +11,7 @@ from gateway.engine import Engine
 from gateway.frontend import Frontend
 from gateway.request_state import CompletionDelta, FinishReason, Usage
 from gateway.sampling import RawSampling
+from gateway.tokenizer import ChatTurn
 from pagedkv.gateway.v1 import gateway_pb2 as pb
 from pagedkv.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
@@ -36,12 +37,15 @@ def raw_sampling(params: pb.SamplingParams) -> RawSampling:
     )
 
 
-def _prompt(request: Any) -> tuple[str | None, list[int] | None]:
+def _prompt(request: Any, frontend: Frontend) -> tuple[str | None, list[int] | None]:
     kind = request.WhichOneof("prompt")
     if kind == "text":
         return request.text, None
     if kind == "token_ids":
         return None, list(request.token_ids.ids)
+    if kind == "chat":
+        messages = [ChatTurn(m.role, m.content) for m in request.chat.messages]
+        return None, frontend.tokenizer.render_chat(messages)
     return None, None
 
 
@@ -64,7 +68,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self.frontend = frontend
 
     async def _submit(self, request: Any) -> Any:
-        text, token_ids = _prompt(request)
+        text, token_ids = _prompt(request, self.frontend)
         return await self.frontend.submit(
             text, token_ids, raw_sampling(request.sampling), request.cache_salt,
             request.request_id,

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.config import add_flag, parse_bool
+from common.model_dirs import DEFAULT_MODEL
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -65,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         parser, "--executor-addrs", default="localhost:50053",
         help="comma-separated executor host:port list (one KV pool each)",
     )
-    add_flag(parser, "--model", default="models/tiny-llama", help="preset/tokenizer directory")
+    add_flag(parser, "--model", default=str(DEFAULT_MODEL), help="model directory (tokenizer)")
     add_flag(parser, "--max-num-seqs", type=int, default=256, help="sequences per step")
     add_flag(
         parser, "--max-num-batched-tokens", type=int, default=2048,

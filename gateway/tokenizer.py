@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from common.errors import InvalidArgument
+from common.model_dirs import TOKENIZER_FILES, ModelDir, missing_model_message
+
+
+class TokenizerLoadError(RuntimeError):
+    """The gateway cannot start: the message names the directory and the remedy."""
+
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTurn:
+    role: str
+    content: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +34,17 @@ class Tokenizer:
     def load(cls, path: str) -> Tokenizer:
         from transformers import AutoTokenizer
 
-        hf = AutoTokenizer.from_pretrained(path)
+        if not Path(path).is_dir():
+            raise TokenizerLoadError(missing_model_message("--model", path))
+        if not ModelDir.inspect(path).has_tokenizer:
+            raise TokenizerLoadError(
+                f"no tokenizer in {path} (looked for {', '.join(TOKENIZER_FILES)}): point "
+                "--model at the directory that holds the model's tokenizer files"
+            )
+        try:
+            hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise TokenizerLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
         backend = getattr(hf, "backend_tokenizer", None)
         plain = not getattr(hf, "clean_up_tokenization_spaces", False)
         return cls(hf=hf, fast=backend if plain else None)
@@ -38,6 +63,29 @@ class Tokenizer:
             return [int(t) for t in self.hf.encode(text)]
         except Exception as exc:  # noqa: BLE001 - a tokenizer error is the caller's input
             raise InvalidArgument(f"prompt text could not be tokenized: {exc}") from exc
+
+    def render_chat(self, turns: list[ChatTurn]) -> list[int]:
+        """Token ids of a conversation in the model's chat template, ready for the reply."""
+        if not turns:
+            raise InvalidArgument("chat: messages is empty; send at least one message")
+        bad = next((t.role for t in turns if t.role not in CHAT_ROLES), None)
+        if bad is not None:
+            raise InvalidArgument(f"chat: role {bad!r} is not one of {', '.join(CHAT_ROLES)}")
+        if not getattr(self.hf, "chat_template", None):
+            raise InvalidArgument(
+                "chat: this model has no chat template; send the prompt as text or token_ids"
+            )
+        messages = [{"role": t.role, "content": t.content} for t in turns]
+        try:
+            rendered = self.hf.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
+            raise InvalidArgument(
+                f"chat: the model's template rejected the messages: {exc}"
+            ) from exc
+        # NOTE: the template writes the special tokens itself: encode without adding BOS.
+        return [int(t) for t in self.hf.encode(rendered, add_special_tokens=False)]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.fast is not None:

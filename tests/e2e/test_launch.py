@@ -14,7 +14,8 @@ from e2e_stack import ROOT
 
 
 def test_launch_starts_serves_and_stops_on_ctrl_c(tmp_path: Path):
-    # Ports 0 (free ones), logs to files; the printed client command works; SIGINT ends all.
+    # The defaults (the embedded real model), ports 0, logs to files; the printed chat command
+    # answers with real text; SIGINT ends all.
     launch = subprocess.Popen(
         [sys.executable, "-m", "gateway.launch", "--gateway-port", "0", "--allocator-port", "0",
          "--executor-port", "0", "--log-dir", str(tmp_path)],
@@ -27,19 +28,20 @@ def test_launch_starts_serves_and_stops_on_ctrl_c(tmp_path: Path):
         while time.monotonic() < deadline:
             line = launch.stdout.readline()
             lines.append(line)
-            if "gateway.client" in line or not line:
+            if "grpcurl" in line or not line:
                 break
         text = "".join(lines)
-        match = re.search(r"--addr (\S+)", text)
-        assert match, f"no client command printed:\n{text}"
-        assert "grpcurl -plaintext" in "".join([text, launch.stdout.readline()])
+        match = re.search(r"--addr (\S+) --chat", text)
+        assert match, f"no chat client command printed:\n{text}"
+        assert "grpcurl -plaintext" in text
         client = subprocess.run(
-            [sys.executable, "-m", "gateway.client", "--addr", match.group(1), "Hello there",
-             "--max-tokens", "8", "--temperature", "0"],
+            [sys.executable, "-m", "gateway.client", "--addr", match.group(1), "--chat",
+             "What is the capital of France?", "--max-tokens", "32", "--temperature", "0"],
             cwd=ROOT, capture_output=True, text=True, timeout=60,
         )
         assert client.returncode == 0, client.stderr
-        assert "completion 8" in client.stderr or "FINISH_REASON_STOP" in client.stderr
+        assert "Paris" in client.stdout
+        assert "FINISH_REASON_STOP" in client.stderr
         launch.send_signal(signal.SIGINT)
         assert launch.wait(30) == 0
         for name in ("allocator", "executor-0", "gateway"):

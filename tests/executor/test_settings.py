@@ -8,7 +8,7 @@ from executor_svc.settings import DEFAULT_PORT, SettingsError, parse_bytes, pars
 
 
 def test_settings_defaults_are_the_contract() -> None:
-    # Port 50053, block 16, torch on CPU, the tiny preset.
+    # Port 50053, block 16, torch on CPU, the embedded real model, weights from the directory.
     settings = parse_settings([])
     assert (settings.port, settings.block_size, settings.backend, settings.device) == (
         DEFAULT_PORT,
@@ -16,7 +16,8 @@ def test_settings_defaults_are_the_contract() -> None:
         "torch",
         "cpu",
     )
-    assert settings.model.endswith("models/tiny-llama")
+    assert settings.model.endswith("models/smollm2-135m-instruct")
+    assert settings.load_format == "auto"
 
 
 def test_settings_environment_sets_default_and_flag_wins(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,110 @@
+"""The embedded real model (SmolLM2-135M-Instruct, real weights) through all three services.
+
+The oracle is transformers' own `generate` on the same directory, loaded independently of the
+executor (its own attention implementation, no paging).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from e2e_stack import Clients, generate, generate_many, sampling, start_stack
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.model_dirs import DEFAULT_MODEL
+from gateway.launch import Stack
+from pagedkv.gateway.v1 import gateway_pb2 as gpb
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+    "Photosynthesis is the process by which",
+]
+MAX_TOKENS = 24
+
+
+@lru_cache(maxsize=1)
+def hf() -> tuple[Any, Any]:
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
+    return tokenizer, model.eval()
+
+
+def hf_greedy(prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """transformers' generate, greedy, stopping at the model's EOS like the gateway."""
+    tokenizer, model = hf()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return [int(t) for t in out[0, len(prompt_ids):]]
+
+
+@pytest.fixture(scope="module")
+def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clients]:
+    # The launcher's defaults: the embedded model, weights loaded (auto), no extra flags.
+    stack: Stack = start_stack(tmp_path_factory.mktemp("real-model"), model=str(DEFAULT_MODEL))
+    c = Clients(stack)
+    try:
+        yield c
+    finally:
+        c.close()
+        stack.stop()
+
+
+def test_real_model_greedy_equals_transformers_generate(clients: Clients) -> None:
+    # Five prompts at once (one batch, mixed lengths): token-identical to generate, EOS included.
+    tokenizer, _ = hf()
+    requests = [gpb.GenerateRequest(text=p, sampling=sampling(MAX_TOKENS)) for p in PROMPTS]
+    results = generate_many(clients.gateway, requests)
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        ids = tokenizer.encode(prompt)
+        assert result[0].usage is not None and result[0].usage.prompt_tokens == len(ids)
+        assert result[0].token_ids == hf_greedy(ids, MAX_TOKENS), prompt
+    clients.wait_all_blocks_back()
+
+
+def test_real_model_chat_template_answers_paris(clients: Clients) -> None:
+    # The model's own chat template: asked for France's capital, it says Paris and stops at
+    # its end-of-turn token (EOS), token-identical to generate on the same rendered prompt.
+    question = gpb.ChatMessage(role="user", content="What is the capital of France?")
+    request = gpb.GenerateRequest(chat=gpb.ChatMessages(messages=[question]),
+                                  sampling=sampling(32))
+    result = generate(clients.gateway, request)[0]
+    assert "Paris" in result.text
+    assert result.finish_reason == gpb.FINISH_REASON_STOP
+    tokenizer, _ = hf()
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True, tokenize=False,
+    )
+    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    assert result.token_ids == hf_greedy(ids, 32)[: len(result.token_ids)]
+    assert result.token_ids[-1] in {tokenizer.eos_token_id}
+
+
+def test_real_model_info_names_the_model_and_its_eos(clients: Clients) -> None:
+    # GetModelInfo reports the directory's name and the EOS of config + generation config.
+    info = clients.gateway.GetModelInfo(gpb.GetModelInfoRequest())
+    assert info.model_name == Path(DEFAULT_MODEL).name
+    tokenizer, _ = hf()
+    assert list(info.eos_token_ids) == [tokenizer.eos_token_id]
+
+
+def test_real_model_chat_rejects_unknown_role_and_empty_messages(clients: Clients) -> None:
+    # A role the template does not know, or no message at all: INVALID_ARGUMENT, nothing held.
+    import grpc
+
+    bad = gpb.ChatMessages(messages=[gpb.ChatMessage(role="wizard", content="hi")])
+    for chat, needle in ((bad, "role 'wizard'"), (gpb.ChatMessages(), "messages is empty")):
+        with pytest.raises(grpc.RpcError) as info:
+            generate(clients.gateway, gpb.GenerateRequest(chat=chat, sampling=sampling(4)))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in (info.value.details() or "")
+    clients.wait_all_blocks_back()
