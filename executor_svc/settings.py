@@ -16,6 +16,7 @@ from common.model_dirs import DEFAULT_MODEL as EMBEDDED_MODEL
 from common.model_dirs import missing_model_message
 
 DEFAULT_PORT = 50053
+BACKENDS = ("auto", "cpu", "torch", "flashinfer")
 DEFAULT_MODEL = str(EMBEDDED_MODEL)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -46,7 +47,7 @@ class ExecutorSettings:
     seed: int = 0
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "cpu"
-    backend: str = "torch"
+    backend: str = "auto"  # cpu (C++ decode kernel) on CPU where it builds, else torch
     block_size: int = 16
     kv_cache_memory: int = 256 * 2**20  # bytes of KV blocks on CPU
     num_blocks: int | None = None  # overrides the budget (tests, debugging)
@@ -76,7 +77,14 @@ class ExecutorSettings:
                 self.device == "cpu" or self.on_cuda,
                 "--device must be cpu, cuda or cuda:N",
             ),
-            (self.backend in ("torch", "flashinfer"), "--backend must be torch or flashinfer"),
+            (
+                self.backend in BACKENDS,
+                "--backend must be auto, cpu, torch or flashinfer",
+            ),
+            (
+                not (self.backend == "cpu" and self.on_cuda),
+                "--backend cpu runs on --device cpu; use auto, torch or flashinfer on CUDA",
+            ),
             (
                 not (self.backend == "flashinfer" and not self.on_cuda),
                 "--backend flashinfer needs --device cuda; use --backend torch on CPU",
@@ -127,7 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--seed", type=int, default=d.seed, help="seed for dummy weights and sampling")
     add_flag(p, "--dtype", default=d.dtype, help="auto, float32, bfloat16 or float16")
     add_flag(p, "--device", default=d.device, help="cpu or cuda[:N]")
-    add_flag(p, "--backend", default=d.backend, choices=["torch", "flashinfer"], help="attention")
+    add_flag(
+        p,
+        "--backend",
+        default=d.backend,
+        choices=list(BACKENDS),
+        help="attention: auto (cpu on CPU where its kernel builds, else torch), cpu (C++ "
+        "decode kernel), torch (reference: gather + SDPA) or flashinfer (CUDA)",
+    )
     add_flag(p, "--block-size", type=int, default=d.block_size, help="tokens per KV block")
     add_flag(p, "--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory, help="CPU KV")
     add_flag(p, "--num-blocks", type=int, default=None, help="fixed number of KV blocks")

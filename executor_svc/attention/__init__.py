@@ -82,6 +82,26 @@ def register_attention() -> None:
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto`: the C++ kernel backend on CPU where it builds (else torch), torch on CUDA."""
+    if name == "auto":
+        name = "cpu" if device.type == "cpu" else "torch"
+        if name == "cpu":
+            from executor_svc.attention.cpu_kernels import load
+
+            name = "cpu" if load() is not None else "torch"
+    if name == "cpu":
+        from executor_svc.attention.cpu_backend import CpuBackend
+        from executor_svc.attention.cpu_kernels import load
+
+        kernel = load()
+        if kernel is None:
+            from executor_svc.settings import SettingsError
+
+            raise SettingsError(
+                "--backend cpu: the C++ kernels could not be built (see the warning above); "
+                "use --backend torch, or install a compiler and run `make setup`"
+            )
+        return CpuBackend(kernel)
     if name == "torch":
         from executor_svc.attention.torch_backend import TorchBackend
 
@@ -90,4 +110,4 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
         from executor_svc.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(device)
-    raise ValueError(f"unknown attention backend {name!r}; use torch or flashinfer")
+    raise ValueError(f"unknown attention backend {name!r}; use auto, cpu, torch or flashinfer")

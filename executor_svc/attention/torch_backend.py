@@ -10,6 +10,7 @@ Per layer: the step's new K/V are written into their slots first; then
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,13 +39,54 @@ class DecodeGroup:
     key_mask: torch.Tensor | None  # [B, 1, 1, key_len] additive: 0 attend, -inf pad; None: equal
 
 
+class DecodeAttention(Protocol):
+    """The step's decode rows (one new token each), attended over their cached blocks."""
+
+    def run(
+        self, layer_kv: torch.Tensor, q: torch.Tensor, out: torch.Tensor, scaling: float
+    ) -> None:
+        """Write each decode row's attention output into `out` ([T, Hq, D])."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeBatch:
-    """The step's decode spans in group order: one query gather and one output scatter per layer."""
+    """The step's decode spans in group order: one query gather and one output scatter per layer.
+
+    The reference decode: gather each group's blocks, one padded SDPA call per group.
+    """
 
     token_index: torch.Tensor  # [N] long: each decode row's index in the packed step
     block_index: torch.Tensor  # [sum of B * max_blocks] long: padded block tables
     groups: tuple[DecodeGroup, ...]
+    gather: GatherBuffer  # the backend's: one step runs at a time
+
+    def run(
+        self, layer_kv: torch.Tensor, q: torch.Tensor, out: torch.Tensor, scaling: float
+    ) -> None:
+        """All decode rows, one gather and one SDPA call per group of similar lengths."""
+        _, _, block_size, num_kv_heads, head_dim = layer_kv.shape
+        num_groups = q.shape[1] // num_kv_heads  # query heads per KV head
+        qd = q.index_select(0, self.token_index)  # [N, Hq, D] in group order
+        outs = []
+        for group in self.groups:
+            # NOTE: a gather per group, not one for the whole step: SDPA then reads blocks
+            # that are still in the CPU's cache (one big gather was 10% slower at batch 64).
+            kv = self.gather.gather(layer_kv, self.block_index[group.blocks])
+            padded = (2, -1, group.max_blocks * block_size, num_kv_heads, head_dim)
+            kv = kv.view(padded)[:, :, : group.key_len].transpose(2, 3)  # [2, B, Hkv, L, D]
+            # One new token per sequence: a KV head's query heads are just rows attending to
+            # the same keys, so plain SDPA over [B, Hkv, G, D] is exact grouped-query attention
+            # (and faster than enable_gqa, which expands K/V on CPU).
+            o = F.scaled_dot_product_attention(
+                qd[group.rows].view(-1, num_kv_heads, num_groups, head_dim),  # [B, Hkv, G, D]
+                kv[0],
+                kv[1],
+                attn_mask=group.key_mask,
+                scale=scaling,
+            )  # [B, Hkv, G, D]
+            outs.append(o.reshape(-1, num_kv_heads * num_groups, head_dim))  # [B, Hq, D]
+        out.index_copy_(0, self.token_index, torch.cat(outs) if len(outs) > 1 else outs[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +120,7 @@ def _decode_batch(
     max_keys: int | None,  # padded keys per group; None: no limit
     dtype: torch.dtype,
     device: torch.device,
+    gather: GatherBuffer | None = None,
 ) -> DecodeBatch:
     rows: list[int] = []
     flat: list[int] = []
@@ -112,6 +155,7 @@ def _decode_batch(
         token_index=torch.tensor(rows, dtype=torch.long, device=device),
         block_index=torch.tensor(flat, dtype=torch.long, device=device),
         groups=tuple(groups),
+        gather=gather or GatherBuffer(),
     )
 
 
@@ -135,7 +179,7 @@ class TorchStepAttention:
     cache: KVCache
     gather: GatherBuffer  # the backend's: one step runs at a time
     slot_mapping: torch.Tensor  # [T] long
-    decode: DecodeBatch | None
+    decode: DecodeAttention | None
     prefill_spans: list[PrefillSpan]
 
     def forward(
@@ -157,7 +201,7 @@ class TorchStepAttention:
         q = query[0].transpose(0, 1)  # [T, Hq, D]
         out = q.new_empty(q.shape)  # [T, Hq, D] contiguous: the caller reshapes it to [T, Hq * D]
         if self.decode is not None:
-            self._decode(layer_kv, q, out, scaling)
+            self.decode.run(layer_kv, q, out, scaling)
         for span in self.prefill_spans:
             rows = slice(span.query_start, span.query_start + span.query_len)
             if span.block_index is None:
@@ -178,34 +222,6 @@ class TorchStepAttention:
             out[rows] = o[0].transpose(0, 1)
         return out.unsqueeze(0)  # [1, T, Hq, D]
 
-    def _decode(
-        self, layer_kv: torch.Tensor, q: torch.Tensor, out: torch.Tensor, scaling: float
-    ) -> None:
-        """All decode rows, one gather and one SDPA call per group of similar lengths."""
-        assert self.decode is not None
-        _, _, block_size, num_kv_heads, head_dim = layer_kv.shape
-        num_groups = q.shape[1] // num_kv_heads  # query heads per KV head
-        qd = q.index_select(0, self.decode.token_index)  # [N, Hq, D] in group order
-        outs = []
-        for group in self.decode.groups:
-            # NOTE: a gather per group, not one for the whole step: SDPA then reads blocks
-            # that are still in the CPU's cache (one big gather was 10% slower at batch 64).
-            kv = self.gather.gather(layer_kv, self.decode.block_index[group.blocks])
-            padded = (2, -1, group.max_blocks * block_size, num_kv_heads, head_dim)
-            kv = kv.view(padded)[:, :, : group.key_len].transpose(2, 3)  # [2, B, Hkv, L, D]
-            # One new token per sequence: a KV head's query heads are just rows attending to
-            # the same keys, so plain SDPA over [B, Hkv, G, D] is exact grouped-query attention
-            # (and faster than enable_gqa, which expands K/V on CPU).
-            o = F.scaled_dot_product_attention(
-                qd[group.rows].view(-1, num_kv_heads, num_groups, head_dim),  # [B, Hkv, G, D]
-                kv[0],
-                kv[1],
-                attn_mask=group.key_mask,
-                scale=scaling,
-            )  # [B, Hkv, G, D]
-            outs.append(o.reshape(-1, num_kv_heads * num_groups, head_dim))  # [B, Hq, D]
-        out.index_copy_(0, self.decode.token_index, torch.cat(outs) if len(outs) > 1 else outs[0])
-
 
 class TorchBackend:
     name = "torch"
@@ -214,20 +230,22 @@ class TorchBackend:
         self.gather = GatherBuffer()
 
     def plan(self, metadata: StepMetadata, cache: KVCache) -> TorchStepAttention:
-        device = cache.device
         decode = [s for s in metadata.spans if s.query_len == 1]
         prefill = [s for s in metadata.spans if s.query_len > 1]
-        max_keys = None  # on CUDA fewer, larger SDPA calls win
-        if device.type == "cpu":
-            max_keys = CPU_MAX_GROUP_BYTES // cache.spec.bytes_per_token_per_layer
         return TorchStepAttention(
             cache=cache,
             gather=self.gather,
             slot_mapping=metadata.slot_mapping,
-            decode=(
-                _decode_batch(decode, metadata.block_size, max_keys, cache.spec.dtype, device)
-                if decode
-                else None
-            ),
-            prefill_spans=[_prefill_span(s, metadata.block_size, device) for s in prefill],
+            decode=self.plan_decode(decode, metadata.block_size, cache) if decode else None,
+            prefill_spans=[_prefill_span(s, metadata.block_size, cache.device) for s in prefill],
+        )
+
+    def plan_decode(
+        self, spans: list[SeqSpan], block_size: int, cache: KVCache
+    ) -> DecodeAttention:
+        max_keys = None  # on CUDA fewer, larger SDPA calls win
+        if cache.device.type == "cpu":
+            max_keys = CPU_MAX_GROUP_BYTES // cache.spec.bytes_per_token_per_layer
+        return _decode_batch(
+            spans, block_size, max_keys, cache.spec.dtype, cache.device, self.gather
         )

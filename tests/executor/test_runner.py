@@ -45,12 +45,15 @@ def test_runner_prefill_logits_match_dense_forward(
         torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_runner_greedy_matches_generate(
-    make_runner: Callable[..., ModelRunner], preset: str
+    make_runner: Callable[..., ModelRunner], preset: str, backend: str
 ) -> None:
-    # A batch of mixed-length prompts decodes 32 tokens token-identical to model.generate.
-    runner = make_runner(preset)
+    # A batch of mixed-length prompts decodes 32 tokens token-identical to model.generate,
+    # with the C++ decode kernel and with the torch reference.
+    runner = make_runner(preset, backend=backend)
+    assert runner.info.backend == backend
     reference = reference_model(runner)
     prompts = random_prompts(runner.info.vocab_size, LENGTHS, seed=1)
     got = Driver.scattered(runner).generate({f"r{i}": p for i, p in enumerate(prompts)}, NUM_NEW)

@@ -67,7 +67,7 @@ def test_service_describe_reports_the_runner(served: Served) -> None:
     stub, _, runner = served
     info = stub.Describe(pb.DescribeRequest())
     assert (info.num_blocks, info.block_size, info.vocab_size) == (64, 16, 512)
-    assert (info.backend, info.device, info.dtype) == ("torch", "cpu", "float32")
+    assert (info.backend, info.device, info.dtype) == ("cpu", "cpu", "float32")
     assert info.model_fingerprint == runner.info.model_fingerprint
     assert list(info.eos_token_ids) == [2] and info.max_num_seqs == 4
 

@@ -8,12 +8,12 @@ from executor_svc.settings import DEFAULT_PORT, SettingsError, parse_bytes, pars
 
 
 def test_settings_defaults_are_the_contract() -> None:
-    # Port 50053, block 16, torch on CPU, the embedded real model, weights from the directory.
+    # Port 50053, block 16, attention auto on CPU, the embedded real model, its own weights.
     settings = parse_settings([])
     assert (settings.port, settings.block_size, settings.backend, settings.device) == (
         DEFAULT_PORT,
         16,
-        "torch",
+        "auto",
         "cpu",
     )
     assert settings.model.endswith("models/smollm2-135m-instruct")

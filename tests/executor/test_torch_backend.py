@@ -39,7 +39,7 @@ def test_torch_backend_split_decode_groups_match_generate(
     make_runner: Callable[..., ModelRunner],
 ) -> None:
     # One 1,500-token prompt with seven short ones: two decode groups, same tokens as generate.
-    runner = make_runner("tiny-llama", num_blocks=512)
+    runner = make_runner("tiny-llama", num_blocks=512, backend="torch")
     reference = reference_model(runner)
     prompts = random_prompts(runner.info.vocab_size, [1500, 3, 5, 8, 9, 4, 6, 7], seed=12)
     got = Driver.scattered(runner).generate({f"r{i}": p for i, p in enumerate(prompts)}, 6)

@@ -1,0 +1,392 @@
+"""pagedkv (all three services) against vLLM's own CPU engine, same model, same requests.
+
+    make bench-vllm                         # creates .venv-vllm once, then runs this
+    .venv/bin/python -m bench.vs_vllm [--quick] [--repeats N] [--skip-online]
+
+Model: the embedded SmolLM2-135M-Instruct (fp32, real weights), greedy, fixed output lengths
+(ignore_eos), 64 requests submitted at once. Workloads (seeded; prompt ids uniform in
+[17, 49152), below which SmolLM2's special tokens sit):
+  mixed  prompts log-normal, median 96, sigma 0.6, clipped to 16..512; outputs log-normal,
+         median 48, sigma 0.6, clipped to 8..256
+  equal  128 prompt tokens -> 64 new for every request
+
+Throughput (interleaved: the systems alternate which goes first in each repeat; medians):
+  vllm     vLLM CPU's offline `LLM.generate` on all 64 requests, in its own virtualenv, as
+           its CPU docs recommend: its default thread binding (one core for the model, one for
+           its engine process), tcmalloc and Intel OpenMP preloaded where installed.
+  pagedkv  `make run`'s stack (gateway + allocator + executor as subprocesses, defaults)
+           with 64 concurrent streaming gRPC clients.
+Output tok/s = all output tokens / wall time. Agreement = requests whose first 16 tokens
+(and whose whole output) are identical between the two engines.
+
+Latency at concurrency 1, 16 and 64 (closed loop, mixed requests): TTFT and inter-token
+latency ((last - first token) / (n - 1) per request), medians; vLLM through its
+OpenAI-compatible server (`vllm.entrypoints.openai.api_server`), pagedkv through its gRPC
+streaming API (it has no HTTP API yet).
+
+Writes bench/results/vs_vllm.json and vs_vllm.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from bench.baselines import BenchRequest, RequestResult
+from bench.common import RESULTS_DIR, machine, markdown_table, percentile, write_results
+from bench.load import run_load
+from bench.workloads import bounded_lognormal
+from common.model_dirs import DEFAULT_MODEL, REPO_ROOT
+from gateway.launch import Stack, StackSpec
+
+VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+DONE_MARKER = "PAGEDKV_VLLM_DONE"
+VOCAB, FIRST_ID = 49152, 17
+AGREEMENT_PREFIX = 16
+SYSTEMS = ("vllm", "pagedkv")
+# Libraries vLLM's CPU docs ask to preload; used where this machine has them.
+PRELOAD_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    str(REPO_ROOT / ".venv-vllm" / "lib" / "libiomp5.so"),
+)
+
+
+def mixed_requests(count: int, seed: int = 0) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        prompt_len = bounded_lognormal(rng, 96, 0.6, 16, 512)
+        output_len = bounded_lognormal(rng, 48, 0.6, 8, 256)
+        out.append(BenchRequest([rng.randrange(FIRST_ID, VOCAB) for _ in range(prompt_len)],
+                                output_len))
+    return out
+
+
+def equal_requests(count: int, seed: int = 1) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    return [BenchRequest([rng.randrange(FIRST_ID, VOCAB) for _ in range(128)], 64)
+            for _ in range(count)]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def vllm_env() -> dict[str, str]:
+    env = dict(os.environ)
+    preload = [p for p in PRELOAD_CANDIDATES if Path(p).exists()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
+class VllmOffline:
+    """One resident `LLM` in vLLM's interpreter; `generate` sends it one batch."""
+
+    def __init__(self, model: str, log_path: Path) -> None:
+        self.log = log_path.open("w")
+        self.process = subprocess.Popen(
+            [str(VLLM_PYTHON), str(WORKER), "offline", "--model", model],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            env=vllm_env(), cwd=REPO_ROOT,
+        )
+        self._wait_done()
+
+    def _wait_done(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.strip() == DONE_MARKER:
+                return
+        raise RuntimeError(f"vLLM worker exited ({self.process.wait()}); see {self.log.name}")
+
+    def generate(self, requests: list[BenchRequest]) -> tuple[list[list[int]], float]:
+        assert self.process.stdin is not None
+        with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+            command = {"requests": [[r.prompt, r.output_len] for r in requests],
+                       "out": out.name}
+            self.process.stdin.write(json.dumps(command) + "\n")
+            self.process.stdin.flush()
+            self._wait_done()
+            result = json.load(open(out.name))
+        return result["outputs"], result["wall_s"]
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+@contextmanager
+def pagedkv_stack(log_dir: Path) -> Iterator[Stack]:
+    """`make run`'s stack (defaults, embedded model) on free ports."""
+    spec = StackSpec(model=str(DEFAULT_MODEL), allocator_port=0, executor_port=0,
+                     gateway_port=0, log_dir=str(log_dir), startup_timeout_s=300)
+    stack = Stack(spec).start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@contextmanager
+def vllm_server(model: str, log_path: Path) -> Iterator[str]:
+    port = _free_port()
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+             "--dtype", "float32", "--max-model-len", "2048", "--seed", "0",
+             "--kv-cache-memory-bytes", str(2 << 30), "--host", "127.0.0.1",
+             "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, env=vllm_env(), cwd=REPO_ROOT,
+            start_new_session=True,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 600
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"vLLM server exited; see {log_path}")
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                        if response.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM server not up after 600 s; see {log_path}")
+                time.sleep(1)
+            yield f"{url}/v1"
+        finally:
+            process.terminate()
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def vllm_online(url: str, requests: list[BenchRequest], concurrency: int) -> list[RequestResult]:
+    with tempfile.TemporaryDirectory() as tmp:
+        req_path, out_path = Path(tmp) / "requests.json", Path(tmp) / "out.json"
+        req_path.write_text(json.dumps([[r.prompt, r.output_len] for r in requests]))
+        subprocess.run([str(VLLM_PYTHON), str(WORKER), "client", "--url", url, "--requests",
+                        str(req_path), "--concurrency", str(concurrency), "--out",
+                        str(out_path)], check=True, cwd=REPO_ROOT, env=vllm_env())
+        records = json.loads(out_path.read_text())["records"]
+    results = []
+    for record in records:
+        times = record["times"]
+        results.append(RequestResult(tokens=[0] * len(times), sent_s=record["sent_s"],
+                                     first_s=times[0] if times else 0.0,
+                                     last_s=times[-1] if times else 0.0, ok=bool(times)))
+    return results
+
+
+def latency_summary(results: list[RequestResult], wall_s: float | None = None
+                    ) -> dict[str, float]:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft_s * 1e3 for r in ok]
+    itl = [t * 1e3 for r in ok if (t := r.tpot_s) is not None]
+    out = {"completed": len(ok), "requests": len(results),
+           "ttft_p50_ms": percentile(ttft, 50) if ttft else float("nan"),
+           "ttft_p99_ms": percentile(ttft, 99) if ttft else float("nan"),
+           "itl_p50_ms": percentile(itl, 50) if itl else float("nan"),
+           "itl_p99_ms": percentile(itl, 99) if itl else float("nan")}
+    if wall_s is not None:
+        out["tok_per_s"] = sum(len(r.tokens) for r in ok) / wall_s
+    return out
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, int]:
+    pairs = list(zip(a, b, strict=True))
+    return {"prefix16": sum(x[:AGREEMENT_PREFIX] == y[:AGREEMENT_PREFIX] for x, y in pairs),
+            "full": sum(x == y for x, y in pairs), "requests": len(a)}
+
+
+def throughput(workloads: dict[str, list[BenchRequest]], repeats: int, vllm: VllmOffline,
+               gateway_addr: str) -> list[dict[str, Any]]:
+    rows = []
+    for name, requests in workloads.items():
+        rates: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+        outputs: dict[str, list[list[int]]] = {}
+        for rep in range(repeats):
+            order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
+            for system in order:
+                print(f"[vs_vllm] {name} rep {rep + 1}/{repeats}: {system}", file=sys.stderr,
+                      flush=True)
+                if system == "vllm":
+                    outs, wall = vllm.generate(requests)
+                else:
+                    results, wall = run_load(gateway_addr, requests, concurrency=len(requests))
+                    failed = [r.error for r in results if not r.ok]
+                    if failed:
+                        raise RuntimeError(f"pagedkv: {len(failed)} failed, e.g. {failed[0]}")
+                    outs = [r.tokens for r in results]
+                expected = [r.output_len for r in requests]
+                assert [len(o) for o in outs] == expected, f"{system}: wrong output lengths"
+                rates[system].append(sum(expected) / wall)
+                outputs[system] = outs
+        medians = {s: statistics.median(v) for s, v in rates.items()}
+        rows.append({
+            "workload": name, "num_requests": len(requests),
+            "prompt_tokens": sum(len(r.prompt) for r in requests),
+            "output_tokens": sum(r.output_len for r in requests),
+            "tok_per_s": medians, "samples": rates,
+            "ratio": medians["pagedkv"] / medians["vllm"],
+            "agreement": agreement(outputs["vllm"], outputs["pagedkv"]),
+        })
+        print(f"[vs_vllm] {name}: vllm {medians['vllm']:.0f} tok/s, pagedkv "
+              f"{medians['pagedkv']:.0f} tok/s ({rows[-1]['ratio']:.2f}x)", file=sys.stderr,
+              flush=True)
+    return rows
+
+
+def latency(levels: list[tuple[int, int]], gateway_addr: str, vllm_url: str
+            ) -> list[dict[str, Any]]:
+    rows = []
+    for concurrency, count in levels:
+        requests = mixed_requests(count, seed=100 + concurrency)
+        row: dict[str, Any] = {"concurrency": concurrency, "num_requests": count}
+        for system in SYSTEMS:
+            print(f"[vs_vllm] latency c={concurrency}: {system}", file=sys.stderr, flush=True)
+            if system == "vllm":
+                row[system] = latency_summary(vllm_online(vllm_url, requests, concurrency))
+            else:
+                results, wall = run_load(gateway_addr, requests, concurrency=concurrency)
+                row[system] = latency_summary(results)
+        rows.append(row)
+    return rows
+
+
+def render(rows: list[dict[str, Any]], latency_rows: list[dict[str, Any]]) -> str:
+    out = ["### Throughput: 64 requests at once, SmolLM2-135M-Instruct fp32, CPU", "",
+           markdown_table(
+               ["workload", "vLLM CPU tok/s", "pagedkv tok/s", "pagedkv / vLLM",
+                "first 16 tokens agree", "whole outputs agree"],
+               [[r["workload"], f"{r['tok_per_s']['vllm']:.0f}",
+                 f"{r['tok_per_s']['pagedkv']:.0f}", f"{r['ratio']:.2f}x",
+                 f"{r['agreement']['prefix16']}/{r['agreement']['requests']}",
+                 f"{r['agreement']['full']}/{r['agreement']['requests']}"] for r in rows]), ""]
+    if latency_rows:
+        body = []
+        for r in latency_rows:
+            for system in SYSTEMS:
+                m = r[system]
+                body.append([r["concurrency"], system, f"{m['ttft_p50_ms']:.0f}",
+                             f"{m['ttft_p99_ms']:.0f}", f"{m['itl_p50_ms']:.1f}",
+                             f"{m['itl_p99_ms']:.1f}", f"{m['completed']}/{m['requests']}"])
+        out += ["### Latency (mixed requests, closed loop)", "",
+                markdown_table(["concurrency", "system", "TTFT p50 ms", "TTFT p99 ms",
+                                "ITL p50 ms", "ITL p99 ms", "done"], body), ""]
+    return "\n".join(out)
+
+
+def plot(rows: list[dict[str, Any]], latency_rows: list[dict[str, Any]], path: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    names = [r["workload"] for r in rows]
+    for k, system in enumerate(SYSTEMS):
+        axes[0].bar([i + 0.4 * k for i in range(len(rows))],
+                    [r["tok_per_s"][system] for r in rows], width=0.4, label=system)
+    axes[0].set_xticks([i + 0.2 for i in range(len(rows))], names)
+    axes[0].set_title("output tokens/s (64 requests)")
+    axes[0].legend()
+    for system in SYSTEMS:
+        xs = [r["concurrency"] for r in latency_rows]
+        axes[1].plot(xs, [r[system]["ttft_p50_ms"] for r in latency_rows], marker="o",
+                     label=system)
+        axes[2].plot(xs, [r[system]["itl_p50_ms"] for r in latency_rows], marker="o",
+                     label=system)
+    for ax, title in ((axes[1], "TTFT p50 (ms)"), (axes[2], "inter-token latency p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("SmolLM2-135M-Instruct, fp32, CPU (2 cores): pagedkv vs vLLM CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.vs_vllm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="one repeat, smaller latency runs")
+    p.add_argument("--repeats", type=int, default=None, help="default: 1 quick, 3 full")
+    p.add_argument("--skip-online", action="store_true", help="throughput only")
+    p.add_argument("--name", default="vs_vllm", help="bench/results/<name>.json and .png")
+    args = p.parse_args(argv)
+    if not VLLM_PYTHON.exists():
+        print("vLLM CPU's virtualenv is missing: run `make bench-vllm` (it creates "
+              ".venv-vllm)", file=sys.stderr)
+        return 2
+    if not DEFAULT_MODEL.is_dir():
+        print("the embedded model is missing: run `make setup`", file=sys.stderr)
+        return 2
+    repeats = args.repeats or (1 if args.quick else 3)
+    workloads = {"mixed": mixed_requests(64), "equal": equal_requests(64)}
+    levels = [(1, 4), (16, 32), (64, 64)] if args.quick else [(1, 8), (16, 48), (64, 128)]
+    log_dir = Path(tempfile.mkdtemp(prefix="pagedkv-vs-vllm-"))
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    with pagedkv_stack(log_dir) as stack:
+        addr = stack.gateway_addr
+        run_load(addr, mixed_requests(16, seed=99), concurrency=16)  # warm-up, as vLLM's below
+        vllm = VllmOffline(str(DEFAULT_MODEL), log_dir / "vllm-offline.log")
+        try:
+            vllm.generate(mixed_requests(16, seed=99))  # warm-up (compiled graphs, buffers)
+            rows = throughput(workloads, repeats, vllm, addr)
+        finally:
+            vllm.close()
+        latency_rows: list[dict[str, Any]] = []
+        if not args.skip_online:
+            with vllm_server(str(DEFAULT_MODEL), log_dir / "vllm-server.log") as url:
+                vllm_online(url, mixed_requests(4, seed=98), 4)  # warm-up
+                latency_rows = latency(levels, addr, url)
+    table = render(rows, latency_rows)
+    print(table)
+    payload = {
+        "benchmark": "vs_vllm", "model": DEFAULT_MODEL.name, "dtype": "float32",
+        "repeats": repeats, "quick": args.quick, "machine": machine(),
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+        "vllm_preload": vllm_env().get("LD_PRELOAD", ""),
+        "workloads": {"mixed": "64 requests; prompt LN(median 96, sigma 0.6) in [16, 512]; "
+                               "output LN(median 48, sigma 0.6) in [8, 256]",
+                      "equal": "64 requests; 128 -> 64"},
+        "throughput": rows, "latency": latency_rows,
+        "elapsed_s": time.perf_counter() - started, "logs": str(log_dir),
+    }
+    write_results(args.name, payload)
+    if latency_rows:
+        payload["plot"] = plot(rows, latency_rows, RESULTS_DIR / f"{args.name}.png")
+        write_results(args.name, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""The executor's C++ CPU kernels (csrc/), compiled once by torch's extension builder.
+
+`make setup` builds them (`python -m executor_svc.attention.cpu_kernels`) into
+build/cpu_kernels/; an executor then loads the built library in milliseconds (torch rebuilds
+only when a source or a flag changed). They are compiled for the machine that builds them
+(-march=native unless PAGEDKV_KERNEL_MARCH says otherwise): a build directory is never shared
+between machines of different kinds.
+Where no compiler is at hand the kernels are unavailable and the executor falls back to the
+torch reference path, with a WARNING that says so.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+
+from common.model_dirs import REPO_ROOT
+
+log = structlog.get_logger(__name__)
+
+SOURCES = [Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"]
+BUILD_DIR = REPO_ROOT / "build" / "cpu_kernels"
+# NOTE: fast-math lets gcc vectorise expf (glibc's libmvec) and reorder the dot products'
+# sums; the kernel produces no infinities or NaNs for it to mishandle (scores are finite and
+# the softmax subtracts the row's max first).
+# PAGEDKV_KERNEL_MARCH picks another target, e.g. x86-64-v3 for an image that runs elsewhere.
+CFLAGS = ["-O3", f"-march={os.environ.get('PAGEDKV_KERNEL_MARCH', 'native')}", "-ffast-math",
+          "-fopenmp"]
+LDFLAGS = ["-lm", "-fopenmp"]
+
+
+@lru_cache(maxsize=1)
+def load() -> ModuleType | None:
+    """The compiled module, or None (logged) where it cannot be built or loaded."""
+    # The ninja that pip installed sits beside this interpreter, maybe not on PATH.
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        return build(
+            name="pagedkv_cpu_kernels",
+            sources=[str(s) for s in SOURCES],
+            build_directory=str(BUILD_DIR),
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
+        log.warning(
+            "cpu_kernels_unavailable",
+            reason=str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc),
+            remedy="install a C++ compiler and ninja, then run `make setup`; the torch "
+            "reference path serves meanwhile",
+        )
+        return None
+
+
+if __name__ == "__main__":
+    module = load()
+    print("cpu kernels:", "built" if module is not None else "UNAVAILABLE", file=sys.stderr)
+    sys.exit(0 if module is not None else 1)
