@@ -80,6 +80,12 @@ def count_blocks(
     else:
         budget = settings.kv_cache_memory
     num_blocks = spec.blocks_for(max(budget, 0))
+    # A small model's blocks are small: past what max_num_seqs full-length sequences can hold
+    # at once, more blocks only grow the allocator's pool.
+    useful = settings.max_num_seqs * -(-max_model_len // spec.block_size)
+    if num_blocks > useful:
+        log.info("kv_blocks_capped", num_blocks=useful, budget_blocks=num_blocks)
+        num_blocks = useful
     if num_blocks < 1:
         raise SettingsError(
             f"the KV budget ({budget} bytes) holds no block of {spec.bytes_per_block} bytes: "

@@ -49,7 +49,9 @@ class ExecutorSettings:
     device: str = "cpu"
     backend: str = "auto"  # cpu (C++ decode kernel) on CPU where it builds, else torch
     block_size: int = 16
-    kv_cache_memory: int = 256 * 2**20  # bytes of KV blocks on CPU
+    # Bytes of KV blocks on CPU: 2 GiB holds ~45k tokens of SmolLM2-135M (fp32), what 64
+    # concurrent chats need; never more blocks than max_num_seqs full-length sequences use.
+    kv_cache_memory: int = 2 * 2**30
     num_blocks: int | None = None  # overrides the budget (tests, debugging)
     gpu_memory_utilization: float = 0.9
     swap_space: float = 0.25  # GiB of CPU blocks for swap-out

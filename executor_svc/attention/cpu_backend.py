@@ -30,12 +30,12 @@ class KernelDecode:
     def run(
         self, layer_kv: torch.Tensor, q: torch.Tensor, out: torch.Tensor, scaling: float
     ) -> None:
-        qd = q.index_select(0, self.token_index)  # [N, Hq, D] contiguous
-        od = torch.empty_like(qd)  # [N, Hq, D]
+        # q [T, Hq, D] is a transposed view of the model's [Hq, T, D]: the kernel reads it
+        # (and writes out) by stride, so no row is copied on the way in or out.
         self.kernel.paged_decode_attention(
-            od, qd, layer_kv[0], layer_kv[1], self.block_tables, self.context_lens, scaling
+            out, q, self.token_index, layer_kv[0], layer_kv[1], self.block_tables,
+            self.context_lens, scaling,
         )
-        out.index_copy_(0, self.token_index, od)
 
 
 class CpuBackend(TorchBackend):
