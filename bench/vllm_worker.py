@@ -29,7 +29,7 @@ def offline(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, dtype="float32", seed=0, max_model_len=args.max_model_len,
+    llm = LLM(model=args.model, dtype=args.dtype, seed=0, max_model_len=args.max_model_len,
               kv_cache_memory_bytes=args.kv_cache_bytes)
     print(DONE_MARKER, flush=True)  # ready
     for line in sys.stdin:
@@ -88,6 +88,7 @@ def main() -> int:
     sub = parser.add_subparsers(dest="mode", required=True)
     off = sub.add_parser("offline")
     off.add_argument("--model", required=True)
+    off.add_argument("--dtype", default="float32")
     off.add_argument("--max-model-len", type=int, default=2048)
     off.add_argument("--kv-cache-bytes", type=int, default=2 << 30)
     cli = sub.add_parser("client")

@@ -10,12 +10,16 @@ Model: the embedded SmolLM2-135M-Instruct (fp32, real weights), greedy, fixed ou
          median 48, sigma 0.6, clipped to 8..256
   equal  128 prompt tokens -> 64 new for every request
 
-Throughput (interleaved: the systems alternate which goes first in each repeat; medians):
-  vllm     vLLM CPU's offline `LLM.generate` on all 64 requests, in its own virtualenv, as
-           its CPU docs recommend: its default thread binding (one core for the model, one for
-           its engine process), tcmalloc and Intel OpenMP preloaded where installed.
-  pagedkv  `make run`'s stack (gateway + allocator + executor as subprocesses, defaults)
-           with 64 concurrent streaming gRPC clients.
+Throughput (interleaved: the systems alternate which goes first in each repeat; medians),
+for each dtype in --dtypes (float32, the default of both; bfloat16, an option of both):
+  vllm     vLLM CPU's offline `LLM.generate` on all 64 requests, in its own virtualenv, in
+           its best configuration measured here: OpenMP threads bound to both cores
+           (VLLM_CPU_OMP_THREADS_BIND=0-1; its default binding keeps one core for its engine
+           process and ran 0.57x as fast on the equal workload), tcmalloc and Intel OpenMP
+           preloaded (its docs' advice; 1.05x here).
+  pagedkv  `make run`'s stack (gateway + allocator + executor as subprocesses, defaults;
+           `--dtype bfloat16` on the executor for the bf16 rows) with 64 concurrent streaming
+           gRPC clients in this process.
 Output tok/s = all output tokens / wall time. Agreement = requests whose first 16 tokens
 (and whose whole output) are identical between the two engines.
 
@@ -25,6 +29,8 @@ OpenAI-compatible server (`vllm.entrypoints.openai.api_server`), pagedkv through
 streaming API (it has no HTTP API yet).
 
 Writes bench/results/vs_vllm.json and vs_vllm.png.
+
+Latency runs in float32 only; the server gets the same environment as the offline engine.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ def _free_port() -> int:
 
 def vllm_env() -> dict[str, str]:
     env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
     preload = [p for p in PRELOAD_CANDIDATES if Path(p).exists()]
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
@@ -99,10 +106,10 @@ def vllm_env() -> dict[str, str]:
 class VllmOffline:
     """One resident `LLM` in vLLM's interpreter; `generate` sends it one batch."""
 
-    def __init__(self, model: str, log_path: Path) -> None:
+    def __init__(self, model: str, dtype: str, log_path: Path) -> None:
         self.log = log_path.open("w")
         self.process = subprocess.Popen(
-            [str(VLLM_PYTHON), str(WORKER), "offline", "--model", model],
+            [str(VLLM_PYTHON), str(WORKER), "offline", "--model", model, "--dtype", dtype],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
             env=vllm_env(), cwd=REPO_ROOT,
         )
@@ -137,10 +144,12 @@ class VllmOffline:
 
 
 @contextmanager
-def pagedkv_stack(log_dir: Path) -> Iterator[Stack]:
+def pagedkv_stack(log_dir: Path, dtype: str) -> Iterator[Stack]:
     """`make run`'s stack (defaults, embedded model) on free ports."""
+    log_dir.mkdir(parents=True, exist_ok=True)
     spec = StackSpec(model=str(DEFAULT_MODEL), allocator_port=0, executor_port=0,
-                     gateway_port=0, log_dir=str(log_dir), startup_timeout_s=300)
+                     gateway_port=0, log_dir=str(log_dir), startup_timeout_s=300,
+                     executor_args=("--dtype", dtype))
     stack = Stack(spec).start()
     try:
         yield stack
@@ -223,7 +232,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, int]:
 
 
 def throughput(workloads: dict[str, list[BenchRequest]], repeats: int, vllm: VllmOffline,
-               gateway_addr: str) -> list[dict[str, Any]]:
+               gateway_addr: str, dtype: str) -> list[dict[str, Any]]:
     rows = []
     for name, requests in workloads.items():
         rates: dict[str, list[float]] = {s: [] for s in SYSTEMS}
@@ -231,8 +240,8 @@ def throughput(workloads: dict[str, list[BenchRequest]], repeats: int, vllm: Vll
         for rep in range(repeats):
             order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
             for system in order:
-                print(f"[vs_vllm] {name} rep {rep + 1}/{repeats}: {system}", file=sys.stderr,
-                      flush=True)
+                print(f"[vs_vllm] {dtype} {name} rep {rep + 1}/{repeats}: {system}",
+                      file=sys.stderr, flush=True)
                 if system == "vllm":
                     outs, wall = vllm.generate(requests)
                 else:
@@ -247,14 +256,14 @@ def throughput(workloads: dict[str, list[BenchRequest]], repeats: int, vllm: Vll
                 outputs[system] = outs
         medians = {s: statistics.median(v) for s, v in rates.items()}
         rows.append({
-            "workload": name, "num_requests": len(requests),
+            "workload": name, "dtype": dtype, "num_requests": len(requests),
             "prompt_tokens": sum(len(r.prompt) for r in requests),
             "output_tokens": sum(r.output_len for r in requests),
             "tok_per_s": medians, "samples": rates,
             "ratio": medians["pagedkv"] / medians["vllm"],
             "agreement": agreement(outputs["vllm"], outputs["pagedkv"]),
         })
-        print(f"[vs_vllm] {name}: vllm {medians['vllm']:.0f} tok/s, pagedkv "
+        print(f"[vs_vllm] {dtype} {name}: vllm {medians['vllm']:.0f} tok/s, pagedkv "
               f"{medians['pagedkv']:.0f} tok/s ({rows[-1]['ratio']:.2f}x)", file=sys.stderr,
               flush=True)
     return rows
@@ -280,9 +289,9 @@ def latency(levels: list[tuple[int, int]], gateway_addr: str, vllm_url: str
 def render(rows: list[dict[str, Any]], latency_rows: list[dict[str, Any]]) -> str:
     out = ["### Throughput: 64 requests at once, SmolLM2-135M-Instruct fp32, CPU", "",
            markdown_table(
-               ["workload", "vLLM CPU tok/s", "pagedkv tok/s", "pagedkv / vLLM",
+               ["workload", "dtype", "vLLM CPU tok/s", "pagedkv tok/s", "pagedkv / vLLM",
                 "first 16 tokens agree", "whole outputs agree"],
-               [[r["workload"], f"{r['tok_per_s']['vllm']:.0f}",
+               [[r["workload"], r["dtype"], f"{r['tok_per_s']['vllm']:.0f}",
                  f"{r['tok_per_s']['pagedkv']:.0f}", f"{r['ratio']:.2f}x",
                  f"{r['agreement']['prefix16']}/{r['agreement']['requests']}",
                  f"{r['agreement']['full']}/{r['agreement']['requests']}"] for r in rows]), ""]
@@ -307,7 +316,7 @@ def plot(rows: list[dict[str, Any]], latency_rows: list[dict[str, Any]], path: P
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-    names = [r["workload"] for r in rows]
+    names = [f"{r['workload']}\n{r['dtype']}" for r in rows]
     for k, system in enumerate(SYSTEMS):
         axes[0].bar([i + 0.4 * k for i in range(len(rows))],
                     [r["tok_per_s"][system] for r in rows], width=0.4, label=system)
@@ -339,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="one repeat, smaller latency runs")
     p.add_argument("--repeats", type=int, default=None, help="default: 1 quick, 3 full")
     p.add_argument("--skip-online", action="store_true", help="throughput only")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="comma-separated: float32 (both engines' default), bfloat16")
     p.add_argument("--name", default="vs_vllm", help="bench/results/<name>.json and .png")
     args = p.parse_args(argv)
     if not VLLM_PYTHON.exists():
@@ -354,27 +365,30 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="pagedkv-vs-vllm-"))
     load_before = os.getloadavg()
     started = time.perf_counter()
-    with pagedkv_stack(log_dir) as stack:
-        addr = stack.gateway_addr
-        run_load(addr, mixed_requests(16, seed=99), concurrency=16)  # warm-up, as vLLM's below
-        vllm = VllmOffline(str(DEFAULT_MODEL), log_dir / "vllm-offline.log")
-        try:
-            vllm.generate(mixed_requests(16, seed=99))  # warm-up (compiled graphs, buffers)
-            rows = throughput(workloads, repeats, vllm, addr)
-        finally:
-            vllm.close()
-        latency_rows: list[dict[str, Any]] = []
-        if not args.skip_online:
-            with vllm_server(str(DEFAULT_MODEL), log_dir / "vllm-server.log") as url:
-                vllm_online(url, mixed_requests(4, seed=98), 4)  # warm-up
-                latency_rows = latency(levels, addr, url)
+    rows: list[dict[str, Any]] = []
+    latency_rows: list[dict[str, Any]] = []
+    for dtype in args.dtypes.split(","):
+        with pagedkv_stack(log_dir / dtype, dtype) as stack:
+            addr = stack.gateway_addr
+            run_load(addr, mixed_requests(16, seed=99), concurrency=16)  # warm-up, as vLLM's
+            vllm = VllmOffline(str(DEFAULT_MODEL), dtype, log_dir / f"vllm-offline-{dtype}.log")
+            try:
+                vllm.generate(mixed_requests(16, seed=99))  # warm-up (compiled graphs, buffers)
+                rows += throughput(workloads, repeats, vllm, addr, dtype)
+            finally:
+                vllm.close()
+            if dtype == "float32" and not args.skip_online:
+                with vllm_server(str(DEFAULT_MODEL), log_dir / "vllm-server.log") as url:
+                    vllm_online(url, mixed_requests(4, seed=98), 4)  # warm-up
+                    latency_rows = latency(levels, addr, url)
     table = render(rows, latency_rows)
     print(table)
     payload = {
         "benchmark": "vs_vllm", "model": DEFAULT_MODEL.name, "dtype": "float32",
         "repeats": repeats, "quick": args.quick, "machine": machine(),
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-        "vllm_preload": vllm_env().get("LD_PRELOAD", ""),
+        "vllm_env": {k: vllm_env().get(k, "") for k in ("LD_PRELOAD",
+                                                          "VLLM_CPU_OMP_THREADS_BIND")},
         "workloads": {"mixed": "64 requests; prompt LN(median 96, sigma 0.6) in [16, 512]; "
                                "output LN(median 48, sigma 0.6) in [8, 256]",
                       "equal": "64 requests; 128 -> 64"},
@@ -382,9 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": time.perf_counter() - started, "logs": str(log_dir),
     }
     write_results(args.name, payload)
-    if latency_rows:
-        payload["plot"] = plot(rows, latency_rows, RESULTS_DIR / f"{args.name}.png")
-        write_results(args.name, payload)
+    payload["plot"] = plot(rows, latency_rows, RESULTS_DIR / f"{args.name}.png")
+    write_results(args.name, payload)
     return 0
 
 

@@ -20,6 +20,10 @@ from executor_svc.attention.torch_backend import DecodeAttention, TorchBackend
 from executor_svc.kv_cache import KVCache
 
 
+# bfloat16 elements are widened to float32; every sum runs in float32.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 @dataclass(frozen=True, slots=True)
 class KernelDecode:
     kernel: ModuleType
@@ -48,8 +52,8 @@ class CpuBackend(TorchBackend):
     def plan_decode(
         self, spans: list[SeqSpan], block_size: int, cache: KVCache
     ) -> DecodeAttention:
-        if cache.spec.dtype != torch.float32:
-            return super().plan_decode(spans, block_size, cache)  # the kernel is float32 only
+        if cache.spec.dtype not in KERNEL_DTYPES:
+            return super().plan_decode(spans, block_size, cache)
         max_blocks = max(-(-s.context_len // block_size) for s in spans)
         tables = [
             list(s.block_ids[:max_blocks]) + [0] * (max_blocks - len(s.block_ids[:max_blocks]))

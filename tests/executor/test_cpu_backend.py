@@ -24,11 +24,12 @@ def _kernel():  # type: ignore[no-untyped-def]
 
 
 def _decode_both(
-    num_kv_heads: int, group: int, head_dim: int, block_size: int, lengths: list[int], seed: int
+    num_kv_heads: int, group: int, head_dim: int, block_size: int, lengths: list[int], seed: int,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode layer over scattered blocks, by the reference and by the kernel."""
     gen = torch.Generator().manual_seed(seed)
-    spec = KVCacheSpec(1, num_kv_heads, head_dim, block_size, torch.float32)
+    spec = KVCacheSpec(1, num_kv_heads, head_dim, block_size, dtype)
     num_blocks = sum(-(-n // block_size) for n in lengths) + 7
     cache = KVCache.allocate(spec, num_blocks, 0, torch.device("cpu"))
     cache.kv.normal_(generator=gen)
@@ -38,7 +39,7 @@ def _decode_both(
         count = -(-n // block_size)
         spans.append(SeqSpan(i, 1, n, tuple(order[start : start + count])))
         start += count
-    q = torch.randn(len(lengths), num_kv_heads * group, head_dim, generator=gen)  # [N, Hq, D]
+    q = torch.randn(len(lengths), num_kv_heads * group, head_dim, generator=gen).to(dtype)
     outs = []
     for backend in (TorchBackend(), CpuBackend(_kernel())):
         out = torch.full_like(q, float("nan"))
@@ -60,6 +61,15 @@ def test_cpu_backend_decode_kernel_matches_reference(
     lengths = [1, 5, block_size, block_size + 1, 3 * block_size - 1, 200]
     reference, kernel = _decode_both(num_kv_heads, group, head_dim, block_size, lengths, seed=3)
     torch.testing.assert_close(kernel, reference, atol=2e-5, rtol=1e-5)
+
+
+def test_cpu_backend_decode_kernel_bfloat16_within_bf16_rounding_of_reference() -> None:
+    # bfloat16 cache and queries: the kernel sums in float32, the reference SDPA in bf16; both
+    # agree to bf16's resolution (8 bits of mantissa) on outputs of magnitude ~1.
+    lengths = [1, 7, 16, 17, 120, 300]
+    reference, kernel = _decode_both(3, 3, 64, 16, lengths, seed=4, dtype=torch.bfloat16)
+    assert kernel.dtype == torch.bfloat16
+    torch.testing.assert_close(kernel.float(), reference.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_cpu_backend_is_the_default_on_cpu(make_runner: Callable[..., ModelRunner]) -> None:

@@ -1,7 +1,7 @@
 // Paged decode attention on CPU: one new query token per sequence, attending over its cached
 // keys and values read in place from the paged cache (no gather into a scratch tensor).
 //
-// Shapes (float32):
+// Shapes (float32, or bfloat16 with float32 arithmetic):
 //   query, out      [T, Hq, D]          the step's packed rows, any strides but a unit one on D
 //                                       (the model hands query over as a transposed view)
 //   rows            [N]                 int64: the decoding sequences' rows in query and out
@@ -24,42 +24,61 @@ namespace {
 
 constexpr int64_t kLanes = 16;  // one AVX-512 register of floats; fixed so gcc vectorises
 
-inline float dot(const float* a, const float* b, int64_t dim) {
+template <typename key_t>
+inline float dot(const float* a, const key_t* b, int64_t dim) {
   float acc[kLanes] = {0.f};
   int64_t i = 0;
   for (; i + kLanes <= dim; i += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
+    for (int64_t j = 0; j < kLanes; ++j) acc[j] += a[i + j] * static_cast<float>(b[i + j]);
   }
   float sum = 0.f;
   for (int64_t j = 0; j < kLanes; ++j) sum += acc[j];
-  for (; i < dim; ++i) sum += a[i] * b[i];
+  for (; i < dim; ++i) sum += a[i] * static_cast<float>(b[i]);
   return sum;
 }
 
-inline void axpy(float alpha, const float* x, float* y, int64_t dim) {
-  for (int64_t i = 0; i < dim; ++i) y[i] += alpha * x[i];
+template <typename value_t>
+inline void axpy(float alpha, const value_t* x, float* y, int64_t dim) {
+  for (int64_t i = 0; i < dim; ++i) y[i] += alpha * static_cast<float>(x[i]);
 }
 
+template <typename scalar_t>
 struct Rows {  // one sequence's query heads (read) or output heads (written)
-  float* base;
+  scalar_t* base;
   int64_t head_stride;
-  float* head(int64_t row) const { return base + row * head_stride; }
+  scalar_t* head(int64_t row) const { return base + row * head_stride; }
 };
 
-void decode_one(Rows q, const float* key, const float* value, const int32_t* table,
-                int64_t context_len, int64_t block_size, int64_t num_kv_heads,
-                int64_t group, int64_t dim, float scale, Rows out,
-                std::vector<float>& scores) {
-  const int64_t token_stride = num_kv_heads * dim;  // floats between two offsets of a block
+struct Scratch {  // per task: reused across its sequences
+  std::vector<float> scores;  // [Hq, L]
+  std::vector<float> query;   // [Hq, D] in float32
+  std::vector<float> out;     // [Hq, D] accumulated in float32
+};
+
+template <typename scalar_t>
+void decode_one(Rows<scalar_t> q, const scalar_t* key, const scalar_t* value,
+                const int32_t* table, int64_t context_len, int64_t block_size,
+                int64_t num_kv_heads, int64_t group, int64_t dim, float scale,
+                Rows<scalar_t> out, Scratch& scratch) {
+  const int64_t num_heads = num_kv_heads * group;
+  const int64_t token_stride = num_kv_heads * dim;  // elements between two offsets of a block
   const int64_t block_stride = block_size * token_stride;
-  scores.resize(num_kv_heads * group * context_len);
+  std::vector<float>& scores = scratch.scores;
+  scores.resize(num_heads * context_len);
+  scratch.query.resize(num_heads * dim);
+  scratch.out.assign(num_heads * dim, 0.f);
+  for (int64_t row = 0; row < num_heads; ++row) {
+    std::copy(q.head(row), q.head(row) + dim, scratch.query.data() + row * dim);
+  }
   // scores[(h * G + g) * L + t] = q[h * G + g] . k[t, h] * scale
   for (int64_t t = 0; t < context_len; ++t) {
-    const float* k_t = key + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+    const scalar_t* k_t =
+        key + table[t / block_size] * block_stride + (t % block_size) * token_stride;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t row = h * group + g;
-        scores[row * context_len + t] = dot(q.head(row), k_t + h * dim, dim) * scale;
+        scores[row * context_len + t] =
+            dot(scratch.query.data() + row * dim, k_t + h * dim, dim) * scale;
       }
     }
   }
@@ -74,25 +93,59 @@ void decode_one(Rows q, const float* key, const float* value, const int32_t* tab
     }
     const float inv = 1.f / total;
     for (int64_t t = 0; t < context_len; ++t) s[t] *= inv;
-    std::fill(out.head(row), out.head(row) + dim, 0.f);
   }
   for (int64_t t = 0; t < context_len; ++t) {
-    const float* v_t = value + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+    const scalar_t* v_t =
+        value + table[t / block_size] * block_stride + (t % block_size) * token_stride;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t row = h * group + g;
-        axpy(scores[row * context_len + t], v_t + h * dim, out.head(row), dim);
+        axpy(scores[row * context_len + t], v_t + h * dim, scratch.out.data() + row * dim, dim);
       }
     }
   }
+  for (int64_t row = 0; row < num_heads; ++row) {
+    const float* acc = scratch.out.data() + row * dim;
+    std::transform(acc, acc + dim, out.head(row), [](float x) { return scalar_t(x); });
+  }
+}
+
+template <typename scalar_t>
+void run(torch::Tensor out, torch::Tensor query, torch::Tensor rows, torch::Tensor key,
+         torch::Tensor value, torch::Tensor block_tables, torch::Tensor context_lens,
+         double scale) {
+  const int64_t num_heads = query.size(1), dim = query.size(2);
+  const int64_t block_size = key.size(1), num_kv_heads = key.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t num_seqs = rows.size(0), max_blocks = block_tables.size(1);
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  scalar_t* q = query.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const scalar_t* k = key.data_ptr<scalar_t>();
+  const scalar_t* v = value.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t row = row_ids[n];
+      decode_one<scalar_t>(Rows<scalar_t>{q + row * query.stride(0), query.stride(1)}, k, v,
+                           tables + n * max_blocks, lens[n], block_size, num_kv_heads, group,
+                           dim, static_cast<float>(scale),
+                           Rows<scalar_t>{o + row * out.stride(0), out.stride(1)}, scratch);
+    }
+  });
 }
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor rows,
                             torch::Tensor key, torch::Tensor value, torch::Tensor block_tables,
                             torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
-                  value.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_decode_attention takes float32 tensors");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "paged_decode_attention takes float32 or bfloat16 tensors");
+  TORCH_CHECK(key.scalar_type() == dtype && value.scalar_type() == dtype &&
+                  out.scalar_type() == dtype,
+              "query, out, key and value share one dtype");
   TORCH_CHECK(rows.scalar_type() == at::kLong && block_tables.scalar_type() == at::kInt &&
                   context_lens.scalar_type() == at::kInt,
               "rows are int64, block_tables and context_lens int32");
@@ -103,39 +156,24 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   TORCH_CHECK(key.is_contiguous() && value.is_contiguous() && rows.is_contiguous() &&
                   block_tables.is_contiguous() && context_lens.is_contiguous(),
               "the cache, rows, block tables and lengths are contiguous");
-  const int64_t num_rows = query.size(0), num_heads = query.size(1), dim = query.size(2);
-  const int64_t block_size = key.size(1), num_kv_heads = key.size(2);
-  TORCH_CHECK(key.size(3) == dim && num_heads % num_kv_heads == 0, "head shapes disagree");
-  const int64_t num_seqs = rows.size(0);
-  TORCH_CHECK(block_tables.size(0) == num_seqs && context_lens.size(0) == num_seqs,
+  TORCH_CHECK(key.size(3) == query.size(2) && query.size(1) % key.size(2) == 0,
+              "head shapes disagree");
+  TORCH_CHECK(block_tables.size(0) == rows.size(0) && context_lens.size(0) == rows.size(0),
               "one block table and one context length per sequence");
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
   const int64_t* row_ids = rows.data_ptr<int64_t>();
-  for (int64_t n = 0; n < num_seqs; ++n) {
-    TORCH_CHECK(row_ids[n] >= 0 && row_ids[n] < num_rows, "a row index is outside the step");
+  for (int64_t n = 0; n < rows.size(0); ++n) {
+    TORCH_CHECK(row_ids[n] >= 0 && row_ids[n] < query.size(0), "a row is outside the step");
   }
-  float* q = query.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const float* k = key.data_ptr<float>();
-  const float* v = value.data_ptr<float>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t n = begin; n < end; ++n) {
-      const int64_t row = row_ids[n];
-      decode_one(Rows{q + row * query.stride(0), query.stride(1)}, k, v,
-                 tables + n * max_blocks, lens[n], block_size, num_kv_heads, group, dim,
-                 static_cast<float>(scale), Rows{o + row * out.stride(0), out.stride(1)},
-                 scores);
-    }
-  });
+  if (dtype == at::kFloat) {
+    run<float>(out, query, rows, key, value, block_tables, context_lens, scale);
+  } else {
+    run<c10::BFloat16>(out, query, rows, key, value, block_tables, context_lens, scale);
+  }
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over a paged KV cache, read in place (float32)");
+        "Decode attention over a paged KV cache, read in place (float32 or bfloat16)");
 }

@@ -1,0 +1,41 @@
+"""bfloat16 on CPU (`--dtype bfloat16`): an option with its own tolerance.
+
+fp32 stays the default and its tests stay token-exact; here the executor in bf16 is held to
+transformers' own model in bf16 (same weights, sdpa attention, dense cache), which rounds the
+same weights and activations, within bf16's resolution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from executor_svc.runner import ModelRunner
+from executor_svc.step import StepRequest
+
+from .oracle import Driver, random_prompts, reference_logits, reference_model
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_bfloat16_decode_logits_track_transformers_in_bfloat16(
+    make_runner: Callable[..., ModelRunner], backend: str
+) -> None:
+    # Three prompts prefilled, then four decode steps fed transformers' own greedy tokens: at
+    # every step each row's logits are within bf16 rounding of the dense bf16 forward.
+    runner = make_runner("tiny-llama", dtype="bfloat16", backend=backend)
+    reference = reference_model(runner).to(torch.bfloat16)
+    prompts = random_prompts(runner.info.vocab_size, [5, 33, 20], seed=2)
+    driver = Driver.scattered(runner)
+    seqs = tuple(driver.work(f"r{i}", p, sample=True) for i, p in enumerate(prompts))
+    logits = runner.run_forward(StepRequest(seqs=seqs)).logits  # [3, V] bf16
+    histories = [list(p) for p in prompts]
+    for _ in range(4):
+        for row, history in enumerate(histories):
+            expected = reference_logits(reference, history)[-1].float()  # [V]
+            got = logits[row].float()
+            torch.testing.assert_close(got, expected, atol=0.05, rtol=0.02)
+            history.append(int(expected.argmax()))
+        seqs = tuple(driver.work(f"r{i}", [h[-1]], sample=True) for i, h in enumerate(histories))
+        logits = runner.run_forward(StepRequest(seqs=seqs)).logits
