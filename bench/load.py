@@ -115,15 +115,19 @@ def pool_stats(allocator_addr: str) -> list[Any]:
 
 @contextmanager
 def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[str] = (),
-          seed: int = 0, log_dir: str | None = None, step_log: str | None = None):
+          seed: int = 0, log_dir: str | None = None, step_log: str | None = None,
+          load_format: str = "dummy"):
     """The real three services as subprocesses on free ports; stopped on exit.
+
+    Dummy weights (seeded) by default, as the presets' baselines rebuild them; `auto` for a
+    model directory with real weights.
 
     With `step_log`, the gateway runs as `python -m bench.cp_gateway` (the same gateway with
     per-step timers, one JSON line per executed step appended to that file).
     """
     spec = StackSpec(
         model=model, allocator_port=0, executor_port=0, gateway_port=0,
-        executor_args=("--load-format", "dummy", "--seed", str(seed), *executor_args),
+        executor_args=("--load-format", load_format, "--seed", str(seed), *executor_args),
         gateway_args=tuple(gateway_args),
         log_dir=log_dir or tempfile.mkdtemp(prefix="pagedkv-bench-"),
     )

@@ -32,11 +32,13 @@ def write_port_file(path: str, port: int) -> None:
 
 async def serve(settings: ExecutorSettings) -> None:
     from common.server import run_until_signal, start_server
+    from executor_svc.compute_thread import compute_thread
     from executor_svc.runner import build_runner
     from executor_svc.service import registration
 
-    runner = await asyncio.to_thread(build_runner, settings)
-    server = await start_server([registration(runner)], settings.host, settings.port)
+    worker = compute_thread()
+    runner = await asyncio.get_running_loop().run_in_executor(worker, build_runner, settings)
+    server = await start_server([registration(runner, worker)], settings.host, settings.port)
     if settings.port_file:
         write_port_file(settings.port_file, server.port)
     info = runner.info

@@ -12,7 +12,11 @@ So the weight is stored [hidden, vocab] (same values, read through a transpose) 
 packed once for oneDNN, through the ops torch itself uses for CPU inference
 (`torch.ops.mkldnn`, inductor's freezing pass); a step with fewer than PACKED_MIN_ROWS rows
 uses the stored weight. Logits agree with nn.Linear within float rounding (about 1e-6).
-Tied embeddings are left alone (the embedding lookup would read rows with a stride of vocab).
+
+Tied embeddings (SmolLM2) keep theirs for the embedding lookup, which reads rows, and the head
+gets its own copy, stored and packed as above: 113 MB more for SmolLM2-135M, and a decode step
+of 8 sequences 64 -> 55 ms on two threads (lm_head 13.1 -> 5.6 ms: the packed layout streams
+the 49,152 x 576 weight at memory speed where sgemm on the transposed view did not).
 """
 
 from __future__ import annotations
@@ -68,12 +72,15 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 def speed_up_lm_head(model: PreTrainedModel) -> None:
     """CPU, float32: store the lm_head weight [hidden, vocab] and route it through oneDNN."""
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or head.weight.dtype != torch.float32:
         return
+    embed = model.get_input_embeddings()
+    stored = head.weight.detach().t().contiguous()  # [hidden, vocab]; a copy when tied
     if isinstance(embed, torch.nn.Embedding) and embed.weight.data_ptr() == head.weight.data_ptr():
-        return
-    stored = head.weight.detach().t().contiguous()  # [hidden, vocab]
+        # A head of its own; the embedding keeps the shared Parameter. (transformers ties
+        # weights while loading only, so nothing ties them back.)
+        head = torch.nn.Linear(head.in_features, head.out_features, bias=False, device="meta")
     head.weight = torch.nn.Parameter(stored.t(), requires_grad=False)  # [vocab, hidden] view
     packed = _pack(head.weight)
     if packed is not None:

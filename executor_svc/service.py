@@ -1,7 +1,8 @@
 """The gRPC servicer: decode the proto, call the runner, encode the answer.
 
-Steps (and Releases) run one at a time, in the order they are queued, in one worker thread, so
-the event loop keeps answering health checks and Describe while the model computes. A step
+Steps (and Releases) run one at a time, in the order they are queued, in the executor's compute
+thread (compute_thread.py: the thread that loaded the model), so the event loop keeps
+answering health checks and Describe while the model computes. A step
 that arrives while another computes (the gateway launches ahead) is decoded meanwhile and
 waits in the worker's queue: the worker starts it the moment the one before ends, with no hop
 through the event loop. A step naming a `previous_step_id` not taken yet waits for it first,
@@ -22,6 +23,7 @@ import grpc
 from common.errors import FailedPrecondition, InvalidArgument
 from common.server import Registration
 from executor_svc import convert
+from executor_svc.compute_thread import compute_thread
 from executor_svc.runner import ModelRunner
 from executor_svc.step_order import ORDER_WAIT_S, StepOrder
 from pagedkv.executor.v1 import executor_pb2 as pb
@@ -32,10 +34,10 @@ T = TypeVar("T")
 
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, worker: ThreadPoolExecutor | None = None) -> None:
         self._runner = runner
         # One thread: the runner is not thread-safe, and its queue keeps the order.
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
+        self._worker = worker or compute_thread()
         self._order = StepOrder()
 
     async def Describe(  # noqa: N802 - gRPC method name
@@ -75,5 +77,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return asyncio.get_running_loop().run_in_executor(self._worker, context.run, fn, *args)
 
 
-def registration(runner: ModelRunner) -> Registration:
-    return (pb_grpc.add_ExecutorServiceServicer_to_server, ExecutorServicer(runner), SERVICE_NAME)
+def registration(runner: ModelRunner, worker: ThreadPoolExecutor | None = None) -> Registration:
+    """`worker`: the thread that built `runner` (compute_thread.py); None: a new one."""
+    servicer = ExecutorServicer(runner, worker)
+    return (pb_grpc.add_ExecutorServiceServicer_to_server, servicer, SERVICE_NAME)

@@ -19,7 +19,6 @@ from executor_svc.attention.metadata import SeqSpan
 from executor_svc.attention.torch_backend import DecodeAttention, TorchBackend
 from executor_svc.kv_cache import KVCache
 
-
 # bfloat16 elements are widened to float32; every sum runs in float32.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -37,10 +37,21 @@ def test_lm_head_packed_matches_linear_on_few_and_many_rows() -> None:
     assert all(torch.equal(state[k], v) for k, v in expected_state.items())
 
 
-def test_lm_head_tied_embeddings_stay_untouched() -> None:
-    # A tied lm_head shares the embedding's storage: it is left exactly as it was.
+def test_lm_head_tied_gets_its_own_packed_copy_and_the_embedding_is_kept() -> None:
+    # A tied head: the embedding keeps its Parameter untouched; the head becomes a packed copy
+    # with the same values, giving the tied nn.Linear's logits.
     model = _model(tied=True)
-    head = model.lm_head
+    embed = model.get_input_embeddings()
+    before = embed.weight.clone()
+    linear = torch.nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
+    linear.weight = torch.nn.Parameter(before.clone())
     speed_up_lm_head(model)
-    assert model.lm_head is head
-    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert model.get_input_embeddings() is embed and torch.equal(embed.weight, before)
+    if not torch.backends.mkldnn.is_available():
+        return
+    assert isinstance(model.lm_head, PackedLinear)
+    assert model.lm_head.weight.data_ptr() != embed.weight.data_ptr()
+    assert torch.equal(model.lm_head.weight, before)
+    for rows in (1, 16):
+        hidden = torch.randn(1, rows, embed.embedding_dim)  # [1, S, H]
+        torch.testing.assert_close(model.lm_head(hidden), linear(hidden), rtol=1e-5, atol=1e-5)
