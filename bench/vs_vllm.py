@@ -287,7 +287,7 @@ def latency(levels: list[tuple[int, int]], gateway_addr: str, vllm_url: str
 
 
 def render(rows: list[dict[str, Any]], latency_rows: list[dict[str, Any]]) -> str:
-    out = ["### Throughput: 64 requests at once, SmolLM2-135M-Instruct fp32, CPU", "",
+    out = ["### Throughput: 64 requests at once, SmolLM2-135M-Instruct, CPU", "",
            markdown_table(
                ["workload", "dtype", "vLLM CPU tok/s", "pagedkv tok/s", "pagedkv / vLLM",
                 "first 16 tokens agree", "whole outputs agree"],
@@ -335,7 +335,7 @@ def plot(rows: list[dict[str, Any]], latency_rows: list[dict[str, Any]], path: P
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("SmolLM2-135M-Instruct, fp32, CPU (2 cores): pagedkv vs vLLM CPU")
+    fig.suptitle("SmolLM2-135M-Instruct on CPU (2 cores): pagedkv vs vLLM CPU (latency: fp32)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
