@@ -51,6 +51,9 @@ def convert(gguf_file: Path, out: Path) -> None:
     """Dequantize the GGUF into fp32 safetensors, with tokenizer and generation config."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # set-up logs, CI's included, stay readable
 
     directory, name = str(gguf_file.parent), gguf_file.name
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
