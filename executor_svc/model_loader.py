@@ -173,6 +173,11 @@ def load_model(
     device = torch.device(device_flag)
     dtype = resolve_dtype(dtype_flag, device)
     register_attention()
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(
+            f"no config.json in {directory}: point --model at a model directory (config.json, "
+            "safetensors weights, tokenizer), e.g. the embedded models/smollm2-135m-instruct"
+        )
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:

@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.write(prefix + response.text)
                 sys.stdout.flush()
                 if response.finish_reason:
+                    sys.stdout.write("\n")
                     u = response.usage
                     finish = pb.FinishReason.Name(response.finish_reason)
                     print(

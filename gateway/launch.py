@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -133,7 +134,8 @@ class Stack:
         service.process.wait(10)
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM in reverse start order (gateway first), then SIGKILL what lingers."""
+        """SIGTERM in reverse start order (gateway first), then SIGKILL what lingers; the run
+        directory (port files) goes with them."""
         for service in reversed(self.services):
             if service.process.poll() is None:
                 service.process.send_signal(signal.SIGTERM)
@@ -142,6 +144,7 @@ class Stack:
                 except subprocess.TimeoutExpired:
                     service.process.kill()
                     service.process.wait(5)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def first_exited(self) -> Service | None:
         return next((s for s in self.services if s.process.poll() is not None), None)

@@ -85,6 +85,12 @@ def test_loader_refuses_an_unknown_model_type(tmp_path: Path) -> None:
         _load(directory)
 
 
+def test_loader_names_a_missing_config(tmp_path: Path) -> None:
+    # An empty directory: the message names config.json, not a key inside it.
+    with pytest.raises(ModelLoadError, match="no config.json in .*point --model at a model"):
+        _load(tmp_path)
+
+
 def test_loader_refuses_weights_without_a_tokenizer(tmp_path: Path) -> None:
     # Real weights whose tokenizer is missing: refused at start, not at the first request.
     directory = tmp_path / "no-tokenizer"
