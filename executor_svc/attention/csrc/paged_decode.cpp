@@ -24,6 +24,16 @@ namespace {
 
 constexpr int64_t kLanes = 16;  // one AVX-512 register of floats; fixed so gcc vectorises
 
+constexpr int64_t kPrefetchAhead = 4;  // token rows: far enough to hide a DRAM access
+
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* row, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < count * static_cast<int64_t>(sizeof(scalar_t)); offset += 64) {
+    __builtin_prefetch(bytes + offset, 0, 3);
+  }
+}
+
 template <typename key_t>
 inline float dot(const float* a, const key_t* b, int64_t dim) {
   float acc[kLanes] = {0.f};
@@ -74,6 +84,12 @@ void decode_one(Rows<scalar_t> q, const scalar_t* key, const scalar_t* value,
   for (int64_t t = 0; t < context_len; ++t) {
     const scalar_t* k_t =
         key + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+    if (t + kPrefetchAhead < context_len) {  // the next block starts anywhere: fetch it early
+      const int64_t ahead = t + kPrefetchAhead;
+      prefetch_row(key + table[ahead / block_size] * block_stride +
+                       (ahead % block_size) * token_stride,
+                   token_stride);
+    }
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t row = h * group + g;
@@ -97,6 +113,12 @@ void decode_one(Rows<scalar_t> q, const scalar_t* key, const scalar_t* value,
   for (int64_t t = 0; t < context_len; ++t) {
     const scalar_t* v_t =
         value + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+    if (t + kPrefetchAhead < context_len) {
+      const int64_t ahead = t + kPrefetchAhead;
+      prefetch_row(value + table[ahead / block_size] * block_stride +
+                       (ahead % block_size) * token_stride,
+                   token_stride);
+    }
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t row = h * group + g;
