@@ -53,10 +53,9 @@ from typing import Any
 
 from bench.baselines import BenchRequest, RequestResult
 from bench.common import RESULTS_DIR, machine, markdown_table, percentile, write_results
-from bench.load import run_load
+from bench.load import run_load, stack
 from bench.workloads import bounded_lognormal
 from common.model_dirs import DEFAULT_MODEL, REPO_ROOT
-from gateway.launch import Stack, StackSpec
 
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
@@ -130,7 +129,7 @@ class VllmOffline:
             self.process.stdin.write(json.dumps(command) + "\n")
             self.process.stdin.flush()
             self._wait_done()
-            result = json.load(open(out.name))
+            result = json.loads(Path(out.name).read_text())
         return result["outputs"], result["wall_s"]
 
     def close(self) -> None:
@@ -141,20 +140,6 @@ class VllmOffline:
         except subprocess.TimeoutExpired:
             self.process.kill()
         self.log.close()
-
-
-@contextmanager
-def pagedkv_stack(log_dir: Path, dtype: str) -> Iterator[Stack]:
-    """`make run`'s stack (defaults, embedded model) on free ports."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    spec = StackSpec(model=str(DEFAULT_MODEL), allocator_port=0, executor_port=0,
-                     gateway_port=0, log_dir=str(log_dir), startup_timeout_s=300,
-                     executor_args=("--dtype", dtype))
-    stack = Stack(spec).start()
-    try:
-        yield stack
-    finally:
-        stack.stop()
 
 
 @contextmanager
@@ -368,8 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     latency_rows: list[dict[str, Any]] = []
     for dtype in args.dtypes.split(","):
-        with pagedkv_stack(log_dir / dtype, dtype) as stack:
-            addr = stack.gateway_addr
+        # `make run`'s stack (defaults, embedded model, its own weights) on free ports.
+        (log_dir / dtype).mkdir(parents=True)
+        with stack(str(DEFAULT_MODEL), executor_args=("--dtype", dtype), load_format="auto",
+                   log_dir=str(log_dir / dtype)) as running:
+            addr = running.gateway_addr
             run_load(addr, mixed_requests(16, seed=99), concurrency=16)  # warm-up, as vLLM's
             vllm = VllmOffline(str(DEFAULT_MODEL), dtype, log_dir / f"vllm-offline-{dtype}.log")
             try:

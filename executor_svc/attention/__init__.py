@@ -83,26 +83,21 @@ def register_attention() -> None:
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
     """`auto`: the C++ kernel backend on CPU where it builds (else torch), torch on CUDA."""
-    if name == "auto":
-        name = "cpu" if device.type == "cpu" else "torch"
-        if name == "cpu":
-            from executor_svc.attention.cpu_kernels import load
-
-            name = "cpu" if load() is not None else "torch"
-    if name == "cpu":
+    if name in ("auto", "cpu") and device.type == "cpu":
         from executor_svc.attention.cpu_backend import CpuBackend
         from executor_svc.attention.cpu_kernels import load
 
         kernel = load()
-        if kernel is None:
+        if kernel is not None:
+            return CpuBackend(kernel)
+        if name == "cpu":
             from executor_svc.settings import SettingsError
 
             raise SettingsError(
                 "--backend cpu: the C++ kernels could not be built (see the warning above); "
                 "use --backend torch, or install a compiler and run `make setup`"
             )
-        return CpuBackend(kernel)
-    if name == "torch":
+    if name in ("auto", "torch"):
         from executor_svc.attention.torch_backend import TorchBackend
 
         return TorchBackend()

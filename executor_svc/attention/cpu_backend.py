@@ -55,10 +55,8 @@ class CpuBackend(TorchBackend):
         if cache.spec.dtype not in KERNEL_DTYPES:
             return super().plan_decode(spans, block_size, cache)
         max_blocks = max(-(-s.context_len // block_size) for s in spans)
-        tables = [
-            list(s.block_ids[:max_blocks]) + [0] * (max_blocks - len(s.block_ids[:max_blocks]))
-            for s in spans
-        ]
+        tables = [list(s.block_ids[:max_blocks]) for s in spans]
+        tables = [table + [0] * (max_blocks - len(table)) for table in tables]
         return KernelDecode(
             kernel=self.kernel,
             token_index=torch.tensor([s.query_start for s in spans], dtype=torch.long),

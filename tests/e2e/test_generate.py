@@ -187,6 +187,10 @@ BAD_INPUTS = [
     (gpb.GenerateRequest(text="hi", sampling=gpb.SamplingParams(n=5)), "sampling.n"),
     (gpb.GenerateRequest(text="hi", sampling=gpb.SamplingParams(stop_token_ids=[512])),
      "sampling.stop_token_ids"),
+    # The preset's tokenizer has no chat template: refused, not rendered in a made-up format.
+    (gpb.GenerateRequest(chat=gpb.ChatMessages(messages=[gpb.ChatMessage(role="user",
+                                                                         content="hi")]),
+                         sampling=sampling(4)), "no chat template"),
 ]
 
 

@@ -34,6 +34,7 @@ def test_settings_environment_sets_default_and_flag_wins(monkeypatch: pytest.Mon
     [
         (["--block-size", "12"], "--block-size must be a power of two"),
         (["--backend", "flashinfer"], "--backend flashinfer needs --device cuda"),
+        (["--backend", "cpu", "--device", "cuda"], "--backend cpu runs on --device cpu"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in"),
         (["--model", "/nonexistent"], "is not a directory"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be positive"),
