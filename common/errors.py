@@ -41,3 +41,7 @@ class ResourceExhausted(ServiceError):
 
 class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class Internal(ServiceError):
+    code = grpc.StatusCode.INTERNAL

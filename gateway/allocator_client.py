@@ -2,7 +2,8 @@
 
 The only gateway module besides executor_client.py and service.py that touches protobuf.
 Calls that concern one request carry its id as `x-request-id` metadata, so that one id can
-be followed through the logs of all three services.
+be followed through the logs of all three services. A failed call raises its
+call_failures.CallFailed, never a gRPC error.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from common.interceptor import REQUEST_ID_KEY
+from gateway.call_failures import translated
 from gateway.step import (
     BlockCopy,
     Commit,
@@ -59,8 +61,10 @@ def _copies(copies: Sequence[pb.BlockCopy]) -> tuple[BlockCopy, ...]:
 
 
 def _commits(commits: Sequence[Commit]) -> list[pb.Commit]:
-    return [pb.Commit(request_id=c.request_id, num_computed_tokens=c.num_computed_tokens)
-            for c in commits]
+    return [
+        pb.Commit(request_id=c.request_id, num_computed_tokens=c.num_computed_tokens)
+        for c in commits
+    ]
 
 
 def _outcome(response: pb.StepResponse) -> StepOutcome:
@@ -69,12 +73,12 @@ def _outcome(response: pb.StepResponse) -> StepOutcome:
             request_id=g.request_id,
             delta=(
                 TableDelta(g.delta.start_index, tuple(g.delta.block_ids))
-                if g.HasField("delta") else None
+                if g.HasField("delta")
+                else None
             ),
             num_cached_tokens=g.num_cached_tokens,
             num_scheduled_tokens=g.num_scheduled_tokens,
             start_position=g.start_position,
-            new_request=g.new_request,
         )
         for g in response.grants
     }
@@ -88,7 +92,6 @@ def _outcome(response: pb.StepResponse) -> StepOutcome:
         copies=_copies(response.copies),
         swap_out=_copies(response.swap_out),
         swap_in=_copies(response.swap_in),
-        num_free_blocks=response.num_free_blocks,
         appended=dict(
             zip(response.appended_request_ids, response.appended_block_ids, strict=True)
         ),
@@ -110,28 +113,33 @@ class AllocatorClient:
 
     async def register_pool(self, spec: PoolSpec) -> int:
         """Register (or re-register) an executor's pool; returns the epoch to send."""
-        response = await self.stub.RegisterPool(
-            pb.RegisterPoolRequest(
-                pool_id=spec.pool_id,
-                num_blocks=spec.num_blocks,
-                block_size=spec.block_size,
-                num_cpu_blocks=spec.num_cpu_blocks,
-                model_fingerprint=spec.model_fingerprint,
-                executor_instance_id=spec.executor_instance_id,
-                enable_prefix_caching=spec.enable_prefix_caching,
-            ),
-            timeout=self.timeout_s,
-        )
+        with translated():
+            response = await self.stub.RegisterPool(
+                pb.RegisterPoolRequest(
+                    pool_id=spec.pool_id,
+                    num_blocks=spec.num_blocks,
+                    block_size=spec.block_size,
+                    num_cpu_blocks=spec.num_cpu_blocks,
+                    model_fingerprint=spec.model_fingerprint,
+                    executor_instance_id=spec.executor_instance_id,
+                    enable_prefix_caching=spec.enable_prefix_caching,
+                ),
+                timeout=self.timeout_s,
+            )
         return int(response.pool.epoch)
 
     async def create_lease(self, ttl_ms: int) -> tuple[str, int]:
-        response = await self.stub.CreateLease(
-            pb.CreateLeaseRequest(ttl_ms=ttl_ms), timeout=self.timeout_s
-        )
+        with translated():
+            response = await self.stub.CreateLease(
+                pb.CreateLeaseRequest(ttl_ms=ttl_ms), timeout=self.timeout_s
+            )
         return response.lease_id, response.ttl_ms
 
     async def keep_alive(self, lease_id: str) -> None:
-        await self.stub.KeepAlive(pb.KeepAliveRequest(lease_id=lease_id), timeout=self.timeout_s)
+        with translated():
+            await self.stub.KeepAlive(
+                pb.KeepAliveRequest(lease_id=lease_id), timeout=self.timeout_s
+            )
 
     async def step(self, pool_id: str, epoch: int, lease_id: str, call: StepCall) -> StepOutcome:
         items = [
@@ -143,7 +151,8 @@ class AllocatorClient:
             )
             if i.is_new
             else pb.StepItem(
-                request_id=i.request_id, append_token_ids=i.append_token_ids,
+                request_id=i.request_id,
+                append_token_ids=i.append_token_ids,
                 num_tokens=i.num_tokens,
             )
             for i in call.items
@@ -169,59 +178,83 @@ class AllocatorClient:
             late_token_ids=call.late_token_ids,
         )
         # NOTE: Step is not idempotent; past the deadline its outcome is unknown (recovery.py).
-        return _outcome(await self.stub.Step(request, timeout=self.timeout_s))
+        with translated():
+            return _outcome(await self.stub.Step(request, timeout=self.timeout_s))
 
     # lease_id on Free, Abort and Fork: the allocator refuses (PERMISSION_DENIED) to touch a
     # request of another lease, e.g. another gateway's request that happens to share an id.
     async def free(
-        self, pool_id: str, epoch: int, commits: Sequence[Commit], request_ids: Sequence[str],
+        self,
+        pool_id: str,
+        epoch: int,
+        commits: Sequence[Commit],
+        request_ids: Sequence[str],
         lease_id: str,
     ) -> None:
-        await self.stub.Free(
-            pb.FreeRequest(
-                pool_id=pool_id, epoch=epoch, commits=_commits(commits), request_ids=request_ids,
-                lease_id=lease_id,
-            ),
-            metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
-            timeout=self.timeout_s,
-        )
+        with translated():
+            await self.stub.Free(
+                pb.FreeRequest(
+                    pool_id=pool_id,
+                    epoch=epoch,
+                    commits=_commits(commits),
+                    request_ids=request_ids,
+                    lease_id=lease_id,
+                ),
+                metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
+                timeout=self.timeout_s,
+            )
 
     async def abort(
         self, pool_id: str, epoch: int, request_ids: Sequence[str], lease_id: str
     ) -> None:
-        await self.stub.Abort(
-            pb.AbortRequest(
-                pool_id=pool_id, epoch=epoch, request_ids=request_ids, lease_id=lease_id
-            ),
-            metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
-            timeout=self.timeout_s,
-        )
+        with translated():
+            await self.stub.Abort(
+                pb.AbortRequest(
+                    pool_id=pool_id, epoch=epoch, request_ids=request_ids, lease_id=lease_id
+                ),
+                metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
+                timeout=self.timeout_s,
+            )
 
     async def fork(
-        self, pool_id: str, epoch: int, parent_id: str, child_ids: Sequence[str],
-        request_id: str, lease_id: str,
+        self,
+        pool_id: str,
+        epoch: int,
+        parent_id: str,
+        child_ids: Sequence[str],
+        request_id: str,
+        lease_id: str,
     ) -> list[TableDelta]:
-        response = await self.stub.Fork(
-            pb.ForkRequest(
-                pool_id=pool_id, epoch=epoch, parent_request_id=parent_id,
-                child_request_ids=child_ids, lease_id=lease_id,
-            ),
-            metadata=request_metadata(request_id),
-            timeout=self.timeout_s,
-        )
+        with translated():
+            response = await self.stub.Fork(
+                pb.ForkRequest(
+                    pool_id=pool_id,
+                    epoch=epoch,
+                    parent_request_id=parent_id,
+                    child_request_ids=child_ids,
+                    lease_id=lease_id,
+                ),
+                metadata=request_metadata(request_id),
+                timeout=self.timeout_s,
+            )
         return [TableDelta(t.start_index, tuple(t.block_ids)) for t in response.child_tables]
 
     async def match_prefix(
-        self, token_ids: Sequence[int], cache_salt: str, pool_ids: Sequence[str],
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str,
+        pool_ids: Sequence[str],
         request_id: str,
     ) -> list[PrefixMatch]:
-        response = await self.stub.MatchPrefix(
-            pb.MatchPrefixRequest(token_ids=token_ids, cache_salt=cache_salt, pool_ids=pool_ids),
-            metadata=request_metadata(request_id),
-            timeout=self.timeout_s,
-        )
+        with translated():
+            response = await self.stub.MatchPrefix(
+                pb.MatchPrefixRequest(
+                    token_ids=token_ids, cache_salt=cache_salt, pool_ids=pool_ids
+                ),
+                metadata=request_metadata(request_id),
+                timeout=self.timeout_s,
+            )
         return [
-            PrefixMatch(m.pool_id, m.num_cached_tokens, m.num_free_blocks,
-                        m.num_running_requests)
+            PrefixMatch(m.pool_id, m.num_cached_tokens, m.num_free_blocks, m.num_running_requests)
             for m in response.matches
         ]

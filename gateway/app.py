@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-import grpc
 import structlog
 
 from common.server import Server, start_server
 from gateway import service
 from gateway.allocator_client import AllocatorClient
 from gateway.batch import Budget
+from gateway.call_failures import CallFailed, Lost
 from gateway.engine import Engine
 from gateway.executor_client import ExecutorClient, ExecutorDescription
 from gateway.frontend import Frontend, ModelInfo
@@ -64,14 +64,15 @@ class Gateway:
 
 
 async def _retry(what: str, fn: Callable[[], Awaitable[T]], timeout_s: float) -> T:
-    """Dependencies may still be starting: retry UNAVAILABLE until the deadline."""
+    """Dependencies may still be starting: retry while they do not answer (Lost), until
+    the deadline."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             return await fn()
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                message = f"gateway: {what} failed: {exc.code().name} {exc.details()}"
+        except CallFailed as exc:
+            if not isinstance(exc, Lost) or time.monotonic() > deadline:
+                message = f"gateway: {what} failed: {exc.status} {exc.details}"
                 raise SystemExit(message) from exc
             log.info("waiting_for_dependency", what=what)
             await asyncio.sleep(0.5)

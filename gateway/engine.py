@@ -22,16 +22,15 @@ import itertools
 import secrets
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-import grpc
 import structlog
 
 from common.errors import ServiceError
 from gateway import landing, orphans, recovery, side_calls
 from gateway.batch import Batch, InFlight, Landed, ScheduledStep
+from gateway.call_failures import CallFailed
 from gateway.executor_client import ExecutorDescription
 from gateway.held_outputs import HeldOutputs
 from gateway.output import OutputProcessor
@@ -55,7 +54,6 @@ class Engine:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     stats: StepStats = field(default_factory=StepStats)
     allocator_down_since: float | None = None
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
     # Ids the allocator may hold that no sequence tracks: aborted before the next Step.
     orphan_ids: set[str] = field(default_factory=set)
     # The executor refused a Release of its own: the ids wait for the next Execute to carry
@@ -294,7 +292,7 @@ class Engine:
         sent = time.perf_counter()
         try:
             outcome = await self.held.during_step(call)
-        except grpc.aio.AioRpcError as exc:
+        except CallFailed as exc:
             if settle:
                 landed = await landing.land(self)
             # (No fork: recovery readmits or fails the parents.)
@@ -317,12 +315,6 @@ class Engine:
         if not seq.request.cancelled:
             seq.request.emit(CompletionDelta(index=seq.index, error=error))
         self.scheduler.abort(seq)
-
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """A background task owned by the engine (kept referenced until done)."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
 
     def fail_all(self, error: ServiceError) -> None:
         for seq in self.scheduler.sequences():

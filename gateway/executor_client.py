@@ -1,4 +1,7 @@
-"""One executor, seen from the gateway: typed calls over the generated stub."""
+"""One executor, seen from the gateway: typed calls over the generated stub.
+
+A failed call raises its call_failures.CallFailed; an answer that breaks the contract (tokens
+missing or out of order) is Rejected, as a refused step is."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.allocator_client import CHANNEL_OPTIONS, request_metadata
+from gateway.call_failures import Rejected, translated
 from gateway.step import BlockCopy, ExecuteCall, ExecuteResult, Sampled, SeqWork
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -69,7 +73,8 @@ class ExecutorClient:
         await self.channel.close()
 
     async def describe(self, timeout: float | None = None) -> ExecutorDescription:
-        r = await self.stub.Describe(pb.DescribeRequest(), timeout=timeout)
+        with translated():
+            r = await self.stub.Describe(pb.DescribeRequest(), timeout=timeout)
         return ExecutorDescription(
             instance_id=r.instance_id,
             model_name=r.model_name,
@@ -106,20 +111,21 @@ class ExecutorClient:
             step_id=step_id,
             previous_step_id=previous_step_id,
         )
-        response = await self.stub.Execute(request, timeout=timeout)
+        with translated():
+            response = await self.stub.Execute(request, timeout=timeout)
         num_decodes = len(call.decode_request_ids)
         if len(response.decode_sampled_token_ids) != num_decodes:
             # An executor that predates the compact columns ignored them: a rejected step.
-            raise _broken_contract(
-                grpc.StatusCode.UNIMPLEMENTED,
+            raise Rejected(
+                "UNIMPLEMENTED",
                 f"the executor returned {len(response.decode_sampled_token_ids)} tokens for "
                 f"{num_decodes} compact decodes: it must implement decode_request_ids "
                 "(pagedkv.executor.v1; see tests/conformance)",
             )
         sampling = [w.request_id for w in call.seqs if w.sample]
         if [t.request_id for t in response.tokens] != sampling:
-            raise _broken_contract(
-                grpc.StatusCode.INTERNAL,
+            raise Rejected(
+                "INTERNAL",
                 f"the executor returned sampled tokens for {len(response.tokens)} sequences, "
                 f"not one for each of the {len(sampling)} that sample, in their order "
                 "(pagedkv.executor.v1; see tests/conformance)",
@@ -131,13 +137,9 @@ class ExecutorClient:
         )
 
     async def release(self, request_ids: Sequence[str], timeout: float | None = None) -> None:
-        await self.stub.Release(
-            pb.ReleaseRequest(request_ids=request_ids),
-            metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
-            timeout=timeout,
-        )
-
-
-def _broken_contract(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """The executor answered, but not as the contract says: the step counts as rejected."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+        with translated():
+            await self.stub.Release(
+                pb.ReleaseRequest(request_ids=request_ids),
+                metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
+                timeout=timeout,
+            )

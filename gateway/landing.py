@@ -14,10 +14,9 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from gateway import recovery, side_calls
 from gateway.batch import Batch, InFlight, Landed
+from gateway.call_failures import CallFailed
 from gateway.request_state import SeqStatus
 
 if TYPE_CHECKING:
@@ -48,7 +47,7 @@ async def land(engine: Engine) -> Landed | None:
     batch = engine.batch = flight.batch
     try:
         result = await engine.held.during_execute(flight.execute, flight.head_start_left())
-    except grpc.aio.AioRpcError as exc:
+    except CallFailed as exc:
         engine.scheduler.land(batch)
         if engine.in_flight:  # launched ahead on top of this one: it may fail too
             engine.in_flight[0].after_failure = True

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-import grpc
 import structlog
 
 from gateway.allocator_client import AllocatorClient
+from gateway.call_failures import CallFailed, Unknown
 
 log = structlog.get_logger(__name__)
 
@@ -38,24 +38,21 @@ class Lease:
             await asyncio.sleep(self.ttl_ms / 3000)
             try:
                 await self.allocator.keep_alive(self.lease_id)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:
-                    log.warning("lease_keep_alive_failed", code=exc.code().name)
-                    continue
+            except Unknown:
                 try:
                     await self.renew_if_lost()
-                except grpc.aio.AioRpcError as again:
-                    log.warning("lease_acquire_failed", code=again.code().name)
+                except CallFailed as again:
+                    log.warning("lease_acquire_failed", code=again.status)
+            except CallFailed as exc:
+                log.warning("lease_keep_alive_failed", code=exc.status)
 
     async def renew_if_lost(self) -> None:
-        """An allocator call said NOT_FOUND: if the lease is gone (allocator restarted),
+        """An allocator call said Unknown: if the lease is gone (allocator restarted),
         take a new one now rather than at the next keep-alive. Engines call this at once;
         only the first one renews."""
         async with self.renewing:
             try:
                 await self.allocator.keep_alive(self.lease_id)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:
-                    raise
+            except Unknown:
                 log.warning("lease_lost", lease_id=self.lease_id)
                 await self.acquire()

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import grpc
 import structlog
 
 from gateway.batch import ScheduledStep
+from gateway.call_failures import CallFailed, Denied, Lost, Stale, Unknown
 
 if TYPE_CHECKING:
     from gateway.engine import Engine
@@ -39,15 +39,16 @@ def note_held(engine: Engine, plan: ScheduledStep | None = None) -> None:
         ids.update(i.request_id for i in plan.call.items if i.is_new)
 
 
-async def abort_orphans(engine: Engine) -> grpc.aio.AioRpcError | None:
+async def abort_orphans(engine: Engine) -> CallFailed | None:
     """Abort every orphan the allocator still holds; the error that stopped it, if any
     (the orphans not yet aborted stay noted)."""
     ids = sorted(engine.orphan_ids)
     try:
         await engine.link.abort(ids)
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() not in _NOT_OURS:
-            return _gone_with_pool(engine, exc)
+    except _NOT_OURS:
+        pass
+    except CallFailed as exc:
+        return _gone_with_pool(engine, exc)
     else:
         engine.orphan_ids.clear()
         log.info("orphans_aborted", pool_id=engine.pool_id, num=len(ids))
@@ -56,9 +57,10 @@ async def abort_orphans(engine: Engine) -> grpc.aio.AioRpcError | None:
     for request_id in ids:
         try:
             await engine.link.abort([request_id])
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() not in _NOT_OURS:
-                return _gone_with_pool(engine, exc)
+        except _NOT_OURS:
+            pass
+        except CallFailed as exc:
+            return _gone_with_pool(engine, exc)
         engine.orphan_ids.discard(request_id)
     log.info("orphans_aborted", pool_id=engine.pool_id, num=len(ids))
     return None
@@ -66,22 +68,21 @@ async def abort_orphans(engine: Engine) -> grpc.aio.AioRpcError | None:
 
 # Nothing of ours to abort: gone already, or another lease's request with the same id
 # (another gateway's; an id we only tried to admit).
-_NOT_OURS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED)
-# Worth retrying: the allocator may answer later. Anything else will not change by retrying.
-_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_NOT_OURS = (Unknown, Denied)
 
 
-def _gone_with_pool(engine: Engine, exc: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError | None:
-    """FAILED_PRECONDITION: the pool was reset since (new epoch), which dropped every
-    request it held; the next Step re-registers. A refusal that retrying cannot change
-    (INVALID_ARGUMENT, INTERNAL ...) is logged and the orphans are given up, so the engine
-    does not wedge; what they hold comes back when the lease expires or the pool resets."""
-    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+def _gone_with_pool(engine: Engine, exc: CallFailed) -> CallFailed | None:
+    """Stale: the pool was reset since (new epoch), which dropped every request it held;
+    the next Step re-registers. Lost: worth retrying, the allocator may answer later (the
+    error is returned). A refusal that retrying cannot change (Rejected) is logged and the
+    orphans are given up, so the engine does not wedge; what they hold comes back when the
+    lease expires or the pool resets."""
+    if isinstance(exc, Stale):
         engine.orphan_ids.clear()
         return None
-    if exc.code() not in _TRANSIENT:
-        log.error("orphans_given_up", pool_id=engine.pool_id, code=exc.code().name,
-                  details=exc.details(), num=len(engine.orphan_ids))
+    if not isinstance(exc, Lost):
+        log.error("orphans_given_up", pool_id=engine.pool_id, code=exc.status,
+                  details=exc.details, num=len(engine.orphan_ids))
         engine.orphan_ids.clear()
         return None
     return exc

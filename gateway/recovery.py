@@ -1,6 +1,8 @@
 """What an engine does when a step fails (called from its loop: still a single writer).
 
-- the executor goes away (UNAVAILABLE, or DEADLINE_EXCEEDED past `--execute-timeout-s`):
+The failures are call_failures' outcomes, as the clients report them.
+
+- the executor goes away (Lost: unreachable, or past `--execute-timeout-s`):
   every sequence of the engine is handed to `on_lost` (the router re-queues it elsewhere,
   for recompute, or fails it with UNAVAILABLE); what the allocator holds for them is aborted
   (orphans.py); the engine reconnects in the background and re-registers its pool (a
@@ -10,9 +12,9 @@
   serving. A step launched ahead on it (use_sampled_token) is rejected too when it names
   those sequences; its other sequences start over (recompute), and the step after it waits
   for it to land;
-- the allocator says the pool or the lease is stale: the pool is re-registered and every
-  sequence is readmitted (recompute);
-- a Step cut off (UNAVAILABLE, or DEADLINE_EXCEEDED past `--allocator-timeout-s`): whether
+- the allocator does not know the pool, the lease or a request, or the pool moved on
+  (Unknown, Stale): the pool is re-registered and every sequence is readmitted (recompute);
+- a Step cut off (Lost: unreachable, or past `--allocator-timeout-s`): whether
   the allocator applied it is unknown, so it is never resent: what the allocator may hold is
   aborted and every sequence is readmitted (recompute); while the allocator stays away
   longer than ALLOCATOR_RETRY_S, sequences fail with UNAVAILABLE;
@@ -26,12 +28,12 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-import grpc
 import structlog
 
-from common.errors import ServiceError, Unavailable
+from common.errors import Internal, Unavailable
 from gateway import orphans
 from gateway.batch import Batch, ScheduledStep
+from gateway.call_failures import CallFailed, Lost, Stale, Unknown
 from gateway.request_state import Sequence, priority
 
 if TYPE_CHECKING:
@@ -39,29 +41,24 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-STALE_POOL_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+# The allocator no longer knows what we hold there: register again, readmit everything.
+STALE_POOL = (Unknown, Stale)
 ALLOCATOR_RETRY_S = 10.0
 RETRY_PAUSE_S = 0.2
 RECONNECT_INTERVAL_S = 1.0
 
 
-class GatewayError(ServiceError):
+class GatewayError(Internal):
     """A bug in the gateway interrupted the request (its traceback is in the log)."""
 
-    code = grpc.StatusCode.INTERNAL
 
-
-async def allocator_step_failed(
-    engine: Engine, plan: ScheduledStep, exc: grpc.aio.AioRpcError
-) -> None:
-    code = exc.code()
-    log.warning("allocator_step_failed", pool_id=engine.pool_id, code=code.name,
-                details=exc.details())
-    if code in STALE_POOL_CODES:
+async def allocator_step_failed(engine: Engine, plan: ScheduledStep, exc: CallFailed) -> None:
+    log.warning("allocator_step_failed", pool_id=engine.pool_id, code=exc.status,
+                details=exc.details)
+    if isinstance(exc, STALE_POOL):
         await reregister(engine, plan)
         return
-    if code in LOST_CODES:
+    if isinstance(exc, Lost):
         # NOTE: Step is not idempotent (frees, admissions, appended tokens): never resent.
         orphans.note_held(engine, plan)
         readmit_all(engine, "allocator_step_unknown")
@@ -69,17 +66,17 @@ async def allocator_step_failed(
         return
     # Rejected: the allocator validates a whole call before it changes anything.
     restore_housekeeping(engine, plan)
-    engine.fail_all(Unavailable(f"allocator step failed ({code.name}): {exc.details()}"))
+    engine.fail_all(Unavailable(f"allocator step failed ({exc.status}): {exc.details}"))
 
 
-async def allocator_unreachable(engine: Engine, exc: grpc.aio.AioRpcError) -> None:
+async def allocator_unreachable(engine: Engine, exc: CallFailed) -> None:
     """Pause before the next try; past ALLOCATOR_RETRY_S, what waits fails with UNAVAILABLE."""
     now = time.monotonic()
     engine.allocator_down_since = engine.allocator_down_since or now
     if now - engine.allocator_down_since >= ALLOCATOR_RETRY_S:
         engine.fail_all(Unavailable(
             f"the allocator has not answered for {now - engine.allocator_down_since:.0f} s "
-            f"({exc.code().name}): check that it is running and reachable"
+            f"({exc.status}): check that it is running and reachable"
         ))
     await asyncio.sleep(RETRY_PAUSE_S)
 
@@ -90,7 +87,7 @@ async def abort_orphans(engine: Engine) -> bool:
     if exc is None:
         engine.allocator_down_since = None
         return True
-    log.warning("orphan_abort_failed", pool_id=engine.pool_id, code=exc.code().name,
+    log.warning("orphan_abort_failed", pool_id=engine.pool_id, code=exc.status,
                 num=len(engine.orphan_ids))
     await allocator_unreachable(engine, exc)
     return False
@@ -112,22 +109,21 @@ def restore_housekeeping(engine: Engine, plan: ScheduledStep) -> None:
 
 
 def execute_failed(
-    engine: Engine, batch: Batch, exc: grpc.aio.AioRpcError, after_failure: bool = False
+    engine: Engine, batch: Batch, exc: CallFailed, after_failure: bool = False
 ) -> None:
     """`after_failure`: the batch was launched ahead on one that failed before it."""
-    code = exc.code()
-    log.warning("execute_failed", pool_id=engine.pool_id, code=code.name,
-                details=exc.details(), num_seqs=len(batch.scheduled))
+    log.warning("execute_failed", pool_id=engine.pool_id, code=exc.status,
+                details=exc.details, num_seqs=len(batch.scheduled))
     # The releases may not have been applied: send them again (releasing is idempotent).
     engine.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
-    if code in LOST_CODES:
+    if isinstance(exc, Lost):
         lose_executor(engine)
         return
     # The executor refused this step: nothing it wrote may be cached (the commit rule), so
     # the next Step confirms nothing with commit_previous_step (explicit commits instead).
     # Its sequences fail, and so do the ones it swapped out: their KV never reached the CPU.
     engine.scheduler.pending.batch_rejected = True
-    error = Unavailable(f"executor {engine.pool_id} rejected a step ({code.name})")
+    error = Unavailable(f"executor {engine.pool_id} rejected a step ({exc.status})")
     recomputed: set[Sequence] = set()
     if after_failure:
         # Most likely rejected for naming the failed batch's sequences (failed already):
@@ -175,7 +171,7 @@ async def reconnect(engine: Engine) -> None:
     epoch = engine.link.epoch
     try:
         await engine.link.refresh(timeout_s=2.0)
-    except grpc.aio.AioRpcError:
+    except CallFailed:
         return
     if engine.link.epoch != epoch:
         engine.orphan_ids.clear()  # the pool was reset: it holds nothing
@@ -191,8 +187,8 @@ async def reregister(engine: Engine, plan: ScheduledStep | None = None) -> None:
     try:
         await link.lease.renew_if_lost()
         await link.refresh(timeout_s=5.0)
-    except grpc.aio.AioRpcError as exc:
-        log.warning("pool_reregister_failed", pool_id=engine.pool_id, code=exc.code().name)
+    except CallFailed as exc:
+        log.warning("pool_reregister_failed", pool_id=engine.pool_id, code=exc.status)
         if plan is not None:
             orphans.note_held(engine, plan)
         lose_executor(engine)

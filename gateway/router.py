@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
 import structlog
 
 from common.errors import ResourceExhausted, Unavailable
 from gateway.allocator_client import AllocatorClient
+from gateway.call_failures import CallFailed
 from gateway.engine import Engine
 from gateway.request_state import CompletionDelta, Request, Sequence
 from gateway.seq_ids import child_seq_id, prefill_parent_id
@@ -68,8 +68,8 @@ class Router:
                 request.request_id,
             )
             cached = {m.pool_id: m.num_cached_tokens for m in matches}
-        except grpc.aio.AioRpcError as exc:
-            log.info("match_prefix_failed", code=exc.code().name)
+        except CallFailed as exc:
+            log.info("match_prefix_failed", code=exc.status)
         # NOTE: an executor may have been lost while MatchPrefix was in flight; its engine
         # already evicted its sequences, so one submitted there now would wait forever.
         return self._pick(self.healthy(), cached)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-import grpc
 import structlog
 
 from common.errors import Unavailable
 from gateway import recovery
 from gateway.batch import ScheduledStep
+from gateway.call_failures import CallFailed, Lost
 from gateway.request_state import Sequence
 from gateway.seq_ids import child_seq_id
 
@@ -35,12 +35,12 @@ async def fork(engine: Engine, parent: Sequence) -> None:
     engine.orphan_ids.update(child_ids)
     try:
         tables = await engine.link.fork(parent.seq_id, child_ids, request.request_id)
-    except grpc.aio.AioRpcError as exc:
-        log.warning("fork_failed", code=exc.code().name, details=exc.details())
-        if exc.code() not in recovery.LOST_CODES:
+    except CallFailed as exc:
+        log.warning("fork_failed", code=exc.status, details=exc.details)
+        if not isinstance(exc, Lost):
             # Refused, so not applied; lost: not idempotent either, the children may exist.
             engine.orphan_ids.difference_update(child_ids)
-        engine.fail(parent, Unavailable(f"fork failed ({exc.code().name})"))
+        engine.fail(parent, Unavailable(f"fork failed ({exc.status})"))
         return
     for child in children:
         engine.output.start(child)
@@ -56,11 +56,11 @@ async def flush_housekeeping(engine: Engine, plan: ScheduledStep) -> None:
             await engine.link.free(call.commits, call.free_request_ids)
         if call.abort_request_ids:
             await engine.link.abort(call.abort_request_ids)
-    except grpc.aio.AioRpcError as exc:
-        log.warning("allocator_free_failed", pool_id=engine.pool_id, code=exc.code().name)
-        if exc.code() in recovery.STALE_POOL_CODES:
+    except CallFailed as exc:
+        log.warning("allocator_free_failed", pool_id=engine.pool_id, code=exc.status)
+        if isinstance(exc, recovery.STALE_POOL):
             await recovery.reregister(engine, plan)
-        elif exc.code() in recovery.LOST_CODES:
+        elif isinstance(exc, Lost):
             # Free may have been applied: abort the ids later, never free twice.
             engine.orphan_ids.update(call.free_request_ids, call.abort_request_ids)
             await recovery.allocator_unreachable(engine, exc)
@@ -77,8 +77,8 @@ async def flush_releases(engine: Engine) -> None:
     try:
         await engine.link.release(list(ids))
         ids.clear()
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() in recovery.LOST_CODES:
+    except CallFailed as exc:
+        if isinstance(exc, Lost):
             # Kept: releasing is idempotent, and the executor may come back as the same
             # instance, still holding them (a new instance ignores unknown ids).
             recovery.lose_executor(engine)
@@ -86,6 +86,6 @@ async def flush_releases(engine: Engine) -> None:
         # A refusal: resent on every loop, it would keep the engine busy forever. Dropped,
         # the executor would still hold ids that may come back (a recompute readmission,
         # a client reusing its id) and refuse them. They ride on the next Execute.
-        log.error("executor_release_refused", pool_id=engine.pool_id, code=exc.code().name,
-                  details=exc.details(), num=len(ids))
+        log.error("executor_release_refused", pool_id=engine.pool_id, code=exc.status,
+                  details=exc.details, num=len(ids))
         engine.releases_refused = True

@@ -81,7 +81,6 @@ class Grant:
     num_cached_tokens: int
     num_scheduled_tokens: int
     start_position: int
-    new_request: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +97,6 @@ class StepOutcome:
     copies: tuple[BlockCopy, ...] = ()
     swap_out: tuple[BlockCopy, ...] = ()
     swap_in: tuple[BlockCopy, ...] = ()
-    num_free_blocks: int = 0
     # request id -> the one block appended to its table (a decode entering a new block, one
     # token scheduled at its next position); such requests have no entry in `grants`.
     appended: dict[str, int] = field(default_factory=dict)

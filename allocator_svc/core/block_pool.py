@@ -60,13 +60,6 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def lookup(self, block_hash: bytes) -> Block | None:
-        return self.cached.get(block_hash)
-
-    def lookup_key(self, key: bytes) -> Block | None:
-        """The cached block whose hash input is `key` (parent hash + packed tokens)."""
-        return self.by_key.get(key)
-
     def cache(
         self,
         block: Block,

@@ -68,19 +68,11 @@ class BlockHasher:
         self.block_size = block_size
         self._stride = 4 * block_size
 
-    def chain(self, parent: BlockHash, token_ids: list[int], num_blocks: int) -> list[BlockHash]:
-        """Hashes of the first `num_blocks` full blocks of `token_ids`, chained from `parent`."""
-        packed = pack_tokens(token_ids[: num_blocks * self.block_size])
-        stride, sha256, hashes = self._stride, hashlib.sha256, []
-        for start in range(0, num_blocks * stride, stride):
-            parent = sha256(parent + packed[start : start + stride]).digest()
-            hashes.append(parent)
-        return hashes
-
     def chain_with_keys(
         self, parent: BlockHash, token_ids: list[int], num_blocks: int
     ) -> tuple[list[BlockHash], list[bytes]]:
-        """`chain`, plus each block's hash input (parent hash + packed tokens): the prefix
+        """Hashes of the first `num_blocks` full blocks of `token_ids`, chained from `parent`,
+        and each block's hash input (parent hash + packed tokens): the prefix
         cache indexes blocks by it, so a lookup of a cached block needs no hashing."""
         packed = pack_tokens(token_ids[: num_blocks * self.block_size])
         stride, sha256, hashes, keys = self._stride, hashlib.sha256, [], []

@@ -38,11 +38,11 @@ def test_block_pool_evicts_lazily_and_emits_events():
     b0, b1 = pool.allocate(2)
     pool.cache(b0, b"h0", b"k0", None, [7])
     pool.free([b0, b1])
-    assert pool.lookup(b"h0") is b0 and pool.lookup_key(b"k0") is b0
+    assert pool.cached.get(b"h0") is b0 and pool.by_key.get(b"k0") is b0
     first, second = pool.allocate(2)
     assert (first.block_id, second.block_id) == (1, 0)
-    assert pool.lookup(b"h0") is None and b0.block_hash is None
-    assert pool.lookup_key(b"k0") is None and b0.chain_key is None
+    assert pool.cached.get(b"h0") is None and b0.block_hash is None
+    assert pool.by_key.get(b"k0") is None and b0.chain_key is None
     assert pool.num_evictions == 1
     page = pool.events.after(0, 10)
     assert [(e.seq, e.kind, e.block_id) for e in page.events] == [
@@ -70,7 +70,7 @@ def test_block_pool_duplicate_hash_keeps_first_block():
     b0, b1 = pool.allocate(2)
     assert pool.cache(b0, b"h", b"k", None, [1])
     assert not pool.cache(b1, b"h", b"k", None, [1])
-    assert b1.block_hash is None and pool.lookup(b"h") is b0
+    assert b1.block_hash is None and pool.cached.get(b"h") is b0
 
 
 def test_block_pool_double_free_is_a_bug():

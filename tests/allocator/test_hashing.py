@@ -65,7 +65,7 @@ def test_hashing_fast_chain_equals_reference_chain():
 
     root = root_hash("fp", "")
     tokens = list(range(1000, 1040))
-    assert BlockHasher(4).chain(root, tokens, 10) == hash_chain(root, tokens, 4)
+    assert BlockHasher(4).chain_with_keys(root, tokens, 10)[0] == hash_chain(root, tokens, 4)
     h = make_harness(num_blocks=16, block_size=4)
     h.step([new("a", tokens)])
     h.step([], commits={"a": 40})

@@ -4,7 +4,7 @@
 plain-value calls: it maps a `StepCall` the way allocator_client.py and allocator_svc/convert.py
 map it over the wire (compact decodes first, then the other items), so the scheduler meets the
 real allocation, prefix caching, preemption and deferral. A domain error comes back as the
-`grpc.aio.AioRpcError` the gateway would receive.
+call failure the gateway's allocator client would raise for its status.
 
 `FakeModel` checks positions like the executor does, keeps token ids in KV slots, and samples
 a token that depends on every token read back through the block table.
@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import grpc
-
 from allocator_svc import convert
 from allocator_svc.core import request as core_request
 from allocator_svc.core import step as core_step
@@ -25,6 +23,7 @@ from allocator_svc.core.pipeline import Pipelined
 from allocator_svc.core.pool import Pool, PoolConfig
 from common.errors import FailedPrecondition, InvalidArgument, ServiceError
 from gateway import allocator_client
+from gateway.call_failures import CallFailed, failure
 from gateway.step import (
     BlockCopy,
     Commit,
@@ -41,10 +40,10 @@ from pagedkv.allocator.v1 import allocator_pb2 as pb
 POOL_ID = "pool-0"
 
 
-def rpc_error(exc: ServiceError) -> grpc.aio.AioRpcError:
-    """The status the allocator's guarded handler would send for a domain error."""
-    metadata = grpc.aio.Metadata()
-    return grpc.aio.AioRpcError(exc.code, metadata, metadata, str(exc))
+def rpc_error(exc: ServiceError) -> CallFailed:
+    """What the gateway's client raises for the status the allocator's guarded handler sends
+    for a domain error."""
+    return failure(exc.code, str(exc))
 
 
 def _decodes(call: StepCall) -> core_step.Decodes:

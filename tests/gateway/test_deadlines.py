@@ -26,6 +26,7 @@ from common.interceptor import guard
 from gateway import orphans, recovery
 from gateway.allocator_client import AllocatorClient
 from gateway.batch import Budget
+from gateway.call_failures import failure
 from gateway.engine import Engine
 from gateway.executor_client import ExecutorClient, ExecutorDescription
 from gateway.lease import Lease
@@ -155,9 +156,7 @@ class QueueingExecutor(InProcessExecutor):
         try:
             return await asyncio.wait_for(run(), timeout)
         except TimeoutError:
-            metadata = grpc.aio.Metadata()
-            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, metadata, metadata,
-                                       "deadline") from None
+            raise failure(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline") from None
 
 
 async def serve(

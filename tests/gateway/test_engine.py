@@ -16,6 +16,7 @@ from in_process import CorePool, FakeModel
 from common.errors import Unavailable
 from gateway import held_outputs, recovery
 from gateway.batch import Budget
+from gateway.call_failures import CallFailed, failure
 from gateway.engine import Engine
 from gateway.output import OutputProcessor
 from gateway.request_state import CompletionDelta, FinishReason, Request
@@ -226,14 +227,10 @@ def test_engine_fails_sequences_of_a_rejected_step(tokenizer: Tokenizer):
     eng, link = engine(tokenizer, num_blocks=64, pipeline="sequential")
     req = submit(eng, "bad", [9] * 5, max_tokens=4)
 
-    class Rejected(grpc.aio.AioRpcError):
-        def __init__(self) -> None:
-            super().__init__(grpc.StatusCode.INVALID_ARGUMENT, None, None, "no")
-
     original = link.compute
 
     async def reject(call: ExecuteCall) -> ExecuteResult:
-        raise Rejected()
+        raise failure(grpc.StatusCode.INVALID_ARGUMENT, "no")
 
     link.compute = reject  # type: ignore[method-assign]
     asyncio.run(eng.step())
@@ -355,8 +352,7 @@ def test_a_release_the_executor_refuses_waits_for_the_next_execute(tokenizer: To
 
     async def refuse(request_ids: list[str]) -> None:
         calls.append(list(request_ids))
-        metadata = grpc.aio.Metadata()
-        raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, metadata, metadata, "refused")
+        raise failure(grpc.StatusCode.INTERNAL, "refused")
 
     link.release = refuse  # type: ignore[method-assign]
     first = submit(eng, "a", [3] * 5, max_tokens=3)
@@ -528,7 +524,7 @@ def test_engine_streams_held_outputs_before_a_failed_steps_error(
     async def reject_third(call: StepCall) -> StepOutcome:
         if link.num_steps == 2:
             link.num_steps += 1
-            raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, None, None, "no")
+            raise failure(grpc.StatusCode.INVALID_ARGUMENT, "no")
         return await original(call)
 
     link.step = reject_third  # type: ignore[method-assign]
@@ -551,14 +547,14 @@ def test_engine_streams_held_outputs_before_pausing_for_a_lost_allocator(
     queued_at_pause: list[int] = []
     unreachable = recovery.allocator_unreachable
 
-    async def pause(engine: Engine, exc: grpc.aio.AioRpcError) -> None:
+    async def pause(engine: Engine, exc: CallFailed) -> None:
         queued_at_pause.append(req.outputs.qsize())
         await unreachable(engine, exc)
 
     async def lost_second(call: StepCall) -> StepOutcome:
         if link.num_steps == 1:
             link.num_steps += 1
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "gone")
+            raise failure(grpc.StatusCode.UNAVAILABLE, "gone")
         return await original(call)
 
     monkeypatch.setattr(recovery, "allocator_unreachable", pause)
@@ -584,7 +580,7 @@ def test_engine_streams_held_outputs_before_moving_requests_elsewhere(tokenizer:
         nonlocal calls
         calls += 1
         if calls == 3:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "gone")
+            raise failure(grpc.StatusCode.UNAVAILABLE, "gone")
         return await original(call)
 
     link.compute = lost_third  # type: ignore[method-assign]

@@ -18,6 +18,7 @@ from test_engine import tokenizer as tokenizer  # the module-scoped fixture
 
 from gateway import recovery
 from gateway.batch import ScheduledStep
+from gateway.call_failures import failure
 from gateway.engine import Engine
 from gateway.request_state import Request, Sequence
 from gateway.step import ExecuteCall, ExecuteResult, StepCall, StepOutcome
@@ -55,7 +56,7 @@ def slow_executor(link: FakeLink, fail_call: int = 0, code: grpc.StatusCode | No
             if number == fail_call:
                 assert code is not None
                 state["failed"].set()  # type: ignore[attr-defined]
-                raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "no")
+                raise failure(code, "no")
             return await original(call)
         finally:
             state["executing"] = False
@@ -230,8 +231,7 @@ def test_a_rejected_batch_fails_the_requests_it_was_swapping_out(
     async def reject_first_swap(call: ExecuteCall) -> ExecuteResult:
         if call.swap_out and not in_rejected_call:
             in_rejected_call.update(call.decode_request_ids, (s.request_id for s in call.seqs))
-            raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(),
-                                       grpc.aio.Metadata(), "no")
+            raise failure(grpc.StatusCode.INVALID_ARGUMENT, "no")
         return await original(call)
 
     link.compute = reject_first_swap  # type: ignore[method-assign]
@@ -267,15 +267,13 @@ def test_a_lost_step_readmits_a_prefill_parent_rather_than_forking_it(tokenizer:
         if link.num_steps == 1:
             link.num_steps += 1
             down = True
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                       grpc.aio.Metadata(), "gone")
+            raise failure(grpc.StatusCode.UNAVAILABLE, "gone")
         down = False
         return await step(call)
 
     async def fork_unless_down(parent_id: str, child_ids: list[str], request_id: str) -> Any:
         if down:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                       grpc.aio.Metadata(), "gone")
+            raise failure(grpc.StatusCode.UNAVAILABLE, "gone")
         return await fork(parent_id, child_ids, request_id)
 
     link.step, link.fork = lost_second, fork_unless_down  # type: ignore[method-assign]

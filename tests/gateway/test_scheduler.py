@@ -247,7 +247,7 @@ def test_scheduler_preempted_request_rejoins_queue_front_and_is_released():
     plan = sched.schedule()
     assert plan is not None
     outcome = StepOutcome(preempted=(Preemption("a", swapped=False),),
-                          grants={"b": Grant("b", None, 0, 1, 0, False)})
+                          grants={"b": Grant("b", None, 0, 1, 0)})
     batch = sched.apply_outcome(plan, outcome)
     assert batch.call.release_request_ids == ("a",)
     assert list(sched.waiting) == [a] and a.status is SeqStatus.WAITING
@@ -419,7 +419,7 @@ def test_scheduler_swapped_request_sends_its_token_once():
     assert a.status is SeqStatus.SWAPPED and a.num_allocator_tokens == 4
     plan = sched.schedule()
     assert plan is not None
-    grant = Grant("a", TableDelta(0, (9,)), 0, 1, 3, False)
+    grant = Grant("a", TableDelta(0, (9,)), 0, 1, 3)
     batch = sched.apply_outcome(plan, StepOutcome(grants={"a": grant}))
     assert a.status is SeqStatus.RUNNING and a.block_table == [9]
     (work,) = batch.call.seqs
