@@ -5,7 +5,8 @@
 
 Model: the embedded SmolLM2-135M-Instruct (fp32, real weights), greedy, fixed output lengths
 (ignore_eos), 64 requests submitted at once. Workloads (seeded; prompt ids uniform in
-[17, 49152), below which SmolLM2's special tokens sit):
+[17, 49152), below which SmolLM2's special tokens sit; each repeat draws fresh requests, the
+same for both systems, so no repeat is served from the other's prefix cache):
   mixed  prompts log-normal, median 96, sigma 0.6, clipped to 16..512; outputs log-normal,
          median 48, sigma 0.6, clipped to 8..256
   equal  128 prompt tokens -> 64 new for every request
@@ -46,7 +47,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 DONE_MARKER = "PAGEDKV_VLLM_DONE"
 VOCAB, FIRST_ID = 49152, 17
 AGREEMENT_PREFIX = 16
+REQUESTS_PER_RUN = 64
 SYSTEMS = ("vllm", "pagedkv")
 # Libraries vLLM's CPU docs ask to preload; used where this machine has them.
 PRELOAD_CANDIDATES = (
@@ -71,7 +73,7 @@ PRELOAD_CANDIDATES = (
 
 
 def mixed_requests(count: int, seed: int = 0) -> list[BenchRequest]:
-    rng = random.Random(seed)
+    rng = random.Random(f"mixed-{seed}")
     out = []
     for _ in range(count):
         prompt_len = bounded_lognormal(rng, 96, 0.6, 16, 512)
@@ -81,8 +83,8 @@ def mixed_requests(count: int, seed: int = 0) -> list[BenchRequest]:
     return out
 
 
-def equal_requests(count: int, seed: int = 1) -> list[BenchRequest]:
-    rng = random.Random(seed)
+def equal_requests(count: int, seed: int = 0) -> list[BenchRequest]:
+    rng = random.Random(f"equal-{seed}")
     return [BenchRequest([rng.randrange(FIRST_ID, VOCAB) for _ in range(128)], 64)
             for _ in range(count)]
 
@@ -216,13 +218,19 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, int]:
             "full": sum(x == y for x, y in pairs), "requests": len(a)}
 
 
-def throughput(workloads: dict[str, list[BenchRequest]], repeats: int, vllm: VllmOffline,
-               gateway_addr: str, dtype: str) -> list[dict[str, Any]]:
+def throughput(workloads: dict[str, Callable[[int, int], list[BenchRequest]]], repeats: int,
+               vllm: VllmOffline, gateway_addr: str, dtype: str) -> list[dict[str, Any]]:
     rows = []
-    for name, requests in workloads.items():
+    for name, make_requests in workloads.items():
         rates: dict[str, list[float]] = {s: [] for s in SYSTEMS}
-        outputs: dict[str, list[list[int]]] = {}
+        outputs: dict[str, list[list[int]]] = {s: [] for s in SYSTEMS}
+        prompt_tokens = output_tokens = 0
         for rep in range(repeats):
+            # Fresh prompts every repeat (the same for both systems): with the first repeat's
+            # prompts again, both engines' prefix caches would skip every prefill after it.
+            requests = make_requests(REQUESTS_PER_RUN, rep)
+            prompt_tokens += sum(len(r.prompt) for r in requests)
+            output_tokens += sum(r.output_len for r in requests)
             order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
             for system in order:
                 print(f"[vs_vllm] {dtype} {name} rep {rep + 1}/{repeats}: {system}",
@@ -238,12 +246,12 @@ def throughput(workloads: dict[str, list[BenchRequest]], repeats: int, vllm: Vll
                 expected = [r.output_len for r in requests]
                 assert [len(o) for o in outs] == expected, f"{system}: wrong output lengths"
                 rates[system].append(sum(expected) / wall)
-                outputs[system] = outs
+                outputs[system] += outs
         medians = {s: statistics.median(v) for s, v in rates.items()}
         rows.append({
-            "workload": name, "dtype": dtype, "num_requests": len(requests),
-            "prompt_tokens": sum(len(r.prompt) for r in requests),
-            "output_tokens": sum(r.output_len for r in requests),
+            "workload": name, "dtype": dtype, "num_requests": REQUESTS_PER_RUN,
+            "repeats": repeats, "prompt_tokens": prompt_tokens // repeats,
+            "output_tokens": output_tokens // repeats,
             "tok_per_s": medians, "samples": rates,
             "ratio": medians["pagedkv"] / medians["vllm"],
             "agreement": agreement(outputs["vllm"], outputs["pagedkv"]),
@@ -345,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         print("the embedded model is missing: run `make setup`", file=sys.stderr)
         return 2
     repeats = args.repeats or (1 if args.quick else 3)
-    workloads = {"mixed": mixed_requests(64), "equal": equal_requests(64)}
+    workloads = {"mixed": mixed_requests, "equal": equal_requests}
     levels = [(1, 4), (16, 32), (64, 64)] if args.quick else [(1, 8), (16, 48), (64, 128)]
     log_dir = Path(tempfile.mkdtemp(prefix="pagedkv-vs-vllm-"))
     load_before = os.getloadavg()
