@@ -30,6 +30,7 @@ from transformers.models.auto.auto_factory import _get_model_class
 from common.model_dirs import FOREIGN_SUFFIXES, TOKENIZER_FILES, ModelDir
 from executor_svc.attention import ATTENTION_NAME, register_attention
 from executor_svc.lm_head import speed_up_lm_head
+from executor_svc.packed_linear import pack_linears
 
 log = structlog.get_logger(__name__)
 
@@ -203,7 +204,8 @@ def load_model(
     model = model.to(device).eval()
     model.requires_grad_(False)
     if device.type == "cpu":
-        speed_up_lm_head(model)
+        speed_up_lm_head(model)  # float32
+        pack_linears(model)  # bfloat16
     loaded = LoadedModel(
         model=model,
         config=model.config,
