@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from allocator_svc.core.allocator import Limits
+from allocator_svc.core.limits import Limits
 from common.config import add_flag
 
 _DEFAULTS = Limits()

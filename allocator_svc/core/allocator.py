@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
 
-from allocator_svc.core.commit import commit_current
 from allocator_svc.core.leases import Lease, LeaseTable
+from allocator_svc.core.limits import Limits
 from allocator_svc.core.pipeline import Pipelined, check_pipelined, scheduled_ids
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import BlockCopy, Commit, Request
@@ -37,17 +37,6 @@ from common.errors import (
 )
 
 _NONE_RELEASED: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_blocks_per_pool: int = 1 << 22
-    max_block_size: int = 1024
-    max_cpu_blocks_per_pool: int = 1 << 22
-    max_pools: int = 1024
-    max_batch_items: int = 4096
-    default_lease_ttl_s: float = 10.0
-    event_capacity: int = 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +163,7 @@ class Allocator:
         elif commit_previous:  # the common step: commit what the previous one granted
             latest = scheduled.latest.pop(lease_id, None)
             if latest:
-                commit_current(pool, latest)
+                pool.commit_current(latest)
         # (Otherwise there is nothing to commit, and run_step replaces the latest step.)
         for commit in commits:
             pool.commit(pool.requests[commit.request_id], commit.num_computed)

@@ -8,14 +8,15 @@ Operations that can fall short return None and change nothing; callers validate 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from allocator_svc.core.block_pool import BlockPool
-from allocator_svc.core.commit import ScheduledSteps, commit
 from allocator_svc.core.events import EventLog
 from allocator_svc.core.free_queue import Block
 from allocator_svc.core.hashing import BlockHasher, pack_tokens, root_hash
 from allocator_svc.core.request import PENDING, BlockCopy, Grant, Request
+from allocator_svc.core.scheduled_steps import ScheduledSteps
 
 MAX_CACHED_ROOTS = 4096
 
@@ -152,9 +153,117 @@ class Pool:
             start,
         )
 
+    # The commit rule: a full block enters the prefix cache once its KV is written.
+
     def commit(self, request: Request, num_computed: int) -> None:
-        """KV of tokens [0, num_computed) is written: cache the full blocks among them."""
-        commit(self, request, num_computed)
+        """KV of tokens [0, num_computed) is written: cache the full blocks among them. A pending
+        token's block waits for its value."""
+        if request.request_id in self.pending:
+            num_computed = min(num_computed, len(request.token_ids) - 1)
+        request.num_committed = max(request.num_committed, num_computed)
+        bs = self.block_size
+        num_full = num_computed // bs
+        hashes = request.block_hashes
+        if len(hashes) >= num_full or request.swapped:
+            return
+        first = len(hashes)
+        tokens = request.token_ids[first * bs : num_full * bs]
+        new_hashes, keys = self.hash_block.chain_with_keys(
+            hashes[-1] if hashes else request.root_hash, tokens, num_full - first
+        )
+        self.blocks.cache_run(
+            request.blocks[first:num_full],
+            new_hashes,
+            keys,
+            hashes[-1] if hashes else None,
+            tokens,
+        )
+        hashes.extend(new_hashes)
+
+
+    def commit_current(self, requests: list[Request]) -> None:
+        """Commit each of a step's requests at its current count (nothing was granted since).
+        Most decode steps fill no block; in one of every block_size steps each request fills one,
+        and those are hashed and cached together, as one event run. The hot path of a step: the
+        loop of `commit_run` without the counts."""
+        if self.pending:  # no count may reach a pending token: commit_run clamps them
+            self.commit_run(requests, [r.num_computed for r in requests])
+            return
+        live, bs = self.requests, self.block_size
+        filled: list[Request] = []
+        tokens: list[int] = []
+        for request in requests:
+            if live.get(request.request_id) is not request:
+                continue  # freed or preempted since
+            have, num_full = len(request.block_hashes), request.num_computed // bs
+            if num_full == have:  # no block filled up: nothing to hash (most decode steps)
+                request.num_committed = request.num_computed
+            elif self._one_block_filled(request, request.num_computed, have, num_full):
+                filled.append(request)
+                tokens.extend(request.token_ids[have * bs : num_full * bs])
+        if filled:
+            self._cache_one_block_each(filled, tokens)
+
+
+    def commit_run(self, requests: list[Request], counts: Iterable[int]) -> None:
+        """Commit each of a step's requests at the count it was granted then (a pipelined step,
+        confirmed executed one call later)."""
+        live, bs, pending = self.requests, self.block_size, self.pending
+        filled: list[Request] = []
+        tokens: list[int] = []
+        for request, count in zip(requests, counts, strict=True):
+            if live.get(request.request_id) is not request:
+                continue  # freed or preempted since
+            have, num_full = len(request.block_hashes), count // bs
+            if num_full == have:
+                if pending and request.request_id in pending:
+                    count = min(count, len(request.token_ids) - 1)
+                if count > request.num_committed:
+                    request.num_committed = count
+            elif self._one_block_filled(request, count, have, num_full):
+                filled.append(request)
+                tokens.extend(request.token_ids[have * bs : num_full * bs])
+        if filled:
+            self._cache_one_block_each(filled, tokens)
+
+
+    def _one_block_filled(
+        self, request: Request, count: int, have: int, num_full: int
+    ) -> bool:
+        """True: the request filled exactly its next block, to be hashed with the step's others.
+        Anything else (a prefill chunk, a swapped request, a block holding a pending token) is
+        committed on its own here."""
+        holds_pending = (
+            num_full * self.block_size >= len(request.token_ids)
+            and request.request_id in self.pending
+        )
+        if num_full != have + 1 or request.cpu_block_ids is not None or holds_pending:
+            self.commit(request, count)
+            return False
+        request.num_committed = max(request.num_committed, count)
+        return True
+
+
+    def _cache_one_block_each(self, filled: list[Request], tokens: list[int]) -> None:
+        """Each request filled its next block with its slice of `tokens`: packed together, each
+        hashed over its parent + its slice."""
+        bs = self.block_size
+        packed, stride, sha256 = pack_tokens(tokens), 4 * bs, hashlib.sha256
+        blocks: list[Block] = []
+        hashes: list[bytes] = []
+        keys: list[bytes] = []
+        parents: list[bytes | None] = []  # None: a chain's first block
+        for index, request in enumerate(filled):
+            have = len(request.block_hashes)
+            parent = request.block_hashes[-1] if have else request.root_hash
+            key = parent + packed[index * stride : (index + 1) * stride]
+            block_hash = sha256(key).digest()
+            request.block_hashes.append(block_hash)
+            blocks.append(request.blocks[have])
+            hashes.append(block_hash)
+            keys.append(key)
+            parents.append(parent if have else None)
+        self.blocks.cache_blocks(blocks, hashes, keys, parents, tokens)
 
     def fill_pending(self, requests: list[Request], token_ids: list[int]) -> None:
         """Pending tokens learn their values (validated: each request holds one)."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING
 
+from allocator_svc.core.limits import Limits
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import Commit, Request
 from allocator_svc.core.step import Decodes, StepItem
@@ -17,9 +17,6 @@ from common.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-
-if TYPE_CHECKING:
-    from allocator_svc.core.allocator import Limits
 
 
 def check_pool_config(config: PoolConfig, limits: Limits) -> None:
