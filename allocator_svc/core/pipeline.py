@@ -5,7 +5,7 @@ Decode slots depend on how many tokens a request holds, not on their values. A p
 grants a slot to a token still being sampled: the request's token list ends with a PENDING
 placeholder until a later call brings the value (a late token). A request holds at most one,
 is not scheduled again until it is filled, and no commit reaches past it. The commit rule is
-kept by `previous_in_flight`: the steps it covers are committed one call later (commit.py).
+kept by `previous_in_flight`: the steps it covers are committed one call later (scheduled_steps.py).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ class Pool:
         self.num_preemptions = 0
         self._roots: dict[str, bytes] = {}  # cache_salt -> chain root
         self.hash_block = BlockHasher(config.block_size)
-        # Per lease, what its steps granted and no call has committed yet (commit.py).
+        # Per lease, what its steps granted and no call has committed yet (scheduled_steps.py).
         self.scheduled = ScheduledSteps()
         # Requests whose last token is PENDING: granted, its value not known yet.
         self.pending: set[str] = set()
