@@ -11,77 +11,33 @@ Single writer: the loop is the only code that mutates its scheduler, between awa
 lock is needed. Other coroutines (RPC handlers) only append sequences with `submit`, flag
 cancellations on the request, and wake the loop.
 
-What happens when a step fails is in recovery.py; orphans.py keeps the allocator from
-holding requests nobody tracks after a call whose outcome is unknown.
+The engine's state and the operations all parts of a step share are engine_state.py; the
+parts are landing.py (batches in flight), side_calls.py (Fork, idle Free/Abort/Release),
+recovery.py (what happens when a step fails) and orphans.py (what the allocator may hold
+after a call whose outcome is unknown). None of them imports this loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import secrets
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable
+from dataclasses import dataclass
 
 import structlog
 
-from common.errors import ServiceError
 from gateway import landing, orphans, recovery, side_calls
-from gateway.batch import Batch, InFlight, Landed, ScheduledStep
+from gateway.batch import Landed, ScheduledStep
 from gateway.call_failures import CallFailed
-from gateway.executor_client import ExecutorDescription
-from gateway.held_outputs import HeldOutputs
-from gateway.output import OutputProcessor
-from gateway.pool_link import PoolLink
-from gateway.request_state import CompletionDelta, Sequence
-from gateway.scheduler import Scheduler
+from gateway.engine_state import EngineState, retrieve
+from gateway.request_state import Sequence
 from gateway.step import StepOutcome
-from gateway.step_stats import StepStats
 
 log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True, eq=False)
-class Engine:
-    link: PoolLink
-    scheduler: Scheduler
-    output: OutputProcessor
-    on_lost: Callable[[list[Sequence]], None]
-    healthy: bool = True
-    has_cancellations: bool = False
-    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
-    stats: StepStats = field(default_factory=StepStats)
-    allocator_down_since: float | None = None
-    # Ids the allocator may hold that no sequence tracks: aborted before the next Step.
-    orphan_ids: set[str] = field(default_factory=set)
-    # The executor refused a Release of its own: the ids wait for the next Execute to carry
-    # them (it releases before it creates, so an id readmitted meanwhile still works) and
-    # keep no idle engine busy.
-    releases_refused: bool = False
-    # The step in progress, for recovery when a bug interrupts it.
-    plan: ScheduledStep | None = None
-    batch: Batch | None = None
-    # The last executed step's deltas, held until the next Execute is out, and whether this
-    # step holds its own for the next one.
-    held: HeldOutputs = field(default_factory=HeldOutputs)
-    holding: bool = False
-    # Pipelined steps (README, "How it fits together"): a step's Step goes out while the previous
-    # step's batch executes. Off: each step's Execute returns before the next Step.
-    pipeline: bool = True
-    # Pipelined, and the executor uses its own sampled tokens: a step's Execute goes out
-    # before the previous batch lands (landing.py), which then lands in the same step.
-    launch_ahead: bool = True
-    in_flight: deque[InFlight] = field(default_factory=deque)  # oldest first; at most two
-    # Execute numbers (step_id), from a random start: unlike any other caller's at the executor.
-    step_ids: itertools.count[int] = field(
-        default_factory=lambda: itertools.count(secrets.randbits(62) + 1)
-    )
-    last_step_ms: float = 0.0  # the latest Step's round trip
-    last_landed: float | None = None  # when the last step that landed a batch ended (stats)
-    stepping: bool = False
-
+class Engine(EngineState):
     # Called by other coroutines.
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
@@ -103,14 +59,6 @@ class Engine:
     @property
     def load(self) -> int:
         return self.scheduler.num_unfinished
-
-    @property
-    def pool_id(self) -> str:
-        return self.link.pool_id
-
-    @property
-    def description(self) -> ExecutorDescription:
-        return self.link.description
 
     # The loop.
 
@@ -194,7 +142,7 @@ class Engine:
                 landed = await landing.land(self)
             except BaseException:
                 # Its outcome is unknown: step_crashed notes what it may hold as orphans.
-                step_call.add_done_callback(landing.retrieve)
+                step_call.add_done_callback(retrieve)
                 raise
             outcome = await self._allocator_step(plan, step_call, landed)
             if not self.healthy:  # the executor went away meanwhile: the Step's outcome too
@@ -247,11 +195,6 @@ class Engine:
                 log.info("engine_step_stats", pool_id=self.pool_id, **self.stats.summary())
         return True
 
-    def abandon_in_flight(self) -> None:
-        """A bug interrupted a step, or the executor is gone: the batches in flight are not
-        awaited (landing.py)."""
-        landing.abandon(self)
-
     # Pieces of a step.
 
     def _launches_ahead(self) -> bool:
@@ -271,16 +214,6 @@ class Engine:
             or self.has_cancellations or bool(self.orphan_ids) or bool(self.held)
             or bool(self.in_flight)
         )
-
-    def emit(self, seq: Sequence, token: int) -> None:
-        delta = self.output.process(seq, token)
-        self.held.add(seq.request, delta)
-        if delta.finish_reason is not None:
-            self.scheduler.finish(seq)
-
-    def deliver(self) -> None:
-        """Hand every held delta to its stream now, in order."""
-        self.held.deliver()
 
     async def _allocator_step(
         self, plan: ScheduledStep, call: Awaitable[StepOutcome], landed: Landed | None = None,
@@ -310,13 +243,3 @@ class Engine:
             if seq.request.cancelled:
                 self.scheduler.abort(seq)
 
-    def fail(self, seq: Sequence, error: ServiceError) -> None:
-        self.deliver()  # the tokens before the failure first
-        if not seq.request.cancelled:
-            seq.request.emit(CompletionDelta(index=seq.index, error=error))
-        self.scheduler.abort(seq)
-
-    def fail_all(self, error: ServiceError) -> None:
-        for seq in self.scheduler.sequences():
-            if not seq.is_finished:
-                self.fail(seq, error)

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
 
 from gateway import recovery, side_calls
 from gateway.batch import Batch, InFlight, Landed
 from gateway.call_failures import CallFailed
+from gateway.engine_state import EngineState
 from gateway.request_state import SeqStatus
 
-if TYPE_CHECKING:
-    from gateway.engine import Engine
 
-
-def launch(engine: Engine, batch: Batch) -> InFlight:
+def launch(engine: EngineState, batch: Batch) -> InFlight:
     """Send the batch's Execute; it is awaited by `land`, in this step or the next. Numbered
     for an executor that uses its sampled tokens, and launched ahead, naming the one before
     (the executor runs it after that one, however the two arrive)."""
@@ -36,7 +33,7 @@ def launch(engine: Engine, batch: Batch) -> InFlight:
     engine.in_flight.append(flight)
     return flight
 
-async def land(engine: Engine) -> Landed | None:
+async def land(engine: EngineState) -> Landed | None:
     """Await the oldest batch in flight, if any (the previous step's streams are written
     meanwhile), and take its tokens: computed counts and outputs advance (an advanced
     batch's outputs get their values); what they mean for the streams waits for
@@ -61,7 +58,7 @@ async def land(engine: Engine) -> Landed | None:
     sampled = engine.scheduler.apply_result(batch, result)
     return Landed(batch, result, execute_ms, sampled)
 
-async def take_outputs(engine: Engine, landed: Landed | None, fork: bool = True) -> None:
+async def take_outputs(engine: EngineState, landed: Landed | None, fork: bool = True) -> None:
     """A landed batch's tokens become deltas (held for the streams), its finished
     sequences end, its computed prefill parents fork (unless `fork` is False: recovery
     is about to readmit or fail them)."""
@@ -77,27 +74,10 @@ async def take_outputs(engine: Engine, landed: Landed | None, fork: bool = True)
         await side_calls.fork(engine, parent)
     engine.holding = engine.held.worth_holding()
 
-async def settle(engine: Engine, fork: bool = True) -> Landed | None:
+async def settle(engine: EngineState, fork: bool = True) -> Landed | None:
     """Land every batch in flight and take its outputs; the last one landed, if any."""
     landed = None
     while engine.in_flight:
         landed = await land(engine)
         await take_outputs(engine, landed, fork)
     return landed
-
-def abandon(engine: Engine) -> None:
-    """A bug interrupted a step, or the executor is gone: the batches in flight are not
-    awaited (the caller fails or evicts their sequences and releases them)."""
-    while engine.in_flight:
-        flight = engine.in_flight.popleft()
-        engine.scheduler.land(flight.batch)
-        # Its releases may not have been applied: they go again (releasing is idempotent).
-        engine.scheduler.pending.release_ids.extend(flight.batch.call.release_request_ids)
-        flight.execute.add_done_callback(retrieve)
-        flight.execute.cancel()
-
-
-def retrieve(future: asyncio.Future[Any]) -> None:
-    """Mark an abandoned call's failure as seen (asyncio would log it as never retrieved)."""
-    if not future.cancelled():
-        future.exception()

@@ -12,20 +12,16 @@ Aborting commits nothing, so no unconfirmed KV enters the prefix cache (the comm
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import structlog
 
 from gateway.batch import ScheduledStep
 from gateway.call_failures import CallFailed, Denied, Lost, Stale, Unknown
-
-if TYPE_CHECKING:
-    from gateway.engine import Engine
+from gateway.engine_state import EngineState
 
 log = structlog.get_logger(__name__)
 
 
-def note_held(engine: Engine, plan: ScheduledStep | None = None) -> None:
+def note_held(engine: EngineState, plan: ScheduledStep | None = None) -> None:
     """Everything the allocator may hold for the engine's sequences (and for `plan`, a step
     whose outcome is unknown) becomes an orphan; the sequences then start over."""
     sched = engine.scheduler
@@ -39,7 +35,7 @@ def note_held(engine: Engine, plan: ScheduledStep | None = None) -> None:
         ids.update(i.request_id for i in plan.call.items if i.is_new)
 
 
-async def abort_orphans(engine: Engine) -> CallFailed | None:
+async def abort_orphans(engine: EngineState) -> CallFailed | None:
     """Abort every orphan the allocator still holds; the error that stopped it, if any
     (the orphans not yet aborted stay noted)."""
     ids = sorted(engine.orphan_ids)
@@ -71,7 +67,7 @@ async def abort_orphans(engine: Engine) -> CallFailed | None:
 _NOT_OURS = (Unknown, Denied)
 
 
-def _gone_with_pool(engine: Engine, exc: CallFailed) -> CallFailed | None:
+def _gone_with_pool(engine: EngineState, exc: CallFailed) -> CallFailed | None:
     """Stale: the pool was reset since (new epoch), which dropped every request it held;
     the next Step re-registers. Lost: worth retrying, the allocator may answer later (the
     error is returned). A refusal that retrying cannot change (Rejected) is logged and the

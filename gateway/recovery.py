@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 import structlog
 
@@ -34,10 +33,8 @@ from common.errors import Internal, Unavailable
 from gateway import orphans
 from gateway.batch import Batch, ScheduledStep
 from gateway.call_failures import CallFailed, Lost, Stale, Unknown
+from gateway.engine_state import EngineState
 from gateway.request_state import Sequence, priority
-
-if TYPE_CHECKING:
-    from gateway.engine import Engine
 
 log = structlog.get_logger(__name__)
 
@@ -52,7 +49,7 @@ class GatewayError(Internal):
     """A bug in the gateway interrupted the request (its traceback is in the log)."""
 
 
-async def allocator_step_failed(engine: Engine, plan: ScheduledStep, exc: CallFailed) -> None:
+async def allocator_step_failed(engine: EngineState, plan: ScheduledStep, exc: CallFailed) -> None:
     log.warning("allocator_step_failed", pool_id=engine.pool_id, code=exc.status,
                 details=exc.details)
     if isinstance(exc, STALE_POOL):
@@ -69,7 +66,7 @@ async def allocator_step_failed(engine: Engine, plan: ScheduledStep, exc: CallFa
     engine.fail_all(Unavailable(f"allocator step failed ({exc.status}): {exc.details}"))
 
 
-async def allocator_unreachable(engine: Engine, exc: CallFailed) -> None:
+async def allocator_unreachable(engine: EngineState, exc: CallFailed) -> None:
     """Pause before the next try; past ALLOCATOR_RETRY_S, what waits fails with UNAVAILABLE."""
     now = time.monotonic()
     engine.allocator_down_since = engine.allocator_down_since or now
@@ -81,7 +78,7 @@ async def allocator_unreachable(engine: Engine, exc: CallFailed) -> None:
     await asyncio.sleep(RETRY_PAUSE_S)
 
 
-async def abort_orphans(engine: Engine) -> bool:
+async def abort_orphans(engine: EngineState) -> bool:
     """Before the next Step: True once the allocator holds nothing we lost track of."""
     exc = await orphans.abort_orphans(engine)
     if exc is None:
@@ -93,7 +90,7 @@ async def abort_orphans(engine: Engine) -> bool:
     return False
 
 
-def restore_housekeeping(engine: Engine, plan: ScheduledStep) -> None:
+def restore_housekeeping(engine: EngineState, plan: ScheduledStep) -> None:
     """The call was rejected, so nothing was applied: its commits, frees and aborts ride on
     the next one."""
     pending = engine.scheduler.pending
@@ -109,7 +106,7 @@ def restore_housekeeping(engine: Engine, plan: ScheduledStep) -> None:
 
 
 def execute_failed(
-    engine: Engine, batch: Batch, exc: CallFailed, after_failure: bool = False
+    engine: EngineState, batch: Batch, exc: CallFailed, after_failure: bool = False
 ) -> None:
     """`after_failure`: the batch was launched ahead on one that failed before it."""
     log.warning("execute_failed", pool_id=engine.pool_id, code=exc.status,
@@ -140,7 +137,7 @@ def execute_failed(
             engine.fail(seq, error)  # (pipelined: one ended by the outputs taken meanwhile)
 
 
-def lose_executor(engine: Engine) -> None:
+def lose_executor(engine: EngineState) -> None:
     """The executor is gone: everything it ran goes elsewhere; reconnect in the background."""
     engine.abandon_in_flight()  # a batch launched ahead of the failed one is not awaited
     engine.healthy = False
@@ -151,7 +148,7 @@ def lose_executor(engine: Engine) -> None:
     engine.on_lost([s for s in seqs if not s.request.cancelled])
 
 
-def step_crashed(engine: Engine, plan: ScheduledStep | None, batch: Batch | None) -> None:
+def step_crashed(engine: EngineState, plan: ScheduledStep | None, batch: Batch | None) -> None:
     """A bug interrupted a step anywhere: what the allocator and the executor hold is
     unknown. Every sequence fails; all the allocator may hold for them is aborted, all the
     executor may hold is released (both before anything else is sent)."""
@@ -163,7 +160,7 @@ def step_crashed(engine: Engine, plan: ScheduledStep | None, batch: Batch | None
         engine.fail(seq, error)
 
 
-async def reconnect(engine: Engine) -> None:
+async def reconnect(engine: EngineState) -> None:
     """A lost executor: try again every second; a restarted one resets its pool."""
     await asyncio.sleep(RECONNECT_INTERVAL_S)
     if engine.orphan_ids and not await abort_orphans(engine):
@@ -179,7 +176,7 @@ async def reconnect(engine: Engine) -> None:
     log.info("executor_reconnected", pool_id=engine.pool_id)
 
 
-async def reregister(engine: Engine, plan: ScheduledStep | None = None) -> None:
+async def reregister(engine: EngineState, plan: ScheduledStep | None = None) -> None:
     """The allocator no longer knows our pool, epoch, lease or some request: register
     again, readmit all. What the rejected call (`plan`) carried was not applied."""
     link = engine.link
@@ -201,13 +198,13 @@ async def reregister(engine: Engine, plan: ScheduledStep | None = None) -> None:
     readmit_all(engine, "pool_resync")
 
 
-def allocator_forgot(engine: Engine, why: str) -> None:
+def allocator_forgot(engine: EngineState, why: str) -> None:
     """A new pool epoch or a new lease: the allocator dropped every request we had."""
     engine.orphan_ids.clear()
     readmit_all(engine, why)
 
 
-def readmit_all(engine: Engine, why: str) -> None:
+def readmit_all(engine: EngineState, why: str) -> None:
     """Start every sequence over (the executor releases them); the caller has made sure the
     allocator holds none of them, or noted them as orphans."""
     seqs = engine.scheduler.evict_all()

@@ -5,7 +5,6 @@ callers do it), and failures go to recovery.py like the hot path's."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 import structlog
 
@@ -13,16 +12,14 @@ from common.errors import Unavailable
 from gateway import recovery
 from gateway.batch import ScheduledStep
 from gateway.call_failures import CallFailed, Lost
+from gateway.engine_state import EngineState
 from gateway.request_state import Sequence
 from gateway.seq_ids import child_seq_id
-
-if TYPE_CHECKING:
-    from gateway.engine import Engine
 
 log = structlog.get_logger(__name__)
 
 
-async def fork(engine: Engine, parent: Sequence) -> None:
+async def fork(engine: EngineState, parent: Sequence) -> None:
     """A computed prefill parent (n > 1) becomes its children, which share its blocks."""
     request = parent.request
     children = [
@@ -48,7 +45,7 @@ async def fork(engine: Engine, parent: Sequence) -> None:
     engine.orphan_ids.difference_update(child_ids)
 
 
-async def flush_housekeeping(engine: Engine, plan: ScheduledStep) -> None:
+async def flush_housekeeping(engine: EngineState, plan: ScheduledStep) -> None:
     """An idle engine: frees, commits and aborts go out without a step."""
     call = plan.call
     try:
@@ -69,7 +66,7 @@ async def flush_housekeeping(engine: Engine, plan: ScheduledStep) -> None:
             await asyncio.sleep(recovery.RETRY_PAUSE_S)
     await flush_releases(engine)
 
-async def flush_releases(engine: Engine) -> None:
+async def flush_releases(engine: EngineState) -> None:
     """Executor releases with no Execute to ride on."""
     ids = engine.scheduler.pending.release_ids
     if not ids or engine.releases_refused:

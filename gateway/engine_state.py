@@ -1,0 +1,113 @@
+"""One executor's engine, as data: its pool link, scheduler, batches in flight and what
+waits to be sent, with the operations every part of a step shares (emit, deliver, fail).
+
+The step loop (engine.py) is built on this; so are the parts of a step it calls (landing.py,
+side_calls.py, recovery.py, orphans.py), which therefore never import the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.errors import ServiceError
+from gateway.batch import Batch, InFlight, ScheduledStep
+from gateway.executor_client import ExecutorDescription
+from gateway.held_outputs import HeldOutputs
+from gateway.output import OutputProcessor
+from gateway.pool_link import PoolLink
+from gateway.request_state import CompletionDelta, Sequence
+from gateway.scheduler import Scheduler
+from gateway.step_stats import StepStats
+
+
+@dataclass(slots=True, eq=False)
+class EngineState:
+    link: PoolLink
+    scheduler: Scheduler
+    output: OutputProcessor
+    on_lost: Callable[[list[Sequence]], None]
+    healthy: bool = True
+    has_cancellations: bool = False
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    stats: StepStats = field(default_factory=StepStats)
+    allocator_down_since: float | None = None
+    # Ids the allocator may hold that no sequence tracks: aborted before the next Step.
+    orphan_ids: set[str] = field(default_factory=set)
+    # The executor refused a Release of its own: the ids wait for the next Execute to carry
+    # them (it releases before it creates, so an id readmitted meanwhile still works) and
+    # keep no idle engine busy.
+    releases_refused: bool = False
+    # The step in progress, for recovery when a bug interrupts it.
+    plan: ScheduledStep | None = None
+    batch: Batch | None = None
+    # The last executed step's deltas, held until the next Execute is out, and whether this
+    # step holds its own for the next one.
+    held: HeldOutputs = field(default_factory=HeldOutputs)
+    holding: bool = False
+    # Pipelined steps (README, "How it fits together"): a step's Step goes out while the previous
+    # step's batch executes. Off: each step's Execute returns before the next Step.
+    pipeline: bool = True
+    # Pipelined, and the executor uses its own sampled tokens: a step's Execute goes out
+    # before the previous batch lands (landing.py), which then lands in the same step.
+    launch_ahead: bool = True
+    in_flight: deque[InFlight] = field(default_factory=deque)  # oldest first; at most two
+    # Execute numbers (step_id), from a random start: unlike any other caller's at the executor.
+    step_ids: itertools.count[int] = field(
+        default_factory=lambda: itertools.count(secrets.randbits(62) + 1)
+    )
+    last_step_ms: float = 0.0  # the latest Step's round trip
+    last_landed: float | None = None  # when the last step that landed a batch ended (stats)
+    stepping: bool = False
+
+
+    @property
+    def pool_id(self) -> str:
+        return self.link.pool_id
+
+    @property
+    def description(self) -> ExecutorDescription:
+        return self.link.description
+
+    def emit(self, seq: Sequence, token: int) -> None:
+        delta = self.output.process(seq, token)
+        self.held.add(seq.request, delta)
+        if delta.finish_reason is not None:
+            self.scheduler.finish(seq)
+
+    def deliver(self) -> None:
+        """Hand every held delta to its stream now, in order."""
+        self.held.deliver()
+
+    def fail(self, seq: Sequence, error: ServiceError) -> None:
+        self.deliver()  # the tokens before the failure first
+        if not seq.request.cancelled:
+            seq.request.emit(CompletionDelta(index=seq.index, error=error))
+        self.scheduler.abort(seq)
+
+    def fail_all(self, error: ServiceError) -> None:
+        for seq in self.scheduler.sequences():
+            if not seq.is_finished:
+                self.fail(seq, error)
+
+    def abandon_in_flight(self) -> None:
+        """A bug interrupted a step, or the executor is gone: the batches in flight are not
+        awaited (the caller fails or evicts their sequences and releases them)."""
+        while self.in_flight:
+            flight = self.in_flight.popleft()
+            self.scheduler.land(flight.batch)
+            # Its releases may not have been applied: they go again (releasing is idempotent).
+            self.scheduler.pending.release_ids.extend(flight.batch.call.release_request_ids)
+            flight.execute.add_done_callback(retrieve)
+            flight.execute.cancel()
+
+
+def retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark an abandoned call's failure as seen (asyncio would log it as never retrieved)."""
+    if not future.cancelled():
+        future.exception()
