@@ -42,10 +42,11 @@ COPY common ./common
 COPY allocator_svc ./allocator_svc
 COPY executor_svc ./executor_svc
 COPY gateway ./gateway
+COPY tools ./tools
 RUN python -m executor_svc.attention.cpu_kernels
 
 RUN useradd --system --uid 10001 pagedkv && chown -R pagedkv build
 USER pagedkv
 
 EXPOSE 50051 50052 50053
-CMD ["python", "-m", "gateway.launch", "--log-dir", "/tmp"]
+CMD ["python", "-m", "tools.launch", "--log-dir", "/tmp"]

@@ -42,7 +42,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 typecheck: protos
-	$(VENV)/bin/mypy common allocator_svc executor_svc gateway
+	$(VENV)/bin/mypy common allocator_svc executor_svc gateway tools
 
 test: protos
 	$(PY) -m pytest -q
@@ -51,7 +51,7 @@ conformance: protos
 	$(PY) -m pytest -q tests/conformance --executor-addr=$(EXECUTOR_ADDR)
 
 run: protos
-	$(PY) -m gateway.launch
+	$(PY) -m tools.launch
 
 run-allocator: protos
 	$(PY) -m allocator_svc

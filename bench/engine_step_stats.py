@@ -22,9 +22,9 @@ from pathlib import Path
 
 import grpc
 
-from gateway.launch import Stack, StackSpec
 from pagedkv.gateway.v1 import gateway_pb2 as pb
 from pagedkv.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from tools.launch import Stack, StackSpec
 
 WINDOW = 20
 

@@ -23,11 +23,11 @@ from typing import Any
 import grpc
 
 from bench.baselines import BenchRequest, RequestResult
-from gateway.launch import Stack, StackSpec
 from pagedkv.allocator.v1 import allocator_pb2 as apb
 from pagedkv.allocator.v1 import allocator_pb2_grpc as apb_grpc
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
 from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
+from tools.launch import Stack, StackSpec
 
 
 def poisson_arrivals(count: int, rate_per_s: float, seed: int) -> list[float]:

@@ -14,11 +14,11 @@ import grpc
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from gateway.launch import Stack, StackSpec
 from pagedkv.allocator.v1 import allocator_pb2 as apb
 from pagedkv.allocator.v1 import allocator_pb2_grpc as apb_grpc
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
 from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
+from tools.launch import Stack, StackSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = str(ROOT / "models" / "tiny-llama")

@@ -1,4 +1,4 @@
-"""`python -m gateway.launch` brings the three services up, prints how to call them, serves
+"""`python -m tools.launch` brings the three services up, prints how to call them, serves
 the CLI client, and stops everything on Ctrl-C (SIGINT)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def test_launch_starts_serves_and_stops_on_ctrl_c(tmp_path: Path):
     # The defaults (the embedded real model), ports 0, logs to files; the printed chat command
     # answers with real text; SIGINT ends all.
     launch = subprocess.Popen(
-        [sys.executable, "-m", "gateway.launch", "--gateway-port", "0", "--allocator-port", "0",
+        [sys.executable, "-m", "tools.launch", "--gateway-port", "0", "--allocator-port", "0",
          "--executor-port", "0", "--log-dir", str(tmp_path)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -35,7 +35,7 @@ def test_launch_starts_serves_and_stops_on_ctrl_c(tmp_path: Path):
         assert match, f"no chat client command printed:\n{text}"
         assert "grpcurl -plaintext" in text
         client = subprocess.run(
-            [sys.executable, "-m", "gateway.client", "--addr", match.group(1), "--chat",
+            [sys.executable, "-m", "tools.client", "--addr", match.group(1), "--chat",
              "What is the capital of France?", "--max-tokens", "32", "--temperature", "0"],
             cwd=ROOT, capture_output=True, text=True, timeout=60,
         )

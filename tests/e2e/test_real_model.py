@@ -17,8 +17,8 @@ from e2e_stack import Clients, generate, generate_many, sampling, start_stack
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.model_dirs import DEFAULT_MODEL
-from gateway.launch import Stack
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
+from tools.launch import Stack
 
 PROMPTS = [
     "The capital of France is",

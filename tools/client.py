@@ -1,4 +1,4 @@
-"""`python -m gateway.client "prompt"`: stream a completion from the gateway to the terminal."""
+"""`python -m tools.client "prompt"`: stream a completion from the gateway to the terminal."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway.client", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.client", description=__doc__)
     parser.add_argument("prompt")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message in the model's chat template")

@@ -1,4 +1,4 @@
-"""`python -m gateway.health_probe HOST:PORT`: exit 0 when the gRPC health service says
+"""`python -m tools.health_probe HOST:PORT`: exit 0 when the gRPC health service says
 SERVING (used by the launcher and by the compose health checks)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def is_serving(address: str, timeout_s: float = 2.0, service: str = "") -> bool:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway.health_probe")
+    parser = argparse.ArgumentParser(prog="python -m tools.health_probe")
     parser.add_argument("address", help="host:port of a gRPC server")
     parser.add_argument("--service", default="", help="service name ('' = the server)")
     parser.add_argument("--timeout-s", type=float, default=2.0)

@@ -1,4 +1,4 @@
-"""`python -m gateway.launch`: allocator, executor(s) and gateway as local subprocesses.
+"""`python -m tools.launch`: allocator, executor(s) and gateway as local subprocesses.
 
 Starts them in dependency order, waits until each reports SERVING on the gRPC health
 service, prints how to call the gateway, and stops everything on Ctrl-C / SIGTERM (or when
@@ -21,7 +21,7 @@ from typing import IO
 
 from common.config import add_flag
 from common.model_dirs import DEFAULT_MODEL
-from gateway.health_probe import is_serving
+from tools.health_probe import is_serving
 
 HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parents[1]  # `python -m <service>` runs from here
@@ -159,9 +159,9 @@ def usage_text(stack: Stack) -> str:
     return (
         f"\npagedkv is up: gateway {addr}, allocator {stack.allocator_addr}, "
         f"executors {', '.join(stack.executor_addrs())}\n\n"
-        f"  .venv/bin/python -m gateway.client --addr {addr} --chat "
+        f"  .venv/bin/python -m tools.client --addr {addr} --chat "
         "\"What is the capital of France?\" --temperature 0\n"
-        f"  .venv/bin/python -m gateway.client --addr {addr} \"The quick brown fox\" "
+        f"  .venv/bin/python -m tools.client --addr {addr} \"The quick brown fox\" "
         "--max-tokens 32 --temperature 0\n"
         f"  grpcurl -plaintext -d '{{\"text\": \"Hello\", \"sampling\": {{\"max_tokens\": 16}}}}' "
         f"{addr} pagedkv.gateway.v1.GatewayService/Generate\n\n"
@@ -170,7 +170,7 @@ def usage_text(stack: Stack) -> str:
 
 
 def parse_spec(argv: list[str] | None = None) -> StackSpec:
-    p = argparse.ArgumentParser(prog="python -m gateway.launch", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tools.launch", description=__doc__)
     add_flag(p, "--model", default=str(DEFAULT_MODEL),
              help="model directory (safetensors + tokenizer) or a preset under models/")
     add_flag(p, "--num-executors", type=int, default=1, help="executors (one KV pool each)")
