@@ -1,9 +1,11 @@
 """Control plane (issue 5, part 5): where a step's time goes at 8, 64 and 256 running requests.
 
-    python -m bench.control_plane [--quick] [--pipeline-steps false]
-    python -m bench.control_plane --quick --running 64,256 --compare 3   # pipelined vs not
+    python -m bench.control_plane [--quick] [--async-depth 1]
+    python -m bench.control_plane --quick --running 64,256 --compare 3   # depth 2 vs depth 1
     python -m bench.control_plane --quick --running 64,256 --compare 3 --baseline untuned-malloc
-    python -m bench.control_plane --quick --running 64,256 --compare 3 --baseline no-launch-ahead
+    git worktree add /tmp/before <commit> && ln -s $PWD/pagedkv /tmp/before/pagedkv
+    python -m bench.control_plane --quick --running 64,256 --compare 3 --baseline tree \
+        --baseline-tree /tmp/before       # this gateway against the one at <commit>
 
 The allocator and the executor run as usual (models/small-llama, dummy weights); the gateway
 runs as `python -m bench.cp_gateway`, the real gateway with timers around its step phases (see
@@ -21,17 +23,15 @@ steps in which all N decode one token each are kept, and per step we split its t
 
 Control plane = step - forward - sample (everything but the model), where a step is the
 executor's period: the time from one Execute response's arrival at the gateway to the next
-(`period`). Target: < 10% of the step at 64 running requests. Pipelined, a step runs from one
-Execute's launch to the next; its allocator RPC overlaps the previous Execute, so that column
-is not on the step's path and "outputs/other" is what is left once the parts that are add up.
+(`period`). Target: < 10% of the step at 64 running requests.
 
-Launched ahead (the gateway's default), each Execute goes out before the previous one
+At async depth 2 (the gateway's default), each Execute goes out before the previous one
 returns, and the gateway's work and both round trips overlap the executor's forward pass:
 the control plane is the time the executor spends between two forward passes. The gateway's
 parts are then off the step's path and reported apart (`off path` ms); on it, "executor
 wait" is the period less the executor's own report (its intake of the next call).
-Sequential or pipelined, a step's parts are timed in the gateway's Engine.step, whose
-duration is the period in the steady state.
+At depth 1, a step's parts are timed in the gateway's Engine.step, whose duration is the
+period in the steady state.
 """
 
 from __future__ import annotations
@@ -95,19 +95,20 @@ def _split(step: dict[str, float]) -> dict[str, float]:
     return parts
 
 
-def measure(sizes: list[int], max_tokens: dict[int, int], pipeline: bool,
-            executor_flags: tuple[str, ...] = (),
-            gateway_flags: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """One stack (a fresh gateway with --pipeline-steps `pipeline` and `gateway_flags`, the
-    executor with `executor_flags` added): every size in turn."""
+def measure(sizes: list[int], max_tokens: dict[int, int],
+            executor_flags: tuple[str, ...] = (), gateway_flags: tuple[str, ...] = (),
+            gateway_tree: str | None = None) -> list[dict[str, Any]]:
+    """One stack (a fresh gateway with `gateway_flags`, run from `gateway_tree` when given,
+    the executor with `executor_flags` added): every size in turn."""
     log_dir = tempfile.mkdtemp(prefix="pagedkv-cp-")
     step_log = str(Path(log_dir) / "steps.jsonl")
     rows = []
     executor_args = ("--num-blocks", "8192", "--max-num-seqs", "512",
                      "--max-num-batched-tokens", "8192", *executor_flags)
     gateway_args = ("--max-num-seqs", "512", "--max-num-batched-tokens", "8192",
-                    "--pipeline-steps", str(pipeline).lower(), *gateway_flags)
-    with stack(MODEL, executor_args, gateway_args, SEED, log_dir, step_log) as running:
+                    *gateway_flags)
+    with stack(MODEL, executor_args, gateway_args, SEED, log_dir, step_log,
+               gateway_tree=gateway_tree) as running:
         run_load(running.gateway_addr, [BenchRequest([1, 5, 6, 7], 8)] * 4, 4)  # warm-up
         for n in tqdm(sizes, desc="control plane", file=sys.stderr):
             _, offset = read_steps(step_log, 0)
@@ -128,40 +129,41 @@ def measure(sizes: list[int], max_tokens: dict[int, int], pipeline: bool,
                          "control_share": share, "wall_s": wall,
                          "tok_per_s": sum(len(r.tokens) for r in results) / wall,
                          "completed": sum(r.ok for r in results), "elapsed_s":
-                         time.perf_counter() - t0, "pipeline": pipeline})
+                         time.perf_counter() - t0, "gateway_flags": list(gateway_flags),
+                         "gateway_tree": gateway_tree})
     return rows
 
 
-# What --compare runs against: (label, pipelined, executor flags, gateway flags), the default
-# first.
+# What --compare runs against: (label, executor flags, gateway flags, from --baseline-tree),
+# the default first.
 BASELINES = {
-    "sequential": (("pipelined", True, (), ()), ("sequential", False, (), ())),
-    "untuned-malloc": (("malloc tuned", True, (), ()),
-                       ("malloc untuned", True, ("--tune-malloc", "false"), ())),
-    "no-launch-ahead": (("launch ahead", True, (), ()),
-                        ("no launch ahead", True, (), ("--launch-ahead", "false"))),
+    "depth-1": (("depth 2", (), (), False), ("depth 1", (), ("--async-depth", "1"), False)),
+    "untuned-malloc": (("malloc tuned", (), (), False),
+                       ("malloc untuned", ("--tune-malloc", "false"), (), False)),
+    "tree": (("this tree", (), (), False), ("baseline tree", (), (), True)),
 }
 # Where each comparison's figures go (bench/results/<name>.json).
-RESULTS_NAMES = {"sequential": "control_plane_pipeline", "untuned-malloc": "control_plane_malloc",
-                 "no-launch-ahead": "control_plane_launch_ahead"}
+RESULTS_NAMES = {"depth-1": "control_plane_depth", "untuned-malloc": "control_plane_malloc",
+                 "tree": "control_plane_vs_tree"}
 
 
 def compare(sizes: list[int], max_tokens: dict[int, int], pairs: int,
-            baseline: str = "sequential") -> list[dict[str, Any]]:
+            baseline: str = "depth-1", baseline_tree: str | None = None) -> list[dict[str, Any]]:
     """The defaults against `baseline` (BASELINES), `pairs` runs of each, interleaved; a table
     of the per-run figures and their medians."""
     variants = BASELINES[baseline]
     runs: dict[str, list[list[dict[str, Any]]]] = {label: [] for label, *_ in variants}
     for _ in range(pairs):
-        for label, pipeline, flags, gateway_flags in variants:
-            runs[label].append(measure(sizes, max_tokens, pipeline, flags, gateway_flags))
+        for label, flags, gateway_flags, from_tree in variants:
+            runs[label].append(measure(sizes, max_tokens, flags, gateway_flags,
+                                       baseline_tree if from_tree else None))
     headers = ["running", "steps", "control plane ms (runs)", "median", "share",
                "forward + sample ms", "step ms", "period ms", "off path ms", "tok/s"]
     print(f"### Control plane: {variants[0][0]} against {variants[1][0]} (interleaved runs)\n")
     summary = []
     for n in sizes:
         body = []
-        for label, pipeline, flags, gateway_flags in variants:
+        for label, flags, gateway_flags, from_tree in variants:
             rows = [r for run in runs[label] for r in run if r["running"] == n and r["steps"]]
             if not rows:
                 continue
@@ -171,7 +173,8 @@ def compare(sizes: list[int], max_tokens: dict[int, int], pairs: int,
 
             controls = [r["median_ms"]["control"] for r in rows]
             entry = {
-                "running": n, "variant": label, "pipeline": pipeline,
+                "running": n, "variant": label,
+                "gateway_tree": baseline_tree if from_tree else None,
                 "executor_flags": list(flags), "gateway_flags": list(gateway_flags),
                 "control_ms": controls,
                 "control_median_ms": statistics.median(controls),
@@ -198,27 +201,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--running", default="8,64,256")
     p.add_argument("--threads", type=int, default=1, help="executor torch threads")
-    p.add_argument("--pipeline-steps", default="true", choices=("true", "false"),
-                   help="the gateway's --pipeline-steps")
+    p.add_argument("--async-depth", default="2", choices=("1", "2"),
+                   help="the gateway's --async-depth")
     p.add_argument("--compare", type=int, default=0, metavar="PAIRS",
                    help="instead: PAIRS interleaved runs each of the defaults and --baseline")
-    p.add_argument("--baseline", default="sequential", choices=sorted(BASELINES),
-                   help="with --compare: sequential steps, an executor with "
-                   "--tune-malloc false, or a gateway with --launch-ahead false")
+    p.add_argument("--baseline", default="depth-1", choices=sorted(BASELINES),
+                   help="with --compare: a gateway at --async-depth 1, an executor with "
+                   "--tune-malloc false, or the gateway of --baseline-tree")
+    p.add_argument("--baseline-tree", default=None, metavar="DIR",
+                   help="with --baseline tree: a checkout of another commit (its generated "
+                   "pagedkv/ stubs linked in) whose gateway runs against this one's")
     args = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     sizes = [int(x) for x in args.running.split(",")]
     max_tokens = {8: 64, 64: 48, 256: 32} if args.quick else {8: 128, 64: 128, 256: 96}
+    if args.baseline == "tree" and not args.baseline_tree:
+        p.error("--baseline tree needs --baseline-tree DIR")
     if args.compare:
-        summary = compare(sizes, max_tokens, args.compare, args.baseline)
+        summary = compare(sizes, max_tokens, args.compare, args.baseline, args.baseline_tree)
         name = RESULTS_NAMES[args.baseline]
         write_results(name, {
             "benchmark": name, "model": MODEL, "seed": SEED, "baseline": args.baseline,
             "quick": args.quick, "torch_threads": args.threads, "max_tokens": max_tokens,
-            "pairs": args.compare, "rows": summary,
+            "pairs": args.compare, "baseline_tree": args.baseline_tree, "rows": summary,
         })
         return 0
-    rows = measure(sizes, max_tokens, args.pipeline_steps == "true")
+    rows = measure(sizes, max_tokens, gateway_flags=("--async-depth", args.async_depth))
     headers = ["running", "steps", "step ms", *[LABELS[k] + " ms" for k in PARTS],
                "control plane ms", "control share", "off path ms"]
     body = []
@@ -245,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     write_results("control_plane", {
         "benchmark": "control_plane", "model": MODEL, "seed": SEED, "quick": args.quick,
         "torch_threads": args.threads, "max_tokens": max_tokens, "rows": rows,
-        "parts": LABELS, "plots": plots, "pipeline_steps": args.pipeline_steps == "true",
+        "parts": LABELS, "plots": plots, "async_depth": int(args.async_depth),
     })
     return 0
 

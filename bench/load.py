@@ -116,14 +116,16 @@ def pool_stats(allocator_addr: str) -> list[Any]:
 @contextmanager
 def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[str] = (),
           seed: int = 0, log_dir: str | None = None, step_log: str | None = None,
-          load_format: str = "dummy"):
+          load_format: str = "dummy", gateway_tree: str | None = None):
     """The real three services as subprocesses on free ports; stopped on exit.
 
     Dummy weights (seeded) by default, as the presets' baselines rebuild them; `auto` for a
     model directory with real weights.
 
     With `step_log`, the gateway runs as `python -m bench.cp_gateway` (the same gateway with
-    per-step timers, one JSON line per executed step appended to that file).
+    per-step timers, one JSON line per executed step appended to that file), from
+    `gateway_tree` when given (a checkout of another commit: its gateway against this tree's
+    allocator and executor).
     """
     spec = StackSpec(
         model=model, allocator_port=0, executor_port=0, gateway_port=0,
@@ -145,7 +147,7 @@ def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[
             gateway = running._start("gateway", "bench.cp_gateway", 0, (
                 "--allocator-addr", running.allocator_addr,
                 "--executor-addrs", ",".join(running.executor_addrs()), "--model", model,
-                *spec.gateway_args))
+                *spec.gateway_args), cwd=gateway_tree)
             running._wait_healthy(gateway)
         except BaseException:
             running.stop()

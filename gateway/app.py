@@ -143,8 +143,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
             output=output,
             on_lost=router.requeue,
             stats=StepStats(window=settings.stats_every_steps),
-            pipeline=settings.pipeline_steps,
-            launch_ahead=settings.launch_ahead,
+            async_depth=settings.async_depth,
         )
         router.engines.append(engine)
     info = ModelInfo(

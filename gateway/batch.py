@@ -27,7 +27,7 @@ class Pending:
     release_ids: list[str] = field(default_factory=list)
     # The last step's computed counts, not yet committed: the next Step commits them all
     # with one flag (commit_previous_step); an idle engine sends them as explicit commits.
-    # Launching ahead, a batch's counts are recorded when it is advanced, before it returns;
+    # At depth 2, a batch's counts are recorded when it is advanced, before it returns;
     # the next Step is planned only once it has landed, and a failed batch's sequences are
     # failed, recomputed or evicted (which drops their counts) before then.
     executed: dict[str, int] = field(default_factory=dict)
@@ -62,9 +62,9 @@ class Batch:
     num_decodes: int = 0
     # Swapped out by this step: their KV reaches the CPU blocks only with this Execute.
     swapped_out: list[Sequence] = field(default_factory=list)
-    # Once advanced (Scheduler.advance): each sequence it samples for, the index of the
-    # UNSAMPLED stand-in in its outputs, and its row in the batch. None before.
-    stand_ins: list[tuple[Sequence, int, int]] | None = None
+    # Once advanced (Scheduler.advance): each sequence it samples for (which holds a
+    # placeholder for that token until the batch lands) and its row in the batch. None before.
+    stand_ins: list[tuple[Sequence, int]] | None = None
 
 
 @dataclass(slots=True)

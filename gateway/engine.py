@@ -1,11 +1,14 @@
 """One executor's step loop: Step at the allocator, Execute at the executor, then outputs.
 
+One loop, at an async depth of at most two batches in flight. At depth 2 (the default, with an
+executor that uses its own sampled tokens) step k+1 is planned and allocated while batch k
+executes, on top of it: its sequences' next tokens are stand-ins the executor fills in itself.
+Its Execute goes out as soon as its Step returns, and the executor starts it the moment batch k
+ends; then batch k lands. At depth 1 (`--async-depth 1`, or an executor that cannot use its own
+sampled tokens) each batch lands before the next is planned.
+
 A busy step's outputs are held across the next step's Step (up to 10 ms) and reach the client
 streams while its Execute runs; nothing else waits for them (held_outputs.py).
-
-Launching ahead (the default with an executor that uses its own sampled tokens), a step's
-Execute goes out as soon as its Step returns, before the previous batch lands: the executor
-starts it the moment the previous one ends. Then the previous batch lands in the same step.
 
 Single writer: the loop is the only code that mutates its scheduler, between awaits, so no
 lock is needed. Other coroutines (RPC handlers) only append sequences with `submit`, flag
@@ -27,9 +30,9 @@ from dataclasses import dataclass
 import structlog
 
 from gateway import landing, orphans, recovery, side_calls
-from gateway.batch import Landed, ScheduledStep
+from gateway.batch import InFlight, Landed, ScheduledStep
 from gateway.call_failures import CallFailed
-from gateway.engine_state import EngineState, retrieve
+from gateway.engine_state import EngineState
 from gateway.request_state import Sequence
 from gateway.step import StepOutcome
 
@@ -97,6 +100,8 @@ class Engine(EngineState):
                 self.deliver()
 
     async def _step(self) -> bool:
+        """Plan, allocate, execute, land, stream. At depth 2 the batch in flight lands after
+        this step's batch has gone out, which was planned on top of it."""
         self.plan = self.batch = None
         renewal = self.link.take_lease_renewal()
         if renewal or self.orphan_ids:
@@ -111,6 +116,10 @@ class Engine(EngineState):
             self.deliver()  # held outputs wait for nothing but the hot path's two calls
             if not await recovery.abort_orphans(self):
                 return False
+        if self.in_flight and not self._can_build_on(self.in_flight[0]):
+            await landing.settle(self)
+            if not self.healthy:
+                return True
         started = time.perf_counter()
         overlapped = bool(self.in_flight)
         plan = self.plan = self.scheduler.schedule(overlapped)
@@ -122,40 +131,25 @@ class Engine(EngineState):
             else:
                 await side_calls.flush_housekeeping(self, plan)
             return True
-        landed: Landed | None = None
-        if overlapped and self._launches_ahead():
-            # The batch in flight counts as landed, its sampled tokens as stand-ins: this
-            # step's batch is built on top of it and goes out before it returns.
-            outcome = await self._allocator_step(plan, self.link.step(plan.call), settle=True)
-            if outcome is not None and self.in_flight[0].execute.done():
-                # It returned meanwhile (or failed): it lands first, as pipelined.
-                landed = await landing.land(self)
-                if not self.healthy:  # the executor went away: the Step's outcome too
-                    orphans.note_held(self, plan)
-                    return True
-            elif outcome is not None:
-                self.scheduler.advance(self.in_flight[0].batch)
-        elif overlapped:
-            # Pipelined: this step's Step goes out while the previous batch executes.
-            step_call = asyncio.ensure_future(self.link.step(plan.call))
-            try:
-                landed = await landing.land(self)
-            except BaseException:
-                # Its outcome is unknown: step_crashed notes what it may hold as orphans.
-                step_call.add_done_callback(retrieve)
-                raise
-            outcome = await self._allocator_step(plan, step_call, landed)
-            if not self.healthy:  # the executor went away meanwhile: the Step's outcome too
-                orphans.note_held(self, plan)
-                return True
-        else:
-            outcome = await self._allocator_step(plan, self.link.step(plan.call))
+        outcome = await self._allocator_step(plan, self.link.step(plan.call), settle=overlapped)
         if outcome is None:
             return False
+        landed: Landed | None = None
+        if overlapped and self.in_flight[0].execute.done():
+            # It returned (or failed) while the Step was out: it lands first, and this
+            # step's batch is built on its tokens rather than on stand-ins.
+            landed = await landing.land(self)
+            if not self.healthy:  # the executor went away: the Step's outcome too
+                orphans.note_held(self, plan)
+                return True
+        elif overlapped:
+            # Its tokens count as computed, their values as stand-ins that the executor
+            # fills in itself (use_sampled_token): this step's batch goes out before it lands.
+            self.scheduler.advance(self.in_flight[0].batch)
         batch = self.batch = self.scheduler.apply_outcome(plan, outcome)
         if batch.call.is_empty():
             # Nothing to run, but releases (a recompute preemption) must still go out.
-            if self.in_flight:  # launching ahead: the batch in flight lands first
+            if self.in_flight:  # the batch in flight lands first
                 landed = await landing.land(self)
             await landing.take_outputs(self, landed)
             self.deliver()
@@ -164,23 +158,23 @@ class Engine(EngineState):
             return False
         flight = landing.launch(self, batch)
         if len(self.in_flight) > 1:
-            # Launched ahead: the batch before lands now. A busy step's outputs are held
-            # until the next Execute is out, as pipelined: then no stream write delays it
-            # (256 writes take ~15-19 ms, longer than a GPU step).
+            # The batch before lands now. A busy step's outputs are held until the next
+            # Execute is out: then no stream write delays it (256 writes take ~15-19 ms,
+            # longer than a GPU step).
             landed = await landing.land(self)
             await landing.take_outputs(self, landed)
-        elif self.pipeline:
-            # The landed batch's outputs (detokenizing, stop strings) while the next computes,
-            # once it has reached the executor (on two cores, work started at once delays its
-            # intake: control plane 3.3-4.0 -> 2.4-2.9 ms at 64 running, three interleaved
-            # runs). A sequence they end computes one token for nothing, which is dropped.
+        elif self.depth > 1:
+            # Depth 2, nothing was in flight (the first step after idle, or one that landed
+            # early): this batch lands in the next step. The landed batch's outputs
+            # (detokenizing, stop strings) are taken while it computes, once it has reached
+            # the executor (on two cores, work started at once delays its intake).
             await flight.head_start()
             await landing.take_outputs(self, landed)
         else:
             landed = await landing.settle(self)
         if landed is not None:
             # A step's time runs from the previous step's landing to this one's: busy, that is
-            # the executor's period whatever overlaps what (launched ahead, a step's own span
+            # the executor's period whatever overlaps what (at depth 2, a step's own span
             # is not); the first step after idle counts from its start.
             now = time.perf_counter()
             since, self.last_landed = self.last_landed or started, now
@@ -197,14 +191,11 @@ class Engine(EngineState):
 
     # Pieces of a step.
 
-    def _launches_ahead(self) -> bool:
-        """This step's Execute may go out before the batch in flight lands (not when it has
-        returned already: landing it first costs nothing and builds on what is known)."""
-        flight = self.in_flight[0]
-        return (
-            self.launch_ahead and self.link.description.uses_sampled_tokens
-            and not flight.after_failure and not flight.execute.done()
-        )
+    def _can_build_on(self, flight: InFlight) -> bool:
+        """The next batch may be planned on top of this one still in flight: not when it has
+        returned already (landing it first costs nothing and builds on what is known), nor
+        when the one before it failed (it may fail too)."""
+        return self.depth > 1 and not flight.after_failure and not flight.execute.done()
 
     def _has_work(self) -> bool:
         pending = self.scheduler.pending

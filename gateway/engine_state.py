@@ -50,12 +50,10 @@ class EngineState:
     # step holds its own for the next one.
     held: HeldOutputs = field(default_factory=HeldOutputs)
     holding: bool = False
-    # Pipelined steps (README, "How it fits together"): a step's Step goes out while the previous
-    # step's batch executes. Off: each step's Execute returns before the next Step.
-    pipeline: bool = True
-    # Pipelined, and the executor uses its own sampled tokens: a step's Execute goes out
-    # before the previous batch lands (landing.py), which then lands in the same step.
-    launch_ahead: bool = True
+    # Batches in flight at most (README, "How it fits together"). 2, with an executor that
+    # uses its own sampled tokens: step k+1 is planned, allocated and sent while batch k
+    # executes, and batch k lands after. 1: each batch lands before the next is planned.
+    async_depth: int = 2
     in_flight: deque[InFlight] = field(default_factory=deque)  # oldest first; at most two
     # Execute numbers (step_id), from a random start: unlike any other caller's at the executor.
     step_ids: itertools.count[int] = field(
@@ -73,6 +71,11 @@ class EngineState:
     @property
     def description(self) -> ExecutorDescription:
         return self.link.description
+
+    @property
+    def depth(self) -> int:
+        """The async depth this executor allows (it may have been replaced since)."""
+        return self.async_depth if self.link.description.uses_sampled_tokens else 1
 
     def emit(self, seq: Sequence, token: int) -> None:
         delta = self.output.process(seq, token)

@@ -1,9 +1,9 @@
 """The batches in flight: an engine sends each Execute as a task (`launch`), and awaits it in
-the same step or, pipelined, in the next (`land`): its tokens advance the scheduler at once,
+the same step or, at depth 2, in the next (`land`): its tokens advance the scheduler at once,
 and become deltas, finishes and forks a little later (`take_outputs`), once the next Execute
 has had its head start. `settle` does both; recovery, housekeeping and idle start from there.
 
-Launching ahead, a step's Execute goes out before the previous one lands: two are in flight
+At depth 2, a step's Execute goes out before the previous one lands: two are in flight
 for that while (`engine.in_flight`, oldest first), and they land in order. The older one has
 been advanced already (Scheduler.advance): landing it only puts its sampled values in.
 """
@@ -27,8 +27,7 @@ def launch(engine: EngineState, batch: Batch) -> InFlight:
     step_id = next(engine.step_ids) if engine.link.description.uses_sampled_tokens else 0
     previous = engine.in_flight[-1].step_id if engine.in_flight else 0
     execute = asyncio.ensure_future(engine.link.execute(batch.call, step_id, previous))
-    if engine.pipeline:  # the next step is planned on top of it (sequential: it lands first)
-        engine.scheduler.launch(batch)
+    engine.scheduler.launch(batch)  # at depth 2 the next step is planned on top of it
     flight = InFlight(batch, execute, time.perf_counter(), step_id)
     engine.in_flight.append(flight)
     return flight

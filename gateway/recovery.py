@@ -134,7 +134,7 @@ def execute_failed(
                     why="rejected_after_failure")
     for seq in [*(s for s, _ in batch.scheduled), *batch.swapped_out]:
         if not seq.is_finished and seq not in recomputed:
-            engine.fail(seq, error)  # (pipelined: one ended by the outputs taken meanwhile)
+            engine.fail(seq, error)  # (depth 2: one ended by the outputs taken meanwhile)
 
 
 def lose_executor(engine: EngineState) -> None:

@@ -21,11 +21,6 @@ from gateway.detokenizer import Detokenizer
 from gateway.sampling import SamplingOptions
 from gateway.step import ExecSampling
 
-# A sampled token whose value has not come back yet: it stands in the sequence's outputs
-# while the next batch is built on top of the batch sampling it (the executor fills it in
-# itself: use_sampled_token), and is replaced once that batch lands (Scheduler.fill).
-UNSAMPLED = -1
-
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
@@ -84,12 +79,16 @@ class Sequence:
     index: int
     is_prefill_parent: bool = False
     status: SeqStatus = SeqStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # sampled values only
+    # Tokens sampled by a batch in flight whose values have not come back (0 or 1): they count
+    # as the sequence's last tokens while the next batch is built on top of that one (the
+    # executor fills the value in itself: use_sampled_token), until it lands (Scheduler.fill).
+    num_placeholders: int = 0
     num_computed_tokens: int = 0
     num_allocator_tokens: int = 0      # tokens the allocator knows (0: not admitted there)
     known_to_allocator: bool = False
     known_to_executor: bool = False
-    # Pipelined steps: tokens it computes in the batch executing now, and whether that batch
+    # Depth 2: tokens it computes in the batch executing now, and whether that batch
     # samples its next token; whether the allocator holds a slot for a token whose value it
     # has not been sent yet (position num_allocator_tokens: a late token of the next Step).
     num_in_flight: int = 0
@@ -103,16 +102,20 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
-        """Every token the sequence holds: the prompt, then the generated ones."""
+        """Every token the sequence holds: the prompt, then the generated ones (not the
+        placeholders, whose values are still in flight)."""
         if self.is_prefill_parent:
             return self.request.prompt_token_ids[:-1]
         return self.request.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, stop: int | None = None) -> list[int]:
-        """token_ids[start:stop] without building the whole list (hot path)."""
+        """token_ids[start:stop] without building the whole list (hot path); never reaches
+        into the placeholders."""
         prompt = self.request.prompt_token_ids
         num_prompt = len(prompt) - 1 if self.is_prefill_parent else len(prompt)
-        stop = self.num_tokens if stop is None else stop
+        num_known = self.num_tokens - self.num_placeholders
+        stop = num_known if stop is None else stop
+        assert stop <= num_known, f"{self.seq_id}: a placeholder's value asked for"
         if stop <= num_prompt:
             return prompt[start:stop]
         outputs = self.output_token_ids
@@ -131,6 +134,7 @@ class Sequence:
     def last_token_id(self) -> int:
         """token_ids[-1] of a sequence that is not a prefill parent (hot path)."""
         assert not self.is_prefill_parent, f"{self.seq_id}: a prefill parent's last token"
+        assert not self.num_placeholders, f"{self.seq_id}: its last token is a placeholder"
         outputs = self.output_token_ids
         return outputs[-1] if outputs else self.request.prompt_token_ids[-1]
 
@@ -138,7 +142,10 @@ class Sequence:
     def num_tokens(self) -> int:
         if self.is_prefill_parent:
             return len(self.request.prompt_token_ids) - 1
-        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+        return (
+            len(self.request.prompt_token_ids) + len(self.output_token_ids)
+            + self.num_placeholders
+        )
 
     @property
     def num_uncomputed_tokens(self) -> int:

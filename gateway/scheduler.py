@@ -7,11 +7,10 @@ One step is three calls, made by the engine in this order:
     batch = scheduler.apply_outcome(plan, o)  # allocator's answer -> ExecuteCall
     sampled = scheduler.apply_result(batch, r)  # executor's answer -> (sequence, token) pairs
 
-Pipelined, step k+1 is planned while batch k executes (`launch` marks it), so the calls
-interleave: schedule(k+1), apply_result(k), apply_outcome(k+1), launch(k+1). With sampled
-tokens (the executor uses its own), batch k+1 goes out before batch k returns: apply_result
-splits into `advance` (counts; UNSAMPLED stand-ins for the tokens) and `fill` (the values):
-schedule(k+1), advance(k), apply_outcome(k+1), launch(k+1), fill(k).
+At depth 2 (engine.py), step k+1 is planned while batch k executes (`launch` marks it) and
+goes out before batch k returns, so apply_result splits into `advance` (counts; a placeholder
+per sampled token) and `fill` (the values), and the calls interleave: schedule(k+1),
+advance(k), apply_outcome(k+1), launch(k+1), fill(k).
 
 Planning (`schedule`) is FCFS under the budgets (`max_num_seqs`, `max_num_batched_tokens`):
 running sequences first (one decode token each, or their next prefill chunk), then swapped ones
@@ -22,7 +21,7 @@ sequences between the queues, and what was granted becomes the Execute call. The
 preempts from the tail of the step's order when its pool is short and never admits new
 requests in a step that preempted; a recompute preemption sends the sequence back to the
 queue front (prompt + generated tokens), a swap keeps it aside for swap-in. A row whose token
-is an UNSAMPLED stand-in (launched ahead) goes with use_sampled_token.
+is a placeholder (depth 2: its value is in flight) goes with use_sampled_token.
 
 The scheduler also owns the lifecycle of sequences (add, finish, abort, fork, evict).
 Commits, frees, aborts and executor releases accumulate in `pending` and ride on the next
@@ -36,7 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gateway.batch import Batch, Budget, Pending, ScheduledStep
-from gateway.request_state import UNSAMPLED, SeqStatus, Sequence, priority
+from gateway.request_state import SeqStatus, Sequence, priority
 from gateway.step import (
     Commit,
     ExecuteCall,
@@ -83,15 +82,15 @@ class Scheduler:
     # One step.
     def schedule(self, in_flight: bool = False) -> ScheduledStep | None:
         """The step's items under the budgets; None when there is nothing to send.
-        `in_flight`: planned while the previous batch executes (pipelined)."""
-        assert not self.num_advanced, "planning with stand-ins out: they would reach the allocator"
+        `in_flight`: planned while the previous batch executes (depth 2)."""
+        assert not self.num_advanced, "planning with placeholders out: the allocator needs values"
         self._compact()
         return self._plan(in_flight)
 
     def _plan(self, in_flight: bool) -> ScheduledStep | None:
         """Choose the step's items under the budgets; None when there is nothing to send.
 
-        `in_flight`: the previous step's batch is still executing (a pipelined step). Each of its
+        `in_flight`: the previous step's batch is still executing (depth 2). Each of its
         sequences that samples decodes the token being sampled (a pending decode: the allocator
         needs the count, not the value), unless that token is its last by length; the others
         plan on top of what the batch computes. The values of the tokens pending decodes were
@@ -294,7 +293,7 @@ class Scheduler:
             assert seq is not None, f"allocator preempted unknown {preemption.request_id}"
             self.num_preemptions += 1
             if seq.is_finished:
-                # It ended while its batch executed, after this Step was planned (pipelined).
+                # It ended while its batch executed, after this Step was planned (depth 2).
                 if not preemption.swapped:
                     self.forget_freed(seq)  # the allocator freed it already
                 continue
@@ -314,7 +313,7 @@ class Scheduler:
                 continue
             if seq in self.swapped:
                 self.swapped.remove(seq)
-            self.forget_freed(seq)  # e.g. the count its batch in flight executed (pipelined)
+            self.forget_freed(seq)  # e.g. the count its batch in flight executed (depth 2)
             seq.reset_for_recompute()
             self.release(seq)
             recomputed.append(seq)
@@ -332,11 +331,11 @@ class Scheduler:
         return self.fill(batch, result)
 
     def advance(self, batch: Batch) -> None:
-        """The batch's computed counts, as if it had returned, with an UNSAMPLED stand-in for
-        each token it samples (`fill` puts the values in). This also lands it: the next batch
-        is built on top of it. A sequence finished while it executed is left alone."""
+        """The batch's computed counts, as if it had returned, with a placeholder for each
+        token it samples (`fill` puts the values in). This also lands it: the next batch is
+        built on top of it. A sequence finished while it executed is left alone."""
         executed = self.pending.executed
-        stand_ins: list[tuple[Sequence, int, int]] = []
+        stand_ins: list[tuple[Sequence, int]] = []
         num_decodes, works = batch.num_decodes, batch.call.seqs
         for row, (seq, num) in enumerate(batch.scheduled):
             seq.num_in_flight = 0
@@ -346,29 +345,30 @@ class Scheduler:
             seq.num_computed_tokens += num
             executed[seq.seq_id] = seq.num_computed_tokens
             if row < num_decodes or works[row - num_decodes].sample:
-                outputs = seq.output_token_ids
-                stand_ins.append((seq, len(outputs), row))
-                outputs.append(UNSAMPLED)
+                assert not seq.num_placeholders, f"{seq.seq_id}: a second placeholder"
+                seq.num_placeholders = 1
+                stand_ins.append((seq, row))
         batch.stand_ins = stand_ins
         self.num_advanced += 1
 
     def fill(self, batch: Batch, result: ExecuteResult) -> list[tuple[Sequence, int]]:
-        """Put the sampled values in place of the advanced batch's stand-ins; the (sequence,
+        """The sampled values in place of the advanced batch's placeholders; the (sequence,
         token) pairs in batch order, but for sequences that finished since."""
         assert batch.stand_ins is not None, "fill before advance"
         self.num_advanced -= 1
         decoded, num_decodes = result.decode_token_ids, batch.num_decodes
         tokens = {t.request_id: t.token_id for t in result.tokens} if result.tokens else {}
         sampled: list[tuple[Sequence, int]] = []
-        for seq, index, row in batch.stand_ins:
+        for seq, row in batch.stand_ins:
             token = decoded[row] if row < num_decodes else tokens[seq.seq_id]
-            seq.output_token_ids[index] = token
+            seq.num_placeholders = 0
+            seq.output_token_ids.append(token)
             if seq.status is not SeqStatus.FINISHED:
                 sampled.append((seq, token))
         return sampled
 
     def launch(self, batch: Batch) -> None:
-        """The batch is executing: the next step plans on top of it (pipelined)."""
+        """The batch is executing: the next step plans on top of it (depth 2)."""
         for seq, num in batch.scheduled:
             seq.num_in_flight = num
             seq.samples_in_flight = (
@@ -377,16 +377,16 @@ class Scheduler:
 
     def land(self, batch: Batch) -> None:
         """The batch failed or is abandoned: it is no longer executing, and an advanced one's
-        stand-ins are taken out (its sequences are failed, recomputed or evicted next, so
+        placeholders are taken out (its sequences are failed, recomputed or evicted next, so
         its counts do not matter)."""
         if batch.stand_ins is None:
             for seq, _ in batch.scheduled:
                 seq.num_in_flight = 0
                 seq.samples_in_flight = False
             return
-        for seq, index, _ in batch.stand_ins:
-            assert seq.output_token_ids[index:] == [UNSAMPLED], f"{seq.seq_id}: stand-in moved"
-            del seq.output_token_ids[index]
+        for seq, _ in batch.stand_ins:
+            assert seq.num_placeholders == 1, f"{seq.seq_id}: its placeholder is gone"
+            seq.num_placeholders = 0
         batch.stand_ins = None  # (landing it again is harmless)
         self.num_advanced -= 1
 
@@ -532,10 +532,10 @@ class _DecodeColumns:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
 
     def add(self, seq: Sequence, start: int) -> None:
-        token = seq.last_token_id
-        unsampled = token == UNSAMPLED  # the executor has it: the batch before sampled it
+        # A placeholder: the executor has the value, the batch before sampled it.
+        unsampled = seq.num_placeholders > 0
         self.request_ids.append(seq.seq_id)
-        self.token_ids.append(0 if unsampled else token)
+        self.token_ids.append(0 if unsampled else seq.last_token_id)
         self.positions.append(start)
         self.use_sampled.append(unsampled)
         self.num_unsampled += unsampled
@@ -553,14 +553,13 @@ def _is_plain_decode(seq: Sequence, start: int, num: int, delta: TableDelta | No
 def _seq_work(seq: Sequence, start: int, num: int, delta: TableDelta | None) -> SeqWork:
     first = not seq.known_to_executor
     seq.known_to_executor = True
-    token_ids = seq.token_slice(start, start + num)
-    # A stand-in is the sequence's last token, so it can only open the row.
-    unsampled = token_ids[0] == UNSAMPLED
-    assert not first or not unsampled, f"{seq.seq_id}: a stand-in sent to a new executor"
-    assert UNSAMPLED not in token_ids[1:], f"{seq.seq_id}: a stand-in inside a row"
+    # A placeholder is the sequence's last token: a row that reaches it is that one token.
+    unsampled = seq.num_placeholders > 0 and start + num == seq.num_tokens
+    assert not unsampled or num == 1, f"{seq.seq_id}: a placeholder inside a row"
+    assert not first or not unsampled, f"{seq.seq_id}: a placeholder sent to a new executor"
     return SeqWork(
         request_id=seq.seq_id,
-        token_ids=(0, *token_ids[1:]) if unsampled else tuple(token_ids),
+        token_ids=(0,) if unsampled else tuple(seq.token_slice(start, start + num)),
         start_position=start,
         delta=TableDelta(0, tuple(seq.block_table)) if first else delta,
         sample=not seq.is_prefill_parent and start + num == seq.num_tokens,

@@ -34,8 +34,7 @@ class GatewaySettings:
     allocator_timeout_s: float
     execute_timeout_s: float
     stats_every_steps: int
-    pipeline_steps: bool
-    launch_ahead: bool
+    async_depth: int
     log_json: bool
     log_level: str
 
@@ -107,15 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="log an engine_step_stats summary (control-plane cost) every N steps; 0: never",
     )
     add_flag(
-        parser, "--pipeline-steps", type=parse_bool, default=True,
-        help="send each step's allocator Step while the previous step's Execute runs "
-        "(true/false); false: one call after the other",
-    )
-    add_flag(
-        parser, "--launch-ahead", type=parse_bool, default=True,
-        help="pipelined, send each Execute before the previous one returns, its decode tokens "
-        "being the ones the executor sampled itself (true/false; only with an executor whose "
-        "Describe reports uses_sampled_tokens); false: each Execute waits for the one before",
+        parser, "--async-depth", type=int, choices=(1, 2), default=2,
+        help="batches in flight per executor: 2 plans, allocates and sends each step while "
+        "the previous batch executes, its decode tokens being the ones the executor sampled "
+        "itself (only with an executor whose Describe reports uses_sampled_tokens; others "
+        "run at 1); 1: each batch returns before the next is planned",
     )
     add_flag(parser, "--log-json", action="store_true", help="JSON logs (containers)")
     add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
@@ -145,8 +140,7 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             allocator_timeout_s=args.allocator_timeout_s,
             execute_timeout_s=args.execute_timeout_s,
             stats_every_steps=args.stats_every_steps,
-            pipeline_steps=args.pipeline_steps,
-            launch_ahead=args.launch_ahead,
+            async_depth=args.async_depth,
             log_json=args.log_json,
             log_level=args.log_level,
         )

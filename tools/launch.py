@@ -95,7 +95,9 @@ class Stack:
             raise
         return self
 
-    def _start(self, name: str, module: str, port: int, args: tuple[str, ...]) -> Service:
+    def _start(self, name: str, module: str, port: int, args: tuple[str, ...],
+               cwd: str | Path | None = None) -> Service:
+        """`cwd`: another checkout to run the module from (benchmarks compare commits)."""
         port_file = os.path.join(self.run_dir, f"{name}.port")
         argv = [sys.executable, "-m", module, "--port", str(port), "--port-file", port_file,
                 *args]
@@ -105,7 +107,7 @@ class Stack:
             log_path = os.path.join(self.spec.log_dir, f"{name}.log")
             out = open(log_path, "ab")  # noqa: SIM115 - owned by the child process
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                   cwd=REPO_ROOT, start_new_session=True)
+                                   cwd=cwd or REPO_ROOT, start_new_session=True)
         service = Service(name=name, process=process, port_file=Path(port_file),
                           log_path=log_path)
         self.services.append(service)

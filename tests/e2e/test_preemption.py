@@ -15,19 +15,19 @@ from pagedkv.gateway.v1 import gateway_pb2 as gpb
 NUM_BLOCKS = 16  # 256 tokens for 8 concurrent requests of 40 + 48 tokens (704)
 
 
-# (preemption mode, launch ahead): the gateway's default launches each Execute before the
-# previous one returns; the pipelined order without it is what a third-party executor gets.
-@pytest.fixture(scope="module", params=[("recompute", True), ("swap", True), ("recompute", False)],
-                ids=["recompute", "swap", "recompute-no-launch-ahead"])
+# (preemption mode, async depth): the gateway's default (2) sends each Execute before the
+# previous one returns; depth 1 is what an executor that cannot use its sampled tokens gets.
+@pytest.fixture(scope="module", params=[("recompute", 2), ("swap", 2), ("recompute", 1)],
+                ids=["recompute", "swap", "recompute-depth-1"])
 def clients(request: pytest.FixtureRequest,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clients]:
-    mode, ahead = request.param
-    log_dir: Path = tmp_path_factory.mktemp(f"stack-{mode}-{ahead}")
+    mode, depth = request.param
+    log_dir: Path = tmp_path_factory.mktemp(f"stack-{mode}-{depth}")
     stack = start_stack(
         log_dir,
         executor_args=("--load-format", "dummy", "--num-blocks", str(NUM_BLOCKS)),
         gateway_args=("--preemption-mode", mode, "--max-num-batched-tokens", "64",
-                      "--launch-ahead", str(ahead).lower()),
+                      "--async-depth", str(depth)),
     )
     clients = Clients(stack)
     yield clients

@@ -100,25 +100,24 @@ def tokenizer() -> Tokenizer:
 
 
 def engine(
-    tokenizer: Tokenizer, num_blocks: int, tokens: int = 16, pipeline: str = "ahead"
+    tokenizer: Tokenizer, num_blocks: int, tokens: int = 16, depth: int = 2
 ) -> tuple[Engine, FakeLink]:
-    """An engine on the real allocator core and a fake model. `pipeline`: "pipelined", each
-    Step goes out while the previous Execute is in flight, which lands in the next step, so
-    a test stepping it by hand runs it in one event loop; "ahead" (the default, as in the
-    gateway), also each Execute goes out before the previous one lands; "sequential"."""
+    """An engine on the real allocator core and a fake model. `depth` 2 (the default, as in
+    the gateway): each step is planned, allocated and sent while the previous batch is in
+    flight, which lands in the next step, so a test stepping it by hand runs it in one event
+    loop; 1: each batch lands in its own step."""
     link = FakeLink(CorePool(num_blocks, BLOCK), FakeModel(BLOCK))
     eng = Engine(
         link=link,  # type: ignore[arg-type]
         scheduler=Scheduler(Budget(max_num_seqs=8, max_num_batched_tokens=tokens), BLOCK),
         output=OutputProcessor(tokenizer, frozenset({2}), max_model_len=256),
         on_lost=lambda seqs: None,
-        pipeline=pipeline != "sequential",
-        launch_ahead=pipeline == "ahead",
+        async_depth=depth,
     )
     return eng, link
 
 
-PIPELINE = pytest.mark.parametrize("pipeline", ["ahead", "pipelined", "sequential"])
+DEPTHS = pytest.mark.parametrize("depth", [2, 1])
 
 
 def submit(eng: Engine, rid: str, prompt: list[int], max_tokens: int, n: int = 1) -> Request:
@@ -144,13 +143,13 @@ async def run_until_idle(eng: Engine, max_steps: int = 2000) -> None:
     raise AssertionError("engine never went idle")
 
 
-@PIPELINE
+@DEPTHS
 def test_engine_streams_reference_tokens_and_frees_everything(
-    tokenizer: Tokenizer, pipeline: str
+    tokenizer: Tokenizer, depth: int
 ):
     # 4 requests on 12 blocks of 4 tokens: preemption, then the exact reference outputs,
     # one delta per token, a final LENGTH with usage; all blocks back, nothing held.
-    eng, link = engine(tokenizer, num_blocks=12, pipeline=pipeline)
+    eng, link = engine(tokenizer, num_blocks=12, depth=depth)
     reqs = [submit(eng, f"r{i}", [i + 5] * (6 + i), max_tokens=10) for i in range(4)]
     asyncio.run(run_until_idle(eng))
     assert link.pool.num_preemptions > 0
@@ -164,14 +163,14 @@ def test_engine_streams_reference_tokens_and_frees_everything(
 
 
 @pytest.mark.parametrize("num_cpu_blocks", [0, 16])
-@PIPELINE
+@DEPTHS
 def test_engine_fork_and_swap_preemption_give_reference_outputs(
-    tokenizer: Tokenizer, num_cpu_blocks: int, pipeline: str
+    tokenizer: Tokenizer, num_cpu_blocks: int, depth: int
 ):
     # n=3 next to two plain requests on 8 blocks, swap mode: the children share the prompt
     # (copy-on-write), requests are swapped out (or recomputed without CPU blocks); every
     # completion equals the reference; all blocks back, nothing held.
-    eng, link = engine(tokenizer, num_blocks=8, pipeline=pipeline)
+    eng, link = engine(tokenizer, num_blocks=8, depth=depth)
     eng.scheduler.swap = True
     link.pool = CorePool(8, BLOCK, num_cpu_blocks=num_cpu_blocks)
     reqs = [submit(eng, "n3", [4] * 9, 8, n=3), submit(eng, "a", [6] * 7, 8),
@@ -187,10 +186,10 @@ def test_engine_fork_and_swap_preemption_give_reference_outputs(
     assert link.pool.all_free() and not link.model.held
 
 
-@PIPELINE
-def test_engine_cancellation_aborts_and_releases(tokenizer: Tokenizer, pipeline: str):
+@DEPTHS
+def test_engine_cancellation_aborts_and_releases(tokenizer: Tokenizer, depth: int):
     # A request cancelled mid-stream: aborted at the allocator, released at the executor.
-    eng, link = engine(tokenizer, num_blocks=64, pipeline=pipeline)
+    eng, link = engine(tokenizer, num_blocks=64, depth=depth)
     req = submit(eng, "c", [7] * 9, max_tokens=100)
 
     async def scenario() -> None:
@@ -205,14 +204,14 @@ def test_engine_cancellation_aborts_and_releases(tokenizer: Tokenizer, pipeline:
     assert "c" in link.released
 
 
-@PIPELINE
+@DEPTHS
 def test_engine_preempted_request_is_released_before_readmission(
-    tokenizer: Tokenizer, pipeline: str
+    tokenizer: Tokenizer, depth: int
 ):
     # 6 blocks for two 20-token requests, whole prompts per step: the preempted one is
     # released at the executor before it is created again (the fake refuses a second
     # creation), and both outputs equal the reference.
-    eng, link = engine(tokenizer, num_blocks=6, tokens=64, pipeline=pipeline)
+    eng, link = engine(tokenizer, num_blocks=6, tokens=64, depth=depth)
     reqs = [submit(eng, f"p{i}", [3 + i] * 8, max_tokens=12) for i in range(2)]
     asyncio.run(run_until_idle(eng))
     for req in reqs:
@@ -224,7 +223,7 @@ def test_engine_preempted_request_is_released_before_readmission(
 def test_engine_fails_sequences_of_a_rejected_step(tokenizer: Tokenizer):
     # The executor rejects a step (INVALID_ARGUMENT): that request fails with UNAVAILABLE,
     # its blocks are aborted, the engine keeps serving the next request.
-    eng, link = engine(tokenizer, num_blocks=64, pipeline="sequential")
+    eng, link = engine(tokenizer, num_blocks=64, depth=1)
     req = submit(eng, "bad", [9] * 5, max_tokens=4)
 
     original = link.compute
@@ -273,13 +272,13 @@ CRASHES = {
 
 
 @pytest.mark.parametrize("where", list(CRASHES))
-@PIPELINE
+@DEPTHS
 def test_engine_bug_mid_step_fails_requests_and_leaks_nothing(
-    tokenizer: Tokenizer, where: str, pipeline: str
+    tokenizer: Tokenizer, where: str, depth: int
 ):
     # A gateway bug interrupts a step at `where`: the open requests fail with INTERNAL,
     # every block is back at the allocator and the executor holds nothing.
-    eng, link = engine(tokenizer, num_blocks=64, pipeline=pipeline)
+    eng, link = engine(tokenizer, num_blocks=64, depth=depth)
     link.crash_at, link.crash_when = where, CRASHES[where]
     reqs = [submit(eng, "a", [3] * 5, max_tokens=2), submit(eng, "b", [4] * 11, max_tokens=30),
             submit(eng, "c", [5] * 7, max_tokens=30, n=2)]
@@ -294,14 +293,14 @@ def test_engine_bug_mid_step_fails_requests_and_leaks_nothing(
 
 
 @pytest.mark.parametrize("by", ["stop_string", "stop_token_id"])
-@PIPELINE
+@DEPTHS
 def test_engine_stops_exactly_at_the_stop_string_or_stop_token(
-    tokenizer: Tokenizer, by: str, pipeline: str
+    tokenizer: Tokenizer, by: str, depth: int
 ):
     # The completion ends exactly at the token that completes the stop string (or is the
     # stop token id), reports STOP with its usage, and everything is given back.
     prompt = [9] * 6
-    eng, link = engine(tokenizer, num_blocks=32, pipeline=pipeline)
+    eng, link = engine(tokenizer, num_blocks=32, depth=depth)
     reference = link.model.reference(prompt, 24)
     texts = [tokenizer.decode(reference[: i + 1]) for i in range(len(reference))]
     stop_at = next(
@@ -370,14 +369,14 @@ def test_a_release_the_executor_refuses_waits_for_the_next_execute(tokenizer: To
     assert link.pool.all_free()
 
 
-@PIPELINE
+@DEPTHS
 def test_engine_streams_a_steps_outputs_while_the_next_execute_runs(
-    tokenizer: Tokenizer, pipeline: str
+    tokenizer: Tokenizer, depth: int
 ):
     # Step k's deltas are not in the stream when Execute k+1 starts; they are while it is
     # still computing (after the executor's head start); the last step's go once the
     # engine has nothing else to do. In order, and exactly the reference.
-    eng, link = engine(tokenizer, num_blocks=64, pipeline=pipeline)
+    eng, link = engine(tokenizer, num_blocks=64, depth=depth)
     eng.held.min_to_hold = 1
     req = submit(eng, "o", [5] * 6, max_tokens=4)
     seen_at_start: list[int] = []
@@ -403,7 +402,7 @@ def test_engine_streams_a_steps_outputs_while_the_next_execute_runs(
 
 def test_engine_delivers_a_quiet_steps_outputs_at_once(tokenizer: Tokenizer):
     # Fewer deltas than HeldOutputs.min_to_hold (16): in the stream as the step returns.
-    eng, link = engine(tokenizer, num_blocks=64, tokens=64, pipeline="sequential")
+    eng, link = engine(tokenizer, num_blocks=64, tokens=64, depth=1)
     reqs = [submit(eng, f"q{i}", [5 + i] * 6, max_tokens=4) for i in range(3)]
     asyncio.run(eng.step())
     assert [r.outputs.qsize() for r in reqs] == [1, 1, 1]
@@ -413,7 +412,7 @@ def test_engine_delivers_a_quiet_steps_outputs_at_once(tokenizer: Tokenizer):
 def test_engine_holds_outputs_for_the_hot_path_only(tokenizer: Tokenizer):
     # Held deltas count as work (an idle engine delivers them); they go before a Free or
     # Release is sent, and once a Step takes longer than STEP_HOLD_LIMIT_S.
-    eng, link = engine(tokenizer, num_blocks=64, pipeline="sequential")
+    eng, link = engine(tokenizer, num_blocks=64, depth=1)
     eng.held.min_to_hold = 1
     req = submit(eng, "h", [5] * 6, max_tokens=3)
     queued_at: dict[str, list[int]] = {"free": [], "release": [], "slow_step_return": []}
@@ -457,7 +456,7 @@ def test_engine_holds_outputs_for_the_hot_path_only(tokenizer: Tokenizer):
 def test_engine_delivers_held_outputs_before_any_call_off_the_hot_path(tokenizer: Tokenizer):
     # A Fork, an orphan abort and a lone Release find the held deltas already in their
     # streams; so does an error reported with Engine.fail.
-    eng, link = engine(tokenizer, num_blocks=64, tokens=64, pipeline="sequential")
+    eng, link = engine(tokenizer, num_blocks=64, tokens=64, depth=1)
     eng.held.min_to_hold = 1
     a = submit(eng, "a", [5] * 6, max_tokens=3)
     submit(eng, "p", [7] * 6, max_tokens=3, n=2)
@@ -510,13 +509,13 @@ def test_engine_delivers_held_outputs_before_any_call_off_the_hot_path(tokenizer
     assert second.error.code is grpc.StatusCode.UNAVAILABLE
 
 
-@PIPELINE
+@DEPTHS
 def test_engine_streams_held_outputs_before_a_failed_steps_error(
-    tokenizer: Tokenizer, pipeline: str
+    tokenizer: Tokenizer, depth: int
 ):
     # The allocator rejects Step k+1 while step k's tokens are held: they still reach the
     # client, before the error; nothing leaks.
-    eng, link = engine(tokenizer, num_blocks=64, pipeline=pipeline)
+    eng, link = engine(tokenizer, num_blocks=64, depth=depth)
     eng.held.min_to_hold = 1
     req = submit(eng, "f", [9] * 5, max_tokens=8)
     original = link.step
@@ -540,7 +539,7 @@ def test_engine_streams_held_outputs_before_pausing_for_a_lost_allocator(
 ):
     # The allocator does not answer Step k+1: step k's tokens reach the client before the
     # engine pauses and retries (they do not wait out the outage).
-    eng, link = engine(tokenizer, num_blocks=64, pipeline="sequential")
+    eng, link = engine(tokenizer, num_blocks=64, depth=1)
     eng.held.min_to_hold = 1
     req = submit(eng, "u", [9] * 5, max_tokens=8)
     original = link.step
@@ -568,7 +567,7 @@ def test_engine_streams_held_outputs_before_moving_requests_elsewhere(tokenizer:
     # The executor is lost mid-run: the tokens it computed reach the stream before the
     # requests are handed on (another executor continues after them), whether the loss
     # shows on an Execute or anywhere else (recovery.lose_executor itself).
-    eng, link = engine(tokenizer, num_blocks=64, pipeline="sequential")
+    eng, link = engine(tokenizer, num_blocks=64, depth=1)
     eng.held.min_to_hold = 1
     req = submit(eng, "m", [6] * 5, max_tokens=8)
     handed_on: list[tuple[int, int]] = []
@@ -589,7 +588,7 @@ def test_engine_streams_held_outputs_before_moving_requests_elsewhere(tokenizer:
     assert handed_on == [(1, 2)]
     assert [t for d in drain(req) for t in d.token_ids] == link.model.reference([6] * 5, 2)
 
-    eng2, _ = engine(tokenizer, num_blocks=64, pipeline="sequential")
+    eng2, _ = engine(tokenizer, num_blocks=64, depth=1)
     eng2.held.min_to_hold = 1
     req2 = submit(eng2, "m2", [6] * 5, max_tokens=8)
     asyncio.run(eng2.step())

@@ -38,13 +38,10 @@ def test_an_unknown_preemption_mode_is_refused_by_the_parser(capsys: pytest.Capt
     assert info.value.code == 2 and "--preemption-mode" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("flag", "attr"), [("--pipeline-steps", "pipeline_steps"),
-                                           ("--launch-ahead", "launch_ahead")])
-def test_step_order_flags_are_on_by_default_and_take_only_a_boolean(
-    capsys: pytest.CaptureFixture[str], flag: str, attr: str
-):
-    assert getattr(load_settings([]), attr)
-    assert not getattr(load_settings([flag, "false"]), attr)
-    with pytest.raises(SystemExit) as info:
-        load_settings([flag, "sometimes"])
-    assert info.value.code == 2 and flag in capsys.readouterr().err
+def test_async_depth_is_two_by_default_and_takes_one_or_two(capsys: pytest.CaptureFixture[str]):
+    assert load_settings([]).async_depth == 2
+    assert load_settings(["--async-depth", "1"]).async_depth == 1
+    for wrong in ("3", "0", "deep"):
+        with pytest.raises(SystemExit) as info:
+            load_settings(["--async-depth", wrong])
+        assert info.value.code == 2 and "--async-depth" in capsys.readouterr().err
