@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from allocator_svc.core.events import CacheEvent, EventKind
 from allocator_svc.core.hashing import hash_profile
-from allocator_svc.core.pipeline import Pipelined
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import BlockCopy, Commit, Grant, Request
-from allocator_svc.core.step import Decodes, PreemptionMode, StepItem, StepResult
+from allocator_svc.core.step import Decodes, PreemptionMode, StepCall, StepItem, StepResult
 from common.errors import InvalidArgument
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 
@@ -66,25 +65,25 @@ def commits(msgs: list[pb.Commit]) -> list[Commit]:
     return [Commit(m.request_id, m.num_computed_tokens) for m in msgs]
 
 
-def decodes(msg: pb.StepRequest) -> Decodes:
-    """The compact decode items (first in priority order), as columns."""
-    return Decodes(list(msg.decode_request_ids), list(msg.decode_token_ids))
-
-
-def pipelined(msg: pb.StepRequest) -> Pipelined | None:
-    """The pipelining fields (previous step in flight, late tokens, pending decodes); None
-    when the call has none."""
-    if not (
-        msg.previous_step_in_flight
-        or msg.late_request_ids
-        or msg.late_token_ids
-        or msg.pending_decode_request_ids
-    ):
-        return None
-    return Pipelined(
-        msg.previous_step_in_flight,
-        Decodes(list(msg.late_request_ids), list(msg.late_token_ids)),
-        list(msg.pending_decode_request_ids),
+def step_call(msg: pb.StepRequest) -> StepCall:
+    late = None
+    if msg.late_request_ids or msg.late_token_ids:
+        late = Decodes(list(msg.late_request_ids), list(msg.late_token_ids))
+    return StepCall(
+        pool_id=msg.pool_id,
+        epoch=msg.epoch,
+        lease_id=msg.lease_id or None,
+        items=step_items(msg),
+        mode=preemption_mode(msg.preemption_mode),
+        commits=commits(msg.commits),
+        free_ids=list(msg.free_request_ids),
+        abort_ids=list(msg.abort_request_ids),
+        # The compact decode items (first in priority order), as columns.
+        decodes=Decodes(list(msg.decode_request_ids), list(msg.decode_token_ids)),
+        pending_decode_ids=list(msg.pending_decode_request_ids),
+        late=late,
+        step_id=msg.step_id,
+        commit_through=msg.commit_through_step_id,
     )
 
 

@@ -65,19 +65,7 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
         return pb.DescribePoolResponse(pool=convert.pool_info(self.allocator.pool(request.pool_id)))
 
     async def Step(self, request: pb.StepRequest, context: Ctx) -> pb.StepResponse:
-        result = self.allocator.step(
-            request.pool_id,
-            request.epoch,
-            request.lease_id or None,
-            convert.commits(request.commits),
-            list(request.free_request_ids),
-            list(request.abort_request_ids),
-            convert.step_items(request),
-            convert.preemption_mode(request.preemption_mode),
-            request.commit_previous_step,
-            convert.decodes(request),
-            convert.pipelined(request),
-        )
+        result = self.allocator.step(convert.step_call(request))
         if result.preempted:
             log.info(
                 "requests_preempted",
@@ -96,6 +84,7 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
             convert.commits(request.commits),
             list(request.request_ids),
             request.lease_id or None,
+            request.commit_through_step_id,
         )
         return pb.FreeResponse(num_free_blocks=pool.blocks.num_free)
 

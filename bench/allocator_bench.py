@@ -23,7 +23,7 @@ import grpc
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
 from allocator_svc.core.request import Commit
-from allocator_svc.core.step import Decodes, PreemptionMode, StepItem
+from allocator_svc.core.step import Decodes, StepCall, StepItem
 from bench.common import markdown_table, median, percentile, write_results
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
@@ -32,7 +32,6 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 65536
 PROMPT_LEN = 1024
 SHARED_LEN = 512
-RECOMPUTE = PreemptionMode.RECOMPUTE
 VLLM = {"decode_us_per_request": 5.1, "admit_us": 25 + 64, "lifecycles_per_s": 4500}
 
 
@@ -54,25 +53,23 @@ def decode_step_us(num_running: int, num_steps: int, columns: bool = False) -> l
     allocator, epoch = make_pool()
     lease = allocator.create_lease(3600.0).lease_id
     ids = [f"r{i}" for i in range(num_running)]
-    allocator.step(
-        "bench",
-        epoch,
-        lease,
-        [],
-        [],
-        [],
-        [StepItem(r, 128, list(range(i, i + 128))) for i, r in enumerate(ids)],
-        RECOMPUTE,
-    )
+    allocator.step(StepCall(
+        "bench", epoch, lease,
+        [StepItem(r, 128, list(range(i, i + 128))) for i, r in enumerate(ids)], step_id=1,
+    ))
     samples = []
     for token in range(num_steps):
         start = time.perf_counter()
+        # Each step confirms the one before, as the gateway's do.
+        step_id = token + 2
         if columns:
             decodes = Decodes(list(ids), [token] * num_running)
-            allocator.step("bench", epoch, lease, [], [], [], [], RECOMPUTE, True, decodes)
+            allocator.step(StepCall("bench", epoch, lease, decodes=decodes, step_id=step_id,
+                                    commit_through=step_id - 1))
         else:
             items = [StepItem(r, 1, None, "", [token]) for r in ids]
-            allocator.step("bench", epoch, lease, [], [], [], items, RECOMPUTE, True)
+            allocator.step(StepCall("bench", epoch, lease, items, step_id=step_id,
+                                    commit_through=step_id - 1))
         samples.append((time.perf_counter() - start) * 1e6)
     return samples
 
@@ -89,9 +86,7 @@ def admit_us(repeat: int) -> tuple[list[float], list[float]]:
     """Prefix lookup alone, and admission (lookup + allocation) of a 1,024-token prompt."""
     allocator, epoch = make_pool()
     prompts = shared_prompts(repeat + 1)
-    allocator.step(
-        "bench", epoch, None, [], [], [], [StepItem("warm", PROMPT_LEN, prompts[0])], RECOMPUTE
-    )
+    allocator.step(StepCall("bench", epoch, None, [StepItem("warm", PROMPT_LEN, prompts[0])]))
     allocator.free("bench", epoch, [Commit("warm", PROMPT_LEN)], ["warm"])
     pool = allocator.pools["bench"]
     lookups, admits = [], []
@@ -102,7 +97,7 @@ def admit_us(repeat: int) -> tuple[list[float], list[float]]:
         assert len(hits) * BLOCK_SIZE == SHARED_LEN
         item = StepItem(f"a{i}", PROMPT_LEN, prompt)
         start = time.perf_counter()
-        allocator.step("bench", epoch, None, [], [], [], [item], RECOMPUTE)
+        allocator.step(StepCall("bench", epoch, None, [item]))
         admits.append((time.perf_counter() - start) * 1e6)
         allocator.abort("bench", epoch, [f"a{i}"])
     return lookups, admits
@@ -115,9 +110,7 @@ def lifecycles_per_s(num_requests: int) -> float:
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         rid = f"l{i}"
-        allocator.step(
-            "bench", epoch, None, [], [], [], [StepItem(rid, PROMPT_LEN, prompt)], RECOMPUTE
-        )
+        allocator.step(StepCall("bench", epoch, None, [StepItem(rid, PROMPT_LEN, prompt)]))
         allocator.free("bench", epoch, [Commit(rid, PROMPT_LEN)], [rid])
     return num_requests / (time.perf_counter() - start)
 
@@ -177,6 +170,7 @@ def _grpc_steps(address: str, num_running: int, num_steps: int) -> list[float]:
                 pb.StepItem(request_id=r, prompt_token_ids=list(range(i, i + 128)), num_tokens=128)
                 for i, r in enumerate(ids)
             ],
+            step_id=1,
         )
     )
     samples = []
@@ -185,7 +179,8 @@ def _grpc_steps(address: str, num_running: int, num_steps: int) -> list[float]:
             pool_id="bench",
             epoch=pool.epoch,
             lease_id=lease_id,
-            commit_previous_step=True,
+            step_id=token + 2,
+            commit_through_step_id=token + 1,
             decode_request_ids=ids,
             decode_token_ids=[token] * len(ids),
             compact_grants=True,  # as the gateway sends it

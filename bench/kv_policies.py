@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
-from allocator_svc.core.step import PreemptionMode, StepItem
+from allocator_svc.core.step import StepCall, StepItem
 
 
 @dataclass(slots=True, eq=False)
@@ -105,9 +105,7 @@ class PagedPolicy:
             items.append(StepItem(request.request_id, known, [0] * known))
         if not items:
             return StepOutcome()
-        result = self.allocator.step(
-            "sim", self.pool.epoch, None, [], [], [], items, PreemptionMode.RECOMPUTE
-        )
+        result = self.allocator.step(StepCall("sim", self.pool.epoch, None, items))
         outcome = StepOutcome()
         deferred = set(result.deferred)
         outcome.admitted = [r for r in waiting if r.request_id not in deferred]

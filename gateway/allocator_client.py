@@ -168,14 +168,14 @@ class AllocatorClient:
             preemption_mode=(
                 pb.PREEMPTION_MODE_SWAP if call.swap else pb.PREEMPTION_MODE_RECOMPUTE
             ),
-            commit_previous_step=call.commit_previous_step,
             decode_request_ids=call.decode_request_ids,
             decode_token_ids=call.decode_token_ids,
             compact_grants=True,
-            previous_step_in_flight=call.previous_step_in_flight,
             pending_decode_request_ids=call.pending_decode_request_ids,
             late_request_ids=call.late_request_ids,
             late_token_ids=call.late_token_ids,
+            step_id=call.step_id,
+            commit_through_step_id=call.commit_through_step_id,
         )
         # NOTE: Step is not idempotent; past the deadline its outcome is unknown (recovery.py).
         with translated():
@@ -190,6 +190,7 @@ class AllocatorClient:
         commits: Sequence[Commit],
         request_ids: Sequence[str],
         lease_id: str,
+        commit_through_step_id: int = 0,
     ) -> None:
         with translated():
             await self.stub.Free(
@@ -199,6 +200,7 @@ class AllocatorClient:
                     commits=_commits(commits),
                     request_ids=request_ids,
                     lease_id=lease_id,
+                    commit_through_step_id=commit_through_step_id,
                 ),
                 metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
                 timeout=self.timeout_s,

@@ -25,19 +25,18 @@ class Pending:
     free_ids: list[str] = field(default_factory=list)
     abort_ids: list[str] = field(default_factory=list)
     release_ids: list[str] = field(default_factory=list)
-    # The last step's computed counts, not yet committed: the next Step commits them all
-    # with one flag (commit_previous_step); an idle engine sends them as explicit commits.
-    # At depth 2, a batch's counts are recorded when it is advanced, before it returns;
-    # the next Step is planned only once it has landed, and a failed batch's sequences are
-    # failed, recomputed or evicted (which drops their counts) before then.
-    executed: dict[str, int] = field(default_factory=dict)
-    # The executor rejected a batch (or a call carrying this housekeeping was refused): the
-    # next Step confirms nothing with commit_previous_step, which would cover the rejected
-    # batch's grants too; its counts go as explicit commits.
-    batch_rejected: bool = False
+    # The newest step whose batch executed (landed with its tokens): every Step, and an idle
+    # engine's Free, says "commit every step up to it" (idempotent). A failed batch's steps
+    # are covered by a later one too: its sequences are failed, recomputed or evicted, which
+    # aborts them at the allocator first, and an aborted request is never committed.
+    executed_through: int = 0
+    sent_through: int = 0  # the newest executed_through an allocator call has carried
 
     def has_allocator_work(self) -> bool:
-        return bool(self.commits or self.free_ids or self.abort_ids or self.executed)
+        return bool(
+            self.commits or self.free_ids or self.abort_ids
+            or self.executed_through > self.sent_through
+        )
 
 
 @dataclass(slots=True)
@@ -46,7 +45,6 @@ class ScheduledStep:
 
     call: StepCall
     seqs: dict[str, Sequence]
-    executed: dict[str, int] = field(default_factory=dict)  # what commit_previous_step covers
     late: list[Sequence] = field(default_factory=list)  # whose late token the call carries
 
 
@@ -59,6 +57,7 @@ class Batch:
 
     call: ExecuteCall
     scheduled: list[tuple[Sequence, int]]
+    step_id: int = 0  # the Step that granted it
     num_decodes: int = 0
     # Swapped out by this step: their KV reaches the CPU blocks only with this Execute.
     swapped_out: list[Sequence] = field(default_factory=list)

@@ -75,9 +75,11 @@ class PoolLink:
             timeout *= 2
         return await self.executor.execute(call, timeout, step_id, previous_step_id)
 
-    async def free(self, commits: Sequence[Commit], request_ids: Sequence[str]) -> None:
+    async def free(
+        self, commits: Sequence[Commit], request_ids: Sequence[str], commit_through_step_id: int
+    ) -> None:
         await self.allocator.free(self.pool_id, self.epoch, commits, request_ids,
-                                  self.lease.lease_id)
+                                  self.lease.lease_id, commit_through_step_id)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         await self.allocator.abort(self.pool_id, self.epoch, request_ids, self.lease.lease_id)

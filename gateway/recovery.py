@@ -8,7 +8,7 @@ The failures are call_failures' outcomes, as the clients report them.
   (orphans.py); the engine reconnects in the background and re-registers its pool (a
   restarted executor resets it);
 - the executor rejects a step: that step's sequences fail, and the ones its Step swapped out
-  (their KV never reached the CPU); the next Step confirms nothing executed; the engine keeps
+  (their KV never reached the CPU); its step is never confirmed executed; the engine keeps
   serving. A step launched ahead on it (use_sampled_token) is rejected too when it names
   those sequences; its other sequences start over (recompute), and the step after it waits
   for it to land;
@@ -91,18 +91,14 @@ async def abort_orphans(engine: EngineState) -> bool:
 
 
 def restore_housekeeping(engine: EngineState, plan: ScheduledStep) -> None:
-    """The call was rejected, so nothing was applied: its commits, frees and aborts ride on
-    the next one."""
+    """The call was refused, so nothing was applied: its commits, frees and aborts ride on
+    the next one, and so does its commit_through_step_id (idempotent)."""
     pending = engine.scheduler.pending
-    for request_id, num_computed in plan.executed.items():
-        pending.commits.setdefault(request_id, num_computed)
     for commit in plan.call.commits:
         pending.commits.setdefault(commit.request_id, commit.num_computed_tokens)
     pending.free_ids[:0] = plan.call.free_request_ids
     pending.abort_ids[:0] = plan.call.abort_request_ids
-    # What the plan knew about unconfirmed batches holds for the next one, which confirms
-    # nothing with commit_previous_step (explicit commits are always safe).
-    pending.batch_rejected = True
+    pending.sent_through = 0
 
 
 def execute_failed(
@@ -116,10 +112,9 @@ def execute_failed(
     if isinstance(exc, Lost):
         lose_executor(engine)
         return
-    # The executor refused this step: nothing it wrote may be cached (the commit rule), so
-    # the next Step confirms nothing with commit_previous_step (explicit commits instead).
-    # Its sequences fail, and so do the ones it swapped out: their KV never reached the CPU.
-    engine.scheduler.pending.batch_rejected = True
+    # The executor refused this step: nothing it wrote may be cached (the commit rule). Its
+    # step is never marked executed; its sequences fail (aborted: a later step committed
+    # through it skips them), and so do the ones it swapped out: their KV never reached the CPU.
     error = Unavailable(f"executor {engine.pool_id} rejected a step ({exc.status})")
     recomputed: set[Sequence] = set()
     if after_failure:

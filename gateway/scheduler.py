@@ -58,7 +58,10 @@ class Scheduler:
     swapped: list[Sequence] = field(default_factory=list)
     pending: Pending = field(default_factory=Pending)
     num_preemptions: int = 0
-    num_advanced: int = 0  # batches advanced and not landed: their stand-ins are out
+    num_advanced: int = 0  # batches advanced and not landed: their placeholders are out
+    # The next Step's number. Per engine, so per pool and lease at the allocator, which wants
+    # them increasing: it never starts over (a new lease takes any increasing numbers).
+    next_step_id: int = 1
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         seq.status = SeqStatus.WAITING
@@ -154,35 +157,31 @@ class Scheduler:
         has_items = bool(decode_ids or pending_ids or items)
         if not has_items and not pending.has_allocator_work():
             return None
-        commit_previous = has_items and bool(pending.executed) and not pending.batch_rejected
-        if not commit_previous:
-            for request_id, num_computed in pending.executed.items():
-                pending.commits.setdefault(request_id, num_computed)
+        step_id = 0
+        if has_items:
+            step_id = self.next_step_id
+            self.next_step_id += 1
         call = StepCall(
             commits=tuple(Commit(k, v) for k, v in pending.commits.items()),
             free_request_ids=tuple(pending.free_ids),
             abort_request_ids=tuple(pending.abort_ids),
             items=tuple(items),
             swap=self.swap,
-            commit_previous_step=commit_previous,
             decode_request_ids=tuple(decode_ids),
             decode_token_ids=tuple(decode_tokens),
-            previous_step_in_flight=in_flight and has_items,
             pending_decode_request_ids=tuple(pending_ids),
             late_request_ids=tuple(s.seq_id for s in late) if has_items else (),
             late_token_ids=(
                 tuple(s.token_at(s.num_allocator_tokens) for s in late) if has_items else ()
             ),
+            step_id=step_id,
+            commit_through_step_id=pending.executed_through,
         )
-        executed = dict(pending.executed) if commit_previous else {}
-        pending.executed.clear()
-        if has_items:  # a Step: the allocator drops what it does not commit (a Free keeps it)
-            pending.batch_rejected = False
+        pending.sent_through = pending.executed_through
         pending.commits.clear()
         pending.free_ids.clear()
         pending.abort_ids.clear()
-        return ScheduledStep(call=call, seqs=seqs, executed=executed,
-                             late=late if has_items else [])
+        return ScheduledStep(call=call, seqs=seqs, late=late if has_items else [])
 
     def apply_outcome(self, step: ScheduledStep, outcome: StepOutcome) -> Batch:
         """Apply the allocator's grants, preemptions and deferrals; build the Execute call."""
@@ -279,7 +278,8 @@ class Scheduler:
         )
         self.pending.release_ids.clear()
         return Batch(call=call, scheduled=[*decodes.scheduled, *scheduled],
-                     num_decodes=len(decodes.scheduled), swapped_out=swapped_out)
+                     step_id=step.call.step_id, num_decodes=len(decodes.scheduled),
+                     swapped_out=swapped_out)
 
     def _apply_preemptions(self, step: ScheduledStep, outcome: StepOutcome) -> list[Sequence]:
         """Move the preempted sequences; returns the ones swapped out."""
@@ -334,7 +334,6 @@ class Scheduler:
         """The batch's computed counts, as if it had returned, with a placeholder for each
         token it samples (`fill` puts the values in). This also lands it: the next batch is
         built on top of it. A sequence finished while it executed is left alone."""
-        executed = self.pending.executed
         stand_ins: list[tuple[Sequence, int]] = []
         num_decodes, works = batch.num_decodes, batch.call.seqs
         for row, (seq, num) in enumerate(batch.scheduled):
@@ -343,7 +342,6 @@ class Scheduler:
             if seq.status is SeqStatus.FINISHED:
                 continue
             seq.num_computed_tokens += num
-            executed[seq.seq_id] = seq.num_computed_tokens
             if row < num_decodes or works[row - num_decodes].sample:
                 assert not seq.num_placeholders, f"{seq.seq_id}: a second placeholder"
                 seq.num_placeholders = 1
@@ -358,6 +356,8 @@ class Scheduler:
         self.num_advanced -= 1
         decoded, num_decodes = result.decode_token_ids, batch.num_decodes
         tokens = {t.request_id: t.token_id for t in result.tokens} if result.tokens else {}
+        # It executed: the allocator may commit what its Step (and every one before) granted.
+        self.pending.executed_through = max(self.pending.executed_through, batch.step_id)
         sampled: list[tuple[Sequence, int]] = []
         for seq, row in batch.stand_ins:
             token = decoded[row] if row < num_decodes else tokens[seq.seq_id]
@@ -415,7 +415,6 @@ class Scheduler:
             return
         seq.status = SeqStatus.FINISHED
         self.pending.commits.pop(seq.seq_id, None)
-        self.pending.executed.pop(seq.seq_id, None)
         if seq.known_to_allocator:
             self.pending.abort_ids.append(seq.seq_id)
             seq.known_to_allocator = False
@@ -426,7 +425,6 @@ class Scheduler:
         queued for it may reach the allocator (it would name an unknown request)."""
         pending = self.pending
         pending.commits.pop(seq.seq_id, None)
-        pending.executed.pop(seq.seq_id, None)
         for ids in (pending.free_ids, pending.abort_ids):
             if seq.seq_id in ids:
                 ids.remove(seq.seq_id)
@@ -436,7 +434,6 @@ class Scheduler:
         what it holds (nothing is committed), the executor releases it."""
         pending = self.pending
         pending.commits.pop(seq.seq_id, None)
-        pending.executed.pop(seq.seq_id, None)
         if seq.known_to_allocator:
             pending.abort_ids.append(seq.seq_id)
         self.release(seq)

@@ -49,8 +49,9 @@ async def flush_housekeeping(engine: EngineState, plan: ScheduledStep) -> None:
     """An idle engine: frees, commits and aborts go out without a step."""
     call = plan.call
     try:
-        if call.commits or call.free_request_ids:
-            await engine.link.free(call.commits, call.free_request_ids)
+        if call.commits or call.free_request_ids or call.commit_through_step_id:
+            await engine.link.free(call.commits, call.free_request_ids,
+                                   call.commit_through_step_id)
         if call.abort_request_ids:
             await engine.link.abort(call.abort_request_ids)
     except CallFailed as exc:

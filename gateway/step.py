@@ -56,19 +56,21 @@ class StepCall:
     abort_request_ids: tuple[str, ...]
     items: tuple[StepItem, ...]  # after the decodes in priority order
     swap: bool = False
-    commit_previous_step: bool = False
     # Running sequences that decode, first in priority order, in the allocator's compact
     # form: row i appends decode_token_ids[i] to request decode_request_ids[i] and schedules
     # that one token (no StepItem per decoding sequence on the hot path).
     decode_request_ids: tuple[str, ...] = ()
     decode_token_ids: tuple[int, ...] = ()
-    # Pipelined (sent while the previous step's batch executes): that batch is in flight;
-    # these sequences decode the token it is sampling for them (after the decodes in
-    # priority order), and these are the values of tokens such decodes were granted before.
-    previous_step_in_flight: bool = False
+    # Sent while the previous step's batch executes (depth 2): these sequences decode the
+    # token it is sampling for them (after the decodes in priority order), and these are the
+    # values of tokens such decodes were granted before.
     pending_decode_request_ids: tuple[str, ...] = ()
     late_request_ids: tuple[str, ...] = ()
     late_token_ids: tuple[int, ...] = ()
+    # This Step's number (increasing per engine; 0: housekeeping, not a step), and the newest
+    # step whose batch executed: the allocator commits what the steps up to it granted.
+    step_id: int = 0
+    commit_through_step_id: int = 0
 
     def has_items(self) -> bool:
         return bool(self.decode_request_ids or self.pending_decode_request_ids or self.items)

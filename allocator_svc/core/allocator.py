@@ -14,10 +14,10 @@ from itertools import chain
 
 from allocator_svc.core.leases import Lease, LeaseTable
 from allocator_svc.core.limits import Limits
-from allocator_svc.core.pipeline import Pipelined, check_pipelined, scheduled_ids
+from allocator_svc.core.pipeline import check_pending, scheduled_ids
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import BlockCopy, Commit, Request
-from allocator_svc.core.step import Decodes, PreemptionMode, StepItem, StepResult, run_step
+from allocator_svc.core.step import StepCall, StepResult, run_step
 from allocator_svc.core.validation import (
     check_commits,
     check_decodes,
@@ -87,43 +87,25 @@ class Allocator:
         return pool
 
     # The hot path.
-    def step(
-        self,
-        pool_id: str,
-        epoch: int,
-        lease_id: str | None,
-        commits: list[Commit],
-        free_ids: list[str],
-        abort_ids: list[str],
-        items: list[StepItem],
-        mode: PreemptionMode,
-        commit_previous: bool = False,
-        decodes: Decodes | None = None,
-        pipeline: Pipelined | None = None,
-    ) -> StepResult:
-        """One scheduling step. `commit_previous`: this lease's previous step was executed, so
-        commit every request it scheduled (the compact form of a Commit per request).
-        `decodes` come first in priority order, then `pipeline`'s pending decodes, then
-        `items`."""
-        pool = self.pools.get(pool_id)
-        if pool is None or pool.epoch != epoch:
-            pool = self.pool(pool_id, epoch)  # raises, with the message
-        # Either column non-empty: they are checked (aligned, known ids, valid tokens).
-        num_decodes = (
-            len(decodes.request_ids) or len(decodes.token_ids) if decodes is not None else 0
-        )
-        num_items = len(items) + num_decodes
-        if pipeline is not None:
-            if pipeline:
-                num_items += len(pipeline.pending_decode_ids)
-            else:
-                pipeline = None
-        if not (num_items or commits or free_ids or abort_ids or pipeline is not None):
+    def step(self, call: StepCall) -> StepResult:
+        """One scheduling step (StepCall says in which order its parts apply)."""
+        pool = self.pools.get(call.pool_id)
+        if pool is None or pool.epoch != call.epoch:
+            pool = self.pool(call.pool_id, call.epoch)  # raises, with the message
+        items, decodes, lease_id = call.items, call.decodes, call.lease_id
+        commits, free_ids, abort_ids = call.commits, call.free_ids, call.abort_ids
+        num_decodes = call.num_decodes
+        num_items = len(items) + num_decodes + len(call.pending_decode_ids)
+        late = call.late is not None and bool(call.late.request_ids or call.late.token_ids)
+        if not (num_items or commits or free_ids or abort_ids or late or call.commit_through):
             raise InvalidArgument("empty step: send at least one item, commit, free or abort")
         if num_items > self.limits.max_batch_items:
             raise InvalidArgument(
                 f"{num_items} items exceed the maximum batch of {self.limits.max_batch_items}"
             )
+        scheduled = pool.scheduled
+        if call.step_id or call.commit_through:
+            scheduled.check(lease_id, call.step_id, call.commit_through)
         if lease_id is not None:
             self._live_lease(lease_id)
             # Every request named must be this lease's (new ones are admitted into it; the
@@ -147,32 +129,28 @@ class Allocator:
             if decodes is not None and num_decodes
             else []
         )
-        in_flight = False
-        if pipeline is not None:
-            late_requests, decodes, decode_requests = check_pipelined(
-                pool, pipeline, decodes, decode_requests, items, released, lease_id
+        if late or call.pending_decode_ids:
+            late_requests, decodes, decode_requests = check_pending(
+                pool, call, decode_requests, released
             )
             if late_requests:
-                pool.fill_pending(late_requests, pipeline.late.token_ids)
-            in_flight = pipeline.previous_in_flight
+                assert call.late is not None
+                pool.fill_pending(late_requests, call.late.token_ids)
         elif pool.pending and (num_decodes or items):
             check_not_pending(pool, scheduled_ids(decodes, items), released)
-        scheduled = pool.scheduled
-        if in_flight or scheduled.executing or abort_ids:
-            scheduled.advance(pool, lease_id, commit_previous, in_flight, frozenset(abort_ids))
-        elif commit_previous:  # the common step: commit what the previous one granted
-            latest = scheduled.latest.pop(lease_id, None)
-            if latest:
-                pool.commit_current(latest)
-        # (Otherwise there is nothing to commit, and run_step replaces the latest step.)
+        # Validated: from here on the call is applied.
+        if call.commit_through:
+            scheduled.commit_through(pool, lease_id, call.commit_through, frozenset(abort_ids))
         for commit in commits:
             pool.commit(pool.requests[commit.request_id], commit.num_computed)
         if released:
             for request_id in (*free_ids, *abort_ids):
                 pool.free(pool.requests[request_id])
-        result = run_step(pool, items, mode, lease_id, decodes, decode_requests)
-        if pipeline is not None and pipeline.pending_decode_ids:
-            granted = pipeline.pending_decode_ids
+        result = run_step(
+            pool, items, call.mode, lease_id, decodes, decode_requests, call.step_id
+        )
+        if call.pending_decode_ids:
+            granted = call.pending_decode_ids
             if result.preempted:
                 preempted = {p.request_id for p in result.preempted}
                 granted = [i for i in granted if i not in preempted]
@@ -187,11 +165,15 @@ class Allocator:
         commits: list[Commit],
         request_ids: list[str],
         lease_id: str | None = None,
+        commit_through: int = 0,
     ) -> Pool:
         pool = self.pool(pool_id, epoch)
         self._check_owner(pool, chain(request_ids, (c.request_id for c in commits)), lease_id)
         check_releases(pool, request_ids, [])
         check_commits(pool, commits)
+        if commit_through:
+            pool.scheduled.check(lease_id, 0, commit_through)
+            pool.scheduled.commit_through(pool, lease_id, commit_through)
         for commit in commits:
             pool.commit(pool.requests[commit.request_id], commit.num_computed)
         for request_id in request_ids:

@@ -181,33 +181,10 @@ class Pool:
         hashes.extend(new_hashes)
 
 
-    def commit_current(self, requests: list[Request]) -> None:
-        """Commit each of a step's requests at its current count (nothing was granted since).
-        Most decode steps fill no block; in one of every block_size steps each request fills one,
-        and those are hashed and cached together, as one event run. The hot path of a step: the
-        loop of `commit_run` without the counts."""
-        if self.pending:  # no count may reach a pending token: commit_run clamps them
-            self.commit_run(requests, [r.num_computed for r in requests])
-            return
-        live, bs = self.requests, self.block_size
-        filled: list[Request] = []
-        tokens: list[int] = []
-        for request in requests:
-            if live.get(request.request_id) is not request:
-                continue  # freed or preempted since
-            have, num_full = len(request.block_hashes), request.num_computed // bs
-            if num_full == have:  # no block filled up: nothing to hash (most decode steps)
-                request.num_committed = request.num_computed
-            elif self._one_block_filled(request, request.num_computed, have, num_full):
-                filled.append(request)
-                tokens.extend(request.token_ids[have * bs : num_full * bs])
-        if filled:
-            self._cache_one_block_each(filled, tokens)
-
-
     def commit_run(self, requests: list[Request], counts: Iterable[int]) -> None:
-        """Commit each of a step's requests at the count it was granted then (a pipelined step,
-        confirmed executed one call later)."""
+        """Commit each of a step's requests at the count it was granted then. Most decode
+        steps fill no block; in one of every block_size steps each request fills one, and those
+        are hashed and cached together, as one event run."""
         live, bs, pending = self.requests, self.block_size, self.pending
         filled: list[Request] = []
         tokens: list[int] = []

@@ -1,73 +1,91 @@
 """The commit rule's bookkeeping: a full block enters the prefix cache only once the executor
-has written its KV. The gateway confirms a whole step with one flag (commit_previous_step),
-so what each step granted is kept per lease until a call commits or drops it.
+has written its KV. A caller numbers its Steps (`step_id`, increasing per lease and pool) and
+says which have executed: "every step up to N" (`commit_through_step_id`). Until then, what
+each numbered step granted is kept here, per lease, with each request's count at that step.
 
-Not pipelined, a Step commits what the previous Step granted, at the requests' current
-counts (nothing was granted since). Pipelined (previous_step_in_flight), the previous step is
-still executing: its grants are kept with each request's count at that point, and the next
-Step commits them, once the gateway has seen that batch return. The pool does the committing
-(Pool.commit_current, Pool.commit_run).
+Committing through N commits every kept step up to N, oldest first, at the counts it granted;
+an id already committed is nothing to do, so resending it is harmless. A step whose batch
+failed is covered by a later N too: the caller aborts its requests before (or in the same
+call), and an aborted or freed request is never committed. An unnumbered step (0) keeps
+nothing: its caller commits with explicit commits. The pool does the committing
+(Pool.commit_run).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 from allocator_svc.core.request import Request
+from common.errors import InvalidArgument
+
+# Steps kept per lease at most: a caller that never commits loses prefix caching for the
+# oldest (never correctness: a block not cached is always safe), not memory. A gateway keeps
+# two outstanding.
+MAX_KEPT_STEPS = 16
 
 
 class Committer(Protocol):
     """The pool, as far as committing a step's requests goes."""
 
-    def commit_current(self, requests: list[Request]) -> None: ...
-
     def commit_run(self, requests: list[Request], counts: Iterable[int]) -> None: ...
 
 
 class ScheduledSteps:
-    """Per lease (None: no lease): the requests its latest Step granted tokens, and in a
-    pipeline the Step before it, with the counts it granted them. Two leases may step the
-    same pool."""
+    """Per lease (None: no lease): its numbered steps not yet committed, oldest first, and
+    the newest id it has sent. Two leases may step the same pool."""
 
-    __slots__ = ("latest", "executing")
+    __slots__ = ("kept", "newest")
 
     def __init__(self) -> None:
-        self.latest: dict[str | None, list[Request]] = {}
-        self.executing: dict[str | None, tuple[list[Request], list[int]]] = {}
+        self.kept: dict[str | None, deque[tuple[int, list[Request], list[int]]]] = {}
+        self.newest: dict[str | None, int] = {}
 
-    def record(self, lease_id: str | None, requests: list[Request]) -> None:
-        self.latest[lease_id] = requests
+    def check(self, lease_id: str | None, step_id: int, commit_through: int) -> None:
+        """A numbered step must be newer than the lease's last; the steps committed must have
+        been sent. Nothing is changed."""
+        newest = self.newest.get(lease_id, 0)
+        if step_id and step_id <= newest:
+            raise InvalidArgument(
+                f"step_id {step_id} is not newer than this lease's last step {newest}: "
+                "number each Step anew, increasing"
+            )
+        if commit_through > max(newest, step_id - 1 if step_id else 0):
+            raise InvalidArgument(
+                f"commit_through_step_id {commit_through} names a step not sent yet (the "
+                f"newest is {newest}): commit only steps whose batches executed"
+            )
 
-    def forget(self, lease_id: str | None) -> None:
-        self.latest.pop(lease_id, None)
-        self.executing.pop(lease_id, None)
+    def record(self, lease_id: str | None, step_id: int, requests: list[Request]) -> None:
+        """What step `step_id` granted: each request at its count now. 0: nothing kept."""
+        if not step_id:
+            return
+        self.newest[lease_id] = step_id
+        kept = self.kept.setdefault(lease_id, deque())
+        kept.append((step_id, requests, [r.num_computed for r in requests]))
+        if len(kept) > MAX_KEPT_STEPS:
+            kept.popleft()  # never committed: its blocks stay out of the prefix cache
 
-    def advance(
+    def commit_through(
         self,
         pool: Committer,
         lease_id: str | None,
-        commit_previous: bool,
-        previous_in_flight: bool,
+        step_id: int,
         aborted: AbstractSet[str] = frozenset(),
     ) -> None:
-        """Before a Step: commit the steps it confirms executed (commit_previous), drop the
-        rest; with the previous step in flight, keep that one for the next call. A request
-        the same call aborts is never committed (an abort commits nothing)."""
-        latest = self.latest.pop(lease_id, None)
-        executing = self.executing.pop(lease_id, None) if self.executing else None
-        if aborted and commit_previous:
-            if latest:
-                latest = [r for r in latest if r.request_id not in aborted]
-            if executing is not None:
-                kept = [(r, c) for r, c in zip(*executing, strict=True)
-                        if r.request_id not in aborted]
-                executing = ([r for r, _ in kept], [c for _, c in kept])
-        if commit_previous and executing is not None:
-            pool.commit_run(*executing)
-        if previous_in_flight:
-            if latest:
-                self.executing[lease_id] = (latest, [r.num_computed for r in latest])
-        elif commit_previous and latest:
-            pool.commit_current(latest)
+        """Commit every kept step of the lease up to `step_id`, oldest first, but for the
+        requests in `aborted` (an abort commits nothing)."""
+        kept = self.kept.get(lease_id)
+        while kept and kept[0][0] <= step_id:
+            _, requests, counts = kept.popleft()
+            if aborted:
+                pairs = [(r, c) for r, c in zip(requests, counts, strict=True)
+                         if r.request_id not in aborted]
+                requests, counts = [r for r, _ in pairs], [c for _, c in pairs]
+            pool.commit_run(requests, counts)
+
+    def forget(self, lease_id: str | None) -> None:
+        self.kept.pop(lease_id, None)
+        self.newest.pop(lease_id, None)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from allocator_svc.core.pool import Pool
-from allocator_svc.core.request import PENDING, BlockCopy, Grant, Request
+from allocator_svc.core.request import PENDING, BlockCopy, Commit, Grant, Request
 
 
 class PreemptionMode(Enum):
@@ -50,6 +50,37 @@ class Decodes:
             StepItem(r, 1, None, "", [t])
             for r, t in zip(self.request_ids, self.token_ids, strict=True)
         ]
+
+
+@dataclass(slots=True)
+class StepCall:
+    """One Step: everything a caller asks of one pool in one scheduling step.
+
+    Applied in this order: late token values, commits through `commit_through` (its lease's
+    numbered steps), `commits`, frees, aborts; then scheduling in priority order: `decodes`,
+    `pending_decode_ids`, `items`."""
+
+    pool_id: str
+    epoch: int
+    lease_id: str | None = None
+    items: list[StepItem] = field(default_factory=list)
+    mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    commits: list[Commit] = field(default_factory=list)
+    free_ids: list[str] = field(default_factory=list)
+    abort_ids: list[str] = field(default_factory=list)
+    decodes: Decodes | None = None
+    # Running requests computing one more token whose value the batch in flight is sampling:
+    # it is pending until a later call brings it in `late` (pipeline.py).
+    pending_decode_ids: list[str] = field(default_factory=list)
+    late: Decodes | None = None
+    step_id: int = 0  # increasing per lease; 0: nothing kept for commit_through
+    commit_through: int = 0  # every numbered step up to this one executed
+
+    @property
+    def num_decodes(self) -> int:
+        """Either column non-empty counts (both are checked: aligned, known ids, tokens)."""
+        d = self.decodes
+        return len(d.request_ids) or len(d.token_ids) if d is not None else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,16 +139,18 @@ def run_step(
     lease_id: str | None,
     decodes: Decodes | None = None,
     decode_requests: list[Request] | None = None,
+    step_id: int = 0,
 ) -> StepResult:
     """Schedule `decodes`, then `items` (all validated by the caller; `decode_requests` are
-    the decodes' requests in column order); return what changed."""
+    the decodes' requests in column order); return what changed. What it grants is kept as
+    step `step_id` of the lease, until a call commits it (scheduled_steps.py)."""
     result = StepResult()
     scheduled: list[Request] = []
     if decodes is not None and decode_requests:
         if not _run_plain_decodes(pool, decodes, decode_requests, result):
             items = decodes.as_items() + items
         elif not items:  # the common step: served
-            pool.scheduled.record(lease_id, decode_requests)
+            pool.scheduled.record(lease_id, step_id, decode_requests)
             return result
         else:
             scheduled.extend(decode_requests)
@@ -196,7 +229,7 @@ def run_step(
         result.grants.append(grant)
         if grant.num_scheduled:
             scheduled.append(pool.requests[item.request_id])
-    pool.scheduled.record(lease_id, scheduled)
+    pool.scheduled.record(lease_id, step_id, scheduled)
     return result
 
 

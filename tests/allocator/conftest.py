@@ -15,7 +15,7 @@ import pytest
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import Commit
-from allocator_svc.core.step import PreemptionMode, StepItem, StepResult
+from allocator_svc.core.step import PreemptionMode, StepCall, StepItem, StepResult
 from pagedkv.allocator.v1 import allocator_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -38,16 +38,16 @@ class Harness:
         free: list[str] | None = None,
         abort: list[str] | None = None,
     ) -> StepResult:
-        result = self.allocator.step(
+        result = self.allocator.step(StepCall(
             self.pool.config.pool_id,
             self.pool.epoch,
             self.lease_id,
-            [Commit(k, v) for k, v in (commits or {}).items()],
-            free or [],
-            abort or [],
             items,
             self.mode,
-        )
+            commits=[Commit(k, v) for k, v in (commits or {}).items()],
+            free_ids=free or [],
+            abort_ids=abort or [],
+        ))
         self.allocator.check_invariants()
         return result
 

@@ -26,7 +26,7 @@ from allocator_svc.core.events import EventKind
 from allocator_svc.core.hashing import hash_block
 from allocator_svc.core.pool import PoolConfig
 from allocator_svc.core.request import Commit
-from allocator_svc.core.step import Decodes, PreemptionMode, StepItem
+from allocator_svc.core.step import Decodes, PreemptionMode, StepCall, StepItem
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 12
@@ -62,6 +62,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.requests: dict[str, Mirror] = {}
         self.pending_commits: dict[str, int] = {}
         self.next_id = 0
+        self.step_id = 0
         self.committed_prefixes: dict[str, set[tuple[int, ...]]] = {s: set() for s in SALTS}
         self.observed: dict[bytes, int] = {}  # block hash -> block id, rebuilt from events
         self.cursor = 0
@@ -170,18 +171,20 @@ class AllocatorMachine(RuleBasedStateMachine):
             items = plain + [i for i in items if i.request_id not in plain_ids]  # step's order
         mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
         commits = self._commits()
-        result = self.allocator.step(
+        # Every batch executes before the next Step: it may confirm the previous step by id
+        # (commit_through_step_id) or by one commit per request.
+        self.step_id += 1
+        result = self.allocator.step(StepCall(
             "p",
             self.pool.epoch,
             None,
-            [] if commit_previous else commits,
-            [],
-            [],
             [i for i in items if decodes is None or i.request_id not in decodes.request_ids],
             mode,
-            commit_previous=commit_previous,
+            [] if commit_previous else commits,
             decodes=decodes,
-        )
+            step_id=self.step_id,
+            commit_through=self.step_id - 1 if commit_previous else 0,
+        ))
         self._apply(result, scheduled, items)
 
     @precondition(lambda self: self.requests)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
-from allocator_svc.core.step import Decodes, PreemptionMode, StepItem, StepResult
+from allocator_svc.core.step import Decodes, PreemptionMode, StepCall, StepItem, StepResult
 from common.errors import InvalidArgument, NotFound
 from tests.allocator.conftest import make_harness, new
 
@@ -101,6 +101,7 @@ operation = st.one_of(
 def test_columns_and_items_agree(operations):
     columns, items = _allocator(), _allocator()
     next_id = 0
+    step_id = 0  # both get the same numbered steps
     for op in operations:
         running = sorted(columns[1].requests)
         if op[0] == "admit":
@@ -127,7 +128,9 @@ def test_columns_and_items_agree(operations):
             if not pairs:
                 continue
             mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
-            common = dict(mode=mode, commit_previous=commit_previous,
+            step_id += 1
+            common = dict(mode=mode, step_id=step_id,
+                          commit_through=step_id - 1 if commit_previous else 0,
                           **{"abort_ids" if abort else "free_ids": released})
             as_items = [StepItem(r, 1, None, "", [t]) for r, t in pairs]
             calls = [
@@ -156,19 +159,7 @@ def test_columns_and_items_agree(operations):
         for (allocator, pool, lease), kwargs in calls:
             step_items = kwargs.pop("items", [])
             outcomes.append(
-                _outcome(
-                    allocator.step(
-                        "p",
-                        pool.epoch,
-                        lease,
-                        [],
-                        kwargs.pop("free_ids", []),
-                        kwargs.pop("abort_ids", []),
-                        step_items,
-                        kwargs.pop("mode", PreemptionMode.RECOMPUTE),
-                        **kwargs,
-                    )
-                )
+                _outcome(allocator.step(StepCall("p", pool.epoch, lease, step_items, **kwargs)))
             )
             allocator.check_invariants()
         assert outcomes[0] == outcomes[1]
@@ -182,18 +173,10 @@ def _decode_columns_harness():
 
 
 def _columns(h, ids, tokens, items=(), free=()):
-    return h.allocator.step(
-        "pool-a",
-        h.pool.epoch,
-        None,
-        [],
-        list(free),
-        [],
-        list(items),
-        PreemptionMode.RECOMPUTE,
-        True,
-        Decodes(list(ids), list(tokens)),
-    )
+    return h.allocator.step(StepCall(
+        "pool-a", h.pool.epoch, None, list(items), free_ids=list(free),
+        decodes=Decodes(list(ids), list(tokens)),
+    ))
 
 
 def test_boundary_decodes_in_columns_get_their_block_in_columns():
@@ -266,14 +249,12 @@ def test_a_decode_only_step_checks_its_lease_and_the_batch_limit():
     pool, _ = allocator.register_pool(PoolConfig("p", 8, 2, 0, "m", "i", True))
     lease = allocator.create_lease(5.0).lease_id
     items = [StepItem(r, 2, [1, 2]) for r in ("a", "b")]
-    allocator.step("p", pool.epoch, lease, [], [], [], items, PreemptionMode.RECOMPUTE)
+    allocator.step(StepCall("p", pool.epoch, lease, items))
     before = _state(pool)
 
     def decode(ids: list[str]) -> StepResult:
-        return allocator.step(
-            "p", pool.epoch, lease, [], [], [], [], PreemptionMode.RECOMPUTE, True,
-            Decodes(ids, [3] * len(ids)),
-        )
+        decodes = Decodes(ids, [3] * len(ids))
+        return allocator.step(StepCall("p", pool.epoch, lease, decodes=decodes))
 
     with pytest.raises(InvalidArgument, match="3 items exceed the maximum batch of 2"):
         decode(["a", "b", "c"])

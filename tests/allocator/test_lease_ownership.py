@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from allocator_svc.core.request import Commit
-from allocator_svc.core.step import Decodes, PreemptionMode, StepItem
+from allocator_svc.core.step import Decodes, PreemptionMode, StepCall, StepItem
 from common.errors import NotFound, PermissionDenied
 from tests.allocator.conftest import Harness, decode, make_harness, new
 
@@ -33,11 +33,12 @@ def _state(h: Harness) -> tuple:
 
 
 def _step(h: Harness, lease: str, **kwargs) -> None:
-    h.allocator.step(
-        "pool-a", h.pool.epoch, lease, kwargs.get("commits", []), kwargs.get("free", []),
-        kwargs.get("abort", []), kwargs.get("items", []), PreemptionMode.RECOMPUTE,
-        kwargs.get("commit_previous", False), kwargs.get("decodes"),
-    )
+    h.allocator.step(StepCall(
+        "pool-a", h.pool.epoch, lease, kwargs.get("items", []), PreemptionMode.RECOMPUTE,
+        kwargs.get("commits", []), kwargs.get("free", []), kwargs.get("abort", []),
+        kwargs.get("decodes"), step_id=kwargs.get("step_id", 0),
+        commit_through=kwargs.get("commit_through", 0),
+    ))
 
 
 @pytest.mark.parametrize(
@@ -113,19 +114,20 @@ def test_calls_under_an_unknown_lease_are_not_found():
     assert _state(h) == before
 
 
-def test_commit_previous_step_commits_the_callers_previous_step_only():
-    # Two leases step one pool in turn: each one's commit_previous_step confirms the KV of
-    # its own previous step, never the other's (whose KV may not be written yet).
+def test_commit_through_a_step_id_commits_the_callers_own_steps_only():
+    # Two leases step one pool in turn, with the same step ids: each one's
+    # commit_through_step_id confirms the KV of its own steps, never the other's (whose KV
+    # may not be written yet).
     h = make_harness(num_blocks=8, block_size=4)
     a = h.allocator.create_lease(10.0).lease_id
     b = h.allocator.create_lease(10.0).lease_id
-    _step(h, a, items=[new("a", [1, 2, 3, 4])])
-    _step(h, b, items=[new("b", [5, 6, 7, 8])])
+    _step(h, a, items=[new("a", [1, 2, 3, 4])], step_id=1)
+    _step(h, b, items=[new("b", [5, 6, 7, 8])], step_id=1)
     requests = h.pool.requests
-    _step(h, a, decodes=Decodes(["a"], [9]), commit_previous=True)
+    _step(h, a, decodes=Decodes(["a"], [9]), step_id=2, commit_through=1)
     assert (requests["a"].num_committed, requests["b"].num_committed) == (4, 0)
     assert len(h.pool.blocks.cached) == 1  # a's full block only
-    _step(h, b, decodes=Decodes(["b"], [10]), commit_previous=True)
+    _step(h, b, decodes=Decodes(["b"], [10]), step_id=2, commit_through=1)
     assert (requests["a"].num_committed, requests["b"].num_committed) == (4, 4)
     assert len(h.pool.blocks.cached) == 2
     h.allocator.check_invariants()

@@ -1,6 +1,7 @@
-"""Pipelined steps (StepRequest fields 13-16): pending decodes, late tokens, and the commit
-rule with the previous step in flight. The random sequences are in
-test_pipeline_properties.py; here, each rule and every bad input on its own."""
+"""Steps sent while the previous batch executes: pending decodes, late tokens, and the commit
+rule through explicit step ids (StepRequest step_id, commit_through_step_id). The random
+sequences are in test_pipeline_properties.py; here, each rule and every bad input on its
+own."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ import grpc
 import pytest
 
 from allocator_svc.core.allocator import Allocator, Limits
-from allocator_svc.core.pipeline import Pipelined
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import PENDING, Commit
-from allocator_svc.core.step import Decodes, PreemptionMode, StepItem, StepResult
+from allocator_svc.core.step import Decodes, PreemptionMode, StepCall, StepItem, StepResult
 from common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from tests.allocator.test_service import expect_error, new, register
@@ -20,7 +20,9 @@ BS = 2
 
 
 class Driver:
-    """One pool and one lease; steps as the pipelining gateway sends them."""
+    """One pool and one lease; steps numbered 1, 2, ... as the gateway sends them at depth 2:
+    by default each commits through the step before the previous one (`in_flight`: the
+    previous batch still executes) or through the previous one (not in flight)."""
 
     def __init__(self, num_blocks: int = 10, num_cpu_blocks: int = 0) -> None:
         self.allocator = Allocator(Limits(max_batch_items=8, event_capacity=1 << 10))
@@ -28,6 +30,7 @@ class Driver:
             PoolConfig("p", num_blocks, BS, num_cpu_blocks, "fp", "i", True)
         )[0]
         self.lease = self.allocator.create_lease(3600.0).lease_id
+        self.step_id = 0
 
     def step(
         self,
@@ -36,7 +39,7 @@ class Driver:
         pending: list[str] | None = None,
         late: dict[str, int] | None = None,
         in_flight: bool = True,
-        commit_previous: bool = True,
+        commit_through: int | None = None,
         decodes: Decodes | None = None,
         free: list[str] | None = None,
         abort: list[str] | None = None,
@@ -45,19 +48,25 @@ class Driver:
         swap: bool = False,
     ) -> StepResult:
         late = late or {}
-        result = self.allocator.step(
+        step_id = self.step_id + 1
+        if commit_through is None:
+            commit_through = max(0, step_id - (2 if in_flight else 1))
+        result = self.allocator.step(StepCall(
             "p",
             self.pool.epoch,
             self.lease if lease == "own" else lease,
+            items or [],
+            PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE,
             commits or [],
             free or [],
             abort or [],
-            items or [],
-            PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE,
-            commit_previous,
             decodes,
-            Pipelined(in_flight, Decodes(list(late), list(late.values())), pending or []),
-        )
+            pending or [],
+            Decodes(list(late), list(late.values())),
+            step_id,
+            commit_through,
+        ))
+        self.step_id = step_id  # (a refused call took no number)
         self.allocator.check_invariants()
         return result
 
@@ -104,14 +113,18 @@ def test_a_block_is_cached_only_once_the_step_that_filled_it_has_executed():
     assert [g.num_cached_tokens for g in result.grants if g.request_id == "b"] == [4]
 
 
-def test_without_commit_previous_the_executed_step_is_dropped_and_the_in_flight_one_kept():
+def test_steps_are_committed_only_up_to_the_id_named_and_each_once():
     d = Driver()
     d.step([new("a", [1, 2, 3])], in_flight=False)
     d.step(pending=["a"])
-    d.step(pending=["a"], late={"a": 4}, commit_previous=False)  # step 1's batch failed
-    assert d.cached() == 0
-    d.step(pending=["a"], late={"a": 5})  # step 2 executed: its count, 4, is committed
+    d.step(pending=["a"], late={"a": 4}, commit_through=0)  # nothing confirmed yet
+    assert d.cached() == 0 and d.pool.requests["a"].num_committed == 0
+    d.step(pending=["a"], late={"a": 5})  # through step 2: steps 1 and 2, oldest first
     assert d.cached() == 2 and d.pool.requests["a"].num_committed == 4
+    d.step(pending=["a"], late={"a": 6}, commit_through=2)  # the same id again: nothing
+    assert d.cached() == 2 and d.pool.requests["a"].num_committed == 4
+    d.step(pending=["a"], late={"a": 7}, commit_through=4)  # steps 3 and 4 (counts 5, 6)
+    assert d.pool.requests["a"].num_committed == 6 and d.cached() == 3
 
 
 def test_a_step_out_of_the_pipeline_commits_everything_granted_so_far():
@@ -137,9 +150,9 @@ def test_a_commit_never_reaches_a_pending_token():
     d = Driver()
     d.step([new("a", [1, 2, 3])], in_flight=False)
     d.step(pending=["a"])  # position 3 pending: block 1 would be [3, PENDING]
-    d.step(commits=[Commit("a", 4)], commit_previous=False)  # a client's mistake
+    d.step(commits=[Commit("a", 4)], commit_through=0)  # a client's mistake
     assert d.pool.requests["a"].num_committed == 3 and d.cached() == 1
-    d.step(late={"a": 4}, commits=[Commit("a", 4)], commit_previous=False)
+    d.step(late={"a": 4}, commits=[Commit("a", 4)], commit_through=0)
     assert d.cached() == 2
 
 
@@ -182,6 +195,8 @@ def test_a_pending_request_aborted_and_admitted_again_in_one_step_starts_anew(in
         ({"items": [StepItem("a", 1, None, "", [1])]}, InvalidArgument, "holds a pending"),
         ({"pending": ["b"], "lease": "other"}, PermissionDenied, "belongs to another lease"),
         ({"late": {"a": 4}, "lease": "other"}, PermissionDenied, "belongs to another lease"),
+        ({"pending": ["b"], "commit_through": 3}, InvalidArgument,
+         "commit_through_step_id 3 names a step not sent yet"),
     ],
 )
 def test_bad_pipelining_fields_are_refused_and_change_nothing(kwargs, error, match):
@@ -210,15 +225,14 @@ def test_service_pipelined_step_round_trip_and_bad_input(stub):
     def call(**fields):
         return stub.Step(pb.StepRequest(pool_id=pool.pool_id, epoch=pool.epoch, **fields))
 
-    call(items=[new("a", [1, 2, 3])])
-    response = call(previous_step_in_flight=True, pending_decode_request_ids=["a"],
-                    commit_previous_step=True, compact_grants=True)
+    call(items=[new("a", [1, 2, 3])], step_id=1)
+    response = call(pending_decode_request_ids=["a"], step_id=2, compact_grants=True)
     assert not response.grants and not response.appended_request_ids  # position 3: block 1
-    response = call(previous_step_in_flight=True, pending_decode_request_ids=["a"],
-                    late_request_ids=["a"], late_token_ids=[4], commit_previous_step=True,
+    response = call(pending_decode_request_ids=["a"], late_request_ids=["a"],
+                    late_token_ids=[4], step_id=3, commit_through_step_id=1,
                     compact_grants=True)
     assert list(response.appended_request_ids) == ["a"]  # position 4 starts block 2
-    (grant,) = call(items=[new("b", [1, 2, 3, 4, 9])]).grants
+    (grant,) = call(items=[new("b", [1, 2, 3, 4, 9])], step_id=4).grants
     assert grant.num_cached_tokens == 2  # block 0 only: block 1's step was still in flight
     for code, match, fields in [
         (grpc.StatusCode.INVALID_ARGUMENT, "late_request_ids has 1 entries",
@@ -227,6 +241,10 @@ def test_service_pipelined_step_round_trip_and_bad_input(stub):
          {"decode_request_ids": ["a"], "decode_token_ids": [7]}),
         (grpc.StatusCode.NOT_FOUND, "pending decode for unknown request 'zz'",
          {"pending_decode_request_ids": ["zz"]}),
+        (grpc.StatusCode.INVALID_ARGUMENT, "step_id 4 is not newer than this lease's last step 4",
+         {"items": [new("c", [5])], "step_id": 4}),
+        (grpc.StatusCode.INVALID_ARGUMENT, "commit_through_step_id 9 names a step not sent yet",
+         {"items": [new("c", [5])], "step_id": 5, "commit_through_step_id": 9}),
     ]:
         expect_error(code, lambda f=fields: call(**f), match=match)
     assert stub.GetStats(pb.GetStatsRequest(pool_id=pool.pool_id)).pools[0].num_requests == 2
@@ -264,8 +282,8 @@ def test_a_commit_of_the_latest_step_stops_short_of_a_pending_token():
 
 @pytest.mark.parametrize("in_flight", [True, False])
 def test_a_step_never_commits_a_request_it_aborts(in_flight: bool):
-    # commit_previous_step and an abort of the same request in one call: the abort wins
-    # (an abort commits nothing), whichever of the kept steps the flag covers.
+    # commit_through_step_id and an abort of the same request in one call: the abort wins
+    # (an abort commits nothing), whichever of the kept steps the id covers.
     d = Driver()
     d.step([new("a", [1, 2, 3, 4, 5]), new("b", [7, 8])], in_flight=False)
     if in_flight:
@@ -274,4 +292,4 @@ def test_a_step_never_commits_a_request_it_aborts(in_flight: bool):
            in_flight=False)
     stored = [e.token_ids for e in d.pool.events.after(0, 1 << 10).events if e.token_ids]
     assert [1, 2] not in stored and [3, 4] not in stored
-    assert [7, 8] in stored  # b's block: confirmed by the same flag
+    assert [7, 8] in stored  # b's block: confirmed by the same id

@@ -14,7 +14,8 @@ What must hold, checked against the shadow cache rather than the allocator's own
 - every batch reads back its own tokens through its table before it writes (its swap and
   copy-on-write copies run first, when it executes, not when its Step returns);
 - a batch may fail: nothing of it is applied, its requests are aborted with the next Step,
-  which confirms nothing executed, and none of its blocks is ever served as a prefix hit;
+  and none of its blocks is ever served as a prefix hit, although later Steps commit through
+  its step id (explicit step ids: "every step up to N executed", sent or not at random);
 - the allocator's invariants hold after every step, no placeholder is ever hashed (events
   carry only real tokens), and freeing everything returns every block.
 """
@@ -29,9 +30,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from no_leak import free_all_and_check_no_leak
 
 from allocator_svc.core.allocator import Allocator, Limits
-from allocator_svc.core.pipeline import Pipelined
 from allocator_svc.core.pool import PoolConfig
-from allocator_svc.core.step import Decodes, PreemptionMode, StepItem
+from allocator_svc.core.step import Decodes, PreemptionMode, StepCall, StepItem
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 8
@@ -91,6 +91,9 @@ class PipelineMachine(RuleBasedStateMachine):
         self.in_flight_swapped: set[str] = set()
         self.failed: set[str] = set()
         self.last_batch_failed = False
+        self.step_id = 0  # the last Step's number
+        self.in_flight_step = 0  # the number of the Step whose batch is in flight
+        self.executed_through = 0  # the newest step whose batch executed
         self.next_id = 0
         self.num_pending_granted = 0
 
@@ -112,17 +115,16 @@ class PipelineMachine(RuleBasedStateMachine):
         ),
         data=st.data(),
         swap=st.booleans(),
-        commit_previous=st.booleans(),
+        confirm=st.booleans(),
         chunk=st.integers(1, 4),
     )
-    def step(self, prompts, data, swap, commit_previous, chunk) -> None:
+    def step(self, prompts, data, swap, confirm, chunk) -> None:
         # 1. What the gateway sends while the batch in flight executes. The requests of a
-        # batch that failed are aborted, and nothing is confirmed executed.
+        # batch that failed are aborted; the steps executed so far are confirmed (or not).
         abort_ids = sorted(self.failed & set(self.requests))  # (not freed by a preemption)
         for request_id in abort_ids:
             del self.requests[request_id]
         self.failed.clear()
-        commit_previous = commit_previous and not self.last_batch_failed
         late_ids, late_tokens = [], []
         for request_id, mirror in self.requests.items():
             if mirror.pending:  # sampled by the batch before the one in flight: known now
@@ -148,20 +150,23 @@ class PipelineMachine(RuleBasedStateMachine):
             self.next_id += 1
             self.requests[request_id] = Mirror(salt, list(prompt))
             items.append(StepItem(request_id, num, list(prompt), salt))
-        if not (items or pending_ids or late_ids or free_ids or abort_ids or self.in_flight):
-            return  # nothing to send, nothing executing
-        result = self.allocator.step(
+        commit_through = self.executed_through if confirm else 0
+        if not (items or pending_ids or late_ids or free_ids or abort_ids or commit_through):
+            return  # nothing to send (an empty Step is refused): the batch keeps executing
+        self.step_id += 1
+        result = self.allocator.step(StepCall(
             "p",
             self.pool.epoch,
             self.lease_id,
-            [],
-            free_ids,
-            abort_ids,
             items,
             PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE,
-            commit_previous=commit_previous,
-            pipeline=Pipelined(bool(self.in_flight), Decodes(late_ids, late_tokens), pending_ids),
-        )
+            free_ids=free_ids,
+            abort_ids=abort_ids,
+            pending_decode_ids=pending_ids,
+            late=Decodes(late_ids, late_tokens),
+            step_id=self.step_id,
+            commit_through=commit_through,
+        ))
         for request_id in late_ids:
             mirror = self.requests[request_id]
             mirror.known_to_allocator += 1
@@ -192,6 +197,8 @@ class PipelineMachine(RuleBasedStateMachine):
             self.failed = {w.request_id for w in self.in_flight} | self.in_flight_swapped
             self.failed &= set(self.requests)
             self.in_flight, self.in_flight_ops = [], ([], [], [])
+        else:
+            self.executed_through = self.in_flight_step
         swap_out, swap_in, copies = self.in_flight_ops
         for c in swap_out:
             self.cpu[c.dst_block_id] = list(self.gpu[c.src_block_id])
@@ -258,6 +265,7 @@ class PipelineMachine(RuleBasedStateMachine):
                 sample = mirror.computed == len(mirror.tokens)
                 batch.append(Work(request_id, mirror, start, num, sample, list(mirror.table)))
         self.in_flight = batch
+        self.in_flight_step = self.step_id
 
     @invariant()
     def invariants_hold(self) -> None:

@@ -371,16 +371,18 @@ def test_service_stays_up_with_health_and_reflection(allocator_server, stub):
     channel.close()
 
 
-def test_service_compact_decode_form_and_commit_previous(stub):
-    # decode_request_ids/decode_token_ids mean one decode item each; commit_previous_step
-    # commits what the previous step granted, so a later request hits the committed block.
+def test_service_compact_decode_form_and_commit_through_step_id(stub):
+    # decode_request_ids/decode_token_ids mean one decode item each; commit_through_step_id
+    # commits what the numbered steps up to it granted, so a later request hits the
+    # committed block.
     pool = register(stub)
-    step(stub, pool, [new("a", [1, 2, 3])])
+    step(stub, pool, [new("a", [1, 2, 3])], step_id=1)
     response = stub.Step(
         pb.StepRequest(
             pool_id=pool.pool_id,
             epoch=pool.epoch,
-            commit_previous_step=True,
+            step_id=2,
+            commit_through_step_id=1,
             decode_request_ids=["a"],
             decode_token_ids=[4],
         )
@@ -390,7 +392,8 @@ def test_service_compact_decode_form_and_commit_previous(stub):
         pb.StepRequest(
             pool_id=pool.pool_id,
             epoch=pool.epoch,
-            commit_previous_step=True,
+            step_id=3,
+            commit_through_step_id=2,
             decode_request_ids=["a"],
             decode_token_ids=[5],
         )
@@ -450,7 +453,7 @@ def test_service_decode_entering_a_new_block_travels_in_the_appended_columns(stu
     def decode(request_id, token, compact=True):
         return stub.Step(
             pb.StepRequest(
-                pool_id=pool.pool_id, epoch=pool.epoch, commit_previous_step=True,
+                pool_id=pool.pool_id, epoch=pool.epoch,
                 decode_request_ids=[request_id], decode_token_ids=[token],
                 compact_grants=compact,
             )

@@ -19,7 +19,6 @@ from allocator_svc import convert
 from allocator_svc.core import request as core_request
 from allocator_svc.core import step as core_step
 from allocator_svc.core.allocator import Allocator, Limits
-from allocator_svc.core.pipeline import Pipelined
 from allocator_svc.core.pool import Pool, PoolConfig
 from common.errors import FailedPrecondition, InvalidArgument, ServiceError
 from gateway import allocator_client
@@ -48,14 +47,6 @@ def rpc_error(exc: ServiceError) -> CallFailed:
 
 def _decodes(call: StepCall) -> core_step.Decodes:
     return core_step.Decodes(list(call.decode_request_ids), list(call.decode_token_ids))
-
-
-def _pipelined(call: StepCall) -> Pipelined:
-    return Pipelined(
-        call.previous_step_in_flight,
-        core_step.Decodes(list(call.late_request_ids), list(call.late_token_ids)),
-        list(call.pending_decode_request_ids),
-    )
 
 
 def _items(call: StepCall) -> list[core_step.StepItem]:
@@ -112,19 +103,26 @@ class CorePool:
     def step(self, call: StepCall) -> StepOutcome:
         mode = core_step.PreemptionMode.SWAP if call.swap else core_step.PreemptionMode.RECOMPUTE
         try:
-            result = self.allocator.step(
-                POOL_ID, self.epoch, None, _commits(call.commits),
-                list(call.free_request_ids), list(call.abort_request_ids), _items(call), mode,
-                call.commit_previous_step, _decodes(call), _pipelined(call),
-            )
+            late = None
+            if call.late_request_ids:
+                late = core_step.Decodes(list(call.late_request_ids), list(call.late_token_ids))
+            result = self.allocator.step(core_step.StepCall(
+                POOL_ID, self.epoch, None, _items(call), mode, _commits(call.commits),
+                list(call.free_request_ids), list(call.abort_request_ids), _decodes(call),
+                list(call.pending_decode_request_ids), late, call.step_id,
+                call.commit_through_step_id,
+            ))
         except ServiceError as exc:
             raise rpc_error(exc) from exc
         self.pool.check_invariants()
         return _outcome(result, self.pool.blocks.num_free, self.pool.block_size)
 
-    def free(self, commits: Sequence[Commit], request_ids: Sequence[str]) -> None:
+    def free(
+        self, commits: Sequence[Commit], request_ids: Sequence[str], commit_through_step_id: int
+    ) -> None:
         try:
-            self.allocator.free(POOL_ID, self.epoch, _commits(commits), list(request_ids))
+            self.allocator.free(POOL_ID, self.epoch, _commits(commits), list(request_ids), None,
+                                commit_through_step_id)
         except ServiceError as exc:
             raise rpc_error(exc) from exc
 

@@ -20,7 +20,8 @@ import structlog
 from in_process import FakeModel
 
 from allocator_svc.core.allocator import Allocator, Limits
-from allocator_svc.core.step import PreemptionMode, StepItem
+from allocator_svc.core.step import StepCall as CoreStepCall
+from allocator_svc.core.step import StepItem
 from allocator_svc.service import AllocatorServicer
 from common.interceptor import guard
 from gateway import orphans, recovery
@@ -409,8 +410,8 @@ def test_orphan_aborts_cannot_touch_another_leases_request_with_the_same_id(
             core = r.allocator.allocator
             other = core.create_lease(60.0).lease_id
             pool = core.pools["pool-0"]
-            core.step("pool-0", pool.epoch, other, [], [], [],
-                      [StepItem("shared", 3, [5, 6, 7])], PreemptionMode.RECOMPUTE)
+            core.step(CoreStepCall("pool-0", pool.epoch, other,
+                                   [StepItem("shared", 3, [5, 6, 7])]))
             r.engine.orphan_ids.update({"shared", "ghost"})
             with structlog.testing.capture_logs() as logs:
                 error = await orphans.abort_orphans(r.engine)

@@ -72,8 +72,10 @@ class FakeLink:
         self.released += call.release_request_ids
         return self.model.execute(call)
 
-    async def free(self, commits: tuple[Commit, ...], request_ids: tuple[str, ...]) -> None:
-        self.pool.free(commits, request_ids)
+    async def free(
+        self, commits: tuple[Commit, ...], request_ids: tuple[str, ...], commit_through: int
+    ) -> None:
+        self.pool.free(commits, request_ids, commit_through)
 
     async def abort(self, request_ids: tuple[str, ...]) -> None:
         self.pool.abort(request_ids)
@@ -424,9 +426,11 @@ def test_engine_holds_outputs_for_the_hot_path_only(tokenizer: Tokenizer):
             queued_at["slow_step_return"].append(req.outputs.qsize())
         return await original_step(call)
 
-    async def free(commits: tuple[Commit, ...], request_ids: tuple[str, ...]) -> None:
+    async def free(
+        commits: tuple[Commit, ...], request_ids: tuple[str, ...], commit_through: int
+    ) -> None:
         queued_at["free"].append(req.outputs.qsize())
-        await original_free(commits, request_ids)
+        await original_free(commits, request_ids, commit_through)
 
     async def release(request_ids: list[str]) -> None:
         queued_at["release"].append(req.outputs.qsize())

@@ -1,4 +1,4 @@
-"""The engine's pipelined steps: each Step goes out while the previous batch executes, and
+"""The engine at depth 2: each Step goes out while the previous batch executes, and
 whatever happens to that batch meanwhile (it fails, the executor goes away, a request is
 cancelled) leaves nothing held and no stream waiting. The engine runs on the real allocator
 core and a fake model (in_process.py) whose Execute takes a while, in one event loop."""
@@ -21,7 +21,7 @@ from gateway.batch import ScheduledStep
 from gateway.call_failures import failure
 from gateway.engine import Engine
 from gateway.request_state import Request, Sequence
-from gateway.step import ExecuteCall, ExecuteResult, StepCall, StepOutcome
+from gateway.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome
 from gateway.tokenizer import Tokenizer
 
 
@@ -74,7 +74,9 @@ def test_each_step_goes_out_while_the_previous_batch_executes(tokenizer: Tokeniz
     original = link.step
 
     async def step(call: StepCall) -> StepOutcome:
-        steps.append((bool(state["executing"]), call.previous_step_in_flight,
+        # Whether a batch executes, whether it confirms the step before the previous one
+        # only (the previous one's batch is the one in flight), the pending and late counts.
+        steps.append((bool(state["executing"]), call.step_id - call.commit_through_step_id == 2,
                       len(call.pending_decode_request_ids), len(call.late_request_ids)))
         return await original(call)
 
@@ -157,15 +159,14 @@ def test_a_request_cancelled_while_its_batch_executes_gets_nothing_more(tokenize
     assert link.pool.all_free() and not link.model.held
 
 
-def test_a_batch_rejected_while_landing_out_of_the_pipeline_confirms_nothing(
+def test_a_batch_rejected_while_landing_before_planning_is_never_confirmed(
     tokenizer: Tokenizer,
 ):
     # b ends with the third batch. An orphan to abort (noted while that batch runs) makes
-    # the next step land the
-    # batch in flight first, before planning; that batch (a's fourth, filling its second
-    # block) is rejected. The third batch's counts, not yet sent, go as explicit commits,
-    # so the plain Step that follows (admitting c) does not say "the previous steps
-    # executed", which would commit the rejected batch's grants too.
+    # the next step land the batch in flight first, before planning; that batch (a's fourth,
+    # filling its second block) is rejected. The Step that follows (admitting c) aborts a and
+    # confirms the steps through the third batch's only: the rejected batch's block is never
+    # cached.
     eng, link = engine(tokenizer, num_blocks=64, tokens=64)
     a = submit(eng, "a", [9] * 5, max_tokens=8)
     b = submit(eng, "b", [7] * 5, max_tokens=3)  # its last token: in the third batch
@@ -177,12 +178,14 @@ def test_a_batch_rejected_while_landing_out_of_the_pipeline_confirms_nothing(
 
     state = slow_executor(link, fail_call=4, code=grpc.StatusCode.INVALID_ARGUMENT,
                           on_call={3: orphan_and_c})
-    after_rejection: list[tuple[bool, bool]] = []
+    after_rejection: list[tuple[int, bool]] = []
     original = link.step
 
     async def step(call: StepCall) -> StepOutcome:
         if state["calls"] == 4 and not state["executing"]:
-            after_rejection.append((call.commit_previous_step, call.previous_step_in_flight))
+            # How far behind its own number it confirms, and whether it aborts a.
+            after_rejection.append((call.step_id - call.commit_through_step_id,
+                                    "a" in call.abort_request_ids))
         return await original(call)
 
     link.step = step  # type: ignore[method-assign]
@@ -191,7 +194,8 @@ def test_a_batch_rejected_while_landing_out_of_the_pipeline_confirms_nothing(
     assert [t for d in drain(a) for t in d.token_ids] == a_tokens
     assert [t for d in drain(late[0]) for t in d.token_ids] == link.model.reference([8] * 5, 4)
     assert [t for d in drain(b) for t in d.token_ids] == link.model.reference([7] * 5, 3)
-    assert after_rejection[0] == (False, False)  # a plain Step that confirms nothing
+    # Not the step just before it (the rejected batch's): the one before that.
+    assert after_rejection[0] == (2, True)
     stored = [e.token_ids for e in link.pool.pool.events.after(0, 1 << 16).events if e.token_ids]
     assert [9, *a_tokens] not in stored
     assert link.pool.all_free() and not link.model.held
@@ -287,15 +291,17 @@ def test_a_lost_step_readmits_a_prefill_parent_rather_than_forking_it(tokenizer:
     assert link.pool.all_free() and not link.model.held
 
 
-def test_a_refused_call_leaves_the_next_step_confirming_nothing(tokenizer: Tokenizer):
-    # A Step (or Free) the allocator refused applied nothing, so what its plan knew still
-    # holds: the next Step confirms nothing with the flag (explicit commits are always safe).
+def test_a_refused_call_has_its_housekeeping_sent_again(tokenizer: Tokenizer):
+    # A Step (or Free) the allocator refused applied nothing: its commits, aborts and the
+    # executed step it confirmed ride on the next call (confirming again is idempotent).
     eng, _ = engine(tokenizer, num_blocks=64)
-    plan = ScheduledStep(call=StepCall((), (), ("a",), ()), seqs={}, executed={"b": 4})
-    recovery.restore_housekeeping(eng, plan)
+    eng.scheduler.pending.executed_through = eng.scheduler.pending.sent_through = 5
+    call = StepCall((Commit("b", 4),), (), ("a",), (), commit_through_step_id=5)
+    recovery.restore_housekeeping(eng, ScheduledStep(call=call, seqs={}))
     pending = eng.scheduler.pending
-    assert pending.batch_rejected and pending.commits == {"b": 4}
-    assert pending.abort_ids == ["a"]
+    assert pending.commits == {"b": 4} and pending.abort_ids == ["a"]
+    plan = eng.scheduler.schedule()
+    assert plan is not None and plan.call.commit_through_step_id == 5
 
 
 @pytest.mark.parametrize("depth", [2, 1])

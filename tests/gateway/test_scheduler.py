@@ -449,7 +449,9 @@ def test_scheduler_pipelined_plans_on_top_of_the_batch_in_flight():
     plan = sched.schedule(in_flight=True)
     assert plan is not None
     call = plan.call
-    assert call.previous_step_in_flight and call.pending_decode_request_ids == ("a",)
+    # Numbered; nothing executed yet to confirm.
+    assert (call.step_id, call.commit_through_step_id) == (2, 0)
+    assert call.pending_decode_request_ids == ("a",)
     assert [(i.request_id, i.num_tokens) for i in call.items] == [("b", 7)]
     assert call.late_request_ids == ()
     outcome = pool.step(call)
@@ -464,6 +466,8 @@ def test_scheduler_pipelined_plans_on_top_of_the_batch_in_flight():
     assert plan.call.late_request_ids == ("a",)
     assert plan.call.late_token_ids == (a.output_token_ids[0],)
     assert set(plan.call.pending_decode_request_ids) == {"a", "b"}
+    # The first batch executed: its Step (1) is confirmed; the second's is still in flight.
+    assert (plan.call.step_id, plan.call.commit_through_step_id) == (3, 1)
 
 
 def test_scheduler_pipelined_skips_a_sequence_whose_last_token_is_in_flight():
@@ -522,36 +526,43 @@ def test_scheduler_sends_a_pending_tokens_value_once_out_of_the_pipeline():
     assert pool.all_free() and not model.held
 
 
-def test_scheduler_a_sequence_preempted_while_its_batch_ran_commits_nothing_more():
-    # Pipelined: b's batch lands (its count is to be committed) after the Step already out
-    # preempted it by recompute, which freed it at the allocator: no commit may name it.
+def test_scheduler_a_sequence_preempted_while_its_batch_ran_is_named_no_more():
+    # Depth 2: b's batch lands after the Step already out preempted it by recompute, which
+    # freed it at the allocator: the next Step names it nowhere (the allocator would refuse
+    # an unknown request), and confirms b's executed step by id, which skips it.
     sched, pool, model = scheduler(), CorePool(2, BLOCK), FakeModel(BLOCK)
     add(sched, request("a", [5, 6, 7, 8], max_tokens=5))
     (b,) = add(sched, request("b", [9, 10, 11, 12], max_tokens=5))
     first, plan, outcome = launch_then_allocate(sched, pool)
     assert [p.request_id for p in outcome.preempted] == ["b"]
     sched.apply_result(first, model.execute(first.call))
-    assert "b" in sched.pending.executed
+    assert sched.pending.executed_through == first.step_id == 1
     sched.apply_outcome(plan, outcome)
-    assert "b" not in sched.pending.executed and b.status is SeqStatus.WAITING
+    assert b.status is SeqStatus.WAITING
+    plan = sched.schedule()
+    assert plan is not None and plan.call.commit_through_step_id == 1
+    call = plan.call
+    named = {*call.decode_request_ids, *call.pending_decode_request_ids, *call.free_request_ids,
+             *call.abort_request_ids, *(c.request_id for c in call.commits),
+             *(i.request_id for i in call.items if not i.is_new)}
+    assert "b" not in named
+    pool.step(call)  # accepted
 
 
-def test_scheduler_confirms_nothing_after_a_rejection_until_a_step_goes_out():
-    # After a rejected batch, the next Step must not confirm the previous steps with the
-    # flag: a plan of housekeeping alone (a Free, which the allocator's step bookkeeping
-    # never sees) keeps that rule for the next one; the first Step sends explicit commits.
+def test_scheduler_confirms_each_executed_step_once_when_idle():
+    # An idle engine's housekeeping (a Free) carries the newest executed step's id when no
+    # call has carried it yet; then there is nothing to send. Every Step carries it anyway
+    # (idempotent at the allocator).
     sched = scheduler()
-    sched.pending.batch_rejected = True
-    sched.pending.free_ids.append("x")
+    sched.pending.executed_through = 3
     plan = sched.schedule()
     assert plan is not None and not plan.call.has_items()
-    assert sched.pending.batch_rejected
+    assert plan.call.commit_through_step_id == 3 and plan.call.step_id == 0
+    assert sched.schedule() is None
     add(sched, request("a", [5, 6, 7]))
-    sched.pending.executed["y"] = 3
     plan = sched.schedule()
-    assert plan is not None and not plan.call.commit_previous_step
-    assert [(c.request_id, c.num_computed_tokens) for c in plan.call.commits] == [("y", 3)]
-    assert not sched.pending.batch_rejected
+    assert plan is not None and plan.call.has_items()
+    assert (plan.call.step_id, plan.call.commit_through_step_id) == (1, 3)
 
 
 @pytest.mark.parametrize("swapped", [False, True], ids=["recompute", "swap"])
