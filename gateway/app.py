@@ -18,6 +18,7 @@ from gateway.allocator_client import AllocatorClient
 from gateway.batch import Budget
 from gateway.call_failures import CallFailed, Lost
 from gateway.engine import Engine
+from gateway.engine_host import EngineHost
 from gateway.executor_client import ExecutorClient, ExecutorDescription
 from gateway.frontend import Frontend, ModelInfo
 from gateway.lease import Lease
@@ -36,13 +37,44 @@ DRAIN_S = 2.0
 HEALTH_INTERVAL_S = 1.0
 
 
+class StartupFailed(Exception):
+    """A dependency refused, or did not answer in time, at start (one line for the log)."""
+
+
+@dataclass(slots=True)
+class Engines:
+    """What runs on the engine loop: the router and its engines, the lease, the clients."""
+
+    router: Router
+    lease: Lease
+    allocator: AllocatorClient
+    executors: list[ExecutorClient]
+    limits: ModelLimits
+    eos_token_ids: tuple[int, ...]
+    model_name: str
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def start(self) -> None:
+        """The lease's keep-alives and every engine's loop (called on the engine loop)."""
+        loop = asyncio.get_running_loop()
+        self.tasks.append(loop.create_task(self.lease.keep_alive_forever()))
+        self.tasks.extend(loop.create_task(e.run()) for e in self.router.engines)
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.allocator.close()
+        for executor in self.executors:
+            await executor.close()
+
+
 @dataclass(slots=True)
 class Gateway:
     server: Server
     frontend: Frontend
-    lease: Lease
-    allocator: AllocatorClient
-    executors: list[ExecutorClient]
+    host: EngineHost
+    engines: Engines
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def stop(self, grace: float = 5.0) -> None:
@@ -51,15 +83,14 @@ class Gateway:
         freed by the allocator when the lease expires."""
         await self.server.stop(grace)
         deadline = time.monotonic() + DRAIN_S
-        engines = self.frontend.router.engines
+        engines = self.engines.router.engines
         while time.monotonic() < deadline and any(e.healthy and e.busy for e in engines):
             await asyncio.sleep(0.05)
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.allocator.close()
-        for executor in self.executors:
-            await executor.close()
+        await self.host.run(self.engines.close())
+        self.host.stop()
         log.info("gateway_stopped")
 
 
@@ -72,14 +103,14 @@ async def _retry(what: str, fn: Callable[[], Awaitable[T]], timeout_s: float) ->
             return await fn()
         except CallFailed as exc:
             if not isinstance(exc, Lost) or time.monotonic() > deadline:
-                message = f"gateway: {what} failed: {exc.status} {exc.details}"
-                raise SystemExit(message) from exc
+                raise StartupFailed(f"gateway: {what} failed: {exc.status} {exc.details}") from exc
             log.info("waiting_for_dependency", what=what)
             await asyncio.sleep(0.5)
 
 
 async def _watch_health(server: Server, router: Router) -> None:
-    """Health says NOT_SERVING while no executor is reachable (new requests would fail)."""
+    """Health says NOT_SERVING while no executor is reachable (new requests would fail).
+    (It reads the engines' health from the API's loop: a flag, read only.)"""
     serving = True
     while True:
         await asyncio.sleep(HEALTH_INTERVAL_S)
@@ -105,8 +136,9 @@ def model_limits(
     )
 
 
-async def start_gateway(settings: GatewaySettings) -> Gateway:
-    tokenizer = Tokenizer.load(settings.model)
+async def build_engines(settings: GatewaySettings, tokenizer: Tokenizer) -> Engines:
+    """Connect, describe, lease, register and build every engine (on the engine loop: the
+    clients' channels belong to the loop that makes them)."""
     allocator = AllocatorClient(settings.allocator_addr, timeout_s=settings.allocator_timeout_s)
     executors = [ExecutorClient(a) for a in settings.executor_addrs]
     descriptions = [
@@ -146,23 +178,43 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
             async_depth=settings.async_depth,
         )
         router.engines.append(engine)
+    engines = Engines(router=router, lease=lease, allocator=allocator, executors=executors,
+                      limits=limits, eos_token_ids=tuple(eos),
+                      model_name=descriptions[0].model_name or Path(settings.model).name)
+    engines.start()
+    return engines
+
+
+async def start_gateway(settings: GatewaySettings) -> Gateway:
+    """The engines on their own loop and thread (engine_host.py), the public server here."""
+    tokenizer = Tokenizer.load(settings.model)
+    host = EngineHost()
+    host.start()
+    try:
+        engines = await host.run(build_engines(settings, tokenizer))
+    except StartupFailed as exc:
+        host.stop()
+        raise SystemExit(str(exc)) from exc
+    except BaseException:
+        host.stop()
+        raise
+    host.router = engines.router
+    limits = engines.limits
     info = ModelInfo(
-        model_name=descriptions[0].model_name or Path(settings.model).name,
+        model_name=engines.model_name,
         max_model_len=limits.max_model_len,
         vocab_size=limits.vocab_size,
-        eos_token_ids=tuple(eos),
+        eos_token_ids=engines.eos_token_ids,
     )
-    frontend = Frontend(tokenizer=tokenizer, limits=limits, router=router, info=info)
+    frontend = Frontend(tokenizer=tokenizer, limits=limits, engines=host, info=info)
     server = await start_server(
         [(service.add_to_server, service.GatewayServicer(frontend), service.SERVICE_NAME)],
         settings.host, settings.port,
     )
-    gateway = Gateway(server=server, frontend=frontend, lease=lease, allocator=allocator,
-                      executors=executors)
-    loop = asyncio.get_running_loop()
-    gateway.tasks.append(loop.create_task(lease.keep_alive_forever()))
-    gateway.tasks.extend(loop.create_task(e.run()) for e in router.engines)
-    gateway.tasks.append(loop.create_task(_watch_health(server, router)))
+    gateway = Gateway(server=server, frontend=frontend, host=host, engines=engines)
+    gateway.tasks.append(
+        asyncio.get_running_loop().create_task(_watch_health(server, engines.router))
+    )
     if settings.port_file:
         tmp = Path(f"{settings.port_file}.tmp")
         tmp.write_text(f"{server.port}\n")

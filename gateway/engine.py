@@ -10,9 +10,10 @@ sampled tokens) each batch lands before the next is planned.
 A busy step's outputs are held across the next step's Step (up to 10 ms) and reach the client
 streams while its Execute runs; nothing else waits for them (held_outputs.py).
 
-Single writer: the loop is the only code that mutates its scheduler, between awaits, so no
-lock is needed. Other coroutines (RPC handlers) only append sequences with `submit`, flag
-cancellations on the request, and wake the loop.
+Single writer: the engines run on their own event loop and thread (engine_host.py), where
+the loop is the only code that mutates its scheduler, between awaits, so no lock is needed.
+The router (on the same loop) only appends sequences with `submit`, flags cancellations on
+the request and wakes the loop; RPC handlers, on the API's loop, reach it through the host.
 
 The engine's state and the operations all parts of a step share are engine_state.py; the
 parts are landing.py (batches in flight), side_calls.py (Fork, idle Free/Abort/Release),

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from common.errors import AlreadyExists, InvalidArgument
+from gateway.engine_host import EngineHost
 from gateway.request_state import CompletionDelta, Request
-from gateway.router import Router
 from gateway.sampling import ModelLimits, RawSampling, validate, validate_prompt
 from gateway.seq_ids import sequence_ids
 from gateway.tokenizer import Tokenizer
@@ -30,7 +30,7 @@ class ModelInfo:
 class Frontend:
     tokenizer: Tokenizer
     limits: ModelLimits
-    router: Router
+    engines: EngineHost
     info: ModelInfo
     active: dict[str, Request] = field(default_factory=dict)
     # The sequence ids of the active requests (seq_ids.py), each with its request's id.
@@ -60,7 +60,7 @@ class Frontend:
         self.active[request_id] = request
         self.seq_owners.update(dict.fromkeys(seq_ids, request_id))
         try:
-            engine = await self.router.submit(request)
+            engine = await self.engines.submit(request)
         except BaseException:
             self._forget(request)
             raise
@@ -85,7 +85,7 @@ class Frontend:
         finally:
             self._forget(request)
             if open_completions:
-                self.router.cancel(request)
+                self.engines.cancel(request)
                 log.info("request_cancelled", num_completion_tokens=num_tokens)
             else:
                 log.info("request_finished", num_completion_tokens=num_tokens,

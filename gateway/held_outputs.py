@@ -1,7 +1,9 @@
 """Held outputs: a busy step's deltas reach the client streams while the next Execute runs.
 
 Writing a stream message costs ~60-76 us of grpc CPU (`python -m bench.rpc_floor`), ~4 ms a
-step at 64 running; on the step's path it delayed the allocator's reply. So a step's deltas
+step at 64 running. The writes run on the API's loop (engine_host.py), but on two cores they
+still compete for the CPU (and the GIL) with the allocator's reply and the executor's intake
+of the next call. So a step's deltas
 (detokenized, stop conditions applied at once, so the next step never schedules a finished
 sequence) are held, and handed to the streams once the next Execute has had
 EXECUTE_HEAD_START_S to reach the executor, or has returned: started at once, the writers
@@ -21,7 +23,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from gateway.request_state import CompletionDelta, Request
+from gateway.request_state import CompletionDelta, Request, emit_all
 
 # How long the next Execute gets before the previous step's streams are written. Measured at
 # 64 running (four interleaved runs each): writing at once raised the Execute round trip by
@@ -50,9 +52,7 @@ class HeldOutputs:
     def deliver(self) -> None:
         """Hand every held delta to its stream, in order (none to a cancelled request)."""
         deltas, self.deltas = self.deltas, []
-        for request, delta in deltas:
-            if not request.cancelled:
-                request.emit(delta)
+        emit_all((request, delta) for request, delta in deltas if not request.cancelled)
 
     async def during_execute(
         self, execute: Awaitable[T], head_start_s: float = EXECUTE_HEAD_START_S

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from common.errors import ServiceError
@@ -54,6 +56,13 @@ class CompletionDelta:
     error: ServiceError | None = None
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
@@ -65,9 +74,35 @@ class Request:
     num_cached_tokens: int | None = None   # from the first admission
     num_open_completions: int = 0
     cancelled: bool = False
+    # The loop that reads `outputs` (the API's), and its thread: an engine on another
+    # thread posts deltas to it (engine_host.py).
+    loop: asyncio.AbstractEventLoop | None = field(default_factory=_running_loop)
+    thread_id: int = field(default_factory=threading.get_ident)
 
     def emit(self, delta: CompletionDelta) -> None:
-        self.outputs.put_nowait(delta)
+        if self.loop is None or threading.get_ident() == self.thread_id:
+            self.outputs.put_nowait(delta)
+        else:
+            self.loop.call_soon_threadsafe(self.outputs.put_nowait, delta)
+
+
+def emit_all(deltas: Iterable[tuple[Request, CompletionDelta]]) -> None:
+    """Every delta to its request's stream, in order; from another thread, each reading
+    loop gets one callback for all of its deltas (one wake-up, not one per delta)."""
+    here = threading.get_ident()
+    posted: dict[asyncio.AbstractEventLoop, list[tuple[Request, CompletionDelta]]] = {}
+    for request, delta in deltas:
+        if request.loop is None or request.thread_id == here:
+            request.outputs.put_nowait(delta)
+        else:
+            posted.setdefault(request.loop, []).append((request, delta))
+    for loop, batch in posted.items():
+        loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[Request, CompletionDelta]]) -> None:
+    for request, delta in batch:
+        request.outputs.put_nowait(delta)
 
 
 @dataclass(slots=True, eq=False)

@@ -111,7 +111,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids,
-            executors=[_executor_info(e) for e in self.frontend.router.engines],
+            executors=[_executor_info(e) for e in self.frontend.engines.engines],
         )
 
 
