@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", default="depth-1", choices=sorted(BASELINES),
                    help="with --compare: a gateway at --async-depth 1, an executor with "
                    "--tune-malloc false, or the gateway of --baseline-tree")
+    p.add_argument("--name", default=None,
+                   help="with --compare: bench/results/<name>.json (default: after --baseline)")
     p.add_argument("--baseline-tree", default=None, metavar="DIR",
                    help="with --baseline tree: a checkout of another commit (its generated "
                    "pagedkv/ stubs linked in) whose gateway runs against this one's")
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--baseline tree needs --baseline-tree DIR")
     if args.compare:
         summary = compare(sizes, max_tokens, args.compare, args.baseline, args.baseline_tree)
-        name = RESULTS_NAMES[args.baseline]
+        name = args.name or RESULTS_NAMES[args.baseline]
         write_results(name, {
             "benchmark": name, "model": MODEL, "seed": SEED, "baseline": args.baseline,
             "quick": args.quick, "torch_threads": args.threads, "max_tokens": max_tokens,
