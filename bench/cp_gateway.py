@@ -28,9 +28,10 @@ import time
 from collections import deque
 from typing import Any
 
-from gateway import allocator_client, executor_client, landing
-from gateway.engine import Engine
-from gateway.scheduler import Scheduler
+from gateway.clients import allocator_client, executor_client
+from gateway.core.scheduler import Scheduler
+from gateway.engine import landing
+from gateway.engine.loop import Engine
 from pagedkv.allocator.v1 import allocator_pb2 as apb
 from pagedkv.executor.v1 import executor_pb2 as epb
 

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import markdown_table, write_results
-from gateway.batch import Budget
-from gateway.request_state import Request
-from gateway.router import initial_sequences
-from gateway.sampling import SamplingOptions
-from gateway.scheduler import Scheduler
+from gateway.api.sampling import SamplingOptions
+from gateway.core.batch import Budget
+from gateway.core.request_state import Request
+from gateway.core.scheduler import Scheduler
+from gateway.engine.router import initial_sequences
 
 PHASES = ("schedule", "apply_result", "apply_outcome", "launch")
 BLOCK = 16

@@ -11,7 +11,7 @@ import structlog
 from common.logging import configure_logging
 from gateway.app import start_gateway
 from gateway.settings import load_settings
-from gateway.tokenizer import TokenizerLoadError
+from gateway.text.tokenizer import TokenizerLoadError
 
 log = structlog.get_logger("gateway")
 

@@ -13,23 +13,23 @@ from typing import TypeVar
 import structlog
 
 from common.server import Server, start_server
-from gateway import service
-from gateway.allocator_client import AllocatorClient
-from gateway.batch import Budget
-from gateway.call_failures import CallFailed, Lost
-from gateway.engine import Engine
-from gateway.engine_host import EngineHost
-from gateway.executor_client import ExecutorClient, ExecutorDescription
-from gateway.frontend import Frontend, ModelInfo
-from gateway.lease import Lease
-from gateway.output import OutputProcessor
-from gateway.pool_link import PoolLink
-from gateway.router import Router
-from gateway.sampling import ModelLimits
-from gateway.scheduler import Scheduler
+from gateway.api import service
+from gateway.api.frontend import Frontend, ModelInfo
+from gateway.api.sampling import ModelLimits
+from gateway.clients.allocator_client import AllocatorClient
+from gateway.clients.call_failures import CallFailed, Lost
+from gateway.clients.executor_client import ExecutorClient, ExecutorDescription
+from gateway.clients.lease import Lease
+from gateway.clients.pool_link import PoolLink
+from gateway.core.batch import Budget
+from gateway.core.scheduler import Scheduler
+from gateway.engine.host import EngineHost
+from gateway.engine.loop import Engine
+from gateway.engine.router import Router
+from gateway.engine.step_stats import StepStats
 from gateway.settings import GatewaySettings
-from gateway.step_stats import StepStats
-from gateway.tokenizer import Tokenizer
+from gateway.text.output import OutputProcessor
+from gateway.text.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -186,7 +186,7 @@ async def build_engines(settings: GatewaySettings, tokenizer: Tokenizer) -> Engi
 
 
 async def start_gateway(settings: GatewaySettings) -> Gateway:
-    """The engines on their own loop and thread (engine_host.py), the public server here."""
+    """The engines on their own loop and thread (engine/host.py), the public server here."""
     tokenizer = Tokenizer.load(settings.model)
     host = EngineHost()
     host.start()

@@ -21,9 +21,9 @@ from allocator_svc.core import step as core_step
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
 from common.errors import FailedPrecondition, InvalidArgument, ServiceError
-from gateway import allocator_client
-from gateway.call_failures import CallFailed, failure
-from gateway.step import (
+from gateway.clients import allocator_client
+from gateway.clients.call_failures import CallFailed, failure
+from gateway.core.step import (
     BlockCopy,
     Commit,
     ExecuteCall,

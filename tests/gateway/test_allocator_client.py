@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 
-from gateway.allocator_client import AllocatorClient
+from gateway.clients.allocator_client import AllocatorClient
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc as pb_grpc
 

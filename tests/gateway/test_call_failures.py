@@ -16,8 +16,8 @@ import pytest
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.service import AllocatorServicer
 from common.server import start_server
-from gateway.allocator_client import AllocatorClient, PoolSpec
-from gateway.call_failures import (
+from gateway.clients.allocator_client import AllocatorClient, PoolSpec
+from gateway.clients.call_failures import (
     CallFailed,
     Denied,
     Lost,
@@ -27,8 +27,8 @@ from gateway.call_failures import (
     failure,
     translated,
 )
-from gateway.executor_client import ExecutorClient
-from gateway.step import ExecuteCall, SeqWork, StepCall, TableDelta
+from gateway.clients.executor_client import ExecutorClient
+from gateway.core.step import ExecuteCall, SeqWork, StepCall, TableDelta
 from pagedkv.allocator.v1 import allocator_pb2_grpc as pb_grpc
 from pagedkv.executor.v1 import executor_pb2 as epb
 from pagedkv.executor.v1 import executor_pb2_grpc as epb_grpc

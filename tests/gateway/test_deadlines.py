@@ -24,21 +24,21 @@ from allocator_svc.core.step import StepCall as CoreStepCall
 from allocator_svc.core.step import StepItem
 from allocator_svc.service import AllocatorServicer
 from common.interceptor import guard
-from gateway import orphans, recovery
-from gateway.allocator_client import AllocatorClient
-from gateway.batch import Budget
-from gateway.call_failures import failure
-from gateway.engine import Engine
-from gateway.executor_client import ExecutorClient, ExecutorDescription
-from gateway.lease import Lease
-from gateway.output import OutputProcessor
-from gateway.pool_link import PoolLink
-from gateway.request_state import CompletionDelta, Request
-from gateway.router import Router
-from gateway.sampling import SamplingOptions
-from gateway.scheduler import Scheduler
-from gateway.step import ExecuteCall, ExecuteResult
-from gateway.tokenizer import Tokenizer
+from gateway.api.sampling import SamplingOptions
+from gateway.clients.allocator_client import AllocatorClient
+from gateway.clients.call_failures import failure
+from gateway.clients.executor_client import ExecutorClient, ExecutorDescription
+from gateway.clients.lease import Lease
+from gateway.clients.pool_link import PoolLink
+from gateway.core.batch import Budget
+from gateway.core.request_state import CompletionDelta, Request
+from gateway.core.scheduler import Scheduler
+from gateway.core.step import ExecuteCall, ExecuteResult
+from gateway.engine import orphans, recovery
+from gateway.engine.loop import Engine
+from gateway.engine.router import Router
+from gateway.text.output import OutputProcessor
+from gateway.text.tokenizer import Tokenizer
 from pagedkv.allocator.v1 import allocator_pb2_grpc
 from pagedkv.executor.v1 import executor_pb2 as epb
 from pagedkv.executor.v1 import executor_pb2_grpc

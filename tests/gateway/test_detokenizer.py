@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.detokenizer import Detokenizer
-from gateway.tokenizer import Tokenizer
+from gateway.text.detokenizer import Detokenizer
+from gateway.text.tokenizer import Tokenizer
 
 TEXT = "Hello wörld, ünïcode 日本語 test — done."
 

@@ -14,17 +14,17 @@ import structlog
 from in_process import CorePool, FakeModel
 
 from common.errors import Unavailable
-from gateway import held_outputs, recovery
-from gateway.batch import Budget
-from gateway.call_failures import CallFailed, failure
-from gateway.engine import Engine
-from gateway.output import OutputProcessor
-from gateway.request_state import CompletionDelta, FinishReason, Request
-from gateway.router import initial_sequences
-from gateway.sampling import SamplingOptions
-from gateway.scheduler import Scheduler
-from gateway.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome, TableDelta
-from gateway.tokenizer import Tokenizer
+from gateway.api.sampling import SamplingOptions
+from gateway.clients.call_failures import CallFailed, failure
+from gateway.core.batch import Budget
+from gateway.core.request_state import CompletionDelta, FinishReason, Request
+from gateway.core.scheduler import Scheduler
+from gateway.core.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome, TableDelta
+from gateway.engine import held_outputs, recovery
+from gateway.engine.loop import Engine
+from gateway.engine.router import initial_sequences
+from gateway.text.output import OutputProcessor
+from gateway.text.tokenizer import Tokenizer
 
 BLOCK = 4
 

@@ -1,4 +1,4 @@
-"""The engines on their own loop and thread (engine_host.py), the caller on another: requests go
+"""The engines on their own loop and thread (engine/host.py), the caller on another: requests go
 in through the host, deltas come back to the caller's loop in order, a refusal comes back as
 the error, and a cancellation crosses over. The engine runs on the real allocator core and a
 fake model (in_process.py)."""
@@ -13,11 +13,11 @@ from test_engine import engine
 from test_engine import tokenizer as tokenizer  # the module-scoped fixture
 
 from common.errors import ResourceExhausted
-from gateway.engine_host import EngineHost
-from gateway.request_state import CompletionDelta, Request
-from gateway.router import Router
-from gateway.sampling import SamplingOptions
-from gateway.tokenizer import Tokenizer
+from gateway.api.sampling import SamplingOptions
+from gateway.core.request_state import CompletionDelta, Request
+from gateway.engine.host import EngineHost
+from gateway.engine.router import Router
+from gateway.text.tokenizer import Tokenizer
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int) -> Request:

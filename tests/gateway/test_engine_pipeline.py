@@ -16,13 +16,13 @@ from in_process import CorePool
 from test_engine import BLOCK, FakeLink, drain, engine, run_until_idle, submit
 from test_engine import tokenizer as tokenizer  # the module-scoped fixture
 
-from gateway import recovery
-from gateway.batch import ScheduledStep
-from gateway.call_failures import failure
-from gateway.engine import Engine
-from gateway.request_state import Request, Sequence
-from gateway.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome
-from gateway.tokenizer import Tokenizer
+from gateway.clients.call_failures import failure
+from gateway.core.batch import ScheduledStep
+from gateway.core.request_state import Request, Sequence
+from gateway.core.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome
+from gateway.engine import recovery
+from gateway.engine.loop import Engine
+from gateway.text.tokenizer import Tokenizer
 
 
 def slow_executor(link: FakeLink, fail_call: int = 0, code: grpc.StatusCode | None = None,

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from gateway.held_outputs import HeldOutputs
-from gateway.request_state import CompletionDelta, Request
-from gateway.sampling import SamplingOptions
+from gateway.api.sampling import SamplingOptions
+from gateway.core.request_state import CompletionDelta, Request
+from gateway.engine.held_outputs import HeldOutputs
 
 
 def _request(rid: str) -> Request:

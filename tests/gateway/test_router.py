@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from common.errors import ResourceExhausted, Unavailable
-from gateway.allocator_client import PrefixMatch
-from gateway.request_state import Request, Sequence
-from gateway.router import Router, initial_sequences
-from gateway.sampling import SamplingOptions
+from gateway.api.sampling import SamplingOptions
+from gateway.clients.allocator_client import PrefixMatch
+from gateway.core.request_state import Request, Sequence
+from gateway.engine.router import Router, initial_sequences
 
 
 @dataclass

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from common.errors import InvalidArgument, ResourceExhausted
-from gateway.sampling import ModelLimits, RawSampling, validate, validate_prompt
+from gateway.api.sampling import ModelLimits, RawSampling, validate, validate_prompt
 
 LIMITS = ModelLimits(max_model_len=64, vocab_size=512, max_n=4, pool_capacity_tokens=256)
 

@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from in_process import CorePool, FakeModel
 
-from gateway.batch import Batch, Budget, ScheduledStep
-from gateway.request_state import Request, SeqStatus, Sequence
-from gateway.router import initial_sequences
-from gateway.sampling import SamplingOptions
-from gateway.scheduler import Scheduler
-from gateway.step import Grant, Preemption, StepOutcome, TableDelta
+from gateway.api.sampling import SamplingOptions
+from gateway.core.batch import Batch, Budget, ScheduledStep
+from gateway.core.request_state import Request, SeqStatus, Sequence
+from gateway.core.scheduler import Scheduler
+from gateway.core.step import Grant, Preemption, StepOutcome, TableDelta
+from gateway.engine.router import initial_sequences
 
 BLOCK = 4
 
@@ -95,8 +95,8 @@ def drive(
 
 
 def _empty_step(sched: Scheduler):  # type: ignore[no-untyped-def]
-    from gateway.batch import ScheduledStep
-    from gateway.step import StepCall
+    from gateway.core.batch import ScheduledStep
+    from gateway.core.step import StepCall
 
     return ScheduledStep(call=StepCall((), (), (), ()), seqs={}), StepOutcome()
 

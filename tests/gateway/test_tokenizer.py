@@ -11,7 +11,7 @@ import pytest
 
 from common.errors import InvalidArgument
 from common.model_dirs import DEFAULT_MODEL, REPO_ROOT
-from gateway.tokenizer import ChatTurn, Tokenizer, TokenizerLoadError
+from gateway.text.tokenizer import ChatTurn, Tokenizer, TokenizerLoadError
 
 TINY = REPO_ROOT / "models" / "tiny-llama"
 

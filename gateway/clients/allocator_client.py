@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import grpc
 
 from common.interceptor import REQUEST_ID_KEY
-from gateway.call_failures import translated
-from gateway.step import (
+from gateway.clients.call_failures import translated
+from gateway.core.step import (
     BlockCopy,
     Commit,
     Grant,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.detokenizer import Detokenizer
-from gateway.request_state import CompletionDelta, FinishReason, Sequence, Usage
+from gateway.core.request_state import CompletionDelta, FinishReason, Sequence, Usage
+from gateway.text.detokenizer import Detokenizer
 
 
 @dataclass(frozen=True, slots=True)

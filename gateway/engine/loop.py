@@ -10,12 +10,12 @@ sampled tokens) each batch lands before the next is planned.
 A busy step's outputs are held across the next step's Step (up to 10 ms) and reach the client
 streams while its Execute runs; nothing else waits for them (held_outputs.py).
 
-Single writer: the engines run on their own event loop and thread (engine_host.py), where
+Single writer: the engines run on their own event loop and thread (engine/host.py), where
 the loop is the only code that mutates its scheduler, between awaits, so no lock is needed.
 The router (on the same loop) only appends sequences with `submit`, flags cancellations on
 the request and wakes the loop; RPC handlers, on the API's loop, reach it through the host.
 
-The engine's state and the operations all parts of a step share are engine_state.py; the
+The engine's state and the operations all parts of a step share are engine/state.py; the
 parts are landing.py (batches in flight), side_calls.py (Fork, idle Free/Abort/Release),
 recovery.py (what happens when a step fails) and orphans.py (what the allocator may hold
 after a call whose outcome is unknown). None of them imports this loop.
@@ -30,12 +30,12 @@ from dataclasses import dataclass
 
 import structlog
 
-from gateway import landing, orphans, recovery, side_calls
-from gateway.batch import InFlight, Landed, ScheduledStep
-from gateway.call_failures import CallFailed
-from gateway.engine_state import EngineState
-from gateway.request_state import Sequence
-from gateway.step import StepOutcome
+from gateway.clients.call_failures import CallFailed
+from gateway.core.batch import InFlight, Landed, ScheduledStep
+from gateway.core.request_state import Sequence
+from gateway.core.step import StepOutcome
+from gateway.engine import landing, orphans, recovery, side_calls
+from gateway.engine.state import EngineState
 
 log = structlog.get_logger(__name__)
 

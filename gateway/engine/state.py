@@ -1,7 +1,7 @@
 """One executor's engine, as data: its pool link, scheduler, batches in flight and what
 waits to be sent, with the operations every part of a step shares (emit, deliver, fail).
 
-The step loop (engine.py) is built on this; so are the parts of a step it calls (landing.py,
+The step loop (loop.py) is built on this; so are the parts of a step it calls (landing.py,
 side_calls.py, recovery.py, orphans.py), which therefore never import the loop.
 """
 
@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import ServiceError
-from gateway.batch import Batch, InFlight, ScheduledStep
-from gateway.executor_client import ExecutorDescription
-from gateway.held_outputs import HeldOutputs
-from gateway.output import OutputProcessor
-from gateway.pool_link import PoolLink
-from gateway.request_state import CompletionDelta, Sequence
-from gateway.scheduler import Scheduler
-from gateway.step_stats import StepStats
+from gateway.clients.executor_client import ExecutorDescription
+from gateway.clients.pool_link import PoolLink
+from gateway.core.batch import Batch, InFlight, ScheduledStep
+from gateway.core.request_state import CompletionDelta, Sequence
+from gateway.core.scheduler import Scheduler
+from gateway.engine.held_outputs import HeldOutputs
+from gateway.engine.step_stats import StepStats
+from gateway.text.output import OutputProcessor
 
 
 @dataclass(slots=True, eq=False)

@@ -19,9 +19,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from common.errors import ServiceError
-from gateway.detokenizer import Detokenizer
-from gateway.sampling import SamplingOptions
-from gateway.step import ExecSampling
+from gateway.api.sampling import SamplingOptions
+from gateway.core.step import ExecSampling
+from gateway.text.detokenizer import Detokenizer
 
 
 class SeqStatus(enum.Enum):
@@ -75,7 +75,7 @@ class Request:
     num_open_completions: int = 0
     cancelled: bool = False
     # The loop that reads `outputs` (the API's), and its thread: an engine on another
-    # thread posts deltas to it (engine_host.py).
+    # thread posts deltas to it (engine/host.py).
     loop: asyncio.AbstractEventLoop | None = field(default_factory=_running_loop)
     thread_id: int = field(default_factory=threading.get_ident)
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import structlog
 
 from common.errors import ResourceExhausted, Unavailable
-from gateway.allocator_client import AllocatorClient
-from gateway.call_failures import CallFailed
-from gateway.engine import Engine
-from gateway.request_state import CompletionDelta, Request, Sequence
-from gateway.seq_ids import child_seq_id, prefill_parent_id
+from gateway.clients.allocator_client import AllocatorClient
+from gateway.clients.call_failures import CallFailed
+from gateway.core.request_state import CompletionDelta, Request, Sequence
+from gateway.core.seq_ids import child_seq_id, prefill_parent_id
+from gateway.engine.loop import Engine
 
 log = structlog.get_logger(__name__)
 

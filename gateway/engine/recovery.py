@@ -30,11 +30,11 @@ import time
 import structlog
 
 from common.errors import Internal, Unavailable
-from gateway import orphans
-from gateway.batch import Batch, ScheduledStep
-from gateway.call_failures import CallFailed, Lost, Stale, Unknown
-from gateway.engine_state import EngineState
-from gateway.request_state import Sequence, priority
+from gateway.clients.call_failures import CallFailed, Lost, Stale, Unknown
+from gateway.core.batch import Batch, ScheduledStep
+from gateway.core.request_state import Sequence, priority
+from gateway.engine import orphans
+from gateway.engine.state import EngineState
 
 log = structlog.get_logger(__name__)
 

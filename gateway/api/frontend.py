@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 import structlog
 
 from common.errors import AlreadyExists, InvalidArgument
-from gateway.engine_host import EngineHost
-from gateway.request_state import CompletionDelta, Request
-from gateway.sampling import ModelLimits, RawSampling, validate, validate_prompt
-from gateway.seq_ids import sequence_ids
-from gateway.tokenizer import Tokenizer
+from gateway.api.sampling import ModelLimits, RawSampling, validate, validate_prompt
+from gateway.core.request_state import CompletionDelta, Request
+from gateway.core.seq_ids import sequence_ids
+from gateway.engine.host import EngineHost
+from gateway.text.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 

@@ -9,12 +9,12 @@ import asyncio
 import structlog
 
 from common.errors import Unavailable
-from gateway import recovery
-from gateway.batch import ScheduledStep
-from gateway.call_failures import CallFailed, Lost
-from gateway.engine_state import EngineState
-from gateway.request_state import Sequence
-from gateway.seq_ids import child_seq_id
+from gateway.clients.call_failures import CallFailed, Lost
+from gateway.core.batch import ScheduledStep
+from gateway.core.request_state import Sequence
+from gateway.core.seq_ids import child_seq_id
+from gateway.engine import recovery
+from gateway.engine.state import EngineState
 
 log = structlog.get_logger(__name__)
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gateway import recovery, side_calls
-from gateway.batch import Batch, InFlight, Landed
-from gateway.call_failures import CallFailed
-from gateway.engine_state import EngineState
-from gateway.request_state import SeqStatus
+from gateway.clients.call_failures import CallFailed
+from gateway.core.batch import Batch, InFlight, Landed
+from gateway.core.request_state import SeqStatus
+from gateway.engine import recovery, side_calls
+from gateway.engine.state import EngineState
 
 
 def launch(engine: EngineState, batch: Batch) -> InFlight:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from gateway.allocator_client import AllocatorClient
-from gateway.call_failures import CallFailed, Unknown
+from gateway.clients.allocator_client import AllocatorClient
+from gateway.clients.call_failures import CallFailed, Unknown
 
 log = structlog.get_logger(__name__)
 

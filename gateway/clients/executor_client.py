@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.allocator_client import CHANNEL_OPTIONS, request_metadata
-from gateway.call_failures import Rejected, translated
-from gateway.step import BlockCopy, ExecuteCall, ExecuteResult, Sampled, SeqWork
+from gateway.clients.allocator_client import CHANNEL_OPTIONS, request_metadata
+from gateway.clients.call_failures import Rejected, translated
+from gateway.core.step import BlockCopy, ExecuteCall, ExecuteResult, Sampled, SeqWork
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import grpc
 
-from gateway.engine import Engine
-from gateway.frontend import Frontend
-from gateway.request_state import CompletionDelta, FinishReason, Usage
-from gateway.sampling import RawSampling
-from gateway.tokenizer import ChatTurn
+from gateway.api.frontend import Frontend
+from gateway.api.sampling import RawSampling
+from gateway.core.request_state import CompletionDelta, FinishReason, Usage
+from gateway.engine.loop import Engine
+from gateway.text.tokenizer import ChatTurn
 from pagedkv.gateway.v1 import gateway_pb2 as pb
 from pagedkv.gateway.v1 import gateway_pb2_grpc as pb_grpc
 

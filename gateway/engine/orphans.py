@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import structlog
 
-from gateway.batch import ScheduledStep
-from gateway.call_failures import CallFailed, Denied, Lost, Stale, Unknown
-from gateway.engine_state import EngineState
+from gateway.clients.call_failures import CallFailed, Denied, Lost, Stale, Unknown
+from gateway.core.batch import ScheduledStep
+from gateway.engine.state import EngineState
 
 log = structlog.get_logger(__name__)
 

@@ -6,9 +6,9 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from gateway.held_outputs import EXECUTE_HEAD_START_S
-from gateway.request_state import Sequence
-from gateway.step import ExecuteCall, ExecuteResult, StepCall
+from gateway.core.request_state import Sequence
+from gateway.core.step import ExecuteCall, ExecuteResult, StepCall
+from gateway.engine.held_outputs import EXECUTE_HEAD_START_S
 
 
 @dataclass(frozen=True, slots=True)

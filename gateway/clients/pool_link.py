@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import structlog
 
-from gateway.allocator_client import AllocatorClient, PoolSpec
-from gateway.executor_client import ExecutorClient, ExecutorDescription
-from gateway.lease import Lease
-from gateway.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome, TableDelta
+from gateway.clients.allocator_client import AllocatorClient, PoolSpec
+from gateway.clients.executor_client import ExecutorClient, ExecutorDescription
+from gateway.clients.lease import Lease
+from gateway.core.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome, TableDelta
 
 log = structlog.get_logger(__name__)
 

@@ -7,7 +7,7 @@ One step is three calls, made by the engine in this order:
     batch = scheduler.apply_outcome(plan, o)  # allocator's answer -> ExecuteCall
     sampled = scheduler.apply_result(batch, r)  # executor's answer -> (sequence, token) pairs
 
-At depth 2 (engine.py), step k+1 is planned while batch k executes (`launch` marks it) and
+At depth 2 (engine/loop.py), step k+1 is planned while batch k executes (`launch` marks it) and
 goes out before batch k returns, so apply_result splits into `advance` (counts; a placeholder
 per sampled token) and `fill` (the values), and the calls interleave: schedule(k+1),
 advance(k), apply_outcome(k+1), launch(k+1), fill(k).
@@ -34,9 +34,9 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from gateway.batch import Batch, Budget, Pending, ScheduledStep
-from gateway.request_state import SeqStatus, Sequence, priority
-from gateway.step import (
+from gateway.core.batch import Batch, Budget, Pending, ScheduledStep
+from gateway.core.request_state import SeqStatus, Sequence, priority
+from gateway.core.step import (
     Commit,
     ExecuteCall,
     ExecuteResult,

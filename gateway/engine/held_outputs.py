@@ -1,7 +1,7 @@
 """Held outputs: a busy step's deltas reach the client streams while the next Execute runs.
 
 Writing a stream message costs ~60-76 us of grpc CPU (`python -m bench.rpc_floor`), ~4 ms a
-step at 64 running. The writes run on the API's loop (engine_host.py), but on two cores they
+step at 64 running. The writes run on the API's loop (engine/host.py), but on two cores they
 still compete for the CPU (and the GIL) with the allocator's reply and the executor's intake
 of the next call. So a step's deltas
 (detokenized, stop conditions applied at once, so the next step never schedules a finished
@@ -23,7 +23,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from gateway.request_state import CompletionDelta, Request, emit_all
+from gateway.core.request_state import CompletionDelta, Request, emit_all
 
 # How long the next Execute gets before the previous step's streams are written. Measured at
 # 64 running (four interleaved runs each): writing at once raised the Execute round trip by

@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 
 import structlog
 
-from gateway.engine import Engine
-from gateway.request_state import Request
-from gateway.router import Router
+from gateway.core.request_state import Request
+from gateway.engine.loop import Engine
+from gateway.engine.router import Router
 
 T = TypeVar("T")
 
