@@ -7,18 +7,21 @@
     python -m bench.control_plane --quick --running 64,256 --compare 3 --baseline tree \
         --baseline-tree /tmp/before       # this gateway against the one at <commit>
 
-The allocator and the executor run as usual (models/small-llama, dummy weights); the gateway
-runs as `python -m bench.cp_gateway`, the real gateway with timers around its step phases (see
-that module). N streaming requests (16-token prompts, ignore_eos, greedy) start together; the
-steps in which all N decode one token each are kept, and per step we split its time into:
+The three services run as usual (models/small-llama, dummy weights), the gateway with
+`--step-log`: its engines' own per-step records (gateway/engine/step_stats.py). N streaming
+requests (16-token prompts, ignore_eos, greedy) start together; the steps in which all N
+decode one token each are kept, and per step we split its time into:
 
-    scheduling      the scheduler's schedule / apply_outcome / apply_result
-    allocator RPC   AllocatorClient.step less protobuf encode/decode (the round trip, the
-                    allocator's work, message building)
+    scheduling      the scheduler's share of the step (planning, applying the allocator's
+                    outcome)
+    allocator RPC   the Step's round trip (message building, the allocator's work)
     forward, sample the executor's own report
     executor other  executor-side work outside forward/sample (its total less both)
-    transport       the Execute call less the executor's total and protobuf encode/decode
-    serialization   protobuf encode/decode of both calls on the gateway side
+    transport       the Execute's round trip less the executor's total (message building
+                    and transport both ways)
+    serialization   protobuf encode/decode on the gateway side: only a gateway from before
+                    `--step-log`, timed from outside (bench.cp_gateway in that tree), splits
+                    it out; the engine's records count it in the two round trips
     outputs/other   the rest of the step: emitting tokens to streams, detokenization, awaits
 
 Control plane = step - forward - sample (everything but the model), where a step is the

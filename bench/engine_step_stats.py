@@ -6,8 +6,8 @@ the windows in which all N sequences decoded. Control plane = gateway step time 
 executor's forward pass and sampling: scheduling, the allocator round trip, serialization
 both ways, the Execute round trip, and output processing (detokenization, streaming).
 
-The gateway's own figures, unpatched (`--stats-every-steps`); `python -m bench.control_plane`
-splits the same cost into its parts with timers around each phase.
+The gateway's own summaries (`--stats-every-steps`); `python -m bench.control_plane` splits
+the same cost into its parts from the same engines' per-step records (`--step-log`).
 """
 
 from __future__ import annotations

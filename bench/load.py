@@ -122,10 +122,11 @@ def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[
     Dummy weights (seeded) by default, as the presets' baselines rebuild them; `auto` for a
     model directory with real weights.
 
-    With `step_log`, the gateway runs as `python -m bench.cp_gateway` (the same gateway with
-    per-step timers, one JSON line per executed step appended to that file), from
-    `gateway_tree` when given (a checkout of another commit: its gateway against this tree's
-    allocator and executor).
+    With `step_log`, the gateway appends one JSON line per executed step to that file (its
+    engines' own timings, `--step-log`), and runs from `gateway_tree` when given (a checkout
+    of another commit: its gateway against this tree's allocator and executor; a gateway
+    from before `--step-log` runs as that tree's `python -m bench.cp_gateway`, which times
+    it from outside). `read_steps` gives both in one form.
     """
     spec = StackSpec(
         model=model, allocator_port=0, executor_port=0, gateway_port=0,
@@ -143,11 +144,14 @@ def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[
                                                              *spec.executor_args))
             for service in running.services:
                 running._wait_healthy(service)
-            os.environ["PAGEDKV_BENCH_STEP_LOG"] = step_log
-            gateway = running._start("gateway", "bench.cp_gateway", 0, (
+            module, extra = "gateway", ("--step-log", step_log)
+            if gateway_tree and not _has_step_log(gateway_tree):
+                os.environ["PAGEDKV_BENCH_STEP_LOG"] = step_log
+                module, extra = "bench.cp_gateway", ()
+            gateway = running._start("gateway", module, 0, (
                 "--allocator-addr", running.allocator_addr,
                 "--executor-addrs", ",".join(running.executor_addrs()), "--model", model,
-                *spec.gateway_args), cwd=gateway_tree)
+                *spec.gateway_args, *extra), cwd=gateway_tree)
             running._wait_healthy(gateway)
         except BaseException:
             running.stop()
@@ -158,13 +162,34 @@ def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[
         running.stop()
 
 
+def _has_step_log(tree: str) -> bool:
+    return "--step-log" in (Path(tree) / "gateway" / "settings.py").read_text()
+
+
+# The gateway's own step records (gateway/engine/step_stats.py) under the short names the
+# benchmarks use, which an older tree's outside timers (bench.cp_gateway) wrote directly.
+_STEP_FIELDS = {"period_ms": "period", "schedule_ms": "sched", "allocator_ms": "alloc",
+                "execute_ms": "exec", "forward_ms": "forward", "sample_ms": "sample",
+                "executor_ms": "exec_total", "num_seqs": "seqs", "num_tokens": "num_tokens"}
+
+
+def _short(record: dict[str, Any]) -> dict[str, float]:
+    if "period_ms" not in record:
+        return record  # an outside-timed record: already in these names
+    short = {name: float(record[key]) for key, name in _STEP_FIELDS.items()}
+    short["ahead"] = float(bool(record["ahead"]))
+    short["total"] = short["period"]  # the engine's step is its period
+    return short
+
+
 def read_steps(step_log: str, offset: int = 0) -> tuple[list[dict[str, float]], int]:
-    """Step records appended since `offset`, and the new offset."""
+    """Step records appended since `offset` (in the benchmarks' short names), and the new
+    offset."""
     path = Path(step_log)
     if not path.exists():
         return [], offset
     with path.open() as handle:
         handle.seek(offset)
         text = handle.read()
-    return [json.loads(line) for line in text.splitlines() if line.strip()], offset + len(
-        text.encode())
+    records = [_short(json.loads(line)) for line in text.splitlines() if line.strip()]
+    return records, offset + len(text.encode())

@@ -156,7 +156,7 @@ def _step_span(x: dict[str, float]) -> float:
 
 
 def step_profile(steps: list[dict[str, float]], wall_s: float) -> dict[str, float | None]:
-    """Where pagedkv's wall time went, from the instrumented gateway's per-step records."""
+    """Where pagedkv's wall time went, from the gateway's own per-step records."""
     if not steps:
         return {}
     total = sum(map(_step_span, steps))

@@ -174,7 +174,8 @@ async def build_engines(settings: GatewaySettings, tokenizer: Tokenizer) -> Engi
                                 swap=settings.preemption_mode == "swap"),
             output=output,
             on_lost=router.requeue,
-            stats=StepStats(window=settings.stats_every_steps),
+            stats=StepStats(window=settings.stats_every_steps,
+                            log_path=settings.step_log or None),
             async_depth=settings.async_depth,
         )
         router.engines.append(engine)

@@ -34,6 +34,7 @@ class GatewaySettings:
     allocator_timeout_s: float
     execute_timeout_s: float
     stats_every_steps: int
+    step_log: str
     async_depth: int
     log_json: bool
     log_level: str
@@ -112,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         "itself (only with an executor whose Describe reports uses_sampled_tokens; others "
         "run at 1); 1: each batch returns before the next is planned",
     )
+    add_flag(
+        parser, "--step-log", default="",
+        help="append one JSON line per executed step to this file (the engines' own timings: "
+        "period, scheduler, Step and Execute round trips, the executor's report); benchmarks "
+        "read it",
+    )
     add_flag(parser, "--log-json", action="store_true", help="JSON logs (containers)")
     add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
     return parser
@@ -140,6 +147,7 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             allocator_timeout_s=args.allocator_timeout_s,
             execute_timeout_s=args.execute_timeout_s,
             stats_every_steps=args.stats_every_steps,
+            step_log=args.step_log,
             async_depth=args.async_depth,
             log_json=args.log_json,
             log_level=args.log_level,

@@ -130,10 +130,15 @@ class ExecutorClient:
                 f"not one for each of the {len(sampling)} that sample, in their order "
                 "(pagedkv.executor.v1; see tests/conformance)",
             )
+        timings = response.timings
         return ExecuteResult(
             tokens=tuple(Sampled(t.request_id, t.token_id) for t in response.tokens),
-            compute_ms=response.timings.forward_ms + response.timings.sample_ms,
+            compute_ms=timings.forward_ms + timings.sample_ms,
             decode_token_ids=tuple(response.decode_sampled_token_ids),
+            forward_ms=timings.forward_ms,
+            sample_ms=timings.sample_ms,
+            executor_ms=timings.total_ms,
+            num_tokens=response.num_tokens,
         )
 
     async def release(self, request_ids: Sequence[str], timeout: float | None = None) -> None:

@@ -77,6 +77,11 @@ class InFlight:
     # The batch launched before it failed: this one, which may build on it (sampled tokens),
     # may fail too, so the next is not launched before it lands.
     after_failure: bool = False
+    # The step that built it (ms): the scheduler's share, the Step's round trip; and whether
+    # it went out while another batch was in flight (then it waits for that one too).
+    schedule_ms: float = 0.0
+    allocator_ms: float = 0.0
+    ahead: bool = False
 
     def head_start_left(self) -> float:
         """Seconds until the call has had EXECUTE_HEAD_START_S to reach the executor."""
@@ -93,7 +98,11 @@ class InFlight:
 class Landed:
     """A batch whose Execute returned: its result, round trip (ms) and sampled tokens."""
 
-    batch: Batch
+    flight: InFlight  # what it was while in flight (its step's timings)
     result: ExecuteResult
     execute_ms: float
     sampled: list[tuple[Sequence, int]]
+
+    @property
+    def batch(self) -> Batch:
+        return self.flight.batch

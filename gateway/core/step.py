@@ -168,3 +168,8 @@ class ExecuteResult:
     tokens: tuple[Sampled, ...]  # for the sequences of `seqs` that sample
     compute_ms: float  # the executor's forward pass + sampling
     decode_token_ids: tuple[int, ...] = ()  # one per compact decode, in column order
+    # The executor's own report: its forward pass, sampling, whole step (ms), tokens computed.
+    forward_ms: float = 0.0
+    sample_ms: float = 0.0
+    executor_ms: float = 0.0
+    num_tokens: int = 0

@@ -28,7 +28,9 @@ def launch(engine: EngineState, batch: Batch) -> InFlight:
     previous = engine.in_flight[-1].step_id if engine.in_flight else 0
     execute = asyncio.ensure_future(engine.link.execute(batch.call, step_id, previous))
     engine.scheduler.launch(batch)  # at depth 2 the next step is planned on top of it
-    flight = InFlight(batch, execute, time.perf_counter(), step_id)
+    flight = InFlight(batch, execute, time.perf_counter(), step_id,
+                      schedule_ms=engine.last_schedule_ms, allocator_ms=engine.last_step_ms,
+                      ahead=bool(engine.in_flight))
     engine.in_flight.append(flight)
     return flight
 
@@ -55,7 +57,7 @@ async def land(engine: EngineState) -> Landed | None:
     execute_ms = (time.perf_counter() - flight.launched) * 1e3
     engine.releases_refused = False  # any waiting releases went out with this Execute
     sampled = engine.scheduler.apply_result(batch, result)
-    return Landed(batch, result, execute_ms, sampled)
+    return Landed(flight, result, execute_ms, sampled)
 
 async def take_outputs(engine: EngineState, landed: Landed | None, fork: bool = True) -> None:
     """A landed batch's tokens become deltas (held for the streams), its finished

@@ -36,6 +36,7 @@ from gateway.core.request_state import Sequence
 from gateway.core.step import StepOutcome
 from gateway.engine import landing, orphans, recovery, side_calls
 from gateway.engine.state import EngineState
+from gateway.engine.step_stats import StepRecord
 
 log = structlog.get_logger(__name__)
 
@@ -124,6 +125,7 @@ class Engine(EngineState):
         started = time.perf_counter()
         overlapped = bool(self.in_flight)
         plan = self.plan = self.scheduler.schedule(overlapped)
+        self.last_schedule_ms = (time.perf_counter() - started) * 1e3
         if plan is None or not plan.call.has_items():
             await landing.settle(self)  # nothing to overlap with the batch executing
             self.deliver()
@@ -147,7 +149,9 @@ class Engine(EngineState):
             # Its tokens count as computed, their values as stand-ins that the executor
             # fills in itself (use_sampled_token): this step's batch goes out before it lands.
             self.scheduler.advance(self.in_flight[0].batch)
+        applying = time.perf_counter()
         batch = self.batch = self.scheduler.apply_outcome(plan, outcome)
+        self.last_schedule_ms += (time.perf_counter() - applying) * 1e3
         if batch.call.is_empty():
             # Nothing to run, but releases (a recompute preemption) must still go out.
             if self.in_flight:  # the batch in flight lands first
@@ -179,13 +183,19 @@ class Engine(EngineState):
             # is not); the first step after idle counts from its start.
             now = time.perf_counter()
             since, self.last_landed = self.last_landed or started, now
-            self.stats.record(
-                total_ms=(now - since) * 1e3,
-                allocator_ms=self.last_step_ms,
+            done, result = landed.flight, landed.result
+            self.stats.record(StepRecord(
+                period_ms=(now - since) * 1e3,
+                schedule_ms=done.schedule_ms,
+                allocator_ms=done.allocator_ms,
                 execute_ms=landed.execute_ms,
-                compute_ms=landed.result.compute_ms,
+                forward_ms=result.forward_ms,
+                sample_ms=result.sample_ms,
+                executor_ms=result.executor_ms,
                 num_seqs=len(landed.batch.scheduled),
-            )
+                num_tokens=result.num_tokens,
+                ahead=done.ahead,
+            ), self.pool_id)
             if self.stats.should_report():
                 log.info("engine_step_stats", pool_id=self.pool_id, **self.stats.summary())
         return True

@@ -60,6 +60,7 @@ class EngineState:
         default_factory=lambda: itertools.count(secrets.randbits(62) + 1)
     )
     last_step_ms: float = 0.0  # the latest Step's round trip
+    last_schedule_ms: float = 0.0  # the scheduler's share of the latest step
     last_landed: float | None = None  # when the last step that landed a batch ended (stats)
     stepping: bool = False
 

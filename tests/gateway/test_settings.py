@@ -45,3 +45,8 @@ def test_async_depth_is_two_by_default_and_takes_one_or_two(capsys: pytest.Captu
         with pytest.raises(SystemExit) as info:
             load_settings(["--async-depth", wrong])
         assert info.value.code == 2 and "--async-depth" in capsys.readouterr().err
+
+
+def test_step_log_is_off_by_default_and_names_a_file():
+    assert load_settings([]).step_log == ""
+    assert load_settings(["--step-log", "/tmp/steps.jsonl"]).step_log == "/tmp/steps.jsonl"
