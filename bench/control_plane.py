@@ -3,9 +3,11 @@
     python -m bench.control_plane [--quick] [--async-depth 1]
     python -m bench.control_plane --quick --running 64,256 --compare 3   # depth 2 vs depth 1
     python -m bench.control_plane --quick --running 64,256 --compare 3 --baseline untuned-malloc
-    git worktree add /tmp/before <commit> && ln -s $PWD/pagedkv /tmp/before/pagedkv
+    git worktree add /tmp/before <commit> && (cd /tmp/before && $OLDPWD/.venv/bin/python \
+        -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. \
+        protos/pagedkv/*/v1/*.proto)      # that commit, with its own generated stubs
     python -m bench.control_plane --quick --running 64,256 --compare 3 --baseline tree \
-        --baseline-tree /tmp/before       # this gateway against the one at <commit>
+        --baseline-tree /tmp/before       # this gateway and allocator against that commit's
 
 The three services run as usual (models/small-llama, dummy weights), the gateway with
 `--step-log`: its engines' own per-step records (gateway/engine/step_stats.py). N streaming
@@ -214,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None,
                    help="with --compare: bench/results/<name>.json (default: after --baseline)")
     p.add_argument("--baseline-tree", default=None, metavar="DIR",
-                   help="with --baseline tree: a checkout of another commit (its generated "
-                   "pagedkv/ stubs linked in) whose gateway runs against this one's")
+                   help="with --baseline tree: a checkout of another commit (with its own "
+                   "generated stubs) whose gateway and allocator run against this tree's")
     args = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     sizes = [int(x) for x in args.running.split(",")]

@@ -124,7 +124,7 @@ def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[
 
     With `step_log`, the gateway appends one JSON line per executed step to that file (its
     engines' own timings, `--step-log`), and runs from `gateway_tree` when given (a checkout
-    of another commit: its gateway against this tree's allocator and executor; a gateway
+    of another commit: its gateway and allocator, this tree's executor; a gateway
     from before `--step-log` runs as that tree's `python -m bench.cp_gateway`, which times
     it from outside). `read_steps` gives both in one form.
     """
@@ -139,7 +139,9 @@ def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[
         running.start()
     else:
         try:
-            running._start("allocator", "allocator_svc", 0, spec.allocator_args)
+            # Another checkout's gateway speaks its own allocator protocol: both come from it.
+            running._start("allocator", "allocator_svc", 0, spec.allocator_args,
+                           cwd=gateway_tree)
             running._start("executor-0", "executor_svc", 0, ("--model", model,
                                                              *spec.executor_args))
             for service in running.services:
