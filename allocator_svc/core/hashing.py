@@ -84,6 +84,16 @@ class BlockHasher:
         return hashes, keys
 
 
+    def next_blocks(
+        self, parents: list[BlockHash], token_ids: list[int]
+    ) -> tuple[list[BlockHash], list[bytes]]:
+        """One block each: parents[i]'s child over the i-th block-size slice of `token_ids`
+        (a decode step's filled blocks, packed in one call). Hashes and hash inputs."""
+        packed, stride, sha256 = pack_tokens(token_ids), self._stride, hashlib.sha256
+        keys = [parent + packed[i * stride : (i + 1) * stride] for i, parent in enumerate(parents)]
+        return [sha256(key).digest() for key in keys], keys
+
+
 def pack_tokens(token_ids: list[int]) -> bytes:
     """u32le of each token id, as the profile's encoding says."""
     packed = array("I", token_ids)

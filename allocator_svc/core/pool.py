@@ -224,23 +224,19 @@ class Pool:
     def _cache_one_block_each(self, filled: list[Request], tokens: list[int]) -> None:
         """Each request filled its next block with its slice of `tokens`: packed together, each
         hashed over its parent + its slice."""
-        bs = self.block_size
-        packed, stride, sha256 = pack_tokens(tokens), 4 * bs, hashlib.sha256
         blocks: list[Block] = []
-        hashes: list[bytes] = []
-        keys: list[bytes] = []
-        parents: list[bytes | None] = []  # None: a chain's first block
-        for index, request in enumerate(filled):
+        parents: list[bytes] = []
+        for request in filled:
             have = len(request.block_hashes)
-            parent = request.block_hashes[-1] if have else request.root_hash
-            key = parent + packed[index * stride : (index + 1) * stride]
-            block_hash = sha256(key).digest()
-            request.block_hashes.append(block_hash)
+            parents.append(request.block_hashes[-1] if have else request.root_hash)
             blocks.append(request.blocks[have])
-            hashes.append(block_hash)
-            keys.append(key)
-            parents.append(parent if have else None)
-        self.blocks.cache_blocks(blocks, hashes, keys, parents, tokens)
+        hashes, keys = self.hash_block.next_blocks(parents, tokens)
+        for request, block_hash in zip(filled, hashes, strict=True):
+            request.block_hashes.append(block_hash)
+        # A chain's first block has no parent block (its parent is the root).
+        parent_blocks = [p if r.block_hashes[:-1] else None
+                         for p, r in zip(parents, filled, strict=True)]
+        self.blocks.cache_blocks(blocks, hashes, keys, parent_blocks, tokens)
 
     def fill_pending(self, requests: list[Request], token_ids: list[int]) -> None:
         """Pending tokens learn their values (validated: each request holds one)."""

@@ -257,17 +257,12 @@ def _run_plain_decodes(
             num_boundaries += 1
         else:
             return False
-    # (The columns' lengths were checked: zip needs no strict.)
-    if not num_boundaries:  # 15 steps in 16
-        for request, token in zip(batch, decodes.token_ids, strict=False):
-            request.token_ids.append(token)
-            request.num_computed += 1
-        return True
     if num_boundaries > pool.blocks.num_free:
         return False  # someone must be preempted
-    taken = pool.blocks.allocate(num_boundaries)
+    taken = pool.blocks.allocate(num_boundaries) if num_boundaries else []  # 15 steps in 16: none
     assert taken is not None, "checked: the pool has num_boundaries free blocks"
     fresh = iter(taken)
+    # (The columns' lengths were checked: zip needs no strict.)
     for request, token in zip(batch, decodes.token_ids, strict=False):
         computed = request.num_computed
         request.token_ids.append(token)
