@@ -208,10 +208,15 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         eos_token_ids=engines.eos_token_ids,
     )
     frontend = Frontend(tokenizer=tokenizer, limits=limits, engines=host, info=info)
-    server = await start_server(
-        [(service.add_to_server, service.GatewayServicer(frontend), service.SERVICE_NAME)],
-        settings.host, settings.port,
-    )
+    try:
+        server = await start_server(
+            [(service.add_to_server, service.GatewayServicer(frontend), service.SERVICE_NAME)],
+            settings.host, settings.port,
+        )
+    except BaseException:
+        await host.run(engines.close())
+        host.stop()
+        raise
     gateway = Gateway(server=server, frontend=frontend, host=host, engines=engines)
     gateway.tasks.append(
         asyncio.get_running_loop().create_task(_watch_health(server, engines.router))

@@ -62,6 +62,9 @@ class Frontend:
         try:
             engine = await self.engines.submit(request)
         except BaseException:
+            # Refused, or this call was cancelled (client gone, deadline) while the engine
+            # loop ran the submission: it may have queued the request already.
+            self.engines.cancel(request)
             self._forget(request)
             raise
         log.info("request_queued", pool_id=engine.pool_id,

@@ -61,6 +61,9 @@ class EngineHost:
         return await self.run(self._router().submit(request))
 
     def cancel(self, request: Request) -> None:
+        if self.loop.is_closed():  # stopped: nothing runs it any more
+            request.cancelled = True
+            return
         self.loop.call_soon_threadsafe(self._router().cancel, request)
 
     @property

@@ -5,6 +5,7 @@ callers do it), and failures go to recovery.py like the hot path's."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import structlog
 
@@ -46,26 +47,34 @@ async def fork(engine: EngineState, parent: Sequence) -> None:
 
 
 async def flush_housekeeping(engine: EngineState, plan: ScheduledStep) -> None:
-    """An idle engine: frees, commits and aborts go out without a step."""
+    """An idle engine: aborts, then frees and commits, go out without a step.
+
+    Aborts first: the Free confirms steps by id (commit_through_step_id), which may cover a
+    rejected batch whose requests are among the aborts, and an aborted request is never
+    committed. (A Step carries both, and the allocator skips the ones it aborts.)"""
     call = plan.call
     try:
+        if call.abort_request_ids:
+            await engine.link.abort(call.abort_request_ids)
+            # Applied: whatever fails next must not send them again.
+            plan = ScheduledStep(call=replace(call, abort_request_ids=()), seqs=plan.seqs,
+                                 late=plan.late)
         if call.commits or call.free_request_ids or call.commit_through_step_id:
             await engine.link.free(call.commits, call.free_request_ids,
                                    call.commit_through_step_id)
-        if call.abort_request_ids:
-            await engine.link.abort(call.abort_request_ids)
     except CallFailed as exc:
         log.warning("allocator_free_failed", pool_id=engine.pool_id, code=exc.status)
         if isinstance(exc, recovery.STALE_POOL):
             await recovery.reregister(engine, plan)
         elif isinstance(exc, Lost):
             # Free may have been applied: abort the ids later, never free twice.
-            engine.orphan_ids.update(call.free_request_ids, call.abort_request_ids)
+            engine.orphan_ids.update(plan.call.free_request_ids, plan.call.abort_request_ids)
             await recovery.allocator_unreachable(engine, exc)
         else:
             recovery.restore_housekeeping(engine, plan)
             await asyncio.sleep(recovery.RETRY_PAUSE_S)
     await flush_releases(engine)
+
 
 async def flush_releases(engine: EngineState) -> None:
     """Executor releases with no Execute to ride on."""

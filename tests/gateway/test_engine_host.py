@@ -13,7 +13,8 @@ from test_engine import engine
 from test_engine import tokenizer as tokenizer  # the module-scoped fixture
 
 from common.errors import ResourceExhausted
-from gateway.api.sampling import SamplingOptions
+from gateway.api.frontend import Frontend, ModelInfo
+from gateway.api.sampling import ModelLimits, RawSampling, SamplingOptions
 from gateway.core.request_state import CompletionDelta, Request
 from gateway.engine.host import EngineHost
 from gateway.engine.router import Router
@@ -134,3 +135,58 @@ def test_a_cancellation_crosses_to_the_engine_loop(tokenizer: Tokenizer):
     num_tokens = sum(len(d.token_ids) for d in deltas)
     assert 1 <= num_tokens < 50 and not any(d.finish_reason for d in deltas)
     assert link.pool.all_free() and not link.model.held
+
+
+def test_a_submit_cancelled_while_the_engine_loop_runs_it_leaves_nothing_running(
+    tokenizer: Tokenizer,
+):
+    # The client goes away while its submission runs on the engine loop, after the router
+    # queued the request: the frontend cancels it there too, so it does not run to its 100
+    # tokens for nobody, and its blocks come back.
+    host, eng, link, task = _hosted(tokenizer)
+    router = host.router
+    assert router is not None
+
+    class SlowToAnswer:
+        engines = router.engines
+        cancel = router.cancel
+
+        async def submit(self, request: Request):  # type: ignore[no-untyped-def]
+            engine = await router.submit(request)  # queued on the engine
+            await asyncio.sleep(0.3)  # ... and the caller gives up meanwhile
+            return engine
+
+    host.router = SlowToAnswer()  # type: ignore[assignment]
+    original = link.compute
+
+    async def slow(call):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.02)  # 100 tokens: 2 s
+        return await original(call)
+
+    link.compute = slow  # type: ignore[method-assign]
+    frontend = Frontend(
+        tokenizer=tokenizer,
+        limits=ModelLimits(max_model_len=256, vocab_size=tokenizer.vocab_size, max_n=4,
+                           pool_capacity_tokens=128),
+        engines=host,
+        info=ModelInfo("tiny", 256, tokenizer.vocab_size, (2,)),
+    )
+
+    async def scenario() -> None:
+        call = asyncio.ensure_future(frontend.submit(
+            None, [9] * 5, RawSampling(max_tokens=100, ignore_eos=True), "", "gone"))
+        await asyncio.sleep(0.1)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        for _ in range(100):  # 1 s: well before it could have finished
+            if link.pool.all_free() and not eng.busy:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the request kept running")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        _stop(host, task)
+    assert link.pool.all_free() and not link.model.held and not frontend.active

@@ -465,3 +465,40 @@ def test_a_batch_that_failed_while_the_step_was_out_lands_before_the_next_is_bui
     assert launches[3] == (1, 0)  # b's prefill alone, after the third landed
     assert not [e for e in logs if e["event"] == "requests_recomputed"]
     assert [e["event"] for e in logs].count("execute_failed") == 1
+
+
+def test_an_idle_engine_aborts_a_rejected_batchs_request_before_confirming_later_steps(
+    tokenizer: Tokenizer,
+):
+    # a's whole prompt is in the first batch, which the executor rejects; b arrives while it
+    # runs, and its batch (launched on top of it, without a) executes. Then the engine is
+    # idle: its housekeeping both aborts a and confirms the steps through b's, which cover
+    # the rejected one. The abort must reach the allocator first: a's blocks were never
+    # written and must never be cached.
+    eng, link = engine(tokenizer, num_blocks=64, tokens=64)
+    a = submit(eng, "a", [9] * 8, max_tokens=1)
+    slow_executor(link, fail_call=1, code=grpc.StatusCode.INVALID_ARGUMENT)
+    calls: list[str] = []
+    for name in ("step", "free", "abort"):
+        original = getattr(link, name)
+
+        async def record(*args: Any, _original: Any = original, _name: str = name) -> Any:
+            calls.append(_name)
+            return await _original(*args)
+
+        setattr(link, name, record)
+
+    async def scenario() -> Request:
+        await eng.step()  # a's batch goes out
+        b = submit(eng, "b", [7] * 5, max_tokens=1)  # planned while it executes
+        await run_until_idle(eng)
+        return b
+
+    b = asyncio.run(scenario())
+    deltas = drain(a)
+    assert deltas[-1].error is not None and deltas[-1].error.code is grpc.StatusCode.UNAVAILABLE
+    assert [t for d in drain(b) for t in d.token_ids] == link.model.reference([7] * 5, 1)
+    assert calls[-2:] == ["abort", "free"]  # the idle housekeeping, in that order
+    stored = [e.token_ids for e in link.pool.pool.events.after(0, 1 << 16).events if e.token_ids]
+    assert [9, 9, 9, 9] not in stored
+    assert link.pool.all_free() and not link.model.held
