@@ -80,10 +80,7 @@ class Request:
     thread_id: int = field(default_factory=threading.get_ident)
 
     def emit(self, delta: CompletionDelta) -> None:
-        if self.loop is None or threading.get_ident() == self.thread_id:
-            self.outputs.put_nowait(delta)
-        else:
-            self.loop.call_soon_threadsafe(self.outputs.put_nowait, delta)
+        emit_all(((self, delta),))
 
 
 def emit_all(deltas: Iterable[tuple[Request, CompletionDelta]]) -> None:
