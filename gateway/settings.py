@@ -54,6 +54,14 @@ class GatewaySettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 (seconds)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be >= 2 (or unset: the executors' value)")
+        if self.step_log:
+            try:  # refused here, in one line, rather than by a traceback at the first step
+                with open(self.step_log, "a"):
+                    pass
+            except OSError as exc:
+                raise ValueError(
+                    f"--step-log {self.step_log}: cannot append to it ({exc.strerror})"
+                ) from exc
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -494,3 +494,23 @@ def test_service_a_freed_id_may_be_admitted_again_in_the_same_step(stub):
     assert stats.requests[0].num_tokens == 2 and stats.pools[0].num_requests == 1
     (grant,) = step(stub, pool, [new("b", [1, 2, 3])]).grants
     assert grant.num_cached_tokens == 2  # the old request's block, committed before its free
+
+
+def test_service_free_commits_through_a_step_id_and_refuses_one_not_sent(stub):
+    # An idle gateway confirms its numbered steps with its Free; an id this lease never sent
+    # is INVALID_ARGUMENT and changes nothing (the request is not freed).
+    pool = register(stub)
+    lease = stub.CreateLease(pb.CreateLeaseRequest(ttl_ms=60_000)).lease_id
+    step(stub, pool, [new("a", [1, 2, 3, 4, 5])], lease_id=lease, step_id=1)
+    expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        stub.Free,
+        pb.FreeRequest(pool_id=pool.pool_id, epoch=pool.epoch, request_ids=["a"],
+                       lease_id=lease, commit_through_step_id=2),
+        match="commit_through_step_id 2 names a step not sent yet",
+    )
+    assert stats(stub, pool).num_requests == 1
+    stub.Free(pb.FreeRequest(pool_id=pool.pool_id, epoch=pool.epoch, request_ids=["a"],
+                             lease_id=lease, commit_through_step_id=1))
+    (grant,) = step(stub, pool, [new("b", [1, 2, 3, 4, 9])]).grants
+    assert grant.num_cached_tokens == 4  # step 1's full block, committed by the Free

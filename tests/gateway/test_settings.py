@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from gateway.settings import load_settings
@@ -50,3 +52,10 @@ def test_async_depth_is_two_by_default_and_takes_one_or_two(capsys: pytest.Captu
 def test_step_log_is_off_by_default_and_names_a_file():
     assert load_settings([]).step_log == ""
     assert load_settings(["--step-log", "/tmp/steps.jsonl"]).step_log == "/tmp/steps.jsonl"
+
+
+def test_a_step_log_that_cannot_be_written_is_refused_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as info:
+        load_settings(["--step-log", str(tmp_path / "missing-dir" / "steps.jsonl")])
+    assert str(info.value).startswith("gateway: --step-log ") and "cannot append" in str(
+        info.value)
