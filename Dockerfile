@@ -45,7 +45,10 @@ COPY gateway ./gateway
 COPY tools ./tools
 RUN python -m executor_svc.attention.cpu_kernels
 
-RUN useradd --system --uid 10001 pagedkv && chown -R pagedkv build
+# /run/pagedkv: where compose's credentials service writes the internal token (a named
+# volume mounted there starts with this directory's owner).
+RUN useradd --system --uid 10001 pagedkv && chown -R pagedkv build \
+    && mkdir -p /run/pagedkv && chown pagedkv /run/pagedkv
 USER pagedkv
 
 EXPOSE 50051 50052 50053

@@ -13,7 +13,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 # The executor's C++ CPU kernels, compiled once for this machine (executor_svc/attention/csrc).
 KERNELS_STAMP := build/cpu_kernels/.built
 
-.PHONY: setup model kernels protos lint typecheck test conformance run run-allocator bench bench-full bench-executor bench-vllm compose-check clean
+.PHONY: setup model kernels protos certs lint typecheck test conformance run run-allocator bench bench-full bench-executor bench-vllm compose-check clean
 
 setup: $(VENV)/.installed model kernels
 $(VENV)/.installed: pyproject.toml
@@ -38,6 +38,10 @@ $(PROTO_STAMP): $(PROTO_SRC) $(VENV)/.installed $(MODEL_DIR)/.complete $(KERNELS
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_SRC)
 	touch $@
 
+# A development CA and one certificate per service, for mutual TLS (make run TLS=1 uses them).
+certs: $(VENV)/.installed
+	$(PY) -m tools.make_certs --out certs
+
 lint: setup
 	$(VENV)/bin/ruff check .
 
@@ -50,8 +54,8 @@ test: protos
 conformance: protos
 	$(PY) -m pytest -q tests/conformance --executor-addr=$(EXECUTOR_ADDR)
 
-run: protos
-	$(PY) -m tools.launch
+run: protos $(if $(TLS),certs)
+	$(PY) -m tools.launch $(if $(TLS),--tls-dir certs)
 
 run-allocator: protos
 	$(PY) -m allocator_svc

@@ -13,7 +13,7 @@ from allocator_svc.service import AllocatorServicer, sweep_leases
 from allocator_svc.settings import AllocatorSettings, parse_settings
 from common.logging import configure_logging
 from common.server import run_until_signal, start_server
-from pagedkv.allocator.v1 import allocator_pb2, allocator_pb2_grpc
+from pagedkv.allocator.v1 import allocator_pb2
 
 SERVICE_NAME = allocator_pb2.DESCRIPTOR.services_by_name["AllocatorService"].full_name
 
@@ -21,21 +21,16 @@ SERVICE_NAME = allocator_pb2.DESCRIPTOR.services_by_name["AllocatorService"].ful
 async def serve(settings: AllocatorSettings) -> None:
     log = structlog.get_logger("allocator_svc")
     allocator = Allocator(settings.limits)
+    auth = settings.auth
     server = await start_server(
-        [
-            (
-                allocator_pb2_grpc.add_AllocatorServiceServicer_to_server,
-                AllocatorServicer(allocator),
-                SERVICE_NAME,
-            )
-        ],
-        settings.host,
-        settings.port,
+        [(AllocatorServicer(allocator), SERVICE_NAME)], settings.host, settings.port,
+        authenticator=auth.authenticator(), credentials=auth.server_credentials(),
     )
     sweeper = asyncio.create_task(sweep_leases(allocator, settings.lease_check_interval_s))
     if settings.port_file:
         Path(settings.port_file).write_text(str(server.port))
-    log.info("server_started", port=server.port)
+    log.info("server_started", host=settings.host, port=server.port,
+             auth="mutual-tls" if auth.tls else "token" if auth.token else "none (--insecure)")
 
     async def stop_sweeper() -> None:
         sweeper.cancel()

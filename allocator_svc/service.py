@@ -2,6 +2,10 @@
 
 Every handler runs on the server's one event loop and calls the core synchronously, so each
 RPC is applied atomically (single writer, no locks).
+
+Every call that changes a request names a lease: a request's blocks can be committed, freed,
+forked or aborted only under the lease that admitted it (the core checks ownership; the core
+itself still accepts lease-less calls, for its own tests and tools in process).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
         return pb.DescribePoolResponse(pool=convert.pool_info(self.allocator.pool(request.pool_id)))
 
     async def Step(self, request: pb.StepRequest, context: Ctx) -> pb.StepResponse:
+        _require_lease(request.lease_id, "Step")
         result = self.allocator.step(convert.step_call(request))
         if result.preempted:
             log.info(
@@ -83,14 +88,15 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
             request.epoch,
             convert.commits(request.commits),
             list(request.request_ids),
-            request.lease_id or None,
+            _require_lease(request.lease_id, "Free"),
             request.commit_through_step_id,
         )
         return pb.FreeResponse(num_free_blocks=pool.blocks.num_free)
 
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
         pool = self.allocator.abort(
-            request.pool_id, request.epoch, list(request.request_ids), request.lease_id or None
+            request.pool_id, request.epoch, list(request.request_ids),
+            _require_lease(request.lease_id, "Abort"),
         )
         return pb.AbortResponse(num_free_blocks=pool.blocks.num_free)
 
@@ -100,13 +106,14 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
             request.epoch,
             request.parent_request_id,
             list(request.child_request_ids),
-            request.lease_id or None,
+            _require_lease(request.lease_id, "Fork"),
         )
         return pb.ForkResponse(child_tables=[convert.child_table(c) for c in children])
 
     async def SwapOut(self, request: pb.SwapOutRequest, context: Ctx) -> pb.SwapOutResponse:
         copies = self.allocator.swap_out(
-            request.pool_id, request.epoch, request.request_id, request.lease_id or None
+            request.pool_id, request.epoch, request.request_id,
+            _require_lease(request.lease_id, "SwapOut"),
         )
         return pb.SwapOutResponse(swap_out=convert.swap_copies(copies))
 
@@ -174,6 +181,15 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: Ctx) -> pb.KeepAliveResponse:
         lease = self.allocator.keep_alive(request.lease_id)
         return pb.KeepAliveResponse(ttl_ms=round(lease.ttl_s * 1000))
+
+
+def _require_lease(lease_id: str, method: str) -> str:
+    if not lease_id:
+        raise InvalidArgument(
+            f"{method}: lease_id is required (CreateLease, then name it in every call that "
+            "changes a request)"
+        )
+    return lease_id
 
 
 async def sweep_leases(allocator: Allocator, interval_s: float) -> None:

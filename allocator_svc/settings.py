@@ -7,6 +7,12 @@ from dataclasses import dataclass
 
 from allocator_svc.core.limits import Limits
 from common.config import add_flag
+from common.credentials import (
+    CredentialsError,
+    InternalAuth,
+    add_internal_auth_flags,
+    internal_auth_from_args,
+)
 
 _DEFAULTS = Limits()
 
@@ -21,13 +27,15 @@ class AllocatorSettings:
     lease_check_interval_s: float
     grace_s: float
     limits: Limits
+    auth: InternalAuth
 
 
 def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
     parser = argparse.ArgumentParser(
         prog="python -m allocator_svc", description="The pagedkv block-allocator service."
     )
-    add_flag(parser, "--host", default="0.0.0.0", help="address to bind")
+    add_flag(parser, "--host", default="127.0.0.1",
+             help="address to bind (0.0.0.0: every interface, for a private network)")
     add_flag(parser, "--port", type=int, default=50052, help="port to bind (0: any free port)")
     add_flag(parser, "--port-file", default=None, help="write the bound port here once serving")
     add_flag(parser, "--log-json", action="store_true", help="JSON logs (containers)")
@@ -39,6 +47,11 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
         default=_DEFAULTS.max_blocks_per_pool,
         help="largest pool a client may register",
     )
+    add_flag(parser, "--max-pools", type=int, default=_DEFAULTS.max_pools,
+             help="most pools registered at once")
+    add_flag(parser, "--max-lease-ttl-ms", type=int,
+             default=round(_DEFAULTS.max_lease_ttl_s * 1000),
+             help="longest lease a client may ask for")
     add_flag(
         parser,
         "--max-batch-items",
@@ -68,9 +81,12 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
         help="how often expired leases are swept",
     )
     add_flag(parser, "--grace-s", type=float, default=5.0, help="graceful-shutdown grace")
+    add_internal_auth_flags(parser)
     args = parser.parse_args(argv)
     for name in (
         "max_blocks_per_pool",
+        "max_pools",
+        "max_lease_ttl_ms",
         "max_batch_items",
         "default_lease_ttl_ms",
         "event_capacity",
@@ -80,10 +96,19 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.port <= 65535:
         parser.error("--port must be in 0..65535")
+    if args.default_lease_ttl_ms > args.max_lease_ttl_ms:
+        parser.error("--default-lease-ttl-ms must be <= --max-lease-ttl-ms")
+    try:
+        auth = internal_auth_from_args(args)
+    except CredentialsError as exc:
+        parser.error(str(exc))
     limits = Limits(
         max_blocks_per_pool=args.max_blocks_per_pool,
+        max_cpu_blocks_per_pool=args.max_blocks_per_pool,
+        max_pools=args.max_pools,
         max_batch_items=args.max_batch_items,
         default_lease_ttl_s=args.default_lease_ttl_ms / 1000,
+        max_lease_ttl_s=args.max_lease_ttl_ms / 1000,
         event_capacity=args.event_capacity,
     )
     return AllocatorSettings(
@@ -95,4 +120,5 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
         args.lease_check_interval_ms / 1000,
         args.grace_s,
         limits,
+        auth,
     )

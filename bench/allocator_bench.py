@@ -51,7 +51,7 @@ def decode_step_us(num_running: int, num_steps: int, columns: bool = False) -> l
     decode_request_ids/decode_token_ids; otherwise a `StepItem` each (the general path).
     Under a lease, as the gateway steps: every named request is checked against it."""
     allocator, epoch = make_pool()
-    lease = allocator.create_lease(3600.0).lease_id
+    lease = allocator.create_lease(600.0).lease_id
     ids = [f"r{i}" for i in range(num_running)]
     allocator.step(StepCall(
         "bench", epoch, lease,
@@ -132,6 +132,7 @@ def grpc_step_ms(num_running: int, num_steps: int) -> list[float]:
                 str(port_file),
                 "--log-level",
                 "warning",
+                "--insecure",  # the RPC cost alone: a token check is one compare
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,8 @@ def run_load(address: str, requests: Sequence[BenchRequest], concurrency: int | 
                             progress))
 
 
-def pool_stats(allocator_addr: str) -> list[Any]:
-    with grpc.insecure_channel(allocator_addr) as channel:
+def pool_stats(running: Stack) -> list[Any]:
+    with running.internal_auth.channel(running.allocator_addr) as channel:
         stub = apb_grpc.AllocatorServiceStub(channel)
         return list(stub.GetStats(apb.GetStatsRequest(), timeout=10).pools)
 
@@ -135,6 +136,12 @@ def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[
         log_dir=log_dir or tempfile.mkdtemp(prefix="pagedkv-bench-"),
     )
     running = Stack(spec)
+    if gateway_tree and not _has_internal_auth(gateway_tree):
+        # A tree from before the internal credentials: its services run open, and so must
+        # this tree's executor.
+        running.internal_token = ""
+        spec = replace(spec, executor_args=(*spec.executor_args, "--insecure"))
+        running.spec = spec
     if step_log is None:
         running.start()
     else:
@@ -162,6 +169,10 @@ def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[
         yield running
     finally:
         running.stop()
+
+
+def _has_internal_auth(tree: str) -> bool:
+    return (Path(tree) / "common" / "credentials.py").exists()
 
 
 def _has_step_log(tree: str) -> bool:

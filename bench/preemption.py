@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         with stack(MODEL, executor_args=executor_args, gateway_args=gateway_args,
                    seed=SEED) as running:
             run_load(running.gateway_addr, mixed_requests(4, seed=99), 4)  # warm-up
-            before = sum(p.num_preemptions for p in pool_stats(running.allocator_addr))
+            before = sum(p.num_preemptions for p in pool_stats(running))
             results, wall = run_load(running.gateway_addr, reqs, concurrency=len(reqs),
                                      timeout_s=600)
-            pools = pool_stats(running.allocator_addr)
+            pools = pool_stats(running)
         preemptions = sum(p.num_preemptions for p in pools) - before
         ok = [r for r in results if r.ok]
         tokens = [r.tokens for r in results]

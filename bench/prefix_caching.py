@@ -33,6 +33,7 @@ from bench.baselines import BenchRequest
 from bench.common import RESULTS_DIR, markdown_table, percentile, write_results
 from bench.load import pool_stats, run_load, stack
 from common.model_dirs import DEFAULT_MODEL, ModelDir
+from tools.launch import Stack
 
 SEED = 0
 SHARED_FRACTION = 0.9
@@ -53,8 +54,8 @@ def make_requests(count: int, prompt_len: int, output_len: int, seed: int, vocab
     return system, reqs
 
 
-def _counters(addr: str) -> tuple[int, int]:
-    pools = pool_stats(addr)
+def _counters(running: Stack) -> tuple[int, int]:
+    pools = pool_stats(running)
     return sum(p.num_prefix_hits for p in pools), sum(p.num_prefix_queries for p in pools)
 
 
@@ -93,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
                 order = ("on", "off") if rep % 2 == 0 else ("off", "on")
                 for mode in order:
                     running = stacks[mode]
-                    hits0, queries0 = _counters(running.allocator_addr)
+                    hits0, queries0 = _counters(running)
                     results, wall = run_load(running.gateway_addr, reqs, concurrency)
-                    hits1, queries1 = _counters(running.allocator_addr)
+                    hits1, queries1 = _counters(running)
                     ok = [r for r in results if r.ok]
                     ttft = [r.ttft_s * 1e3 for r in ok]
                     samples.setdefault((mode, concurrency), []).append({

@@ -1,8 +1,10 @@
 """The aio server lifecycle shared by the services.
 
-Standard gRPC health service, reflection (names from the descriptors), guarded handlers
-(request ids, error statuses: common.interceptor),
-a bound port (0 picks a free one: tests), and graceful shutdown on SIGTERM/SIGINT.
+Standard gRPC health service (always open: probes carry no credentials), reflection (names
+from the descriptors; only on a server without authentication, since it is an RPC like any
+other), guarded handlers (parsing, authentication, request ids, error statuses:
+common.interceptor), plaintext or TLS, a bound port (0 picks a free one: tests), and
+graceful shutdown on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -12,18 +14,20 @@ import gc
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.interceptor import guard
+from common.auth import Authenticator
+from common.interceptor import guarded_handler
 
 log = structlog.get_logger(__name__)
 
-# A servicer registration: (add_XServicer_to_server, servicer, full service name).
-Registration = tuple[Callable[..., None], object, str]
+# A servicer registration: (servicer, full service name).
+Registration = tuple[object, str]
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -52,31 +56,40 @@ class Server:
 
 
 async def start_server(
-    registrations: Sequence[Registration], host: str, port: int, serving: bool = True
+    registrations: Sequence[Registration], host: str, port: int, serving: bool = True,
+    *, authenticator: Authenticator | None = None, credentials: Any = None,
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
 ) -> Server:
-    """Build, bind and start the server; health says SERVING unless `serving` is False."""
+    """Build, bind and start the server; health says SERVING unless `serving` is False.
+    `authenticator` checks every call of the registered services; `credentials`
+    (grpc.ServerCredentials) serves TLS instead of plaintext."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.so_reuseport", 0),
         ],
     )
     names = []
-    for add, servicer, name in registrations:
-        add(guard(servicer, name), server)
+    for servicer, name in registrations:
+        server.add_generic_rpc_handlers((guarded_handler(servicer, name, authenticator),))
         names.append(name)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [
-            *names,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ],
-        server,
-    )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if authenticator is None and credentials is None:
+        reflection.enable_server_reflection(
+            [
+                *names,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            server,
+        )
+    address = f"{host}:{port}"
+    if credentials is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}: is the port in use?")
     await server.start()

@@ -38,7 +38,11 @@ async def serve(settings: ExecutorSettings) -> None:
 
     worker = compute_thread()
     runner = await asyncio.get_running_loop().run_in_executor(worker, build_runner, settings)
-    server = await start_server([registration(runner, worker)], settings.host, settings.port)
+    auth = settings.auth
+    server = await start_server(
+        [registration(runner, worker)], settings.host, settings.port,
+        authenticator=auth.authenticator(), credentials=auth.server_credentials(),
+    )
     if settings.port_file:
         write_port_file(settings.port_file, server.port)
     info = runner.info
@@ -51,6 +55,7 @@ async def serve(settings: ExecutorSettings) -> None:
         device=info.device,
         num_blocks=info.num_blocks,
         instance_id=info.instance_id,
+        auth="mutual-tls" if auth.tls else "token" if auth.token else "none (--insecure)",
     )
     await run_until_signal(server)
 

@@ -80,4 +80,4 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 def registration(runner: ModelRunner, worker: ThreadPoolExecutor | None = None) -> Registration:
     """`worker`: the thread that built `runner` (compute_thread.py); None: a new one."""
     servicer = ExecutorServicer(runner, worker)
-    return (pb_grpc.add_ExecutorServiceServicer_to_server, servicer, SERVICE_NAME)
+    return (servicer, SERVICE_NAME)

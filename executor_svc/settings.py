@@ -12,6 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import add_flag, parse_bool
+from common.credentials import (
+    CredentialsError,
+    InternalAuth,
+    add_internal_auth_flags,
+    internal_auth_from_args,
+)
 from common.model_dirs import DEFAULT_MODEL as EMBEDDED_MODEL
 from common.model_dirs import missing_model_message
 
@@ -58,6 +64,8 @@ class ExecutorSettings:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # Who may call it (flags: common.auth); in-process use (tests) needs none.
+    auth: InternalAuth = InternalAuth()
     tune_malloc: bool = True  # CPU, glibc: a step's large tensors reuse memory (malloc_tuning.py)
     log_json: bool = False
     log_level: str = "info"
@@ -171,9 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag(p, "--log-json", action="store_true", default=False, help="JSON logs")
     add_flag(p, "--log-level", default=d.log_level, help="debug, info, warning, error")
+    add_internal_auth_flags(p)
     return p
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> ExecutorSettings:
     args = build_parser().parse_args(argv)
-    return ExecutorSettings(**vars(args)).validate()
+    try:
+        auth = internal_auth_from_args(args)
+    except CredentialsError as exc:
+        raise SettingsError(str(exc)) from exc
+    values = vars(args)
+    for name in ("internal_token_file", "tls_cert", "tls_key", "tls_ca", "insecure"):
+        del values[name]
+    return ExecutorSettings(**values, auth=auth).validate()

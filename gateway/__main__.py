@@ -8,6 +8,7 @@ import sys
 
 import structlog
 
+from common.credentials import CredentialsError
 from common.logging import configure_logging
 from gateway.app import start_gateway
 from gateway.settings import load_settings
@@ -21,7 +22,7 @@ async def main() -> int:
     configure_logging("gateway", json=settings.log_json, level=settings.log_level)
     try:
         gateway = await start_gateway(settings)
-    except TokenizerLoadError as exc:
+    except (TokenizerLoadError, CredentialsError) as exc:
         log.error("gateway_failed_to_start", error=str(exc))
         return 2
     stop = asyncio.Event()

@@ -16,6 +16,7 @@ from common.server import Server, start_server
 from gateway.api import service
 from gateway.api.frontend import Frontend, ModelInfo
 from gateway.api.sampling import ModelLimits
+from gateway.api.tenants import load_tenancy
 from gateway.clients.allocator_client import AllocatorClient
 from gateway.clients.call_failures import CallFailed, Lost
 from gateway.clients.executor_client import ExecutorClient, ExecutorDescription
@@ -35,6 +36,7 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 DRAIN_S = 2.0
 HEALTH_INTERVAL_S = 1.0
+PROTO_OVERHEAD_BYTES = 1 << 20  # sampling fields, stop strings, ids: far below this
 
 
 class StartupFailed(Exception):
@@ -89,6 +91,7 @@ class Gateway:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.frontend.close()
         await self.host.run(self.engines.close())
         self.host.stop()
         log.info("gateway_stopped")
@@ -139,8 +142,10 @@ def model_limits(
 async def build_engines(settings: GatewaySettings, tokenizer: Tokenizer) -> Engines:
     """Connect, describe, lease, register and build every engine (on the engine loop: the
     clients' channels belong to the loop that makes them)."""
-    allocator = AllocatorClient(settings.allocator_addr, timeout_s=settings.allocator_timeout_s)
-    executors = [ExecutorClient(a) for a in settings.executor_addrs]
+    auth = settings.internal_auth
+    allocator = AllocatorClient(settings.allocator_addr, timeout_s=settings.allocator_timeout_s,
+                                auth=auth)
+    executors = [ExecutorClient(a, auth=auth) for a in settings.executor_addrs]
     descriptions = [
         await _retry(f"Describe {c.address}", c.describe, settings.connect_timeout_s)
         for c in executors
@@ -189,6 +194,14 @@ async def build_engines(settings: GatewaySettings, tokenizer: Tokenizer) -> Engi
 async def start_gateway(settings: GatewaySettings) -> Gateway:
     """The engines on their own loop and thread (engine/host.py), the public server here."""
     tokenizer = Tokenizer.load(settings.model)
+    tenancy = load_tenancy(settings.api_keys_file, settings.salt_secret_file,
+                           settings.internal_auth.token)
+    if tenancy.multi_tenant:
+        log.info("tenants_on", num_keys=len(tenancy.tenants_by_key),
+                 num_tenants=len(set(tenancy.tenants_by_key.values())))
+    else:
+        log.warning("single_tenant", detail="no --api-keys-file: every caller is one tenant, "
+                    "shares one prefix cache and can see its hits in cached_prompt_tokens")
     host = EngineHost()
     host.start()
     try:
@@ -207,13 +220,17 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         vocab_size=limits.vocab_size,
         eos_token_ids=engines.eos_token_ids,
     )
-    frontend = Frontend(tokenizer=tokenizer, limits=limits, engines=host, info=info)
+    frontend = Frontend(tokenizer=tokenizer, limits=limits, engines=host, info=info,
+                        tenancy=tenancy, max_prompt_bytes=settings.max_prompt_bytes)
     try:
         server = await start_server(
-            [(service.add_to_server, service.GatewayServicer(frontend), service.SERVICE_NAME)],
-            settings.host, settings.port,
+            [(service.GatewayServicer(frontend), service.SERVICE_NAME)],
+            settings.host, settings.port, authenticator=tenancy.authenticator(),
+            # A message past this is refused by gRPC itself, before it is parsed.
+            max_receive_bytes=2 * settings.max_prompt_bytes + PROTO_OVERHEAD_BYTES,
         )
     except BaseException:
+        frontend.close()
         await host.run(engines.close())
         host.stop()
         raise

@@ -7,6 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.config import add_flag, parse_bool
+from common.credentials import (
+    CredentialsError,
+    InternalAuth,
+    add_internal_auth_flags,
+    internal_auth_from_args,
+)
 from common.model_dirs import DEFAULT_MODEL
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -38,6 +44,10 @@ class GatewaySettings:
     async_depth: int
     log_json: bool
     log_level: str
+    max_prompt_bytes: int
+    internal_auth: InternalAuth
+    api_keys_file: str
+    salt_secret_file: str
 
     def __post_init__(self) -> None:
         if not self.executor_addrs:
@@ -52,6 +62,8 @@ class GatewaySettings:
         for name in ("allocator_timeout_s", "execute_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 (seconds)")
+        if self.max_prompt_bytes < 1:
+            raise ValueError("--max-prompt-bytes must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be >= 2 (or unset: the executors' value)")
         if self.step_log:
@@ -66,7 +78,8 @@ class GatewaySettings:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
-    add_flag(parser, "--host", default="0.0.0.0", help="address to bind")
+    add_flag(parser, "--host", default="127.0.0.1",
+             help="address to bind (0.0.0.0: every interface)")
     add_flag(parser, "--port", type=int, default=50051, help="port to bind (0: any free port)")
     add_flag(parser, "--port-file", default=None, help="write the bound port here once serving")
     add_flag(parser, "--allocator-addr", default="localhost:50052", help="allocator host:port")
@@ -127,13 +140,35 @@ def build_parser() -> argparse.ArgumentParser:
         "period, scheduler, Step and Execute round trips, the executor's report); benchmarks "
         "read it",
     )
+    add_flag(
+        parser, "--max-prompt-bytes", type=int, default=1 << 20,
+        help="largest prompt text (or chat content, all messages together) in UTF-8 bytes, "
+        "refused before tokenizing",
+    )
+    add_flag(
+        parser, "--api-keys-file", default="",
+        help="public API keys, one '<key> <tenant>' per line: every call then needs "
+        "'authorization: Bearer <key>', and prefix-cache hits never cross tenants; "
+        "unset: one tenant, no keys",
+    )
+    add_flag(
+        parser, "--salt-secret-file", default="",
+        help="the secret that derives each tenant's cache salt (every gateway on one "
+        "allocator must share it; unset: the internal token, else a random one per process)",
+    )
     add_flag(parser, "--log-json", action="store_true", help="JSON logs (containers)")
     add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
+    add_internal_auth_flags(parser)
     return parser
 
 
 def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        internal_auth = internal_auth_from_args(args)
+    except CredentialsError as exc:
+        parser.error(str(exc))
     addrs = tuple(a.strip() for a in str(args.executor_addrs).split(",") if a.strip())
     try:
         return GatewaySettings(
@@ -159,6 +194,10 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             async_depth=args.async_depth,
             log_json=args.log_json,
             log_level=args.log_level,
+            max_prompt_bytes=args.max_prompt_bytes,
+            internal_auth=internal_auth,
+            api_keys_file=args.api_keys_file,
+            salt_secret_file=args.salt_secret_file,
         )
     except ValueError as exc:
         raise SystemExit(f"gateway: {exc}") from exc

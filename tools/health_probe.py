@@ -1,5 +1,7 @@
 """`python -m tools.health_probe HOST:PORT`: exit 0 when the gRPC health service says
-SERVING (used by the launcher and by the compose health checks)."""
+SERVING (used by the launcher and by the compose health checks). Health needs no credential,
+but a server with mutual TLS accepts only callers with a certificate: pass the --tls-* flags
+(or their PAGEDKV_TLS_* variables) then."""
 
 from __future__ import annotations
 
@@ -9,10 +11,14 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.config import add_flag
+from common.credentials import InternalAuth, TlsFiles
 
-def is_serving(address: str, timeout_s: float = 2.0, service: str = "") -> bool:
+
+def is_serving(address: str, timeout_s: float = 2.0, service: str = "",
+               auth: InternalAuth | None = None) -> bool:
     try:
-        with grpc.insecure_channel(address) as channel:
+        with (auth or InternalAuth()).channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             response = stub.Check(health_pb2.HealthCheckRequest(service=service),
                                   timeout=timeout_s)
@@ -26,8 +32,14 @@ def main() -> int:
     parser.add_argument("address", help="host:port of a gRPC server")
     parser.add_argument("--service", default="", help="service name ('' = the server)")
     parser.add_argument("--timeout-s", type=float, default=2.0)
+    add_flag(parser, "--tls-cert", default="", help="client certificate (mutual TLS)")
+    add_flag(parser, "--tls-key", default="", help="its key")
+    add_flag(parser, "--tls-ca", default="", help="the CA")
     args = parser.parse_args()
-    return 0 if is_serving(args.address, args.timeout_s, args.service) else 1
+    tls = (TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
+           if args.tls_cert and args.tls_key and args.tls_ca else None)
+    return 0 if is_serving(args.address, args.timeout_s, args.service,
+                           InternalAuth(tls=tls)) else 1
 
 
 if __name__ == "__main__":

@@ -1,14 +1,23 @@
 """`python -m tools.launch`: allocator, executor(s) and gateway as local subprocesses.
 
 Starts them in dependency order, waits until each reports SERVING on the gRPC health
-service, prints how to call the gateway, and stops everything on Ctrl-C / SIGTERM (or when
-any of them exits). The e2e tests start their stacks with the same `Stack` (port 0).
+service, prints how to call the gateway, and stops everything on Ctrl-C / SIGTERM. A service
+that exits is restarted on its port (the others carry on: the gateway routes around a lost
+executor and waits out an allocator outage); one that keeps failing (5 exits within a minute)
+stops the stack. The e2e tests start their stacks with the same `Stack` (port 0).
+
+The internal services are closed: the launcher generates an internal token (or takes
+PAGEDKV_INTERNAL_TOKEN from its environment) and hands it to every child in that variable;
+with --tls-dir (the output of `make certs`) they also speak mutual TLS, each with its own
+certificate.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -20,10 +29,13 @@ from pathlib import Path
 from typing import IO
 
 from common.config import add_flag
+from common.credentials import INTERNAL_TOKEN_ENV, InternalAuth, TlsFiles
 from common.model_dirs import DEFAULT_MODEL
 from tools.health_probe import is_serving
 
 HOST = "127.0.0.1"
+RESTART_LIMIT = 5          # exits of one service within RESTART_WINDOW_S stop the stack
+RESTART_WINDOW_S = 60.0
 REPO_ROOT = Path(__file__).resolve().parents[1]  # `python -m <service>` runs from here
 
 
@@ -43,6 +55,7 @@ class StackSpec:
     gateway_args: tuple[str, ...] = ()
     log_dir: str | None = None   # None: children log to this terminal
     startup_timeout_s: float = 120.0
+    tls_dir: str | None = None   # make certs' output: mutual TLS between the services
 
 
 @dataclass(slots=True)
@@ -51,7 +64,10 @@ class Service:
     process: subprocess.Popen[bytes]
     port_file: Path
     log_path: str | None
+    argv: list[str]
+    cwd: str | Path
     address: str = ""  # host:port, once the port file says which
+    exits: collections.deque[float] = field(default_factory=collections.deque)
 
 
 @dataclass(slots=True)
@@ -59,6 +75,29 @@ class Stack:
     spec: StackSpec
     services: list[Service] = field(default_factory=list)
     run_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pagedkv-"))
+    internal_token: str = field(
+        default_factory=lambda: os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(32)
+    )
+
+    @property
+    def internal_auth(self) -> InternalAuth:
+        """The credential the stack's internal services require (tests, tools); with TLS,
+        the gateway's certificate is the client's."""
+        return InternalAuth(token=self.internal_token, tls=self._tls_files("gateway"))
+
+    def _tls_files(self, role: str) -> TlsFiles | None:
+        tls_dir = self.spec.tls_dir
+        if not tls_dir:
+            return None
+        return TlsFiles(cert=os.path.join(tls_dir, f"{role}.pem"),
+                        key=os.path.join(tls_dir, f"{role}-key.pem"),
+                        ca=os.path.join(tls_dir, "ca.pem"))
+
+    def _tls_args(self, role: str) -> tuple[str, ...]:
+        files = self._tls_files(role)
+        if files is None:
+            return ()
+        return ("--tls-cert", files.cert, "--tls-key", files.key, "--tls-ca", files.ca)
 
     @property
     def gateway_addr(self) -> str:
@@ -77,17 +116,19 @@ class Stack:
     def start(self) -> Stack:
         spec = self.spec
         try:
-            self._start("allocator", "allocator_svc", spec.allocator_port, spec.allocator_args)
+            self._start("allocator", "allocator_svc", spec.allocator_port,
+                        (*self._tls_args("allocator"), *spec.allocator_args))
             for i in range(spec.num_executors):
                 port = spec.executor_port + i if spec.executor_port else 0
                 self._start(f"executor-{i}", "executor_svc", port,
-                            ("--model", spec.model, *spec.executor_args))
+                            ("--model", spec.model, *self._tls_args("executor"),
+                             *spec.executor_args))
             for service in self.services:
                 self._wait_healthy(service)
             gateway_args = (
                 "--allocator-addr", self.allocator_addr,
                 "--executor-addrs", ",".join(self.executor_addrs()),
-                "--model", spec.model, *spec.gateway_args,
+                "--model", spec.model, *self._tls_args("gateway"), *spec.gateway_args,
             )
             self._wait_healthy(self._start("gateway", "gateway", spec.gateway_port, gateway_args))
         except BaseException:
@@ -101,17 +142,48 @@ class Stack:
         port_file = os.path.join(self.run_dir, f"{name}.port")
         argv = [sys.executable, "-m", module, "--port", str(port), "--port-file", port_file,
                 *args]
-        log_path: str | None = None
-        out: IO[bytes] | None = None
-        if self.spec.log_dir:
-            log_path = os.path.join(self.spec.log_dir, f"{name}.log")
-            out = open(log_path, "ab")  # noqa: SIM115 - owned by the child process
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                   cwd=cwd or REPO_ROOT, start_new_session=True)
-        service = Service(name=name, process=process, port_file=Path(port_file),
-                          log_path=log_path)
+        log_path = os.path.join(self.spec.log_dir, f"{name}.log") if self.spec.log_dir else None
+        service = Service(name=name, process=self._spawn(argv, cwd or REPO_ROOT, log_path),
+                          port_file=Path(port_file), log_path=log_path, argv=argv,
+                          cwd=cwd or REPO_ROOT)
         self.services.append(service)
         return service
+
+    def _spawn(self, argv: list[str], cwd: str | Path,
+               log_path: str | None) -> subprocess.Popen[bytes]:
+        out: IO[bytes] | None = None
+        if log_path:
+            out = open(log_path, "ab")  # noqa: SIM115 - owned by the child process
+        env = {**os.environ, INTERNAL_TOKEN_ENV: self.internal_token}
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                cwd=cwd, env=env, start_new_session=True)
+
+    def restart_exited(self) -> list[Service]:
+        """Restart every service that has exited, on the port it had; returns them. Raises
+        StackError when one has exited RESTART_LIMIT times within RESTART_WINDOW_S."""
+        restarted = []
+        for service in self.services:
+            code = service.process.poll()
+            if code is None:
+                continue
+            now = time.monotonic()
+            service.exits.append(now)
+            while service.exits and now - service.exits[0] > RESTART_WINDOW_S:
+                service.exits.popleft()
+            if len(service.exits) >= RESTART_LIMIT:
+                raise StackError(f"{service.name} exited {len(service.exits)} times within "
+                                 f"{RESTART_WINDOW_S:.0f}s (last: {code}){_see(service)}")
+            argv = list(service.argv)
+            if service.address:  # the same port: the others know it
+                argv[argv.index("--port") + 1] = service.address.rsplit(":", 1)[1]
+            service.port_file.unlink(missing_ok=True)
+            service.address = ""
+            service.argv = argv
+            service.process = self._spawn(argv, service.cwd, service.log_path)
+            restarted.append(service)
+        for service in restarted:
+            self._wait_healthy(service)
+        return restarted
 
     def _wait_healthy(self, service: Service) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout_s
@@ -123,7 +195,9 @@ class Stack:
                 text = service.port_file.read_text().strip()
                 if text:
                     service.address = f"{HOST}:{int(text)}"
-            if service.address and is_serving(service.address, timeout_s=1.0):
+            # The gateway's public port is plaintext; the internal ones may be mutual TLS.
+            auth = None if service.name == "gateway" else self.internal_auth
+            if service.address and is_serving(service.address, timeout_s=1.0, auth=auth):
                 return
             time.sleep(0.1)
         raise StackError(f"{service.name} not healthy after {self.spec.startup_timeout_s}s"
@@ -147,9 +221,6 @@ class Stack:
                     service.process.kill()
                     service.process.wait(5)
         shutil.rmtree(self.run_dir, ignore_errors=True)
-
-    def first_exited(self) -> Service | None:
-        return next((s for s in self.services if s.process.poll() is not None), None)
 
 
 def _see(service: Service) -> str:
@@ -183,12 +254,15 @@ def parse_spec(argv: list[str] | None = None) -> StackSpec:
              help="executor weights: auto (the directory's; a config-only preset gets random "
                   "ones, with a warning) or dummy (random on purpose)")
     add_flag(p, "--log-dir", default=None, help="write each service's log here")
+    add_flag(p, "--tls-dir", default=None,
+             help="mutual TLS between the services with the certificates in this directory "
+                  "(make certs writes them to certs/)")
     args, extra = p.parse_known_args(argv)
     return StackSpec(
         model=args.model, num_executors=args.num_executors, gateway_port=args.gateway_port,
         allocator_port=args.allocator_port, executor_port=args.executor_port,
         executor_args=("--load-format", args.load_format), gateway_args=tuple(extra),
-        log_dir=args.log_dir,
+        log_dir=args.log_dir, tls_dir=args.tls_dir,
     )
 
 
@@ -209,15 +283,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch: {exc}", file=sys.stderr)
         return 1
     print(usage_text(stack), flush=True)
-    exited: Service | None = None
-    while not stopping and (exited := stack.first_exited()) is None:
+    failed = False
+    while not stopping:
         time.sleep(0.2)
-    if exited is not None:
-        print(f"launch: {exited.name} exited ({exited.process.returncode}); stopping",
-              file=sys.stderr)
+        try:
+            for service in stack.restart_exited():
+                print(f"launch: {service.name} exited; restarted on {service.address}",
+                      file=sys.stderr, flush=True)
+        except StackError as exc:
+            print(f"launch: {exc}; stopping", file=sys.stderr)
+            failed = True
+            break
     stack.stop()
     print("launch: stopped", file=sys.stderr)
-    return 1 if exited is not None else 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from allocator_svc.core.validation import (
     check_commits,
     check_decodes,
     check_items,
+    check_length,
     check_not_pending,
     check_owner,
     check_pool_config,
@@ -123,7 +124,7 @@ class Allocator:
         if commits:
             check_commits(pool, commits)
         if items:
-            check_items(pool, items, released)
+            check_items(pool, items, released, self.limits)
         decode_requests = (
             check_decodes(pool, decodes, items, released, lease_id)
             if decodes is not None and num_decodes
@@ -210,6 +211,7 @@ class Allocator:
         for child_id in child_ids:
             if not child_id:
                 raise InvalidArgument("every child needs a request id")
+            check_length("child_request_ids", child_id, self.limits.max_id_chars)
             if child_id in pool.requests:
                 raise AlreadyExists(f"request {child_id!r} already exists")
         return pool.fork(parent, child_ids)
@@ -257,6 +259,11 @@ class Allocator:
         # ids: free the expired leases' requests now rather than at the next sweep.
         self.expire_leases()
         ttl = ttl_s if ttl_s else self.limits.default_lease_ttl_s
+        if ttl > self.limits.max_lease_ttl_s:
+            raise InvalidArgument(
+                f"ttl_ms={round(ttl * 1000)} is over this allocator's maximum of "
+                f"{round(self.limits.max_lease_ttl_s * 1000)}: keep a shorter lease alive"
+            )
         return self.leases.create(ttl, self.clock())
 
     def keep_alive(self, lease_id: str) -> Lease:

@@ -22,6 +22,8 @@ from common.errors import (
 def check_pool_config(config: PoolConfig, limits: Limits) -> None:
     if not config.pool_id:
         raise InvalidArgument("pool_id is required")
+    for name in ("pool_id", "model_fingerprint", "executor_instance_id"):
+        check_length(name, getattr(config, name), limits.max_id_chars)
     if not 1 <= config.num_blocks <= limits.max_blocks_per_pool:
         raise InvalidArgument(
             f"num_blocks={config.num_blocks} is out of range: 1..{limits.max_blocks_per_pool}"
@@ -35,6 +37,11 @@ def check_pool_config(config: PoolConfig, limits: Limits) -> None:
             f"num_cpu_blocks={config.num_cpu_blocks} is out of range: "
             f"0..{limits.max_cpu_blocks_per_pool}"
         )
+
+
+def check_length(name: str, value: str, limit: int) -> None:
+    if len(value) > limit:
+        raise InvalidArgument(f"{name} has {len(value)} characters; at most {limit} are allowed")
 
 
 def check_owner(pool: Pool, request_ids: Iterable[str], lease_id: str | None) -> None:
@@ -76,7 +83,9 @@ def check_commits(pool: Pool, commits: list[Commit]) -> None:
             )
 
 
-def check_items(pool: Pool, items: list[StepItem], released: AbstractSet[str]) -> None:
+def check_items(
+    pool: Pool, items: list[StepItem], released: AbstractSet[str], limits: Limits
+) -> None:
     seen = {item.request_id for item in items}
     if len(seen) != len(items) or "" in seen:
         _raise_bad_ids(item.request_id for item in items)
@@ -99,6 +108,8 @@ def check_items(pool: Pool, items: list[StepItem], released: AbstractSet[str]) -
         if item.prompt_token_ids:
             if known:
                 raise AlreadyExists(f"request {request_id!r} is already admitted")
+            check_length("request_id", request_id, limits.max_id_chars)
+            check_length("cache_salt", item.cache_salt, limits.max_salt_chars)
             check_token_ids(request_id, item.prompt_token_ids)
             needed = pool.blocks_for(len(item.prompt_token_ids) + len(item.append_token_ids))
             if needed > pool.config.num_blocks:

@@ -1,19 +1,37 @@
-"""The gateway's core behind the servicer: tokenize, validate, submit, collect deltas."""
+"""The gateway's core behind the servicer: tokenize, validate, submit, collect deltas.
+
+Tokenizing (and rendering a chat template) runs on a thread of its own, never on the event
+loop that serves every stream, and only after the text's size is checked: a prompt over
+--max-prompt-bytes is refused at once.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import structlog
 
-from common.errors import AlreadyExists, InvalidArgument
-from gateway.api.sampling import ModelLimits, RawSampling, validate, validate_prompt
+from common.errors import AlreadyExists
+from gateway.api.sampling import (
+    ModelLimits,
+    RawSampling,
+    check_ids,
+    check_prompt_bytes,
+    validate,
+    validate_prompt,
+)
+from gateway.api.tenants import SINGLE_TENANT, Tenancy
 from gateway.core.request_state import CompletionDelta, Request
 from gateway.core.seq_ids import sequence_ids
 from gateway.engine.host import EngineHost
-from gateway.text.tokenizer import Tokenizer
+from gateway.text.tokenizer import ChatTurn, Tokenizer
+
+T = TypeVar("T")
 
 log = structlog.get_logger(__name__)
 
@@ -26,28 +44,55 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """A prompt as the caller sent it: exactly one of the three (none: an empty prompt)."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    chat: list[ChatTurn] | None = None
+
+
 @dataclass(slots=True)
 class Frontend:
     tokenizer: Tokenizer
     limits: ModelLimits
     engines: EngineHost
     info: ModelInfo
+    tenancy: Tenancy = field(default_factory=lambda: Tenancy({}, b""))
+    max_prompt_bytes: int = 1 << 20
     active: dict[str, Request] = field(default_factory=dict)
     # The sequence ids of the active requests (seq_ids.py), each with its request's id.
     seq_owners: dict[str, str] = field(default_factory=dict)
+    text_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    async def tokenize(self, text: str) -> list[int]:
+        check_prompt_bytes(_utf8_len(text), self.max_prompt_bytes)
+        return await self._off_loop(self.tokenizer.encode, text)
+
+    async def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
+        if prompt.chat is not None:
+            size = sum(_utf8_len(t.content) + _utf8_len(t.role) for t in prompt.chat)
+            check_prompt_bytes(size, self.max_prompt_bytes, "chat content")
+            return await self._off_loop(self.tokenizer.render_chat, prompt.chat)
+        if prompt.text:  # empty text is an empty prompt, not a lone BOS token
+            return await self.tokenize(prompt.text)
+        return list(prompt.token_ids or [])
+
+    async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.text_thread, fn, *args)
+
+    def close(self) -> None:
+        self.text_thread.shutdown(wait=False, cancel_futures=True)
 
     async def submit(
-        self, text: str | None, token_ids: list[int] | None, raw: RawSampling,
-        cache_salt: str, request_id: str,
+        self, prompt_input: PromptInput, raw: RawSampling, cache_salt: str, request_id: str,
+        tenant: str = SINGLE_TENANT,
     ) -> Request:
         """Validate and queue a request; raises the domain error to send back."""
-        if text is not None and token_ids is not None:
-            raise InvalidArgument("prompt: send either text or token_ids, not both")
-        # Empty text is an empty prompt, not a lone BOS token.
-        prompt = self.tokenizer.encode(text) if text else list(token_ids or [])
+        check_ids(request_id, cache_salt)
+        prompt = await self.prompt_token_ids(prompt_input)
         validate_prompt(prompt, self.limits)
         sampling = validate(raw, len(prompt), self.limits)
         request_id = self._unique_id(request_id, sampling.n, len(prompt))
@@ -56,7 +101,7 @@ class Frontend:
         # Every event of this call, and the allocator calls about it, carry this id.
         structlog.contextvars.bind_contextvars(request_id=request_id)
         request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                          cache_salt=cache_salt)
+                          cache_salt=self.tenancy.cache_salt(tenant, cache_salt))
         self.active[request_id] = request
         self.seq_owners.update(dict.fromkeys(seq_ids, request_id))
         try:
@@ -131,3 +176,8 @@ class Frontend:
         for seq_id in sequence_ids(request.request_id, request.sampling.n,
                                    len(request.prompt_token_ids)):
             self.seq_owners.pop(seq_id, None)
+
+
+def _utf8_len(text: str) -> int:
+    """UTF-8 size without encoding a copy: 1 byte a character for ASCII (the common case)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))

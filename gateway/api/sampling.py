@@ -13,6 +13,12 @@ from dataclasses import dataclass
 from common.errors import InvalidArgument, ResourceExhausted
 
 DEFAULT_MAX_TOKENS = 16
+# Bounds on what one request may make the gateway hold or scan (and log): stop strings are
+# matched at every token, ids and salts travel to the allocator and into every log line.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 256
+MAX_REQUEST_ID_CHARS = 128
+MAX_CACHE_SALT_CHARS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +59,26 @@ class ModelLimits:
     pool_capacity_tokens: int  # the smallest pool, in tokens (num_blocks * block_size)
 
 
+def check_prompt_bytes(num_bytes: int, max_bytes: int, what: str = "prompt text") -> None:
+    """Before tokenizing: a huge text would cost the tokenizer seconds and gigabytes."""
+    if num_bytes > max_bytes:
+        raise InvalidArgument(
+            f"{what} is {num_bytes} bytes; this gateway accepts at most {max_bytes} "
+            "(--max-prompt-bytes): shorten it"
+        )
+
+
+def check_ids(request_id: str, cache_salt: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(
+            f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}"
+        )
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(
+            f"cache_salt has {len(cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}"
+        )
+
+
 def validate_prompt(token_ids: list[int], limits: ModelLimits) -> None:
     if not token_ids:
         raise InvalidArgument("prompt is empty: send prompt text or prompt token_ids")
@@ -85,8 +111,17 @@ def validate(raw: RawSampling, prompt_len: int, limits: ModelLimits) -> Sampling
             f"sampling.stop_token_ids contains {bad[0]}, outside the vocabulary "
             f"[0, {limits.vocab_size})"
         )
+    if len(raw.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(
+            f"sampling.stop has {len(raw.stop)} strings; at most {MAX_STOP_STRINGS}"
+        )
     if any(not s for s in raw.stop):
         raise InvalidArgument("sampling.stop contains an empty string: remove it")
+    longest = max((len(s) for s in raw.stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise InvalidArgument(
+            f"sampling.stop has a string of {longest} characters; at most {MAX_STOP_CHARS}"
+        )
     max_tokens = DEFAULT_MAX_TOKENS if raw.max_tokens is None else raw.max_tokens
     if max_tokens < 1:
         raise InvalidArgument(f"sampling.max_tokens is {max_tokens}; it must be >= 1")

@@ -7,7 +7,8 @@ from typing import Any
 
 import grpc
 
-from gateway.api.frontend import Frontend
+from common.auth import caller
+from gateway.api.frontend import Frontend, PromptInput
 from gateway.api.sampling import RawSampling
 from gateway.core.request_state import CompletionDelta, FinishReason, Usage
 from gateway.engine.loop import Engine
@@ -37,16 +38,15 @@ def raw_sampling(params: pb.SamplingParams) -> RawSampling:
     )
 
 
-def _prompt(request: Any, frontend: Frontend) -> tuple[str | None, list[int] | None]:
+def _prompt(request: Any) -> PromptInput:
     kind = request.WhichOneof("prompt")
     if kind == "text":
-        return request.text, None
+        return PromptInput(text=request.text)
     if kind == "token_ids":
-        return None, list(request.token_ids.ids)
+        return PromptInput(token_ids=list(request.token_ids.ids))
     if kind == "chat":
-        messages = [ChatTurn(m.role, m.content) for m in request.chat.messages]
-        return None, frontend.tokenizer.render_chat(messages)
-    return None, None
+        return PromptInput(chat=[ChatTurn(m.role, m.content) for m in request.chat.messages])
+    return PromptInput()
 
 
 def _usage(usage: Usage | None) -> pb.Usage | None:
@@ -68,10 +68,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self.frontend = frontend
 
     async def _submit(self, request: Any) -> Any:
-        text, token_ids = _prompt(request, self.frontend)
         return await self.frontend.submit(
-            text, token_ids, raw_sampling(request.sampling), request.cache_salt,
-            request.request_id,
+            _prompt(request), raw_sampling(request.sampling), request.cache_salt,
+            request.request_id, tenant=caller(),
         )
 
     async def Generate(  # noqa: N802 - gRPC method name
@@ -100,7 +99,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
     async def Tokenize(  # noqa: N802
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        return pb.TokenizeResponse(token_ids=self.frontend.tokenize(request.text))
+        return pb.TokenizeResponse(token_ids=await self.frontend.tokenize(request.text))
 
     async def GetModelInfo(  # noqa: N802
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -126,4 +125,3 @@ def _collect(completion: pb.Completion, delta: CompletionDelta) -> None:
 
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GatewayService"].full_name
-add_to_server = pb_grpc.add_GatewayServiceServicer_to_server

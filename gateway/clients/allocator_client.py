@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
-
+from common.credentials import InternalAuth
 from common.interceptor import REQUEST_ID_KEY
 from gateway.clients.call_failures import translated
 from gateway.core.step import (
@@ -52,8 +51,12 @@ class PrefixMatch:
     num_running_requests: int
 
 
-def request_metadata(request_id: str | None) -> tuple[tuple[str, str], ...] | None:
-    return ((REQUEST_ID_KEY, request_id),) if request_id else None
+Metadata = tuple[tuple[str, str], ...]
+
+
+def call_metadata(auth: Metadata, request_id: str | None) -> Metadata:
+    """The credential every call carries, and the request id when the call is about one."""
+    return (*auth, (REQUEST_ID_KEY, request_id)) if request_id else auth
 
 
 def _copies(copies: Sequence[pb.BlockCopy]) -> tuple[BlockCopy, ...]:
@@ -102,14 +105,22 @@ class AllocatorClient:
     """Every call carries a deadline of `timeout_s` seconds: a hung allocator must not hang
     the gateway (None: no deadline)."""
 
-    def __init__(self, address: str, timeout_s: float | None = None) -> None:
+    def __init__(
+        self, address: str, timeout_s: float | None = None, auth: InternalAuth | None = None
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        auth = auth or InternalAuth()
+        self.auth_metadata = auth.call_metadata()
+        self.channel = auth.aio_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.AllocatorServiceStub(self.channel)
 
     async def close(self) -> None:
         await self.channel.close()
+
+    def _about(self, request_ids: Sequence[str]) -> Metadata:
+        """A call about one request carries its id (the services' logs name it)."""
+        return call_metadata(self.auth_metadata, request_ids[0] if len(request_ids) == 1 else None)
 
     async def register_pool(self, spec: PoolSpec) -> int:
         """Register (or re-register) an executor's pool; returns the epoch to send."""
@@ -124,6 +135,7 @@ class AllocatorClient:
                     executor_instance_id=spec.executor_instance_id,
                     enable_prefix_caching=spec.enable_prefix_caching,
                 ),
+                metadata=self.auth_metadata,
                 timeout=self.timeout_s,
             )
         return int(response.pool.epoch)
@@ -131,14 +143,16 @@ class AllocatorClient:
     async def create_lease(self, ttl_ms: int) -> tuple[str, int]:
         with translated():
             response = await self.stub.CreateLease(
-                pb.CreateLeaseRequest(ttl_ms=ttl_ms), timeout=self.timeout_s
+                pb.CreateLeaseRequest(ttl_ms=ttl_ms), metadata=self.auth_metadata,
+                timeout=self.timeout_s,
             )
         return response.lease_id, response.ttl_ms
 
     async def keep_alive(self, lease_id: str) -> None:
         with translated():
             await self.stub.KeepAlive(
-                pb.KeepAliveRequest(lease_id=lease_id), timeout=self.timeout_s
+                pb.KeepAliveRequest(lease_id=lease_id), metadata=self.auth_metadata,
+                timeout=self.timeout_s,
             )
 
     async def step(self, pool_id: str, epoch: int, lease_id: str, call: StepCall) -> StepOutcome:
@@ -179,7 +193,8 @@ class AllocatorClient:
         )
         # NOTE: Step is not idempotent; past the deadline its outcome is unknown (recovery.py).
         with translated():
-            return _outcome(await self.stub.Step(request, timeout=self.timeout_s))
+            return _outcome(await self.stub.Step(request, metadata=self.auth_metadata,
+                                                 timeout=self.timeout_s))
 
     # lease_id on Free, Abort and Fork: the allocator refuses (PERMISSION_DENIED) to touch a
     # request of another lease, e.g. another gateway's request that happens to share an id.
@@ -202,7 +217,7 @@ class AllocatorClient:
                     lease_id=lease_id,
                     commit_through_step_id=commit_through_step_id,
                 ),
-                metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
+                metadata=self._about(request_ids),
                 timeout=self.timeout_s,
             )
 
@@ -214,7 +229,7 @@ class AllocatorClient:
                 pb.AbortRequest(
                     pool_id=pool_id, epoch=epoch, request_ids=request_ids, lease_id=lease_id
                 ),
-                metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
+                metadata=self._about(request_ids),
                 timeout=self.timeout_s,
             )
 
@@ -236,7 +251,7 @@ class AllocatorClient:
                     child_request_ids=child_ids,
                     lease_id=lease_id,
                 ),
-                metadata=request_metadata(request_id),
+                metadata=self._about([request_id]),
                 timeout=self.timeout_s,
             )
         return [TableDelta(t.start_index, tuple(t.block_ids)) for t in response.child_tables]
@@ -253,7 +268,7 @@ class AllocatorClient:
                 pb.MatchPrefixRequest(
                     token_ids=token_ids, cache_salt=cache_salt, pool_ids=pool_ids
                 ),
-                metadata=request_metadata(request_id),
+                metadata=self._about([request_id]),
                 timeout=self.timeout_s,
             )
         return [

@@ -8,9 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
-
-from gateway.clients.allocator_client import CHANNEL_OPTIONS, request_metadata
+from common.credentials import InternalAuth
+from gateway.clients.allocator_client import CHANNEL_OPTIONS, Metadata, call_metadata
 from gateway.clients.call_failures import Rejected, translated
 from gateway.core.step import BlockCopy, ExecuteCall, ExecuteResult, Sampled, SeqWork
 from pagedkv.executor.v1 import executor_pb2 as pb
@@ -64,17 +63,24 @@ def _seq(work: SeqWork) -> pb.SequenceWork:
 
 
 class ExecutorClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, auth: InternalAuth | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        auth = auth or InternalAuth()
+        self.auth_metadata = auth.call_metadata()
+        self.channel = auth.aio_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.ExecutorServiceStub(self.channel)
 
     async def close(self) -> None:
         await self.channel.close()
 
+    def _about(self, request_ids: Sequence[str]) -> Metadata:
+        """A call about one request carries its id (the services' logs name it)."""
+        return call_metadata(self.auth_metadata, request_ids[0] if len(request_ids) == 1 else None)
+
     async def describe(self, timeout: float | None = None) -> ExecutorDescription:
         with translated():
-            r = await self.stub.Describe(pb.DescribeRequest(), timeout=timeout)
+            r = await self.stub.Describe(pb.DescribeRequest(), metadata=self.auth_metadata,
+                                       timeout=timeout)
         return ExecutorDescription(
             instance_id=r.instance_id,
             model_name=r.model_name,
@@ -112,7 +118,8 @@ class ExecutorClient:
             previous_step_id=previous_step_id,
         )
         with translated():
-            response = await self.stub.Execute(request, timeout=timeout)
+            response = await self.stub.Execute(request, metadata=self.auth_metadata,
+                                                timeout=timeout)
         num_decodes = len(call.decode_request_ids)
         if len(response.decode_sampled_token_ids) != num_decodes:
             # An executor that predates the compact columns ignored them: a rejected step.
@@ -145,6 +152,6 @@ class ExecutorClient:
         with translated():
             await self.stub.Release(
                 pb.ReleaseRequest(request_ids=request_ids),
-                metadata=request_metadata(request_ids[0] if len(request_ids) == 1 else None),
+                metadata=self._about(request_ids),
                 timeout=timeout,
             )

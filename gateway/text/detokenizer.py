@@ -94,6 +94,32 @@ def text_stream(decoder: Any, prompt_token_ids: Sequence[int]) -> TextStream:
     return RustStream(DecodeStream(ids=context, skip_special_tokens=True), fast, decoder)
 
 
+@dataclass(frozen=True, slots=True)
+class StopStrings:
+    """Stop strings indexed by their last character: new text is checked only against the
+    strings that can end at each of its characters, not against the whole list."""
+
+    by_last_char: dict[str, tuple[str, ...]]
+    longest: int
+
+    @classmethod
+    def of(cls, stop: Sequence[str]) -> StopStrings:
+        index: dict[str, list[str]] = {}
+        for s in dict.fromkeys(stop):  # distinct, in order
+            index.setdefault(s[-1], []).append(s)
+        return cls({c: tuple(v) for c, v in index.items()}, max(map(len, stop), default=0))
+
+    def earliest_match(self, text: str, new_from: int) -> int:
+        """Start of the earliest stop string that ends at or after `new_from` (-1: none)."""
+        best = -1
+        for end in range(max(new_from, 0), len(text)):
+            for s in self.by_last_char.get(text[end], ()):
+                start = end + 1 - len(s)
+                if start >= 0 and (best < 0 or start < best) and text.startswith(s, start):
+                    best = start
+        return best
+
+
 @dataclass(slots=True)
 class Detokenizer:
     stream: TextStream
@@ -102,9 +128,11 @@ class Detokenizer:
     num_released_chars: int = 0       # how much of `text` the client has seen
     stopped: bool = False
     hold_back: int = field(init=False)
+    stops: StopStrings = field(init=False)
 
     def __post_init__(self) -> None:
-        self.hold_back = max((len(s) for s in self.stop), default=1) - 1
+        self.stops = StopStrings.of(self.stop)
+        self.hold_back = max(self.stops.longest, 1) - 1
 
     @classmethod
     def for_prompt(
@@ -133,13 +161,13 @@ class Detokenizer:
         return self._release(len(self.text))
 
     def _cut_at_stop(self, previous_len: int) -> bool:
+        # The text before `previous_len` held no stop string: a new one ends in the new text.
         if not self.stop:
             return False
-        search_from = max(0, previous_len - self.hold_back)
-        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
-        if not hits:
+        start = self.stops.earliest_match(self.text, previous_len)
+        if start < 0:
             return False
-        self.text = self.text[: min(hits)]
+        self.text = self.text[:start]
         self.stopped = True
         return True
 

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import pytest
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import Commit
 from allocator_svc.core.step import PreemptionMode, StepCall, StepItem, StepResult
+from common.credentials import INTERNAL_TOKEN_ENV, InternalAuth
+from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +92,12 @@ class ServerProcess:
     address: str
 
 
+# The internal token every test allocator requires (the services refuse to start without
+# credentials unless --insecure).
+INTERNAL_TOKEN = "test-internal-token-0123456789"
+AUTH = InternalAuth(token=INTERNAL_TOKEN)
+
+
 def start_allocator(tmp_path, *flags: str) -> ServerProcess:
     port_file = tmp_path / "allocator.port"
     process = subprocess.Popen(
@@ -105,6 +114,7 @@ def start_allocator(tmp_path, *flags: str) -> ServerProcess:
             *flags,
         ],
         cwd=REPO_ROOT,
+        env={**os.environ, INTERNAL_TOKEN_ENV: INTERNAL_TOKEN},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -138,6 +148,19 @@ def allocator_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stub(allocator_server):
-    channel = grpc.insecure_channel(allocator_server.address)
-    yield allocator_pb2_grpc.AllocatorServiceStub(channel)
+    """An authenticated stub with a lease of its own (`stub.lease_id`), kept alive."""
+    channel = AUTH.channel(allocator_server.address)
+    stub = allocator_pb2_grpc.AllocatorServiceStub(channel)
+    stub.lease_id = stub.CreateLease(pb.CreateLeaseRequest(ttl_ms=60_000)).lease_id
+    stop = threading.Event()
+
+    def keep_alive() -> None:
+        while not stop.wait(10):
+            stub.KeepAlive(pb.KeepAliveRequest(lease_id=stub.lease_id))
+
+    thread = threading.Thread(target=keep_alive, daemon=True)
+    thread.start()
+    yield stub
+    stop.set()
+    thread.join()
     channel.close()

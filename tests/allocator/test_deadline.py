@@ -42,7 +42,6 @@ def test_a_step_that_runs_after_its_deadline_changes_nothing():
 
     async def scenario() -> grpc.StatusCode:
         registration = (
-            pb_grpc.add_AllocatorServiceServicer_to_server,
             AllocatorServicer(allocator),
             "pagedkv.allocator.v1.AllocatorService",
         )

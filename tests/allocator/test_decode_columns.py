@@ -27,7 +27,7 @@ def _allocator() -> tuple[Allocator, Pool, str]:
     """A small pool, and a lease every call is made under (as the gateway calls)."""
     allocator = Allocator(Limits(max_batch_items=64, event_capacity=1 << 16))
     pool, _ = allocator.register_pool(PoolConfig("p", 10, BLOCK_SIZE, 4, "fp", "i", True))
-    return allocator, pool, allocator.create_lease(3600.0).lease_id
+    return allocator, pool, allocator.create_lease(600.0).lease_id
 
 
 def _outcome(result: StepResult) -> tuple:

@@ -29,7 +29,7 @@ class Driver:
         self.pool: Pool = self.allocator.register_pool(
             PoolConfig("p", num_blocks, BS, num_cpu_blocks, "fp", "i", True)
         )[0]
-        self.lease = self.allocator.create_lease(3600.0).lease_id
+        self.lease = self.allocator.create_lease(600.0).lease_id
         self.step_id = 0
 
     def step(
@@ -223,7 +223,8 @@ def test_service_pipelined_step_round_trip_and_bad_input(stub):
     pool = register(stub, block_size=2)
 
     def call(**fields):
-        return stub.Step(pb.StepRequest(pool_id=pool.pool_id, epoch=pool.epoch, **fields))
+        return stub.Step(pb.StepRequest(pool_id=pool.pool_id, epoch=pool.epoch,
+                                        lease_id=stub.lease_id, **fields))
 
     call(items=[new("a", [1, 2, 3])], step_id=1)
     response = call(pending_decode_request_ids=["a"], step_id=2, compact_grants=True)

@@ -78,7 +78,7 @@ class PipelineMachine(RuleBasedStateMachine):
         self.pool, _ = self.allocator.register_pool(
             PoolConfig("p", NUM_BLOCKS, BLOCK_SIZE, NUM_CPU_BLOCKS, "fp", "i", True)
         )
-        self.lease_id = self.allocator.create_lease(3600.0).lease_id
+        self.lease_id = self.allocator.create_lease(600.0).lease_id
         self.gpu: dict[int, list[Slot | None]] = {b: [None] * BLOCK_SIZE for b in range(NUM_BLOCKS)}
         self.cpu: dict[int, list[Slot | None]] = {
             b: [None] * BLOCK_SIZE for b in range(NUM_CPU_BLOCKS)

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagedkv.allocator.v1 import allocator_pb2 as pb
+from tests.allocator.conftest import AUTH
 
 _ids = itertools.count()
 
@@ -31,6 +32,7 @@ def register(stub, num_blocks=16, block_size=4, num_cpu_blocks=4, instance="inst
 
 
 def step(stub, pool, items=(), commits=None, free=(), abort=(), **kwargs):
+    kwargs.setdefault("lease_id", stub.lease_id)  # every call that changes a request names one
     return stub.Step(
         pb.StepRequest(
             pool_id=pool.pool_id,
@@ -151,7 +153,7 @@ def test_service_fork_and_swap_out(stub):
     pool = register(stub, num_cpu_blocks=4)
     step(stub, pool, [new("p", [1, 2, 3, 4, 5, 6])])
     fork = stub.Fork(
-        pb.ForkRequest(
+        pb.ForkRequest(lease_id=stub.lease_id,
             pool_id=pool.pool_id,
             epoch=pool.epoch,
             parent_request_id="p",
@@ -159,11 +161,13 @@ def test_service_fork_and_swap_out(stub):
         )
     )
     assert [list(t.block_ids) for t in fork.child_tables] == [[0, 1], [0, 1]]
-    swap = stub.SwapOut(pb.SwapOutRequest(pool_id=pool.pool_id, epoch=pool.epoch, request_id="c1"))
+    swap = stub.SwapOut(pb.SwapOutRequest(lease_id=stub.lease_id,
+                                          pool_id=pool.pool_id, epoch=pool.epoch, request_id="c1"))
     assert [(c.src_block_id, c.dst_block_id) for c in swap.swap_out] == [(0, 0), (1, 1)]
     s = stats(stub, pool)
     assert (s.num_swapped_requests, s.num_free_cpu_blocks) == (1, 2)
-    stub.Free(pb.FreeRequest(pool_id=pool.pool_id, epoch=pool.epoch, request_ids=["p", "c1", "c2"]))
+    stub.Free(pb.FreeRequest(lease_id=stub.lease_id,
+                             pool_id=pool.pool_id, epoch=pool.epoch, request_ids=["p", "c1", "c2"]))
     s = stats(stub, pool)
     assert (s.num_free_blocks, s.num_free_cpu_blocks, s.num_requests) == (16, 4, 0)
 
@@ -271,7 +275,23 @@ def test_service_bad_input_gets_precise_status_and_changes_nothing(stub):
         (
             code.NOT_FOUND,
             "unknown pool",
-            lambda: stub.Step(pb.StepRequest(pool_id="nope", epoch=1, items=[new("z", [1])])),
+            lambda: stub.Step(pb.StepRequest(pool_id="nope", epoch=1, items=[new("z", [1])],
+                                             lease_id=stub.lease_id)),
+        ),
+        (
+            code.INVALID_ARGUMENT,
+            "lease_id is required",
+            lambda: step(stub, pool, [new("no-lease", [1])], lease_id=""),
+        ),
+        (
+            code.INVALID_ARGUMENT,
+            "request_id has 257 characters; at most 256",
+            lambda: step(stub, pool, [new("r" * 257, [1])]),
+        ),
+        (
+            code.INVALID_ARGUMENT,
+            "cache_salt has 257 characters; at most 256",
+            lambda: step(stub, pool, [new("salted", [1], salt="s" * 257)]),
         ),
         (
             code.NOT_FOUND,
@@ -310,7 +330,7 @@ def test_service_bad_input_gets_precise_status_and_changes_nothing(stub):
             code.NOT_FOUND,
             "unknown parent",
             lambda: stub.Fork(
-                pb.ForkRequest(
+                pb.ForkRequest(lease_id=stub.lease_id,
                     pool_id=pool.pool_id,
                     epoch=pool.epoch,
                     parent_request_id="ghost",
@@ -322,7 +342,7 @@ def test_service_bad_input_gets_precise_status_and_changes_nothing(stub):
             code.ALREADY_EXISTS,
             "already exists",
             lambda: stub.Fork(
-                pb.ForkRequest(
+                pb.ForkRequest(lease_id=stub.lease_id,
                     pool_id=pool.pool_id,
                     epoch=pool.epoch,
                     parent_request_id="a",
@@ -345,30 +365,67 @@ def test_service_bad_input_gets_precise_status_and_changes_nothing(stub):
         expect_error(status, call, match=fragment)
     assert stats(stub, pool) == before
     # Double free: the first succeeds, the second is NOT_FOUND and nothing else moves.
-    stub.Free(pb.FreeRequest(pool_id=pool.pool_id, epoch=pool.epoch, request_ids=["a"]))
+    stub.Free(pb.FreeRequest(lease_id=stub.lease_id,
+                             pool_id=pool.pool_id, epoch=pool.epoch, request_ids=["a"]))
     expect_error(
         grpc.StatusCode.NOT_FOUND,
         stub.Free,
-        pb.FreeRequest(pool_id=pool.pool_id, epoch=pool.epoch, request_ids=["a"]),
+        pb.FreeRequest(lease_id=stub.lease_id,
+                       pool_id=pool.pool_id, epoch=pool.epoch, request_ids=["a"]),
         match="unknown request",
     )
     assert stats(stub, pool).num_free_blocks == 16
 
 
-def test_service_stays_up_with_health_and_reflection(allocator_server, stub):
-    # After all the bad input above, the server is SERVING and lists its services.
+def test_service_stays_up_health_open_reflection_closed(allocator_server, stub):
+    # After all the bad input above, the server is SERVING. Health needs no credential
+    # (probes); reflection is not offered on an authenticated server (it is an RPC too).
     channel = grpc.insecure_channel(allocator_server.address)
     health = health_pb2_grpc.HealthStub(channel).Check(
         health_pb2.HealthCheckRequest(service="pagedkv.allocator.v1.AllocatorService")
     )
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-    (answer,) = reflection.ServerReflectionInfo(
-        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
-    )
-    names = {s.name for s in answer.list_services_response.service}
-    assert "pagedkv.allocator.v1.AllocatorService" in names
+    with pytest.raises(grpc.RpcError) as info:
+        list(reflection.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     channel.close()
+
+
+@pytest.mark.parametrize("method", sorted(
+    pb.DESCRIPTOR.services_by_name["AllocatorService"].methods_by_name))
+@pytest.mark.parametrize("authorization", [None, "Bearer not-the-token-0123456789", "Basic x"])
+def test_a_stranger_gets_unauthenticated_from_every_method(allocator_server, method,
+                                                           authorization):
+    # Raw bytes (an empty message: valid for every request type), no or a wrong credential.
+    with grpc.insecure_channel(allocator_server.address) as channel:
+        call = channel.unary_unary(f"/pagedkv.allocator.v1.AllocatorService/{method}")
+        metadata = (("authorization", authorization),) if authorization else None
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"", metadata=metadata, timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
+
+
+@pytest.mark.parametrize("method", ["Step", "RegisterPool", "GetEvents", "CreateLease"])
+def test_undecodable_bytes_are_invalid_argument(allocator_server, method):
+    with AUTH.channel(allocator_server.address) as channel:
+        call = channel.unary_unary(f"/pagedkv.allocator.v1.AllocatorService/{method}")
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"\xff\xff\xff\xff", timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "could not be decoded" in info.value.details()
+
+
+def test_bounds_on_leases_and_pools(stub):
+    expect_error(grpc.StatusCode.INVALID_ARGUMENT, stub.CreateLease,
+                 pb.CreateLeaseRequest(ttl_ms=4_000_000_000), match="over this allocator's maximum")
+    expect_error(grpc.StatusCode.INVALID_ARGUMENT, stub.RegisterPool,
+                 pb.RegisterPoolRequest(pool_id="huge", num_blocks=4_194_304, block_size=16),
+                 match="num_blocks=4194304 is out of range")
+    expect_error(grpc.StatusCode.INVALID_ARGUMENT, stub.RegisterPool,
+                 pb.RegisterPoolRequest(pool_id="p" * 300, num_blocks=4, block_size=16),
+                 match="pool_id has 300 characters")
 
 
 def test_service_compact_decode_form_and_commit_through_step_id(stub):
@@ -379,6 +436,7 @@ def test_service_compact_decode_form_and_commit_through_step_id(stub):
     step(stub, pool, [new("a", [1, 2, 3])], step_id=1)
     response = stub.Step(
         pb.StepRequest(
+            lease_id=stub.lease_id,
             pool_id=pool.pool_id,
             epoch=pool.epoch,
             step_id=2,
@@ -390,6 +448,7 @@ def test_service_compact_decode_form_and_commit_through_step_id(stub):
     assert list(response.grants) == []  # the token fit the private last block
     stub.Step(
         pb.StepRequest(
+            lease_id=stub.lease_id,
             pool_id=pool.pool_id,
             epoch=pool.epoch,
             step_id=3,
@@ -404,6 +463,7 @@ def test_service_compact_decode_form_and_commit_through_step_id(stub):
         grpc.StatusCode.INVALID_ARGUMENT,
         stub.Step,
         pb.StepRequest(
+            lease_id=stub.lease_id,
             pool_id=pool.pool_id,
             epoch=pool.epoch,
             decode_request_ids=["a", "b"],
@@ -453,6 +513,7 @@ def test_service_decode_entering_a_new_block_travels_in_the_appended_columns(stu
     def decode(request_id, token, compact=True):
         return stub.Step(
             pb.StepRequest(
+                lease_id=stub.lease_id,
                 pool_id=pool.pool_id, epoch=pool.epoch,
                 decode_request_ids=[request_id], decode_token_ids=[token],
                 compact_grants=compact,
@@ -469,7 +530,7 @@ def test_service_decode_entering_a_new_block_travels_in_the_appended_columns(stu
     assert (plain.request_id, plain.delta.start_index, len(plain.delta.block_ids)) == ("a2", 1, 1)
     step(stub, pool, [new("p", [1, 2, 3, 4, 5, 6])])
     stub.Fork(
-        pb.ForkRequest(
+        pb.ForkRequest(lease_id=stub.lease_id,
             pool_id=pool.pool_id, epoch=pool.epoch, parent_request_id="p",
             child_request_ids=["c"],
         )

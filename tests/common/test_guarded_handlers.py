@@ -13,8 +13,9 @@ import structlog
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.service import AllocatorServicer
+from common.auth import ApiKeyAuthenticator, TokenAuthenticator, caller
 from common.errors import NotFound
-from common.interceptor import REQUEST_ID_KEY, guard
+from common.interceptor import REQUEST_ID_KEY, guarded_handler
 from common.server import start_server
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
@@ -30,9 +31,11 @@ class ProbingAllocator(AllocatorServicer):
     def __init__(self) -> None:
         super().__init__(Allocator(Limits()))
         self.entry_contexts: list[dict[str, Any]] = []
+        self.callers: list[str] = []
 
     async def GetStats(self, request: Any, context: Any) -> Any:  # noqa: N802
         self.entry_contexts.append(dict(structlog.contextvars.get_contextvars()))
+        self.callers.append(caller())
         structlog.contextvars.bind_contextvars(leaky=request.pool_id)
         log.info("probe", pool=request.pool_id)
         if request.pool_id == "bug":
@@ -44,7 +47,7 @@ class ProbingAllocator(AllocatorServicer):
 
 async def _scenario(servicer: ProbingAllocator) -> tuple[list[Any], list[dict[str, Any]]]:
     server = await start_server(
-        [(allocator_pb2_grpc.add_AllocatorServiceServicer_to_server, servicer, SERVICE)],
+        [(servicer, SERVICE)],
         "127.0.0.1", 0,
     )
     outcomes: list[Any] = []
@@ -88,12 +91,46 @@ def test_guarded_handlers_bind_ids_map_errors_and_keep_serving():
     assert [e["code"] for e in rejected] == ["NOT_FOUND"]
 
 
-def test_guard_wraps_once():
-    servicer = ProbingAllocator()
-    first = guard(servicer, SERVICE).GetStats
-    assert guard(servicer, SERVICE).GetStats is first
-
-
-def test_guard_refuses_an_unknown_service_name():
+def test_guarded_handler_refuses_an_unknown_service_name():
     with pytest.raises(KeyError):
-        guard(ProbingAllocator(), "pagedkv.allocator.v1.NoSuchService")
+        guarded_handler(ProbingAllocator(), "pagedkv.allocator.v1.NoSuchService")
+
+
+async def _authenticated_calls(servicer: ProbingAllocator) -> list[Any]:
+    """A server with the internal token and with API keys: who gets through, as whom."""
+    keys = ApiKeyAuthenticator({"key-of-acme-0123456789": "acme"})
+    outcomes: list[Any] = []
+    for authenticator in (TokenAuthenticator("the-internal-token-0123456789"), keys):
+        server = await start_server([(servicer, SERVICE)], "127.0.0.1", 0,
+                                    authenticator=authenticator)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = allocator_pb2_grpc.AllocatorServiceStub(channel)
+                for sent in (None, "Bearer the-internal-token-0123456789",
+                             "Bearer key-of-acme-0123456789", "Bearer key-of-acme-012345678"):
+                    metadata = (("authorization", sent),) if sent else None
+                    try:
+                        await stub.GetStats(pb.GetStatsRequest(pool_id="a"), metadata=metadata)
+                        outcomes.append(("ok", servicer.callers[-1]))
+                    except grpc.aio.AioRpcError as exc:
+                        outcomes.append((exc.code(), exc.details()))
+        finally:
+            await server.stop(0)
+    return outcomes
+
+
+def test_an_authenticator_admits_only_its_credentials_and_names_the_caller():
+    servicer = ProbingAllocator()
+    outcomes = asyncio.run(_authenticated_calls(servicer))
+    unauth = grpc.StatusCode.UNAUTHENTICATED
+    assert outcomes == [
+        (unauth, "this internal service requires a credential: send metadata "
+                 "'authorization: Bearer <internal token>' (or use mutual TLS)"),
+        ("ok", "internal"),
+        (unauth, "the internal token is not valid"),
+        (unauth, "the internal token is not valid"),
+        (unauth, "an API key is required: send 'authorization: Bearer <key>'"),
+        (unauth, "the API key is not valid"),
+        ("ok", "acme"),
+        (unauth, "the API key is not valid"),
+    ]

@@ -3,6 +3,10 @@
     make conformance EXECUTOR_ADDR=host:port      # an executor you run (yours or ours)
     pytest -q tests/conformance                   # no address: starts ours as a subprocess
 
+Calls carry `authorization: Bearer $PAGEDKV_INTERNAL_TOKEN` when that variable is set (an
+executor must refuse callers without it: test_executor_auth.py); the local executor gets a
+generated token.
+
 Parity needs a local reference with the executor's weights: `--reference-model DIR` (default:
 models/<model_name from Describe>) loaded from safetensors, or with `--reference-seed N` the
 seeded dummy weights that `--load-format dummy --seed N` gives (the default seed is 0).
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import subprocess
 import sys
 import time
@@ -24,6 +29,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from common.credentials import INTERNAL_TOKEN_ENV, InternalAuth
 from executor_svc.model_loader import load_model
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -97,7 +103,9 @@ class Executor:
             self.held.pop(rid, None)
 
 
-def _start_local_executor(log_path: Path, port_file: Path) -> subprocess.Popen[bytes]:
+def _start_local_executor(
+    log_path: Path, port_file: Path, token: str
+) -> subprocess.Popen[bytes]:
     command = [
         sys.executable,
         "-m",
@@ -122,8 +130,10 @@ def _start_local_executor(log_path: Path, port_file: Path) -> subprocess.Popen[b
         "512",
         "--log-json",
     ]
+    env = {**os.environ, INTERNAL_TOKEN_ENV: token}
     with log_path.open("wb") as log:
-        return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env=env)
 
 
 def _wait_for_port(process: subprocess.Popen[bytes], port_file: Path, log_path: Path) -> int:
@@ -139,8 +149,17 @@ def _wait_for_port(process: subprocess.Popen[bytes], port_file: Path, log_path: 
 
 
 @pytest.fixture(scope="session")
+def internal_auth() -> InternalAuth:
+    """The credential the executor under test requires (none: an executor run without)."""
+    token = os.environ.get(INTERNAL_TOKEN_ENV, "")
+    remote = os.environ.get("EXECUTOR_ADDR", "")
+    return InternalAuth(token=token or ("" if remote else secrets.token_urlsafe(24)))
+
+
+@pytest.fixture(scope="session")
 def executor_addr(
-    pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory
+    pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory,
+    internal_auth: InternalAuth,
 ) -> Iterator[str]:
     addr = pytestconfig.getoption("executor_addr") or os.environ.get("EXECUTOR_ADDR", "")
     if addr:
@@ -148,7 +167,7 @@ def executor_addr(
         return
     workdir = tmp_path_factory.mktemp("executor")
     log_path, port_file = workdir / "executor.log", workdir / "port"
-    process = _start_local_executor(log_path, port_file)
+    process = _start_local_executor(log_path, port_file, internal_auth.token)
     port = _wait_for_port(process, port_file, log_path)
     yield f"127.0.0.1:{port}"
     process.terminate()
@@ -156,8 +175,8 @@ def executor_addr(
 
 
 @pytest.fixture(scope="session")
-def executor(executor_addr: str) -> Iterator[Executor]:
-    channel = grpc.insecure_channel(executor_addr)
+def executor(executor_addr: str, internal_auth: InternalAuth) -> Iterator[Executor]:
+    channel = internal_auth.channel(executor_addr)
     grpc.channel_ready_future(channel).result(timeout=30)
     stub = pb_grpc.ExecutorServiceStub(channel)
     info = stub.Describe(pb.DescribeRequest(), timeout=30)

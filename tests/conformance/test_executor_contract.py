@@ -9,7 +9,6 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import PreTrainedModel
 
 from pagedkv.executor.v1 import executor_pb2 as pb
@@ -52,15 +51,13 @@ def test_describe_reports_a_usable_executor(executor: Executor, reference: PreTr
     assert again.instance_id == info.instance_id, "instance_id changes only on restart"
 
 
-def test_health_and_reflection_name_the_service(executor: Executor) -> None:
-    # The standard health service says SERVING; reflection lists the executor service.
-    health = health_pb2_grpc.HealthStub(executor.channel)
-    reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE))
+def test_health_names_the_service_and_needs_no_credential(executor_addr: str) -> None:
+    # The standard health service says SERVING to anyone (probes carry no credentials).
+    # Reflection is optional: ours offers it only when it runs without authentication.
+    with grpc.insecure_channel(executor_addr) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE), timeout=10)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    reflection = reflection_pb2_grpc.ServerReflectionStub(executor.channel)
-    request = reflection_pb2.ServerReflectionRequest(list_services="")
-    response = next(iter(reflection.ServerReflectionInfo(iter([request]))))
-    assert SERVICE in [s.name for s in response.list_services_response.service]
 
 
 def test_prefill_and_decode_match_reference(executor: Executor, reference: PreTrainedModel) -> None:

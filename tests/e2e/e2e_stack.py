@@ -40,7 +40,7 @@ class Clients:
 
     def __post_init__(self) -> None:
         self.channels = [grpc.insecure_channel(self.stack.gateway_addr),
-                         grpc.insecure_channel(self.stack.allocator_addr)]
+                         self.stack.internal_auth.channel(self.stack.allocator_addr)]
 
     @property
     def gateway(self) -> gpb_grpc.GatewayServiceStub:

@@ -3,8 +3,6 @@ re-registers its pool, readmits the request (recompute) and the output is unchan
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -12,8 +10,6 @@ from pathlib import Path
 import grpc
 import pytest
 from e2e_stack import (
-    MODEL,
-    ROOT,
     Clients,
     Streamed,
     generate,
@@ -30,7 +26,6 @@ def test_allocator_restart_mid_stream_keeps_output(tmp_path: Path):
     # Kill the allocator after the first tokens, start a new one on the same port.
     stack = start_stack(tmp_path)
     clients = Clients(stack)
-    restarted: subprocess.Popen[bytes] | None = None
     try:
         prompt = next(prompts(1, 20, seed=61))
         result: dict[str, dict[int, Streamed] | Exception] = {}
@@ -51,12 +46,12 @@ def test_allocator_restart_mid_stream_keeps_output(tmp_path: Path):
         # Mid-stream: after its first tokens (a fixed sleep let a fast run finish first).
         assert streaming.wait(60), "no tokens within 60 s"
         assert "ok" not in result, "the request finished before the allocator was killed"
-        port = stack.allocator_addr.rsplit(":", 1)[1]
+        address = stack.allocator_addr
         stack.kill("allocator")
         time.sleep(1.0)
-        with open(tmp_path / "allocator-restarted.log", "wb") as log:
-            restarted = subprocess.Popen([sys.executable, "-m", "allocator_svc", "--port", port],
-                                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        # What the launcher does: the same command, on the same port.
+        assert [s.name for s in stack.restart_exited()] == ["allocator"]
+        assert stack.allocator_addr == address
         thread.join(120)
         assert not thread.is_alive(), "the request hung after the allocator restarted"
         assert "error" not in result, result.get("error")
@@ -68,9 +63,6 @@ def test_allocator_restart_mid_stream_keeps_output(tmp_path: Path):
         assert "requests_readmitted" in gateway_log and "lease_acquired" in gateway_log
     finally:
         clients.close()
-        if restarted is not None:
-            restarted.terminate()
-            restarted.wait(10)
         stack.stop()
 
 
@@ -79,24 +71,18 @@ def test_only_executor_lost_fails_cleanly_then_restart_serves_again(tmp_path: Pa
     # port (a new instance: the pool is reset) is picked up and serves the next request.
     stack = start_stack(tmp_path)
     clients = Clients(stack)
-    restarted: subprocess.Popen[bytes] | None = None
     try:
         prompt = next(prompts(1, 20, seed=67))
         call = clients.gateway.Generate(gpb.GenerateRequest(
             token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(2000, ignore_eos=True)),
             timeout=60)
         next(iter(call))
-        port = stack.executor_addrs()[0].rsplit(":", 1)[1]
         stack.kill("executor-0")
         with pytest.raises(grpc.RpcError) as err:
             for _ in call:
                 pass
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        with open(tmp_path / "executor-restarted.log", "wb") as log:
-            restarted = subprocess.Popen(
-                [sys.executable, "-m", "executor_svc", "--port", port, "--model", MODEL,
-                 "--load-format", "dummy"],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        assert [s.name for s in stack.restart_exited()] == ["executor-0"]
         deadline = time.monotonic() + 60
         while True:
             info = clients.gateway.GetModelInfo(gpb.GetModelInfoRequest())
@@ -110,9 +96,6 @@ def test_only_executor_lost_fails_cleanly_then_restart_serves_again(tmp_path: Pa
         clients.wait_all_blocks_back()
     finally:
         clients.close()
-        if restarted is not None:
-            restarted.terminate()
-            restarted.wait(10)
         stack.stop()
 
 

@@ -21,9 +21,17 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_main_rejects_bad_settings_with_a_remedy() -> None:
     # A flag that cannot work exits 2 and says which flag and what to use instead.
-    result = _run("--model", "/nonexistent", "--port", "0")
+    result = _run("--model", "/nonexistent", "--port", "0", "--insecure")
     assert result.returncode == 2
     assert "--model '/nonexistent' is not a directory" in result.stderr
+
+
+def test_main_refuses_to_start_without_internal_credentials() -> None:
+    # Closed by default: no token, no TLS and no explicit --insecure is a usage error.
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDKV_INTERNAL_TOKEN"}
+    result = subprocess.run([sys.executable, "-m", "executor_svc", "--port", "0"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2 and "no internal credentials" in result.stderr
 
 
 def test_main_writes_port_file_and_stops_on_sigterm(tmp_path: Path) -> None:
@@ -32,7 +40,7 @@ def test_main_writes_port_file_and_stops_on_sigterm(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "executor_svc", "--load-format", "dummy", "--port", "0",
         "--port-file", str(port_file), "--kv-cache-memory", "4MiB", "--swap-space", "0",
-        "--log-json",
+        "--log-json", "--insecure",
     ]  # fmt: skip
     process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:

@@ -123,7 +123,8 @@ def test_main_exits_with_one_line_for_a_directory_that_cannot_serve(tmp_path: Pa
     # The executor process: exit 2, one error line naming the problem and the remedy.
     directory = _config_only(tmp_path)
     result = subprocess.run(
-        [sys.executable, "-m", "executor_svc", "--model", str(directory), "--port", "0"],
+        [sys.executable, "-m", "executor_svc", "--model", str(directory), "--port", "0",
+         "--insecure"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2

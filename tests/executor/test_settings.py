@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from executor_svc.settings import DEFAULT_PORT, SettingsError, parse_bytes, parse_settings
+from executor_svc.settings import DEFAULT_PORT, SettingsError, parse_bytes
+from executor_svc.settings import parse_settings as parse_with_credentials
+
+
+def parse_settings(argv: list[str]):
+    """The flags under test, on an executor told to run without internal credentials."""
+    return parse_with_credentials(["--insecure", *argv])
 
 
 def test_settings_defaults_are_the_contract() -> None:

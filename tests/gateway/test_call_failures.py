@@ -29,7 +29,6 @@ from gateway.clients.call_failures import (
 )
 from gateway.clients.executor_client import ExecutorClient
 from gateway.core.step import ExecuteCall, SeqWork, StepCall, TableDelta
-from pagedkv.allocator.v1 import allocator_pb2_grpc as pb_grpc
 from pagedkv.executor.v1 import executor_pb2 as epb
 from pagedkv.executor.v1 import executor_pb2_grpc as epb_grpc
 
@@ -85,7 +84,6 @@ SPEC = PoolSpec(
 def test_a_real_allocator_s_refusals_arrive_as_outcomes() -> None:
     async def scenario() -> None:
         registration = (
-            pb_grpc.add_AllocatorServiceServicer_to_server,
             AllocatorServicer(Allocator(Limits())),
             "pagedkv.allocator.v1.AllocatorService",
         )
@@ -170,7 +168,6 @@ def test_an_answer_that_breaks_the_executor_contract_is_rejected(
 
     async def scenario() -> None:
         registration = (
-            epb_grpc.add_ExecutorServiceServicer_to_server,
             _ContractBreaker(response),
             "pagedkv.executor.v1.ExecutorService",
         )

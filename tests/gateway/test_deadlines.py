@@ -23,7 +23,7 @@ from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.step import StepCall as CoreStepCall
 from allocator_svc.core.step import StepItem
 from allocator_svc.service import AllocatorServicer
-from common.interceptor import guard
+from common.interceptor import guarded_handler
 from gateway.api.sampling import SamplingOptions
 from gateway.clients.allocator_client import AllocatorClient
 from gateway.clients.call_failures import failure
@@ -39,7 +39,6 @@ from gateway.engine.loop import Engine
 from gateway.engine.router import Router
 from gateway.text.output import OutputProcessor
 from gateway.text.tokenizer import Tokenizer
-from pagedkv.allocator.v1 import allocator_pb2_grpc
 from pagedkv.executor.v1 import executor_pb2 as epb
 from pagedkv.executor.v1 import executor_pb2_grpc
 
@@ -160,11 +159,9 @@ class QueueingExecutor(InProcessExecutor):
             raise failure(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline") from None
 
 
-async def serve(
-    add: Callable[[Any, grpc.aio.Server], None], servicer: Any, service_name: str
-) -> grpc.aio.Server:
+async def serve(servicer: Any, service_name: str) -> grpc.aio.Server:
     server = grpc.aio.server()
-    add(guard(servicer, service_name), server)
+    server.add_generic_rpc_handlers((guarded_handler(servicer, service_name),))
     server.port = server.add_insecure_port("127.0.0.1:0")  # type: ignore[attr-defined]
     await server.start()
     return server
@@ -183,7 +180,7 @@ async def rig(
 ) -> AsyncIterator[Rig]:
     """The real allocator on a port, one engine over it (its loop running), a router."""
     servicer = StallingAllocator()
-    server = await serve(allocator_pb2_grpc.add_AllocatorServiceServicer_to_server, servicer,
+    server = await serve(servicer,
                          "pagedkv.allocator.v1.AllocatorService")
     client = AllocatorClient(f"127.0.0.1:{server.port}", timeout_s=TIMEOUT_S)  # type: ignore[attr-defined]
     lease = Lease(allocator=client, ttl_ms=10_000)
@@ -251,7 +248,7 @@ async def one_request_against(
 ) -> tuple[list[CompletionDelta], list[str], bool]:
     """Serve `servicer` as the only executor, run one 5-token request through it until the
     engine is idle: its deltas, what the allocator still holds, whether the engine is healthy."""
-    server = await serve(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, servicer,
+    server = await serve(servicer,
                          "pagedkv.executor.v1.ExecutorService")
     executor = ExecutorClient(f"127.0.0.1:{server.port}")  # type: ignore[attr-defined]
     try:

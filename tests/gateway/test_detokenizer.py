@@ -88,3 +88,27 @@ def test_detokenizer_prompt_ending_mid_character_does_not_leak_into_output(
     output = tokenizer.encode("hello there")[1:]
     deltas, _ = stream(tokenizer, prompt, output)
     assert "".join(deltas) == tokenizer.decode(output)
+
+
+def _reference_earliest(text: str, stops: list[str], new_from: int) -> int:
+    """Every occurrence of every stop string, found by brute force."""
+    starts = [start for s in stops for start in range(len(text) - len(s) + 1)
+              if text[start:start + len(s)] == s and start + len(s) - 1 >= new_from]
+    return min(starts, default=-1)
+
+
+def test_stop_string_index_finds_the_earliest_match_like_a_brute_force_scan():
+    # Overlapping, nested and repeated stops over a small alphabet: the indexed search (only
+    # the strings that can end at each new character) agrees with scanning every string.
+    import random
+
+    from gateway.text.detokenizer import StopStrings
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 4)))
+                 for _ in range(rng.randint(1, 5))]
+        text = "".join(rng.choice("abcd") for _ in range(rng.randint(0, 12)))
+        new_from = rng.randint(0, len(text))
+        assert StopStrings.of(stops).earliest_match(text, new_from) == _reference_earliest(
+            text, stops, new_from), (stops, text, new_from)

@@ -13,7 +13,7 @@ from test_engine import engine
 from test_engine import tokenizer as tokenizer  # the module-scoped fixture
 
 from common.errors import ResourceExhausted
-from gateway.api.frontend import Frontend, ModelInfo
+from gateway.api.frontend import Frontend, ModelInfo, PromptInput
 from gateway.api.sampling import ModelLimits, RawSampling, SamplingOptions
 from gateway.core.request_state import CompletionDelta, Request
 from gateway.engine.host import EngineHost
@@ -174,7 +174,8 @@ def test_a_submit_cancelled_while_the_engine_loop_runs_it_leaves_nothing_running
 
     async def scenario() -> None:
         call = asyncio.ensure_future(frontend.submit(
-            None, [9] * 5, RawSampling(max_tokens=100, ignore_eos=True), "", "gone"))
+            PromptInput(token_ids=[9] * 5), RawSampling(max_tokens=100, ignore_eos=True), "",
+            "gone"))
         await asyncio.sleep(0.1)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):

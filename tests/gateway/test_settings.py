@@ -6,7 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from gateway.settings import load_settings
+from gateway.settings import load_settings as load_with_credentials
+
+
+def load_settings(argv: list[str]):
+    """The flags under test, on a gateway told to run without internal credentials."""
+    return load_with_credentials(["--insecure", *argv])
 
 
 def test_defaults_are_sensible():
@@ -59,3 +64,53 @@ def test_a_step_log_that_cannot_be_written_is_refused_in_one_line(tmp_path: Path
         load_settings(["--step-log", str(tmp_path / "missing-dir" / "steps.jsonl")])
     assert str(info.value).startswith("gateway: --step-log ") and "cannot append" in str(
         info.value)
+
+
+def test_without_internal_credentials_the_gateway_refuses_to_start(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.delenv("PAGEDKV_INTERNAL_TOKEN", raising=False)
+    with pytest.raises(SystemExit) as info:
+        load_with_credentials([])
+    assert info.value.code == 2 and "no internal credentials" in capsys.readouterr().err
+
+
+def test_credentials_come_from_a_token_file_the_environment_or_tls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    token_file = tmp_path / "token"
+    token_file.write_text("a-token-of-enough-characters\n")
+    settings = load_with_credentials(["--internal-token-file", str(token_file)])
+    assert settings.internal_auth.token == "a-token-of-enough-characters"
+    monkeypatch.setenv("PAGEDKV_INTERNAL_TOKEN", "another-token-from-the-env")
+    assert load_with_credentials([]).internal_auth.token == "another-token-from-the-env"
+    monkeypatch.setenv("PAGEDKV_INTERNAL_TOKEN", "short")
+    with pytest.raises(SystemExit):
+        load_with_credentials([])
+    assert "the internal token has 5 characters; use at least 16" in capsys.readouterr().err
+    monkeypatch.delenv("PAGEDKV_INTERNAL_TOKEN")
+    for argv, message in [
+        (["--tls-cert", "c.pem"], "mutual TLS needs all three of"),
+        (["--tls-cert", "c", "--tls-key", "k", "--tls-ca", "ca"], "cannot read TLS file c"),
+        (["--internal-token-file", str(tmp_path / "absent")], "cannot read it"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            load_with_credentials(argv)
+        assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("PAGEDKV_PORT", "abc", "environment variable PAGEDKV_PORT='abc': invalid literal"),
+    ("PAGEDKV_ENABLE_PREFIX_CACHING", "maybe", "expected true or false, got 'maybe'"),
+    ("PAGEDKV_LOG_JSON", "perhaps", "expected true or false, got 'perhaps'"),
+    ("PAGEDKV_PREEMPTION_MODE", "drop", "expected one of recompute, swap"),
+])
+def test_a_bad_environment_value_is_a_usage_error_naming_it(
+    name: str, value: str, message: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as info:
+        load_settings([])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err and "usage:" in err

@@ -42,7 +42,7 @@ def test_gateway_exits_with_one_line_when_the_tokenizer_is_missing(tmp_path: Pat
     # The gateway process: exit 2 and one error line, before it dials anything.
     shutil.copy(TINY / "config.json", tmp_path / "config.json")
     result = subprocess.run(
-        [sys.executable, "-m", "gateway", "--model", str(tmp_path), "--port", "0"],
+        [sys.executable, "-m", "gateway", "--model", str(tmp_path), "--port", "0", "--insecure"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2

@@ -1,0 +1,117 @@
+"""Who may call a service: the server side of authentication (the credentials themselves
+are loaded in common.credentials).
+
+Internal services (allocator, executor) accept only authenticated callers:
+- mutual TLS: the server presents its certificate and requires one signed by the same CA
+  from the caller (the TLS handshake itself refuses a stranger);
+- a shared internal token: callers send `authorization: Bearer <token>`, compared in
+  constant time; usable alone (plaintext, a private network) or on top of TLS.
+
+The public gateway authenticates API keys the same way (one key per tenant): `Authenticator`
+is what the guarded handlers (common.interceptor) ask, once per call, with the caller's
+`authorization` value; its answer, the caller's principal, is readable in the handler as
+`caller()` (each gRPC call runs in its own task, so a context variable cannot leak).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hmac
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+
+from common.credentials import BEARER
+from common.errors import ServiceError
+
+_caller: contextvars.ContextVar[str] = contextvars.ContextVar("pagedkv_caller", default="")
+
+
+class Unauthenticated(ServiceError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+def caller() -> str:
+    """The principal the current call was authenticated as ('' when the server is open)."""
+    return _caller.get()
+
+
+def set_caller(principal: str) -> None:
+    _caller.set(principal)
+
+
+class Authenticator(Protocol):
+    def authenticate(self, authorization: str | None) -> str:
+        """The caller's principal, from its `authorization` metadata (None: absent);
+        raises Unauthenticated with a message that says what to send."""
+        ...
+
+
+def bearer(authorization: str | None) -> str | None:
+    if authorization is None or not authorization.startswith(BEARER):
+        return None
+    return authorization[len(BEARER):].strip()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenAuthenticator:
+    """The internal token: one shared secret, one principal ('internal')."""
+
+    token: str
+
+    def authenticate(self, authorization: str | None) -> str:
+        sent = bearer(authorization)
+        if sent is None:
+            raise Unauthenticated(
+                "this internal service requires a credential: send metadata "
+                "'authorization: Bearer <internal token>' (or use mutual TLS)"
+            )
+        if not hmac.compare_digest(sent.encode(), self.token.encode()):
+            raise Unauthenticated("the internal token is not valid")
+        return "internal"
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeyAuthenticator:
+    """Public API keys, each mapped to its tenant."""
+
+    tenants_by_key: Mapping[str, str]
+
+    def authenticate(self, authorization: str | None) -> str:
+        sent = bearer(authorization)
+        if sent is None:
+            raise Unauthenticated("an API key is required: send 'authorization: Bearer <key>'")
+        # Every key compared (constant time each): no early exit reveals a near match.
+        tenant = ""
+        for key, name in self.tenants_by_key.items():
+            if hmac.compare_digest(sent.encode(), key.encode()):
+                tenant = name
+        if not tenant:
+            raise Unauthenticated("the API key is not valid")
+        return tenant
+
+
+class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds fixed metadata (a credential) to every call of a blocking channel."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.metadata = metadata
+
+    def _details(self, details: Any) -> Any:
+        return details._replace(metadata=(*(details.metadata or ()), *self.metadata))
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+
+def with_metadata(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> grpc.Channel:
+    """`channel`, every call of which carries `metadata` (tools and tests; the services'
+    own clients pass it per call, which costs nothing on the hot path)."""
+    if not metadata:
+        return channel
+    return grpc.intercept_channel(channel, _MetadataInterceptor(metadata))

@@ -1,0 +1,40 @@
+"""The executor is an internal service: every RPC but health needs the internal credential,
+and undecodable bytes are INVALID_ARGUMENT (part of the contract platform teams implement)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from common.credentials import InternalAuth
+from pagedkv.executor.v1 import executor_pb2 as pb
+
+SERVICE = "pagedkv.executor.v1.ExecutorService"
+METHODS = sorted(pb.DESCRIPTOR.services_by_name["ExecutorService"].methods_by_name)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong-token-0123456789"])
+def test_a_caller_without_the_internal_token_is_unauthenticated(
+    executor_addr: str, internal_auth: InternalAuth, method: str, authorization: str | None
+) -> None:
+    if not internal_auth.token:
+        pytest.skip("the executor under test runs without an internal token "
+                    "(set PAGEDKV_INTERNAL_TOKEN to the one it requires)")
+    with grpc.insecure_channel(executor_addr) as channel:
+        call = channel.unary_unary(f"/{SERVICE}/{method}")
+        metadata = (("authorization", authorization),) if authorization else None
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"", metadata=metadata, timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_undecodable_bytes_are_invalid_argument(
+    executor_addr: str, internal_auth: InternalAuth, method: str
+) -> None:
+    with internal_auth.channel(executor_addr) as channel:
+        call = channel.unary_unary(f"/{SERVICE}/{method}")
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"\xff\xff\xff\xff", timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()

@@ -1,0 +1,52 @@
+"""Mutual TLS between the services (make certs; python -m tools.launch --tls-dir): the stack
+serves the reference's tokens, and an internal port refuses whoever lacks a certificate of
+its CA, before any RPC."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from e2e_stack import generate, prompts, reference_greedy, sampling, start_stack
+
+from common.credentials import InternalAuth, TlsFiles
+from pagedkv.allocator.v1 import allocator_pb2 as apb
+from pagedkv.allocator.v1 import allocator_pb2_grpc as apb_grpc
+from pagedkv.gateway.v1 import gateway_pb2 as gpb
+from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
+from tools.make_certs import make_certs
+
+
+def test_a_stack_on_mutual_tls_serves_and_refuses_strangers(tmp_path: Path):
+    make_certs(tmp_path / "certs", [])
+    make_certs(tmp_path / "other-ca", [])
+    stack = start_stack(tmp_path, tls_dir=str(tmp_path / "certs"),
+                        executor_args=("--load-format", "dummy", "--num-blocks", "64"))
+    try:
+        prompt = next(prompts(1, 12, seed=503))
+        with grpc.insecure_channel(stack.gateway_addr) as channel:
+            done = generate(gpb_grpc.GatewayServiceStub(channel), gpb.GenerateRequest(
+                token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(8)))[0]
+        assert tuple(done.token_ids) == reference_greedy(tuple(prompt), 8)
+        # The stack's own credentials work (the gateway's certificate and the token)...
+        with stack.internal_auth.channel(stack.allocator_addr) as channel:
+            pools = apb_grpc.AllocatorServiceStub(channel).GetStats(apb.GetStatsRequest()).pools
+        assert len(pools) == 1
+        # ... a plaintext caller, and one whose certificate another CA signed, get nothing
+        # (even with the right token).
+        other = tmp_path / "other-ca"
+        strangers = [
+            InternalAuth(token=stack.internal_token),
+            InternalAuth(token=stack.internal_token,
+                         tls=TlsFiles(str(other / "gateway.pem"), str(other / "gateway-key.pem"),
+                                      str(tmp_path / "certs" / "ca.pem"))),
+        ]
+        for auth in strangers:
+            with auth.channel(stack.allocator_addr) as channel:
+                with pytest.raises(grpc.RpcError) as err:
+                    apb_grpc.AllocatorServiceStub(channel).GetStats(apb.GetStatsRequest(),
+                                                                    timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        stack.stop()

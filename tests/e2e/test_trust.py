@@ -1,0 +1,171 @@
+"""Trust through the whole stack (real subprocesses): API keys and tenants at the public door,
+closed internal services, and bounded inputs that cannot stall or bloat the gateway."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from e2e_stack import Clients, generate, prompts, reference_greedy, sampling, start_stack
+
+from common.auth import with_metadata
+from gateway.api.tenants import Tenancy, load_tenancy
+from pagedkv.gateway.v1 import gateway_pb2 as gpb
+from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
+
+KEY_A = "key-of-tenant-a-0123456789"
+KEY_B = "key-of-tenant-b-0123456789"
+MAX_PROMPT_BYTES = 65536
+
+
+@pytest.fixture(scope="module")
+def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clients]:
+    log_dir: Path = tmp_path_factory.mktemp("stack")
+    keys = log_dir / "api-keys"
+    keys.write_text(f"# key tenant\n{KEY_A} tenant-a\n{KEY_B} tenant-b\n")
+    stack = start_stack(log_dir, executor_args=("--load-format", "dummy", "--num-blocks", "256"),
+                        gateway_args=("--api-keys-file", str(keys),
+                                      "--max-prompt-bytes", str(MAX_PROMPT_BYTES)))
+    clients = Clients(stack)
+    yield clients
+    clients.close()
+    stack.stop()
+
+
+def as_tenant(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def run(clients: Clients, request: gpb.GenerateRequest, key: str = KEY_A) -> gpb.Completion:
+    response = clients.gateway.Complete(
+        gpb.CompleteRequest(**{f.name: v for f, v in request.ListFields()}),
+        metadata=as_tenant(key), timeout=60)
+    return response.completions[0]
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer not-a-key-0123456789", "Basic abc"])
+def test_the_public_api_needs_a_valid_key(clients: Clients, authorization: str | None):
+    metadata = (("authorization", authorization),) if authorization else None
+    for call in (
+        lambda: clients.gateway.Complete(gpb.CompleteRequest(text="hi", sampling=sampling(2)),
+                                         metadata=metadata, timeout=10),
+        lambda: clients.gateway.Tokenize(gpb.TokenizeRequest(text="hi"), metadata=metadata,
+                                         timeout=10),
+        lambda: clients.gateway.GetModelInfo(gpb.GetModelInfoRequest(), metadata=metadata,
+                                             timeout=10),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_prefix_hits_never_cross_tenants(clients: Clients):
+    # Tenant A's prompt is cached for A; B sending the same prompt, with no salt or with any
+    # salt it can choose, computes it afresh. Outputs are the reference's either way.
+    prompt = next(prompts(1, 40, seed=401))
+    request = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(4))
+    expected = reference_greedy(tuple(prompt), 4)
+    first = run(clients, request, KEY_A)
+    again = run(clients, request, KEY_A)
+    assert first.usage.cached_prompt_tokens == 0 and again.usage.cached_prompt_tokens >= 32
+    # Even A's own derived salt, sent by B as its salt, is joined under B's.
+    tenancy = load_tenancy("", "", clients.stack.internal_token)
+    a_salt = Tenancy({KEY_A: "tenant-a"}, tenancy.salt_secret).cache_salt("tenant-a", "")
+    for salt in ("", "tenant-a", a_salt):
+        salted = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(4),
+                                     cache_salt=salt)
+        other = run(clients, salted, KEY_B)
+        assert other.usage.cached_prompt_tokens == 0, salt
+        assert tuple(other.token_ids) == expected
+    assert tuple(first.token_ids) == tuple(again.token_ids) == expected
+
+
+@pytest.mark.parametrize("service", ["allocator", "executor-0"])
+def test_a_stranger_gets_nothing_from_the_internal_services(clients: Clients, service: str):
+    address = clients.stack.by_name(service).address
+    method = ("/pagedkv.allocator.v1.AllocatorService/GetStats" if service == "allocator"
+              else "/pagedkv.executor.v1.ExecutorService/Describe")
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary(method)(b"", timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_huge_prompts_are_refused_at_once_and_a_stream_beside_them_is_unaffected(
+    clients: Clients,
+):
+    # A stream runs while a 60 MB prompt (refused by gRPC before it is parsed), a 2 MB one
+    # (refused before tokenizing) and an over-long chat arrive: each is refused quickly, the
+    # gateway's memory does not grow, and the stream's output is the reference's.
+    prompt = next(prompts(1, 12, seed=409))
+    result: dict[str, object] = {}
+
+    def stream() -> None:
+        result["done"] = generate(stub, gpb.GenerateRequest(
+            token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(60, ignore_eos=True)),
+            timeout=120)
+
+    gateway_pid = clients.stack.by_name("gateway").process.pid
+    rss_before = _rss_bytes(gateway_pid)
+    channel = with_metadata(grpc.insecure_channel(clients.stack.gateway_addr), as_tenant(KEY_A))
+    stub = gpb_grpc.GatewayServiceStub(channel)
+    thread = threading.Thread(target=stream)
+    thread.start()
+    try:
+        cases = [
+            ("x" * 60_000_000, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
+            # Under gRPC's cap (2 x --max-prompt-bytes + 1 MiB), over the prompt's.
+            ("y" * 1_000_000, grpc.StatusCode.INVALID_ARGUMENT,
+             f"prompt text is 1000000 bytes; this gateway accepts at most {MAX_PROMPT_BYTES}"),
+        ]
+        for text, code, message in cases:
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Complete(gpb.CompleteRequest(text=text, sampling=sampling(2)), timeout=30)
+            assert err.value.code() == code and message in (err.value.details() or "")
+            assert time.monotonic() - started < 5.0  # the transfer itself, then at once
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Complete(gpb.CompleteRequest(chat=gpb.ChatMessages(messages=[
+                gpb.ChatMessage(role="user", content="z" * 40_000)] * 2), sampling=sampling(2)))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "chat content is 80008 bytes" in (err.value.details() or "")
+    finally:
+        thread.join(120)
+        channel.close()
+    done = result["done"]
+    assert isinstance(done, dict)
+    assert tuple(done[0].token_ids) == reference_greedy(tuple(prompt), 60, ignore_eos=True)
+    assert _rss_bytes(gateway_pid) - rss_before < 64 * 2**20
+
+
+@pytest.mark.parametrize(("sampling_fields", "ids", "message"), [
+    ({"stop": ["s"] * 33}, {}, "sampling.stop has 33 strings; at most 32"),
+    ({"stop": ["s" * 257]}, {}, "sampling.stop has a string of 257 characters; at most 256"),
+    ({}, {"request_id": "r" * 129}, "request_id has 129 characters; at most 128"),
+    ({}, {"cache_salt": "s" * 129}, "cache_salt has 129 characters; at most 128"),
+])
+def test_bounded_fields_are_invalid_argument(clients: Clients, sampling_fields, ids, message):
+    request = gpb.CompleteRequest(text="hi", sampling=sampling(2, **sampling_fields), **ids)
+    with pytest.raises(grpc.RpcError) as err:
+        clients.gateway.Complete(request, metadata=as_tenant(KEY_A), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in (err.value.details() or "")
+
+
+def test_undecodable_bytes_are_invalid_argument_at_the_gateway(clients: Clients):
+    with grpc.insecure_channel(clients.stack.gateway_addr) as channel:
+        call = channel.unary_unary("/pagedkv.gateway.v1.GatewayService/Complete")
+        with pytest.raises(grpc.RpcError) as err:
+            call(b"\xff\xff\xff\xff", metadata=as_tenant(KEY_A), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
