@@ -125,16 +125,22 @@ class Stack:
                              *spec.executor_args))
             for service in self.services:
                 self._wait_healthy(service)
-            gateway_args = (
-                "--allocator-addr", self.allocator_addr,
-                "--executor-addrs", ",".join(self.executor_addrs()),
-                "--model", spec.model, *self._tls_args("gateway"), *spec.gateway_args,
-            )
-            self._wait_healthy(self._start("gateway", "gateway", spec.gateway_port, gateway_args))
+            self.start_gateway("gateway", spec.gateway_port)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def start_gateway(self, name: str, port: int = 0) -> Service:
+        """A gateway over the stack's allocator and executors (several may share them)."""
+        args = (
+            "--allocator-addr", self.allocator_addr,
+            "--executor-addrs", ",".join(self.executor_addrs()),
+            "--model", self.spec.model, *self._tls_args("gateway"), *self.spec.gateway_args,
+        )
+        service = self._start(name, "gateway", port, args)
+        self._wait_healthy(service)
+        return service
 
     def _start(self, name: str, module: str, port: int, args: tuple[str, ...],
                cwd: str | Path | None = None) -> Service:
@@ -196,7 +202,7 @@ class Stack:
                 if text:
                     service.address = f"{HOST}:{int(text)}"
             # The gateway's public port is plaintext; the internal ones may be mutual TLS.
-            auth = None if service.name == "gateway" else self.internal_auth
+            auth = None if service.name.startswith("gateway") else self.internal_auth
             if service.address and is_serving(service.address, timeout_s=1.0, auth=auth):
                 return
             time.sleep(0.1)

@@ -8,6 +8,7 @@ loop that serves every stream, and only after the text's size is checked: a prom
 from __future__ import annotations
 
 import asyncio
+import secrets
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +67,8 @@ class Frontend:
     seq_owners: dict[str, str] = field(default_factory=dict)
     text_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
+    # This gateway run's sequence-id namespace (seq_ids.py): unique per start.
+    id_namespace: str = field(default_factory=lambda: f"{secrets.token_hex(4)}/")
 
     async def tokenize(self, text: str) -> list[int]:
         check_prompt_bytes(_utf8_len(text), self.max_prompt_bytes)
@@ -101,7 +104,8 @@ class Frontend:
         # Every event of this call, and the allocator calls about it, carry this id.
         structlog.contextvars.bind_contextvars(request_id=request_id)
         request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                          cache_salt=self.tenancy.cache_salt(tenant, cache_salt))
+                          cache_salt=self.tenancy.cache_salt(tenant, cache_salt),
+                          id_namespace=self.id_namespace)
         self.active[request_id] = request
         self.seq_owners.update(dict.fromkeys(seq_ids, request_id))
         try:

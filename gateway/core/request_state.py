@@ -69,6 +69,10 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     cache_salt: str
+    # The gateway's namespace for this request's sequence ids at the allocator and the
+    # executors (seq_ids.py): another gateway, or this one before a restart, may use the same
+    # request id, and a collision there would refuse a whole step.
+    id_namespace: str = ""
     outputs: asyncio.Queue[CompletionDelta] = field(default_factory=asyncio.Queue)
     arrival_time: float = field(default_factory=time.monotonic)
     num_cached_tokens: int | None = None   # from the first admission

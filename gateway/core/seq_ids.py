@@ -1,10 +1,16 @@
 """The ids a request's sequences take at the allocator and the executors.
 
 n == 1: the request's own id. n > 1: `<id>-prefill` for the prefill parent (when the prompt has
-two tokens or more) and `<id>-<i>` for the children.
+two tokens or more) and `<id>-<i>` for the children. On the wire every one is prefixed with the
+gateway's namespace (`wire_id`), new at every start: two gateways on one allocator, or a
+gateway and its own previous run, never name the same sequence.
 """
 
 from __future__ import annotations
+
+
+def wire_id(namespace: str, request_id: str) -> str:
+    return f"{namespace}{request_id}"
 
 
 def child_seq_id(request_id: str, index: int) -> str:

@@ -12,7 +12,7 @@ from common.errors import ResourceExhausted, Unavailable
 from gateway.clients.allocator_client import AllocatorClient
 from gateway.clients.call_failures import CallFailed
 from gateway.core.request_state import CompletionDelta, Request, Sequence
-from gateway.core.seq_ids import child_seq_id, prefill_parent_id
+from gateway.core.seq_ids import child_seq_id, prefill_parent_id, wire_id
 from gateway.engine.loop import Engine
 
 log = structlog.get_logger(__name__)
@@ -21,7 +21,7 @@ log = structlog.get_logger(__name__)
 def initial_sequences(request: Request) -> list[Sequence]:
     """n == 1: one sequence. n > 1: a prefill parent that is forked once the prompt (but
     its last token) is computed; a one-token prompt has nothing to share, so n plain ones."""
-    rid = request.request_id
+    rid = wire_id(request.id_namespace, request.request_id)
     n = request.sampling.n
     if n == 1:
         return [Sequence(seq_id=rid, request=request, index=0)]

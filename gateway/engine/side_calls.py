@@ -13,7 +13,7 @@ from common.errors import Unavailable
 from gateway.clients.call_failures import CallFailed, Lost
 from gateway.core.batch import ScheduledStep
 from gateway.core.request_state import Sequence
-from gateway.core.seq_ids import child_seq_id
+from gateway.core.seq_ids import child_seq_id, wire_id
 from gateway.engine import recovery
 from gateway.engine.state import EngineState
 
@@ -24,7 +24,8 @@ async def fork(engine: EngineState, parent: Sequence) -> None:
     """A computed prefill parent (n > 1) becomes its children, which share its blocks."""
     request = parent.request
     children = [
-        Sequence(seq_id=child_seq_id(request.request_id, i), request=request, index=i,
+        Sequence(seq_id=child_seq_id(wire_id(request.id_namespace, request.request_id), i),
+                 request=request, index=i,
                  seed_offset=i)
         for i in range(request.sampling.n)
     ]

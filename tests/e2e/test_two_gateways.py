@@ -1,0 +1,76 @@
+"""Two gateways on one allocator and one executor, and a gateway restarted over its own dead
+run: a request id used twice never fails anything but (at most) the request that reuses it.
+Before sequence ids were namespaced per gateway run, the allocator refused the whole Step
+(ALREADY_EXISTS) and every unrelated request in it failed with UNAVAILABLE."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+from e2e_stack import Clients, generate, prompts, reference_greedy, sampling, start_stack
+
+from pagedkv.gateway.v1 import gateway_pb2 as gpb
+from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
+
+
+def _request(prompt: list[int], request_id: str, max_tokens: int = 24) -> gpb.GenerateRequest:
+    return gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=prompt), request_id=request_id,
+                               sampling=sampling(max_tokens, ignore_eos=True))
+
+
+def test_the_same_request_ids_through_two_gateways_all_complete(tmp_path: Path):
+    stack = start_stack(tmp_path, executor_args=("--load-format", "dummy", "--num-blocks", "256"))
+    clients = Clients(stack)
+    second = stack.start_gateway("gateway-2")
+    channel = grpc.insecure_channel(second.address)
+    try:
+        stubs = [clients.gateway, gpb_grpc.GatewayServiceStub(channel)]
+        batch = list(prompts(8, 16, seed=601))
+        # Each gateway runs the same eight ids at once ("shared-0".."shared-7"), on
+        # different prompts: sixteen requests, eight id collisions at the allocator's level.
+        jobs = [(stubs[g], _request(batch[(i + 4 * g) % 8], f"shared-{i}"), batch[(i + 4 * g) % 8])
+                for g in (0, 1) for i in range(8)]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(pool.map(lambda job: generate(job[0], job[1]), jobs))
+        for (_, _, prompt), done in zip(jobs, results, strict=True):
+            assert tuple(done[0].token_ids) == reference_greedy(tuple(prompt), 24,
+                                                                ignore_eos=True)
+        clients.wait_all_blocks_back()
+    finally:
+        channel.close()
+        clients.close()
+        stack.stop()
+
+
+def test_a_restarted_gateway_reuses_the_ids_of_its_dead_run(tmp_path: Path):
+    # SIGKILL the gateway mid-stream: its requests stay admitted until its lease (5 s)
+    # expires. Restarted at once, it takes the same ids for new requests: they complete.
+    stack = start_stack(tmp_path, executor_args=("--load-format", "dummy", "--num-blocks", "256"),
+                        gateway_args=("--lease-ttl-ms", "5000"))
+    clients = Clients(stack)
+    try:
+        batch = list(prompts(4, 16, seed=607))
+        calls = [clients.gateway.Generate(_request(p, f"again-{i}", 2000), timeout=60)
+                 for i, p in enumerate(batch)]
+        for call in calls:
+            next(iter(call))
+        assert clients.pools()[0].num_requests == 4
+        stack.kill("gateway")
+        assert [s.name for s in stack.restart_exited()] == ["gateway"]
+        fresh = Clients(stack)
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                results = list(pool.map(
+                    lambda i: generate(fresh.gateway, _request(batch[3 - i], f"again-{i}")),
+                    range(4)))
+            for i, done in enumerate(results):
+                assert tuple(done[0].token_ids) == reference_greedy(tuple(batch[3 - i]), 24,
+                                                                    ignore_eos=True)
+            fresh.wait_all_blocks_back(timeout_s=15)  # the dead run's, once its lease expires
+        finally:
+            fresh.close()
+    finally:
+        clients.close()
+        stack.stop()
