@@ -184,6 +184,7 @@ async def build_engines(settings: GatewaySettings, tokenizer: Tokenizer) -> Engi
             async_depth=settings.async_depth,
         )
         router.engines.append(engine)
+        lease.on_acquired.append(engine.wakeup.set)
     engines = Engines(router=router, lease=lease, allocator=allocator, executors=executors,
                       limits=limits, eos_token_ids=tuple(eos),
                       model_name=descriptions[0].model_name or Path(settings.model).name)

@@ -9,6 +9,7 @@ requests, since the allocator has forgotten them.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -26,12 +27,16 @@ class Lease:
     lease_id: str = ""
     generation: int = 0
     renewing: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Called after every new lease (the engines' wake-ups: an idle one registers again).
+    on_acquired: list[Callable[[], None]] = field(default_factory=list)
 
     async def acquire(self) -> None:
         self.lease_id, granted_ms = await self.allocator.create_lease(self.ttl_ms)
         self.ttl_ms = granted_ms or self.ttl_ms
         self.generation += 1
         log.info("lease_acquired", lease_id=self.lease_id, ttl_ms=self.ttl_ms)
+        for callback in self.on_acquired:
+            callback()
 
     async def keep_alive_forever(self) -> None:
         while True:

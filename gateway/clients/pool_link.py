@@ -55,6 +55,11 @@ class PoolLink:
         self.description = await self.executor.describe(timeout=timeout_s)
         await self.register()
 
+    @property
+    def lease_renewed(self) -> bool:
+        """The lease was replaced since the pool was registered under it."""
+        return self.lease.generation != self.lease_generation
+
     def take_lease_renewal(self) -> bool:
         """True once after the lease was replaced: the allocator forgot our requests."""
         if self.lease.generation == self.lease_generation:

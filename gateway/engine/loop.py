@@ -76,6 +76,9 @@ class Engine(EngineState):
                     log.exception("engine_reconnect_failed", pool_id=self.pool_id)
                 continue
             if not self._has_work():
+                if self.link.lease_renewed:
+                    await recovery.reregister_idle(self)
+                    continue
                 self.wakeup.clear()
                 self.last_landed = None
                 await self.wakeup.wait()

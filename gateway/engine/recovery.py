@@ -75,6 +75,8 @@ async def allocator_unreachable(engine: EngineState, exc: CallFailed) -> None:
             f"the allocator has not answered for {now - engine.allocator_down_since:.0f} s "
             f"({exc.status}): check that it is running and reachable"
         ))
+        # What arrives from now on gets a full wait of its own, not the end of this one.
+        engine.allocator_down_since = now
     await asyncio.sleep(RETRY_PAUSE_S)
 
 
@@ -169,6 +171,19 @@ async def reconnect(engine: EngineState) -> None:
         engine.orphan_ids.clear()  # the pool was reset: it holds nothing
     engine.healthy = True
     log.info("executor_reconnected", pool_id=engine.pool_id)
+
+
+async def reregister_idle(engine: EngineState) -> None:
+    """The lease was replaced while the engine was idle (the allocator restarted): register
+    the pool again now, not when the next request comes, so that the allocator (its stats,
+    routing by prefix, other gateways) knows it. A failure is retried on the next pass."""
+    try:
+        await engine.link.refresh(timeout_s=5.0)
+    except CallFailed as exc:
+        log.warning("pool_reregister_failed", pool_id=engine.pool_id, code=exc.status)
+        await asyncio.sleep(RECONNECT_INTERVAL_S)
+        return
+    engine.orphan_ids.clear()  # a new lease: the allocator holds nothing of ours
 
 
 async def reregister(engine: EngineState, plan: ScheduledStep | None = None) -> None:

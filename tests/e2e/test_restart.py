@@ -115,3 +115,50 @@ def test_dead_gateway_blocks_come_back_when_its_lease_expires(tmp_path: Path):
     finally:
         clients.close()
         stack.stop()
+
+
+def test_after_a_long_allocator_outage_the_next_request_succeeds_once_it_is_back(
+    tmp_path: Path,
+):
+    # A 12 s outage, longer than the gateway's 10 s wait: the request sent during it fails
+    # with UNAVAILABLE; once the allocator serves again, the next request succeeds. (It used
+    # to fail at once for up to 12 s more: the outage clock kept counting from the outage's
+    # start, and gRPC's reconnect backoff kept the channel from dialling the allocator.)
+    stack = start_stack(tmp_path)
+    clients = Clients(stack)
+    try:
+        prompt = next(prompts(1, 12, seed=71))
+        request = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(4))
+        assert generate(clients.gateway, request)[0].finish_reason
+        started = time.monotonic()
+        stack.kill("allocator")
+        with pytest.raises(grpc.RpcError) as err:
+            generate(clients.gateway, request, timeout=60)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the allocator has not answered" in (err.value.details() or "")
+        time.sleep(max(0.0, 12.0 - (time.monotonic() - started)))
+        assert [s.name for s in stack.restart_exited()] == ["allocator"]  # serving again
+        done = generate(clients.gateway, request, timeout=60)[0]
+        assert tuple(done.token_ids) == reference_greedy(tuple(prompt), 4)
+    finally:
+        clients.close()
+        stack.stop()
+
+
+def test_an_idle_gateway_registers_its_pool_with_a_restarted_allocator(tmp_path: Path):
+    # No request comes: the gateway's keep-alive finds its lease gone, takes a new one, and
+    # its idle engine registers the pool again (it used to wait for the next request).
+    stack = start_stack(tmp_path)
+    clients = Clients(stack)
+    try:
+        assert len(clients.pools()) == 1
+        stack.kill("allocator")
+        assert [s.name for s in stack.restart_exited()] == ["allocator"]
+        deadline = time.monotonic() + 15
+        while not clients.pools():
+            assert time.monotonic() < deadline, "the pool was not registered again"
+            time.sleep(0.2)
+        assert "lease_lost" in (tmp_path / "gateway.log").read_text()
+    finally:
+        clients.close()
+        stack.stop()

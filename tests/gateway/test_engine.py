@@ -44,6 +44,8 @@ class FakeLink:
     description: Any = field(default_factory=lambda: SimpleNamespace(uses_sampled_tokens=True))
     executor_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
+    lease_renewed: bool = False
+
     def take_lease_renewal(self) -> bool:
         return False
 
