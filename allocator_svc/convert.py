@@ -99,6 +99,7 @@ def step_items(msg: pb.StepRequest) -> list[StepItem]:
                 list(prompt) if prompt else None,
                 m.cache_salt,
                 list(m.append_token_ids),
+                m.tenant,
             )
         )
     return items

@@ -47,6 +47,9 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
         default=_DEFAULTS.max_blocks_per_pool,
         help="largest pool a client may register",
     )
+    add_flag(parser, "--max-blocks-per-tenant", type=int, default=0,
+             help="a tenant's new requests wait while its requests hold this many blocks of a "
+             "pool (0: no quota)")
     add_flag(parser, "--max-pools", type=int, default=_DEFAULTS.max_pools,
              help="most pools registered at once")
     add_flag(parser, "--max-lease-ttl-ms", type=int,
@@ -106,6 +109,7 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
         max_blocks_per_pool=args.max_blocks_per_pool,
         max_cpu_blocks_per_pool=args.max_blocks_per_pool,
         max_pools=args.max_pools,
+        max_blocks_per_tenant=max(0, args.max_blocks_per_tenant),
         max_batch_items=args.max_batch_items,
         default_lease_ttl_s=args.default_lease_ttl_ms / 1000,
         max_lease_ttl_s=args.max_lease_ttl_ms / 1000,

@@ -162,6 +162,7 @@ async def build_engines(settings: GatewaySettings, tokenizer: Tokenizer) -> Engi
             max_num_seqs=min(settings.max_num_seqs, description.max_num_seqs or 1 << 30),
             max_num_batched_tokens=min(settings.max_num_batched_tokens,
                                        description.max_num_batched_tokens or 1 << 30),
+            max_running_per_tenant=settings.tenant_max_running,
         )
         link = PoolLink(
             pool_id=client.address,
@@ -222,7 +223,8 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         eos_token_ids=engines.eos_token_ids,
     )
     frontend = Frontend(tokenizer=tokenizer, limits=limits, engines=host, info=info,
-                        tenancy=tenancy, max_prompt_bytes=settings.max_prompt_bytes)
+                        tenancy=tenancy, max_prompt_bytes=settings.max_prompt_bytes,
+                        max_requests_per_tenant=settings.tenant_max_requests)
     try:
         server = await start_server(
             [(service.GatewayServicer(frontend), service.SERVICE_NAME)],

@@ -48,6 +48,8 @@ class GatewaySettings:
     internal_auth: InternalAuth
     api_keys_file: str
     salt_secret_file: str
+    tenant_max_requests: int
+    tenant_max_running: int
 
     def __post_init__(self) -> None:
         if not self.executor_addrs:
@@ -62,6 +64,9 @@ class GatewaySettings:
         for name in ("allocator_timeout_s", "execute_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 (seconds)")
+        for name in ("tenant_max_requests", "tenant_max_running"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: no limit)")
         if self.max_prompt_bytes < 1:
             raise ValueError("--max-prompt-bytes must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -152,6 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
         "unset: one tenant, no keys",
     )
     add_flag(
+        parser, "--tenant-max-requests", type=int, default=0,
+        help="with API keys: a tenant's requests in flight at once, running or waiting; "
+        "more are RESOURCE_EXHAUSTED (0: no limit)",
+    )
+    add_flag(
+        parser, "--tenant-max-running", type=int, default=0,
+        help="with API keys: a tenant's requests running at once on each executor; its others "
+        "wait while other tenants' start (0: no limit)",
+    )
+    add_flag(
         parser, "--salt-secret-file", default="",
         help="the secret that derives each tenant's cache salt (every gateway on one "
         "allocator must share it; unset: the internal token, else a random one per process)",
@@ -198,6 +213,8 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             internal_auth=internal_auth,
             api_keys_file=args.api_keys_file,
             salt_secret_file=args.salt_secret_file,
+            tenant_max_requests=args.tenant_max_requests,
+            tenant_max_running=args.tenant_max_running,
         )
     except ValueError as exc:
         raise SystemExit(f"gateway: {exc}") from exc

@@ -148,7 +148,8 @@ class Allocator:
             for request_id in (*free_ids, *abort_ids):
                 pool.free(pool.requests[request_id])
         result = run_step(
-            pool, items, call.mode, lease_id, decodes, decode_requests, call.step_id
+            pool, items, call.mode, lease_id, decodes, decode_requests, call.step_id,
+            self.limits.max_blocks_per_tenant,
         )
         if call.pending_decode_ids:
             granted = call.pending_decode_ids

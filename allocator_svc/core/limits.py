@@ -20,3 +20,5 @@ class Limits:
     # Ids and salts are kept per request and hashed into blocks: bounded.
     max_id_chars: int = 256
     max_salt_chars: int = 256
+    # Per-tenant block quota at admission, per pool (core/step.py TenantQuota); 0: none.
+    max_blocks_per_tenant: int = 0

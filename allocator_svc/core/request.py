@@ -25,6 +25,7 @@ class Request:
     cpu_block_ids: list[int] | None = None  # the table while swapped out
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0  # swap preemptions survived (recompute ones end the request)
+    tenant: str = ""  # whose block quota its blocks count against ("": none)
 
     @property
     def swapped(self) -> bool:

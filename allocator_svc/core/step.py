@@ -33,6 +33,7 @@ class StepItem:
     prompt_token_ids: list[int] | None = None  # set exactly when the request is new
     cache_salt: str = ""
     append_token_ids: list[int] = field(default_factory=list)
+    tenant: str = ""  # a new request's tenant, for its block quota
 
 
 @dataclass(slots=True)
@@ -140,10 +141,12 @@ def run_step(
     decodes: Decodes | None = None,
     decode_requests: list[Request] | None = None,
     step_id: int = 0,
+    tenant_quota: int = 0,
 ) -> StepResult:
     """Schedule `decodes`, then `items` (all validated by the caller; `decode_requests` are
     the decodes' requests in column order); return what changed. What it grants is kept as
-    step `step_id` of the lease, until a call commits it (scheduled_steps.py)."""
+    step `step_id` of the lease, until a call commits it (scheduled_steps.py).
+    `tenant_quota` (blocks; 0: none): TenantQuota."""
     result = StepResult()
     scheduled: list[Request] = []
     if decodes is not None and decode_requests:
@@ -221,14 +224,21 @@ def run_step(
         if grant.changes_table or grant.num_scheduled != item.num_tokens:
             result.grants.append(grant)
 
+    quota = TenantQuota(pool, tenant_quota) if tenant_quota else None
     for position, item in enumerate(admissions):
+        if quota is not None and not quota.admits(item):
+            result.deferred.append(item.request_id)  # its tenant waits; the others go on
+            continue
         grant = None if preempted else _admit(pool, item, lease_id, result)
         if grant is None:
             result.deferred.extend(i.request_id for i in admissions[position:])
             break
         result.grants.append(grant)
+        admitted = pool.requests[item.request_id]
+        if quota is not None:
+            quota.add(admitted)
         if grant.num_scheduled:
-            scheduled.append(pool.requests[item.request_id])
+            scheduled.append(admitted)
     pool.scheduled.record(lease_id, step_id, scheduled)
     return result
 
@@ -300,6 +310,41 @@ def _preempt(pool: Pool, request: Request, mode: PreemptionMode, result: StepRes
     result.preempted.append(Preemption(request.request_id, PreemptionMode.RECOMPUTE))
 
 
+class TenantQuota:
+    """Per-tenant block quota at admission: a tenant's new request is admitted while the
+    blocks its running requests hold, plus the prompt's, stay within the quota, so that one
+    tenant cannot take a pool from the others. A tenant holding nothing is always admitted
+    (a request larger than the quota still runs, alone). Running requests are not stopped
+    when they grow past it: the quota decides who may start, not who must stop."""
+
+    __slots__ = ("held", "limit", "pool")
+
+    def __init__(self, pool: Pool, limit: int) -> None:
+        self.pool = pool
+        self.limit = limit
+        self.held: dict[str, int] | None = None  # counted at the first tenant's admission
+
+    def admits(self, item: StepItem) -> bool:
+        if not item.tenant or item.prompt_token_ids is None:  # no tenant, or swapped back
+            return True
+        held = self._held().get(item.tenant, 0)
+        need = self.pool.blocks_for(len(item.prompt_token_ids))
+        return held == 0 or held + need <= self.limit
+
+    def add(self, request: Request) -> None:
+        if self.held is not None and request.tenant:
+            self.held[request.tenant] = self.held.get(request.tenant, 0) + len(request.blocks)
+
+    def _held(self) -> dict[str, int]:
+        if self.held is None:
+            self.held = {}
+            for request in self.pool.requests.values():
+                if request.tenant and not request.swapped:
+                    self.held[request.tenant] = (
+                        self.held.get(request.tenant, 0) + len(request.blocks))
+        return self.held
+
+
 def _admit(pool: Pool, item: StepItem, lease_id: str | None, result: StepResult) -> Grant | None:
     request = pool.requests.get(item.request_id)
     if request is not None:  # swapped out: bring it back
@@ -307,5 +352,6 @@ def _admit(pool: Pool, item: StepItem, lease_id: str | None, result: StepResult)
         return pool.swap_in(request, num_tokens, result.swap_in)
     assert item.prompt_token_ids is not None, "validated: a new request carries its prompt"
     prompt = list(item.prompt_token_ids)
-    request = Request(item.request_id, lease_id, pool.root(item.cache_salt), prompt, len(prompt))
+    request = Request(item.request_id, lease_id, pool.root(item.cache_salt), prompt, len(prompt),
+                      tenant=item.tenant)
     return pool.admit(request, item.num_tokens)

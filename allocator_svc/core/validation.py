@@ -110,6 +110,7 @@ def check_items(
                 raise AlreadyExists(f"request {request_id!r} is already admitted")
             check_length("request_id", request_id, limits.max_id_chars)
             check_length("cache_salt", item.cache_salt, limits.max_salt_chars)
+            check_length("tenant", item.tenant, limits.max_id_chars)
             check_token_ids(request_id, item.prompt_token_ids)
             needed = pool.blocks_for(len(item.prompt_token_ids) + len(item.append_token_ids))
             if needed > pool.config.num_blocks:

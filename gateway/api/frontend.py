@@ -8,6 +8,7 @@ loop that serves every stream, and only after the text's size is checked: a prom
 from __future__ import annotations
 
 import asyncio
+import collections
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -17,7 +18,7 @@ from typing import TypeVar
 
 import structlog
 
-from common.errors import AlreadyExists
+from common.errors import AlreadyExists, ResourceExhausted
 from gateway.api.sampling import (
     ModelLimits,
     RawSampling,
@@ -62,6 +63,8 @@ class Frontend:
     info: ModelInfo
     tenancy: Tenancy = field(default_factory=lambda: Tenancy({}, b""))
     max_prompt_bytes: int = 1 << 20
+    max_requests_per_tenant: int = 0  # in flight at once (0: no limit; one tenant: none)
+    tenant_requests: collections.Counter[str] = field(default_factory=collections.Counter)
     active: dict[str, Request] = field(default_factory=dict)
     # The sequence ids of the active requests (seq_ids.py), each with its request's id.
     seq_owners: dict[str, str] = field(default_factory=dict)
@@ -95,6 +98,12 @@ class Frontend:
     ) -> Request:
         """Validate and queue a request; raises the domain error to send back."""
         check_ids(request_id, cache_salt)
+        limit = self.max_requests_per_tenant
+        if limit and tenant and self.tenant_requests[tenant] >= limit:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} has {self.tenant_requests[tenant]} requests in flight, its "
+                f"quota (--tenant-max-requests {limit}): wait for one to finish"
+            )
         prompt = await self.prompt_token_ids(prompt_input)
         validate_prompt(prompt, self.limits)
         sampling = validate(raw, len(prompt), self.limits)
@@ -105,8 +114,9 @@ class Frontend:
         structlog.contextvars.bind_contextvars(request_id=request_id)
         request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                           cache_salt=self.tenancy.cache_salt(tenant, cache_salt),
-                          id_namespace=self.id_namespace)
+                          id_namespace=self.id_namespace, tenant=tenant)
         self.active[request_id] = request
+        self.tenant_requests[tenant] += 1
         self.seq_owners.update(dict.fromkeys(seq_ids, request_id))
         try:
             engine = await self.engines.submit(request)
@@ -177,6 +187,7 @@ class Frontend:
         if self.active.get(request.request_id) is not request:
             return
         del self.active[request.request_id]
+        self.tenant_requests[request.tenant] -= 1
         for seq_id in sequence_ids(request.request_id, request.sampling.n,
                                    len(request.prompt_token_ids)):
             self.seq_owners.pop(seq_id, None)

@@ -167,6 +167,7 @@ class AllocatorClient:
                 request_id=i.request_id,
                 prompt_token_ids=i.prompt_token_ids,
                 cache_salt=i.cache_salt,
+                tenant=i.tenant,
                 num_tokens=i.num_tokens,
             )
             if i.is_new

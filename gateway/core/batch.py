@@ -15,6 +15,9 @@ from gateway.engine.held_outputs import EXECUTE_HEAD_START_S
 class Budget:
     max_num_seqs: int
     max_num_batched_tokens: int
+    # A tenant's requests running at once on this executor (0: no limit): the waiting
+    # requests of a tenant at it are passed over, so another tenant's go first.
+    max_running_per_tenant: int = 0
 
 
 @dataclass(slots=True)

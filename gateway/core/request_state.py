@@ -73,6 +73,7 @@ class Request:
     # executors (seq_ids.py): another gateway, or this one before a restart, may use the same
     # request id, and a collision there would refuse a whole step.
     id_namespace: str = ""
+    tenant: str = ""  # "" when the gateway has no API keys (one tenant)
     outputs: asyncio.Queue[CompletionDelta] = field(default_factory=asyncio.Queue)
     arrival_time: float = field(default_factory=time.monotonic)
     num_cached_tokens: int | None = None   # from the first admission

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gateway.core.batch import Batch, Budget, Pending, ScheduledStep
-from gateway.core.request_state import SeqStatus, Sequence, priority
+from gateway.core.request_state import Request, SeqStatus, Sequence, priority
 from gateway.core.step import (
     Commit,
     ExecuteCall,
@@ -78,6 +78,14 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    def _running_per_tenant(self) -> dict[str, set[Request]]:
+        """Each tenant's requests with a running or swapped sequence."""
+        running: dict[str, set[Request]] = {}
+        for seq in (*self.running, *self.swapped):
+            if seq.request.tenant:
+                running.setdefault(seq.request.tenant, set()).add(seq.request)
+        return running
 
     def sequences(self) -> list[Sequence]:
         return [s for q in (self.running, self.swapped, self.waiting) for s in q]
@@ -140,14 +148,23 @@ class Scheduler:
             tokens_left -= num
             seqs_left -= 1
         # Swapped sequences are older than any waiting one: admit nothing new before them.
+        running_per_tenant = (
+            self._running_per_tenant() if self.budget.max_running_per_tenant else None)
         for seq in self.waiting if not self.swapped else ():
             if seqs_left == 0 or tokens_left == 0:
                 break
+            request = seq.request
+            if running_per_tenant is not None and request.tenant:
+                running = running_per_tenant.setdefault(request.tenant, set())
+                if request not in running:
+                    if len(running) >= self.budget.max_running_per_tenant:
+                        continue  # its tenant is at its quota: the next tenant's go first
+                    running.add(request)
             num = min(seq.num_tokens, tokens_left)
             items.append(
                 StepItem(
                     seq.seq_id, num, prompt_token_ids=tuple(seq.token_ids),
-                    cache_salt=seq.request.cache_salt, is_new=True,
+                    cache_salt=request.cache_salt, is_new=True, tenant=request.tenant,
                 )
             )
             seqs[seq.seq_id] = seq

@@ -47,6 +47,7 @@ class StepItem:
     cache_salt: str = ""
     append_token_ids: tuple[int, ...] = ()
     is_new: bool = False
+    tenant: str = ""  # a new request's, for the allocator's per-tenant block quota
 
 
 @dataclass(frozen=True, slots=True)

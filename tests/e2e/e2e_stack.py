@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -116,9 +117,20 @@ def tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(MODEL)
 
 
+# Streaming clients check their outputs from several threads: one reference at a time. Two
+# threads building the model at once drew its seeded weights from one global RNG in turns,
+# and the reference came out wrong.
+_REFERENCE_LOCK = threading.RLock()
+
+
 @lru_cache(maxsize=1)
 def reference_model() -> Any:
     """The executor's dummy weights, rebuilt the same way (seeded init from the config)."""
+    with _REFERENCE_LOCK:
+        return _build_reference_model()
+
+
+def _build_reference_model() -> Any:
     config = AutoConfig.from_pretrained(MODEL, local_files_only=True)
     torch.manual_seed(DUMMY_SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
@@ -132,12 +144,13 @@ def reference_greedy(
     prompt: tuple[int, ...], max_tokens: int, ignore_eos: bool = False
 ) -> tuple[int, ...]:
     """transformers' own greedy generate: the oracle (stops after EOS unless ignore_eos)."""
-    model = reference_model()
+    with _REFERENCE_LOCK:
+        model = reference_model()
     config = GenerationConfig(
         max_new_tokens=max_tokens, do_sample=False, pad_token_id=0, bos_token_id=1,
         eos_token_id=None if ignore_eos else 2,
     )
-    with torch.no_grad():
+    with _REFERENCE_LOCK, torch.no_grad():
         out = model.generate(torch.tensor([prompt]), generation_config=config)
     return tuple(int(t) for t in out[0, len(prompt):])
 

@@ -20,6 +20,7 @@ from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
 KEY_A = "key-of-tenant-a-0123456789"
 KEY_B = "key-of-tenant-b-0123456789"
 MAX_PROMPT_BYTES = 65536
+TENANT_MAX_REQUESTS = 6
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +29,12 @@ def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clients]:
     keys = log_dir / "api-keys"
     keys.write_text(f"# key tenant\n{KEY_A} tenant-a\n{KEY_B} tenant-b\n")
     stack = start_stack(log_dir, executor_args=("--load-format", "dummy", "--num-blocks", "256"),
+                        allocator_args=("--max-blocks-per-tenant", "128"),
                         gateway_args=("--api-keys-file", str(keys),
-                                      "--max-prompt-bytes", str(MAX_PROMPT_BYTES)))
+                                      "--max-prompt-bytes", str(MAX_PROMPT_BYTES),
+                                      "--max-num-seqs", "2",
+                                      "--tenant-max-requests", str(TENANT_MAX_REQUESTS),
+                                      "--tenant-max-running", "1"))
     clients = Clients(stack)
     yield clients
     clients.close()
@@ -169,3 +174,50 @@ def test_undecodable_bytes_are_invalid_argument_at_the_gateway(clients: Clients)
         with pytest.raises(grpc.RpcError) as err:
             call(b"\xff\xff\xff\xff", metadata=as_tenant(KEY_A), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_tenant_at_its_quota_cannot_starve_another(clients: Clients):
+    # Two sequences per step, one running request per tenant: tenant A fills its quota of
+    # six requests in flight (long ones), B sends a short one after them. B is admitted
+    # beside A's first instead of waiting behind A's queue: it finishes before any of A's.
+    # A's seventh request is refused, naming the quota.
+    batch = list(prompts(7, 10, seed=419))
+    channels = {key: with_metadata(grpc.insecure_channel(clients.stack.gateway_addr),
+                                   as_tenant(key)) for key in (KEY_A, KEY_B)}
+    stubs = {key: gpb_grpc.GatewayServiceStub(channel) for key, channel in channels.items()}
+    finished: list[str] = []
+
+    def run_a(i: int) -> None:
+        generate(stubs[KEY_A], gpb.GenerateRequest(
+            token_ids=gpb.TokenIds(ids=batch[i]), sampling=sampling(400, ignore_eos=True)),
+            timeout=120)
+        finished.append(f"a{i}")
+
+    threads = [threading.Thread(target=run_a, args=(i,)) for i in range(TENANT_MAX_REQUESTS)]
+    for thread in threads:
+        thread.start()
+    try:
+        # Once the gateway holds all six (its log says so), a seventh is refused.
+        log = Path(clients.stack.by_name("gateway").log_path or "")
+        deadline = time.monotonic() + 30
+        while log.read_text().count("max_tokens=400") < TENANT_MAX_REQUESTS:
+            assert time.monotonic() < deadline, "A's six requests never all arrived"
+            time.sleep(0.02)
+        with pytest.raises(grpc.RpcError) as err:
+            stubs[KEY_A].Complete(gpb.CompleteRequest(text="one more", sampling=sampling(2)),
+                                  timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"quota (--tenant-max-requests {TENANT_MAX_REQUESTS})" in (
+            err.value.details() or "")
+        done = generate(stubs[KEY_B], gpb.GenerateRequest(
+            token_ids=gpb.TokenIds(ids=batch[6]), sampling=sampling(8, ignore_eos=True)),
+            timeout=60)[0]
+        finished.append("b")
+    finally:
+        for thread in threads:
+            thread.join(120)
+        for channel in channels.values():
+            channel.close()
+    assert finished[0] == "b", finished
+    assert tuple(done.token_ids) == reference_greedy(tuple(batch[6]), 8, ignore_eos=True)
+    clients.wait_all_blocks_back()
