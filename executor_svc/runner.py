@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -68,6 +69,8 @@ class ModelRunner:
         backend: AttentionBackend,
         limits: Limits,
         seed: int,
+        idle_release_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.loaded = loaded
         self.cache = cache
@@ -75,6 +78,13 @@ class ModelRunner:
         self.limits = limits
         self.sampler = Sampler(seed, loaded.device)
         self.requests: dict[str, RequestState] = {}
+        # A caller that dies (a gateway killed) never releases its requests: a request no
+        # step has used for `idle_release_s` is dropped (0: never). Checked at most every
+        # tenth of that, from the steps themselves.
+        self.idle_release_s = idle_release_s
+        self.clock = clock
+        self.last_used: dict[str, float] = {}
+        self.next_idle_check = clock() + idle_release_s / 10
         self.info = ExecutorInfo(
             instance_id=uuid.uuid4().hex,
             model_name=loaded.name,
@@ -94,7 +104,22 @@ class ModelRunner:
 
     def release(self, request_ids: tuple[str, ...]) -> int:
         """Drop the requests' state; unknown ids are ignored. Returns how many were held."""
+        for rid in request_ids:
+            self.last_used.pop(rid, None)
         return sum(self.requests.pop(rid, None) is not None for rid in request_ids)
+
+    def release_idle(self) -> int:
+        """Drop the requests no step has used for idle_release_s; returns how many."""
+        now = self.clock()
+        if not self.idle_release_s or now < self.next_idle_check:
+            return 0
+        self.next_idle_check = now + self.idle_release_s / 10
+        idle = tuple(rid for rid, used in self.last_used.items()
+                     if now - used >= self.idle_release_s)
+        if idle:
+            log.warning("idle_requests_released", num_requests=len(idle),
+                        idle_s=self.idle_release_s)
+        return self.release(idle)
 
     def execute(self, step: StepRequest) -> StepResult:
         start = time.perf_counter()
@@ -119,6 +144,7 @@ class ModelRunner:
         """
         plan = plan_step(step, self.requests, self.limits)
         self.release(plan.release_request_ids)
+        self.release_idle()
         self.cache.swap_out(step.swap_out)
         self.cache.swap_in(step.swap_in)
         self.cache.copy_blocks(step.copies)
@@ -162,6 +188,7 @@ class ModelRunner:
         return logits
 
     def _commit(self, seqs: tuple[PlannedSeq, ...]) -> None:
+        now = self.clock()
         for planned in seqs:
             work = planned.work
             state = self.requests.get(work.request_id)
@@ -180,6 +207,7 @@ class ModelRunner:
             state.block_table = list(planned.block_table)
             state.num_tokens = work.start_position + len(planned.token_ids)
             state.sampled_token = None  # used, or overtaken by these tokens
+            self.last_used[work.request_id] = now
 
     def _sample(
         self, request_ids: tuple[str, ...], logits: torch.Tensor
@@ -233,4 +261,5 @@ def build_runner(settings: ExecutorSettings) -> ModelRunner:
         bytes_per_block=spec.bytes_per_block,
         max_model_len=max_model_len,
     )
-    return ModelRunner(loaded, cache, backend, limits, settings.seed)
+    return ModelRunner(loaded, cache, backend, limits, settings.seed,
+                       idle_release_s=settings.idle_release_s)

@@ -67,6 +67,7 @@ class ExecutorSettings:
     # Who may call it (flags: common.auth); in-process use (tests) needs none.
     auth: InternalAuth = InternalAuth()
     tune_malloc: bool = True  # CPU, glibc: a step's large tensors reuse memory (malloc_tuning.py)
+    idle_release_s: float = 600.0  # a request no step used this long is dropped (0: never)
     log_json: bool = False
     log_level: str = "info"
 
@@ -119,6 +120,7 @@ class ExecutorSettings:
             (self.swap_space >= 0, "--swap-space must be >= 0 GiB"),
             (self.max_num_batched_tokens > 0, "--max-num-batched-tokens must be positive"),
             (self.max_num_seqs > 0, "--max-num-seqs must be positive"),
+            (self.idle_release_s >= 0, "--idle-release-s must be >= 0 (0: never)"),
             (
                 self.max_model_len is None or self.max_model_len > 0,
                 "--max-model-len must be positive (or unset for the model's own limit)",
@@ -176,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.tune_malloc,
         help="CPU executors on glibc: one malloc arena, no mmap'ed chunks, freed memory kept, "
         "so that a step's large tensors reuse memory (true/false)",
+    )
+    add_flag(
+        p, "--idle-release-s", type=float, default=d.idle_release_s,
+        help="drop a request's state when no step has used it for this long (its caller died "
+        "without releasing it); 0: never",
     )
     add_flag(p, "--log-json", action="store_true", default=False, help="JSON logs")
     add_flag(p, "--log-level", default=d.log_level, help="debug, info, warning, error")

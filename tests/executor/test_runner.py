@@ -183,3 +183,28 @@ def test_runner_swap_out_and_in_continues_like_generate(tiny_runner: ModelRunner
         step = StepRequest(seqs=(driver.work("r", [out[-1]], sample=True),))
         out.append(tiny_runner.execute(step).tokens[0].token_id)
     assert out == reference_generate(reference, prompt, 11)
+
+
+def test_runner_drops_requests_no_step_has_used_for_idle_release_s(
+    make_runner: Callable[..., ModelRunner],
+) -> None:
+    # A caller that died never releases its requests: past idle_release_s without a step
+    # they are dropped (a later step of theirs is NOT_FOUND-level unknown); a request still
+    # stepping is kept. The clock is the runner's own, injected.
+    runner = make_runner("tiny-llama")
+    now = [0.0]
+    runner.clock = lambda: now[0]
+    runner.idle_release_s = 60.0
+    runner.next_idle_check = 6.0
+    driver = Driver.scattered(runner)
+    driver.generate({"dead": [5, 6, 7], "alive": [8, 9, 10]}, num_new=2)
+    assert set(runner.requests) == {"dead", "alive"}
+    for t in (30.0, 59.0, 70.0):
+        now[0] = t
+        out: dict[str, list[int]] = {"alive": []}
+        driver._collect(StepRequest(seqs=(driver.work("alive", [11], sample=True),)), out)
+    assert set(runner.requests) == {"alive"} and set(runner.last_used) == {"alive"}
+    runner.idle_release_s = 0.0  # never
+    now[0] = 1e6
+    driver._collect(StepRequest(seqs=(driver.work("alive", [12], sample=True),)), {"alive": []})
+    assert set(runner.requests) == {"alive"}
