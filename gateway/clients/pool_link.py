@@ -29,7 +29,12 @@ class PoolLink:
     enable_prefix_caching: bool
     execute_timeout_s: float | None = None  # Execute and Release; allocator calls: its client
     epoch: int = 0
-    lease_generation: int = 0  # the lease generation our requests were admitted under
+    # The lease our requests were admitted under, and its generation. Calls name this one,
+    # not the lease's newest: a lease replaced while a step was being planned (a keep-alive
+    # found it gone) must not admit requests the engine believes the allocator forgot; the
+    # engine takes the renewal first (take_lease_renewal), or the call fails as stale.
+    lease_generation: int = 0
+    lease_id: str = ""
 
     async def register(self) -> None:
         """(Re-)register the pool; a new executor instance resets it at the allocator."""
@@ -46,7 +51,7 @@ class PoolLink:
             )
         )
         # Requests admitted from now on join the current lease.
-        self.lease_generation = self.lease.generation
+        self.lease_generation, self.lease_id = self.lease.generation, self.lease.lease_id
         log.info("pool_registered", pool_id=self.pool_id, epoch=self.epoch,
                  num_blocks=d.num_blocks, executor_instance_id=d.instance_id)
 
@@ -64,11 +69,11 @@ class PoolLink:
         """True once after the lease was replaced: the allocator forgot our requests."""
         if self.lease.generation == self.lease_generation:
             return False
-        self.lease_generation = self.lease.generation
+        self.lease_generation, self.lease_id = self.lease.generation, self.lease.lease_id
         return True
 
     async def step(self, call: StepCall) -> StepOutcome:
-        return await self.allocator.step(self.pool_id, self.epoch, self.lease.lease_id, call)
+        return await self.allocator.step(self.pool_id, self.epoch, self.lease_id, call)
 
     async def execute(
         self, call: ExecuteCall, step_id: int = 0, previous_step_id: int = 0
@@ -84,10 +89,10 @@ class PoolLink:
         self, commits: Sequence[Commit], request_ids: Sequence[str], commit_through_step_id: int
     ) -> None:
         await self.allocator.free(self.pool_id, self.epoch, commits, request_ids,
-                                  self.lease.lease_id, commit_through_step_id)
+                                  self.lease_id, commit_through_step_id)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
-        await self.allocator.abort(self.pool_id, self.epoch, request_ids, self.lease.lease_id)
+        await self.allocator.abort(self.pool_id, self.epoch, request_ids, self.lease_id)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         await self.executor.release(request_ids, timeout=self.execute_timeout_s)
@@ -96,4 +101,4 @@ class PoolLink:
         self, parent_id: str, child_ids: Sequence[str], request_id: str
     ) -> list[TableDelta]:
         return await self.allocator.fork(self.pool_id, self.epoch, parent_id, child_ids,
-                                         request_id, self.lease.lease_id)
+                                         request_id, self.lease_id)

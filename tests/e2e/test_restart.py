@@ -3,6 +3,7 @@ re-registers its pool, readmits the request (recompute) and the output is unchan
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from pathlib import Path
@@ -159,6 +160,44 @@ def test_an_idle_gateway_registers_its_pool_with_a_restarted_allocator(tmp_path:
             assert time.monotonic() < deadline, "the pool was not registered again"
             time.sleep(0.2)
         assert "lease_lost" in (tmp_path / "gateway.log").read_text()
+    finally:
+        clients.close()
+        stack.stop()
+
+
+def test_an_allocator_that_hangs_past_the_lease_leaks_nothing(tmp_path: Path):
+    # SIGSTOP the allocator for 5 s under 8 streams: Steps time out (2 s), the lease (1 s)
+    # expires meanwhile, and calls queued in the allocator's socket run when it resumes. The
+    # streams still complete with the reference's tokens, and every block comes back. (A Step
+    # sent under the new lease before the engine had taken the renewal used to admit
+    # requests the engine then believed forgotten: 32 of 32 requests' blocks stayed held.)
+    stack = start_stack(tmp_path, gateway_args=("--allocator-timeout-s", "2",
+                                                 "--lease-ttl-ms", "1000"))
+    clients = Clients(stack)
+    try:
+        batch = list(prompts(8, 24, seed=79))
+        results: dict[int, dict[int, Streamed]] = {}
+        streaming = threading.Event()
+
+        def run(i: int) -> None:
+            results[i] = generate(clients.gateway, gpb.GenerateRequest(
+                token_ids=gpb.TokenIds(ids=batch[i]), sampling=sampling(200, ignore_eos=True)),
+                timeout=120, on_tokens=lambda n: n >= 4 and streaming.set())
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batch))]
+        for thread in threads:
+            thread.start()
+        assert streaming.wait(60)
+        allocator = stack.by_name("allocator").process
+        allocator.send_signal(signal.SIGSTOP)
+        time.sleep(5.0)
+        allocator.send_signal(signal.SIGCONT)
+        for thread in threads:
+            thread.join(120)
+        for i, prompt in enumerate(batch):
+            assert tuple(results[i][0].token_ids) == reference_greedy(tuple(prompt), 200,
+                                                                      ignore_eos=True)
+        clients.wait_all_blocks_back(timeout_s=10)
     finally:
         clients.close()
         stack.stop()
