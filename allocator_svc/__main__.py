@@ -11,6 +11,7 @@ import structlog
 from allocator_svc.core.allocator import Allocator
 from allocator_svc.service import AllocatorServicer, sweep_leases
 from allocator_svc.settings import AllocatorSettings, parse_settings
+from common.auth import internal_authenticator
 from common.logging import configure_logging
 from common.server import run_until_signal, start_server
 from pagedkv.allocator.v1 import allocator_pb2
@@ -24,7 +25,7 @@ async def serve(settings: AllocatorSettings) -> None:
     auth = settings.auth
     server = await start_server(
         [(AllocatorServicer(allocator), SERVICE_NAME)], settings.host, settings.port,
-        authenticator=auth.authenticator(), credentials=auth.server_credentials(),
+        authenticator=internal_authenticator(auth), credentials=auth.server_credentials(),
     )
     sweeper = asyncio.create_task(sweep_leases(allocator, settings.lease_check_interval_s))
     if settings.port_file:

@@ -10,9 +10,11 @@ and injects one fault while they stream:
 - many more streams than the KV pool holds (10% of their demand: preemption throughout);
 - a cancel storm (half the streams cancelled at random moments).
 
-Per scenario: requests completed, completed with output identical to a calm run of the same
-requests (greedy), failed (by status code), blocks still in use at the allocator after the
-run (leaked), and recovery: from the fault's end until a new request completes.
+The fault comes once a quarter of the tokens have streamed. Per scenario: requests completed,
+completed with output identical to a calm run of the same requests (greedy), failed (by status
+code), blocks still in use at the allocator after the run (leaked), and recovery: from the
+fault's end (the restarted service serving again, or the hung one resumed) until a new
+request completes.
 Figures, not tests: nothing here asserts.
 """
 
@@ -130,8 +132,9 @@ async def _drive(running: Stack, scenario: Scenario, batch: list[list[int]],
                    for p, o, c in zip(batch, outcomes, cancels, strict=True)]
         recovery = None
         if scenario.fault is not None:
-            while sum(len(o.tokens) for o in outcomes) < len(batch):  # streaming under way
-                await asyncio.sleep(0.02)
+            # Mid-stream: a quarter of the tokens delivered.
+            while sum(len(o.tokens) for o in outcomes) < len(batch) * OUTPUT_LEN // 4:
+                await asyncio.sleep(0.01)
             ended = await scenario.fault(running)
         await asyncio.gather(*streams)
     if scenario.fault is not None:

@@ -19,11 +19,11 @@ import contextvars
 import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 
-from common.credentials import BEARER
+from common.credentials import BEARER, InternalAuth
 from common.errors import ServiceError
 
 _caller: contextvars.ContextVar[str] = contextvars.ContextVar("pagedkv_caller", default="")
@@ -47,6 +47,11 @@ class Authenticator(Protocol):
         """The caller's principal, from its `authorization` metadata (None: absent);
         raises Unauthenticated with a message that says what to send."""
         ...
+
+
+def internal_authenticator(auth: InternalAuth) -> Authenticator | None:
+    """The server side of the internal token (None: no token; TLS alone, or --insecure)."""
+    return TokenAuthenticator(auth.token) if auth.token else None
 
 
 def bearer(authorization: str | None) -> str | None:
@@ -91,27 +96,3 @@ class ApiKeyAuthenticator:
         if not tenant:
             raise Unauthenticated("the API key is not valid")
         return tenant
-
-
-class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds fixed metadata (a credential) to every call of a blocking channel."""
-
-    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
-        self.metadata = metadata
-
-    def _details(self, details: Any) -> Any:
-        return details._replace(metadata=(*(details.metadata or ()), *self.metadata))
-
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-
-def with_metadata(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> grpc.Channel:
-    """`channel`, every call of which carries `metadata` (tools and tests; the services'
-    own clients pass it per call, which costs nothing on the hot path)."""
-    if not metadata:
-        return channel
-    return grpc.intercept_channel(channel, _MetadataInterceptor(metadata))

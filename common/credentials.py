@@ -7,6 +7,7 @@ grpc is imported where credentials become channels or server credentials.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,12 +54,6 @@ class InternalAuth:
     def enabled(self) -> bool:
         return bool(self.token) or self.tls is not None
 
-    def authenticator(self) -> Any:
-        """The server side of the token (common.auth.TokenAuthenticator), or None."""
-        from common.auth import TokenAuthenticator
-
-        return TokenAuthenticator(self.token) if self.token else None
-
     def server_credentials(self, require_client_cert: bool = True) -> Any:
         """grpc.ServerCredentials for TLS (None: plaintext)."""
         if self.tls is None:
@@ -93,8 +88,6 @@ class InternalAuth:
     def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> Any:
         """A blocking channel whose calls carry the credential (tools, tests)."""
         import grpc
-
-        from common.auth import with_metadata
 
         if self.tls is None:
             channel = grpc.insecure_channel(address, options=list(options))
@@ -162,3 +155,34 @@ def internal_auth_from_args(args: Any) -> InternalAuth:
                               args.tls_ca, args.insecure)
 
 
+
+
+def with_metadata(channel: Any, metadata: tuple[tuple[str, str], ...]) -> Any:
+    """`channel` (a blocking one), every call of which carries `metadata` (tools and tests;
+    the services' own clients pass it per call, which costs nothing on the hot path)."""
+    if not metadata:
+        return channel
+    import grpc
+
+    return grpc.intercept_channel(channel, _metadata_interceptor_class()(metadata))
+
+
+@functools.cache
+def _metadata_interceptor_class() -> Any:
+    import grpc
+
+    class MetadataInterceptor(grpc.UnaryUnaryClientInterceptor,
+                              grpc.UnaryStreamClientInterceptor):
+        def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+            self.metadata = metadata
+
+        def _details(self, details: Any) -> Any:
+            return details._replace(metadata=(*(details.metadata or ()), *self.metadata))
+
+        def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+            return continuation(self._details(details), request)
+
+        def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+            return continuation(self._details(details), request)
+
+    return MetadataInterceptor

@@ -31,6 +31,7 @@ def write_port_file(path: str, port: int) -> None:
 
 
 async def serve(settings: ExecutorSettings) -> None:
+    from common.auth import internal_authenticator
     from common.server import run_until_signal, start_server
     from executor_svc.compute_thread import compute_thread
     from executor_svc.runner import build_runner
@@ -41,7 +42,7 @@ async def serve(settings: ExecutorSettings) -> None:
     auth = settings.auth
     server = await start_server(
         [registration(runner, worker)], settings.host, settings.port,
-        authenticator=auth.authenticator(), credentials=auth.server_credentials(),
+        authenticator=internal_authenticator(auth), credentials=auth.server_credentials(),
     )
     if settings.port_file:
         write_port_file(settings.port_file, server.port)

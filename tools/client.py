@@ -7,6 +7,8 @@ import sys
 
 import grpc
 
+from common.config import add_flag
+from common.credentials import AUTHORIZATION_KEY, BEARER, with_metadata
 from pagedkv.gateway.v1 import gateway_pb2 as pb
 from pagedkv.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
@@ -48,8 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--cache-salt", default="")
     parser.add_argument("--timeout-s", type=float, default=300.0)
+    add_flag(parser, "--api-key", default="",
+             help="the gateway's API key (when it runs with --api-keys-file)")
     args = parser.parse_args(argv)
-    with grpc.insecure_channel(args.addr) as channel:
+    metadata = ((AUTHORIZATION_KEY, BEARER + args.api_key),) if args.api_key else ()
+    with with_metadata(grpc.insecure_channel(args.addr), metadata) as channel:
         stub = pb_grpc.GatewayServiceStub(channel)
         try:
             for response in stub.Generate(build_request(args), timeout=args.timeout_s):

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from e2e_stack import Clients, generate, prompts, reference_greedy, sampling, start_stack
 
-from common.auth import with_metadata
+from common.credentials import with_metadata
 from gateway.api.tenants import Tenancy, load_tenancy
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
 from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
