@@ -73,6 +73,11 @@ def check_ids(request_id: str, cache_salt: str) -> None:
         raise InvalidArgument(
             f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}"
         )
+    # It travels in x-request-id metadata to the other services: a header value.
+    if not (request_id.isascii() and request_id.isprintable()):
+        raise InvalidArgument(
+            "request_id must be printable ASCII (it travels as the x-request-id header)"
+        )
     if len(cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidArgument(
             f"cache_salt has {len(cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}"

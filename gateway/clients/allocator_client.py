@@ -61,8 +61,11 @@ Metadata = tuple[tuple[str, str], ...]
 
 
 def call_metadata(auth: Metadata, request_id: str | None) -> Metadata:
-    """The credential every call carries, and the request id when the call is about one."""
-    return (*auth, (REQUEST_ID_KEY, request_id)) if request_id else auth
+    """The credential every call carries, and the request id when the call is about one (and
+    it can be a header value: gRPC refuses the whole call otherwise)."""
+    if request_id and request_id.isascii() and request_id.isprintable():
+        return (*auth, (REQUEST_ID_KEY, request_id))
+    return auth
 
 
 def _copies(copies: Sequence[pb.BlockCopy]) -> tuple[BlockCopy, ...]:

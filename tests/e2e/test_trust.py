@@ -158,6 +158,8 @@ def test_huge_prompts_are_refused_at_once_and_a_stream_beside_them_is_unaffected
     ({"stop": ["s"] * 33}, {}, "sampling.stop has 33 strings; at most 32"),
     ({"stop": ["s" * 257]}, {}, "sampling.stop has a string of 257 characters; at most 256"),
     ({}, {"request_id": "r" * 129}, "request_id has 129 characters; at most 128"),
+    ({}, {"request_id": "caf\u00e9"}, "request_id must be printable ASCII"),
+    ({}, {"request_id": "a\nb"}, "request_id must be printable ASCII"),
     ({}, {"cache_salt": "s" * 129}, "cache_salt has 129 characters; at most 128"),
 ])
 def test_bounded_fields_are_invalid_argument(clients: Clients, sampling_fields, ids, message):
