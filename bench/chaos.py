@@ -187,6 +187,67 @@ def calm_reference(num: int, seed: int) -> dict[tuple[int, ...], list[int]]:
     return {tuple(p): o.tokens for p, o in zip(batch, outcomes, strict=True) if not o.code}
 
 
+def _rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
+def oversized_prompts(repeats: int = 5) -> dict[str, Any]:
+    """Prompts of 60 MB (over the gateway's message limit) and 2 MB (over --max-prompt-bytes)
+    sent while a 300-token stream runs: the time to each refusal as the client sees it (its
+    own serialization and the loopback transfer included), the gateway's memory, and the
+    stream's inter-token gaps."""
+    import statistics
+    import threading
+
+    big = [("60 MB", "x" * 60_000_000), ("2 MB", "y" * 2_000_000)]
+    out: dict[str, Any] = {}
+    with stack(MODEL) as running:
+        options = [("grpc.max_send_message_length", 100 << 20)]
+        with grpc.insecure_channel(running.gateway_addr, options=options) as channel:
+            stub = gpb_grpc.GatewayServiceStub(channel)
+            pid = running.by_name("gateway").process.pid
+            stub.Complete(gpb.CompleteRequest(text="warm up", sampling=gpb.SamplingParams(
+                max_tokens=2)))
+            out["gateway_rss_mib_before"] = _rss_mib(pid)
+            gaps: list[float] = []
+
+            def stream() -> None:
+                last = time.monotonic()
+                request = gpb.GenerateRequest(
+                    token_ids=gpb.TokenIds(ids=prompts(1, 99)[0]),
+                    sampling=gpb.SamplingParams(max_tokens=300, temperature=0.0,
+                                                ignore_eos=True))
+                for _ in stub.Generate(request, timeout=120):
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+
+            thread = threading.Thread(target=stream)
+            thread.start()
+            time.sleep(0.3)
+            for name, text in big:
+                times, codes = [], set()
+                for _ in range(repeats):
+                    started = time.monotonic()
+                    try:
+                        stub.Complete(gpb.CompleteRequest(
+                            text=text, sampling=gpb.SamplingParams(max_tokens=2)), timeout=60)
+                        codes.add("OK")
+                    except grpc.RpcError as exc:
+                        codes.add(exc.code().name)
+                    times.append((time.monotonic() - started) * 1e3)
+                out[name] = {"codes": sorted(codes), "refused_ms_median": round(
+                    statistics.median(times), 1), "refused_ms": [round(t, 1) for t in times]}
+            thread.join()
+            out["gateway_rss_mib_after"] = _rss_mib(pid)
+            out["stream_gap_ms"] = {"p50": round(statistics.median(gaps[1:]) * 1e3, 1),
+                                    "max": round(max(gaps[1:]) * 1e3, 1)}
+    return out
+
+
 def scenarios(quick: bool) -> list[Scenario]:
     overload = 200 if quick else 1000
     demand = overload * (PROMPT_LEN + OUTPUT_LEN) // BLOCK_SIZE
@@ -228,9 +289,12 @@ def main(argv: list[str] | None = None) -> int:
           r["blocks_leaked"], "-" if r["recovery_s"] is None else r["recovery_s"]]
          for r in rows])
     print(table)
+    oversized = oversized_prompts()
+    print("oversized prompts beside a stream:", oversized)
     write_results("chaos", {"machine": machine(), "model": "tiny-llama (dummy weights)",
                             "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
-                            "quick": args.quick, "seed": args.seed, "rows": rows})
+                            "quick": args.quick, "seed": args.seed, "rows": rows,
+                            "oversized_prompts": oversized})
     return 0
 
 
