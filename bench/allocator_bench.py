@@ -161,7 +161,7 @@ def _grpc_steps(address: str, num_running: int, num_steps: int) -> list[float]:
     ).pool
     ids = [f"r{i}" for i in range(num_running)]
     # Under a lease, as the gateway steps (every named request is checked against it).
-    lease_id = stub.CreateLease(pb.CreateLeaseRequest(ttl_ms=3_600_000)).lease_id
+    lease_id = stub.CreateLease(pb.CreateLeaseRequest(ttl_ms=600_000)).lease_id
     stub.Step(
         pb.StepRequest(
             pool_id="bench",

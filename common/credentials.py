@@ -120,6 +120,10 @@ def load_internal_auth(
             "random ones (for example: python -c 'import secrets; "
             "print(secrets.token_urlsafe(32))')"
         )
+    if token and not (token.isascii() and token.isprintable()):
+        raise CredentialsError(
+            "the internal token must be printable ASCII without spaces or newlines inside "
+            "(it travels as a header value)")
     tls_parts = (tls_cert, tls_key, tls_ca)
     if any(tls_parts) and not all(tls_parts):
         raise CredentialsError("mutual TLS needs all three of --tls-cert, --tls-key, --tls-ca")

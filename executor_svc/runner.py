@@ -108,14 +108,16 @@ class ModelRunner:
             self.last_used.pop(rid, None)
         return sum(self.requests.pop(rid, None) is not None for rid in request_ids)
 
-    def release_idle(self) -> int:
-        """Drop the requests no step has used for idle_release_s; returns how many."""
+    def release_idle(self, step: StepRequest) -> int:
+        """Drop the requests no step has used for idle_release_s, never one that `step`
+        names (it is alive); returns how many."""
         now = self.clock()
         if not self.idle_release_s or now < self.next_idle_check:
             return 0
         self.next_idle_check = now + self.idle_release_s / 10
+        named = {w.request_id for w in step.seqs}
         idle = tuple(rid for rid, used in self.last_used.items()
-                     if now - used >= self.idle_release_s)
+                     if now - used >= self.idle_release_s and rid not in named)
         if idle:
             log.warning("idle_requests_released", num_requests=len(idle),
                         idle_s=self.idle_release_s)
@@ -142,9 +144,9 @@ class ModelRunner:
 
         `execute` adds sampling; tests call this to compare logits with transformers.
         """
+        self.release_idle(step)  # before planning: the plan holds the states it looked up
         plan = plan_step(step, self.requests, self.limits)
         self.release(plan.release_request_ids)
-        self.release_idle()
         self.cache.swap_out(step.swap_out)
         self.cache.swap_in(step.swap_in)
         self.cache.copy_blocks(step.copies)

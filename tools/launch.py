@@ -159,10 +159,14 @@ class Stack:
                log_path: str | None) -> subprocess.Popen[bytes]:
         out: IO[bytes] | None = None
         if log_path:
-            out = open(log_path, "ab")  # noqa: SIM115 - owned by the child process
+            out = open(log_path, "ab")  # noqa: SIM115 - the child holds its own copy
         env = {**os.environ, INTERNAL_TOKEN_ENV: self.internal_token}
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                cwd=cwd, env=env, start_new_session=True)
+        try:
+            return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                    cwd=cwd, env=env, start_new_session=True)
+        finally:
+            if out is not None:
+                out.close()
 
     def restart_exited(self) -> list[Service]:
         """Restart every service that has exited, on the port it had; returns them. Raises
@@ -188,7 +192,12 @@ class Stack:
             service.process = self._spawn(argv, service.cwd, service.log_path)
             restarted.append(service)
         for service in restarted:
-            self._wait_healthy(service)
+            try:
+                self._wait_healthy(service)
+            except StackError:
+                if service.process.poll() is None:
+                    raise  # alive but never healthy: nothing a restart would change
+                # It exited while starting: one more exit, restarted at the next call.
         return restarted
 
     def _wait_healthy(self, service: Service) -> None:

@@ -35,10 +35,13 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                       serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-    os.chmod(path, 0o600)
+    """Readable by its owner only from the first byte (no window under a loose umask)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(key.private_bytes(serialization.Encoding.PEM,
+                                    serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption()))
 
 
 def _alt_names(hosts: list[str]) -> list[x509.GeneralName]:

@@ -15,8 +15,10 @@ def make_secret(path: Path) -> bool:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(secrets.token_urlsafe(32) + "\n")
-    os.chmod(tmp, 0o600)
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # private from the start
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_urlsafe(32) + "\n")
     tmp.replace(path)
     return True
 

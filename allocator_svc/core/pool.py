@@ -268,6 +268,7 @@ class Pool:
                 list(parent.blocks),
                 list(parent.block_hashes),
                 num_cached_tokens=parent.num_cached_tokens,
+                tenant=parent.tenant,  # its blocks count against the same quota
             )
             self.blocks.touch(child.blocks)
             self.requests[child_id] = child

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -18,8 +19,10 @@ from typing import TypeVar
 
 import structlog
 
-from common.errors import AlreadyExists, ResourceExhausted
+from common.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from gateway.api.sampling import (
+    MAX_CHAT_MESSAGES,
+    MAX_REQUEST_ID_CHARS,
     ModelLimits,
     RawSampling,
     check_ids,
@@ -65,25 +68,37 @@ class Frontend:
     max_prompt_bytes: int = 1 << 20
     max_requests_per_tenant: int = 0  # in flight at once (0: no limit; one tenant: none)
     tenant_requests: collections.Counter[str] = field(default_factory=collections.Counter)
-    active: dict[str, Request] = field(default_factory=dict)
-    # The sequence ids of the active requests (seq_ids.py), each with its request's id.
-    seq_owners: dict[str, str] = field(default_factory=dict)
+    # The active requests by (tenant, request id), and their sequence ids (seq_ids.py) by
+    # (tenant, sequence id), each with its request's id.
+    active: dict[tuple[str, str], Request] = field(default_factory=dict)
+    seq_owners: dict[tuple[str, str], str] = field(default_factory=dict)
     text_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
     # This gateway run's sequence-id namespace (seq_ids.py): unique per start.
     id_namespace: str = field(default_factory=lambda: f"{secrets.token_hex(4)}/")
 
-    async def tokenize(self, text: str) -> list[int]:
+    async def tokenize(self, text: str, tenant: str = SINGLE_TENANT) -> list[int]:
+        """The Tokenize RPC: one of the tenant's in-flight slots while it runs."""
+        self._take_slot(tenant)
+        try:
+            return await self._encode(text)
+        finally:
+            self.tenant_requests[tenant] -= 1
+
+    async def _encode(self, text: str) -> list[int]:
         check_prompt_bytes(_utf8_len(text), self.max_prompt_bytes)
         return await self._off_loop(self.tokenizer.encode, text)
 
     async def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
         if prompt.chat is not None:
+            if len(prompt.chat) > MAX_CHAT_MESSAGES:
+                raise InvalidArgument(
+                    f"chat has {len(prompt.chat)} messages; at most {MAX_CHAT_MESSAGES}")
             size = sum(_utf8_len(t.content) + _utf8_len(t.role) for t in prompt.chat)
             check_prompt_bytes(size, self.max_prompt_bytes, "chat content")
             return await self._off_loop(self.tokenizer.render_chat, prompt.chat)
         if prompt.text:  # empty text is an empty prompt, not a lone BOS token
-            return await self.tokenize(prompt.text)
+            return await self._encode(prompt.text)
         return list(prompt.token_ids or [])
 
     async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
@@ -98,37 +113,46 @@ class Frontend:
     ) -> Request:
         """Validate and queue a request; raises the domain error to send back."""
         check_ids(request_id, cache_salt)
+        self._take_slot(tenant)  # before any await: concurrent calls cannot all pass the check
+        request: Request | None = None
+        try:
+            prompt = await self.prompt_token_ids(prompt_input)
+            validate_prompt(prompt, self.limits)
+            sampling = validate(raw, len(prompt), self.limits)
+            request_id = self._unique_id(tenant, request_id, sampling.n, len(prompt))
+            seq_ids = sequence_ids(request_id, sampling.n, len(prompt))
+            self._check_seq_ids_free(tenant, request_id, seq_ids)
+            # Every event of this call, and the allocator calls about it, carry this id.
+            structlog.contextvars.bind_contextvars(request_id=request_id)
+            request = Request(
+                request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+                cache_salt=self.tenancy.cache_salt(tenant, cache_salt),
+                id_namespace=self.id_namespace + _tenant_tag(tenant), tenant=tenant)
+            self.active[(tenant, request_id)] = request
+            self.seq_owners.update(dict.fromkeys(((tenant, s) for s in seq_ids), request_id))
+            engine = await self.engines.submit(request)
+        except BaseException:
+            if request is None:
+                self.tenant_requests[tenant] -= 1
+            else:
+                # Refused, or this call was cancelled (client gone, deadline) while the
+                # engine loop ran the submission: it may have queued the request already.
+                self.engines.cancel(request)
+                self._forget(request)
+            raise
+        log.info("request_queued", pool_id=engine.pool_id,
+                 num_prompt_tokens=len(prompt), n=sampling.n, max_tokens=sampling.max_tokens)
+        return request
+
+    def _take_slot(self, tenant: str) -> None:
+        """One of the tenant's in-flight slots (--tenant-max-requests), or RESOURCE_EXHAUSTED."""
         limit = self.max_requests_per_tenant
         if limit and tenant and self.tenant_requests[tenant] >= limit:
             raise ResourceExhausted(
                 f"tenant {tenant!r} has {self.tenant_requests[tenant]} requests in flight, its "
                 f"quota (--tenant-max-requests {limit}): wait for one to finish"
             )
-        prompt = await self.prompt_token_ids(prompt_input)
-        validate_prompt(prompt, self.limits)
-        sampling = validate(raw, len(prompt), self.limits)
-        request_id = self._unique_id(request_id, sampling.n, len(prompt))
-        seq_ids = sequence_ids(request_id, sampling.n, len(prompt))
-        self._check_seq_ids_free(request_id, seq_ids)
-        # Every event of this call, and the allocator calls about it, carry this id.
-        structlog.contextvars.bind_contextvars(request_id=request_id)
-        request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                          cache_salt=self.tenancy.cache_salt(tenant, cache_salt),
-                          id_namespace=self.id_namespace, tenant=tenant)
-        self.active[request_id] = request
         self.tenant_requests[tenant] += 1
-        self.seq_owners.update(dict.fromkeys(seq_ids, request_id))
-        try:
-            engine = await self.engines.submit(request)
-        except BaseException:
-            # Refused, or this call was cancelled (client gone, deadline) while the engine
-            # loop ran the submission: it may have queued the request already.
-            self.engines.cancel(request)
-            self._forget(request)
-            raise
-        log.info("request_queued", pool_id=engine.pool_id,
-                 num_prompt_tokens=len(prompt), n=sampling.n, max_tokens=sampling.max_tokens)
-        return request
 
     async def deltas(self, request: Request) -> AsyncIterator[CompletionDelta]:
         """Every completion delta of the request until all n are finished; errors raise.
@@ -153,44 +177,52 @@ class Frontend:
                 log.info("request_finished", num_completion_tokens=num_tokens,
                          num_cached_tokens=request.num_cached_tokens or 0)
 
-    def _unique_id(self, request_id: str, n: int, num_prompt_tokens: int) -> str:
+    def _unique_id(self, tenant: str, request_id: str, n: int, num_prompt_tokens: int) -> str:
+        """Request ids are the tenant's own: another tenant's never collide with them."""
         if not request_id:
-            # The caller's x-request-id when it is free, sequence ids included; else a new id.
-            bound = structlog.contextvars.get_contextvars().get("request_id")
-            if bound and str(bound) not in self.active and self._taken(
-                sequence_ids(str(bound), n, num_prompt_tokens)
-            ) is None:
-                return str(bound)
+            # The caller's x-request-id when it is a valid id and free, sequence ids
+            # included; else a new id.
+            bound = str(structlog.contextvars.get_contextvars().get("request_id") or "")
+            if (bound and len(bound) <= MAX_REQUEST_ID_CHARS
+                    and (tenant, bound) not in self.active
+                    and self._taken(tenant, sequence_ids(bound, n, num_prompt_tokens)) is None):
+                return bound
             return uuid.uuid4().hex[:16]
-        if request_id in self.active:
+        if (tenant, request_id) in self.active:
             raise AlreadyExists(f"request_id {request_id!r} is already in flight: use a new one")
         return request_id
 
-    def _check_seq_ids_free(self, request_id: str, seq_ids: list[str]) -> None:
+    def _check_seq_ids_free(self, tenant: str, request_id: str, seq_ids: list[str]) -> None:
         """Another active request's sequence already has one of these ids (n > 1 names its
         sequences `<id>-prefill` and `<id>-<i>`): refused here, not by the allocator, which
         would fail the step."""
-        seq_id = self._taken(seq_ids)
+        seq_id = self._taken(tenant, seq_ids)
         if seq_id is not None:
             raise AlreadyExists(
                 f"request_id {request_id!r} needs sequence id {seq_id!r}, which request "
-                f"{self.seq_owners[seq_id]!r} is using (n > 1 names its sequences <id>-prefill "
-                "and <id>-<i>): use another id"
+                f"{self.seq_owners[(tenant, seq_id)]!r} is using (n > 1 names its sequences "
+                "<id>-prefill and <id>-<i>): use another id"
             )
 
-    def _taken(self, seq_ids: list[str]) -> str | None:
-        """The first of these ids an active request's sequence has, if any."""
-        return next((seq_id for seq_id in seq_ids if seq_id in self.seq_owners), None)
+    def _taken(self, tenant: str, seq_ids: list[str]) -> str | None:
+        """The first of these ids an active request of the tenant has, if any."""
+        return next((s for s in seq_ids if (tenant, s) in self.seq_owners), None)
 
     def _forget(self, request: Request) -> None:
         """The request is no longer active: its id and its sequence ids are free again."""
-        if self.active.get(request.request_id) is not request:
+        key = (request.tenant, request.request_id)
+        if self.active.get(key) is not request:
             return
-        del self.active[request.request_id]
+        del self.active[key]
         self.tenant_requests[request.tenant] -= 1
         for seq_id in sequence_ids(request.request_id, request.sampling.n,
                                    len(request.prompt_token_ids)):
-            self.seq_owners.pop(seq_id, None)
+            self.seq_owners.pop((request.tenant, seq_id), None)
+
+
+def _tenant_tag(tenant: str) -> str:
+    """A tenant's part of its sequence ids on the wire (ids are per tenant); none for one."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:8] + "/" if tenant else ""
 
 
 def _utf8_len(text: str) -> int:

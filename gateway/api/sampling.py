@@ -19,6 +19,7 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 256
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 128
+MAX_CHAT_MESSAGES = 256  # each adds the template's own text around it
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,7 +99,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
     async def Tokenize(  # noqa: N802
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        return pb.TokenizeResponse(token_ids=await self.frontend.tokenize(request.text))
+        return pb.TokenizeResponse(
+            token_ids=await self.frontend.tokenize(request.text, tenant=caller()))
 
     async def GetModelInfo(  # noqa: N802
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext

@@ -6,7 +6,8 @@ so two tenants' prefixes never share a block and `cached_prompt_tokens` cannot r
 tenant's prompt (the prompt-cache timing side channel). Without keys the gateway is one
 tenant: the caller's salt is used as sent, and it says so at start.
 
-The keys file: one `<key> <tenant>` per line; blank lines and `#` comments are ignored.
+The keys file: one `<key> <tenant>` per line; blank lines and lines starting with `#` are
+ignored (a key may itself contain `#`).
 """
 
 from __future__ import annotations
@@ -51,13 +52,16 @@ def load_api_keys(path: str) -> dict[str, str]:
         raise CredentialsError(f"--api-keys-file {path}: cannot read it ({exc.strerror})") from exc
     keys: dict[str, str] = {}
     for number, line in enumerate(lines, 1):
-        text = line.split("#", 1)[0].strip()
-        if not text:
+        text = line.strip()
+        if not text or text.startswith("#"):
             continue
         parts = text.split()
         if len(parts) != 2:
             raise CredentialsError(f"--api-keys-file {path}:{number}: expected '<key> <tenant>'")
         key, tenant = parts
+        if not (key.isascii() and key.isprintable()):
+            raise CredentialsError(
+                f"--api-keys-file {path}:{number}: a key must be printable ASCII (a header)")
         if len(key) < MIN_TOKEN_CHARS:
             raise CredentialsError(
                 f"--api-keys-file {path}:{number}: a key needs at least {MIN_TOKEN_CHARS} "

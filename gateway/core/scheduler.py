@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from gateway.core.batch import Batch, Budget, Pending, ScheduledStep
@@ -62,6 +63,11 @@ class Scheduler:
     # The next Step's number. Per engine, so per pool and lease at the allocator, which wants
     # them increasing: it never starts over (a new lease takes any increasing numbers).
     next_step_id: int = 1
+    # Tenants at the allocator's block quota (--max-blocks-per-tenant): their waiting
+    # requests stand aside, so that they do not fill every step's budget with admissions the
+    # allocator defers while other tenants' wait behind them. Cleared when one of the
+    # tenant's sequences ends (its blocks come back).
+    quota_blocked: set[str] = field(default_factory=set)
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         seq.status = SeqStatus.WAITING
@@ -154,6 +160,8 @@ class Scheduler:
             if seqs_left == 0 or tokens_left == 0:
                 break
             request = seq.request
+            if request.tenant in self.quota_blocked:
+                continue
             if running_per_tenant is not None and request.tenant:
                 running = running_per_tenant.setdefault(request.tenant, set())
                 if request not in running:
@@ -202,13 +210,14 @@ class Scheduler:
 
     def apply_outcome(self, step: ScheduledStep, outcome: StepOutcome) -> Batch:
         """Apply the allocator's grants, preemptions and deferrals; build the Execute call."""
-        """Apply the allocator's grants, preemptions and deferrals; build the Execute call."""
         for seq in step.late:  # the allocator now holds these values
             if seq.known_to_allocator and seq.allocator_pending:
                 seq.num_allocator_tokens += 1
                 seq.allocator_pending = False
         swapped_out = self._apply_preemptions(step, outcome)
         skipped = outcome.deferred_request_ids | {p.request_id for p in outcome.preempted}
+        if outcome.deferred_request_ids:
+            self._note_quota_deferrals(step, outcome.deferred_request_ids)
         admitted: set[Sequence] = set()
         work: list[SeqWork] = []
         scheduled: list[tuple[Sequence, int]] = []
@@ -309,6 +318,7 @@ class Scheduler:
             seq = by_id.get(preemption.request_id) or step.seqs.get(preemption.request_id)
             assert seq is not None, f"allocator preempted unknown {preemption.request_id}"
             self.num_preemptions += 1
+            self.quota_blocked.discard(seq.request.tenant)  # its blocks came back
             if seq.is_finished:
                 # It ended while its batch executed, after this Step was planned (depth 2).
                 if not preemption.swapped:
@@ -415,10 +425,22 @@ class Scheduler:
         ]
 
     # Lifecycle.
+    def _note_quota_deferrals(self, step: ScheduledStep, deferred: AbstractSet[str]) -> None:
+        """A new item deferred while one after it was admitted was deferred by its tenant's
+        block quota: for lack of space the allocator defers every admission after the
+        first that does not fit."""
+        new_ids = [i.request_id for i in step.call.items if i.is_new]
+        last_admitted = max((k for k, rid in enumerate(new_ids) if rid not in deferred),
+                            default=-1)
+        for rid in new_ids[:last_admitted]:
+            if rid in deferred and step.seqs[rid].request.tenant:
+                self.quota_blocked.add(step.seqs[rid].request.tenant)
+
     def finish(self, seq: Sequence) -> None:
         """The sequence is done: free it at the allocator and release it at the executor."""
         if seq.is_finished:
             return
+        self.quota_blocked.discard(seq.request.tenant)
         seq.status = SeqStatus.FINISHED
         if seq.known_to_allocator:
             self.pending.commits[seq.seq_id] = seq.num_computed_tokens
@@ -430,6 +452,7 @@ class Scheduler:
         """Cancelled: abort at the allocator, release at the executor; nothing is committed."""
         if seq.is_finished:
             return
+        self.quota_blocked.discard(seq.request.tenant)
         seq.status = SeqStatus.FINISHED
         self.pending.commits.pop(seq.seq_id, None)
         if seq.known_to_allocator:

@@ -46,6 +46,17 @@ def test_a_tenant_holding_nothing_is_admitted_even_past_its_quota_and_no_tenant_
     assert result.deferred == ["next"]
 
 
+def test_forked_children_count_against_their_parents_tenant():
+    # n > 1: the children share the parent's blocks and keep counting once it is freed.
+    allocator, epoch, lease = _allocator(quota=4)
+    allocator.step(StepCall("p", epoch, lease, [_new("parent", "a", 16)]))
+    allocator.fork("p", epoch, "parent", ["c0", "c1"], lease)
+    allocator.step(StepCall("p", epoch, lease, free_ids=["parent"],
+                            commits=[], abort_ids=[], items=[_new("b1", "b", 4)]))
+    assert {r.tenant for r in allocator.pools["p"].requests.values()} == {"a", "b"}
+    assert allocator.step(StepCall("p", epoch, lease, [_new("a2", "a", 4)])).deferred == ["a2"]
+
+
 def test_without_a_quota_tenants_change_nothing():
     allocator, epoch, lease = _allocator(quota=0)
     result = allocator.step(StepCall("p", epoch, lease, [_new(f"a{i}", "a", 8) for i in range(4)]))

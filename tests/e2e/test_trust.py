@@ -6,7 +6,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -222,4 +224,51 @@ def test_a_tenant_at_its_quota_cannot_starve_another(clients: Clients):
             channel.close()
     assert finished[0] == "b", finished
     assert tuple(done.token_ids) == reference_greedy(tuple(batch[6]), 8, ignore_eos=True)
+    clients.wait_all_blocks_back()
+
+
+def test_request_ids_are_each_tenants_own(clients: Clients):
+    # A and B run the same request ids at once (n = 2: sequence ids too): both complete with
+    # the reference's tokens; neither can learn, or block, the other's ids.
+    batch = list(prompts(2, 12, seed=431))
+    channels = {key: with_metadata(grpc.insecure_channel(clients.stack.gateway_addr),
+                                   as_tenant(key)) for key in (KEY_A, KEY_B)}
+    try:
+        def run(key: str, prompt: list[int]) -> dict[int, Any]:
+            return generate(gpb_grpc.GatewayServiceStub(channels[key]), gpb.GenerateRequest(
+                token_ids=gpb.TokenIds(ids=prompt), request_id="shared-id",
+                sampling=sampling(40, n=2, ignore_eos=True)), timeout=120)
+
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(run, (KEY_A, KEY_B), batch))
+    finally:
+        for channel in channels.values():
+            channel.close()
+    for prompt, done in zip(batch, results, strict=True):
+        expected = reference_greedy(tuple(prompt), 40, ignore_eos=True)
+        assert [tuple(done[i].token_ids) for i in (0, 1)] == [expected, expected]
+
+
+def test_concurrent_requests_cannot_overrun_the_in_flight_quota(clients: Clients):
+    # Twenty text requests of one tenant at once (each awaits its tokenization): at most
+    # TENANT_MAX_REQUESTS get in, the others are RESOURCE_EXHAUSTED.
+    channel = with_metadata(grpc.insecure_channel(clients.stack.gateway_addr), as_tenant(KEY_B))
+    stub = gpb_grpc.GatewayServiceStub(channel)
+    calls = [stub.Generate(gpb.GenerateRequest(text=f"request number {i} " * 20,
+                                               sampling=sampling(400, ignore_eos=True)),
+                           timeout=60) for i in range(20)]
+    admitted = refused = 0
+    try:
+        for call in calls:
+            try:
+                next(iter(call))
+                admitted += 1
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
+                refused += 1
+    finally:
+        for call in calls:
+            call.cancel()
+        channel.close()
+    assert admitted <= TENANT_MAX_REQUESTS and admitted + refused == 20
     clients.wait_all_blocks_back()

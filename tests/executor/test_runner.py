@@ -204,7 +204,12 @@ def test_runner_drops_requests_no_step_has_used_for_idle_release_s(
         out: dict[str, list[int]] = {"alive": []}
         driver._collect(StepRequest(seqs=(driver.work("alive", [11], sample=True),)), out)
     assert set(runner.requests) == {"alive"} and set(runner.last_used) == {"alive"}
+    # A request idle past the limit that a step names again is kept (and served).
+    now[0] = 200.0
+    runner.next_idle_check = 0.0
+    driver._collect(StepRequest(seqs=(driver.work("alive", [12], sample=True),)), {"alive": []})
+    assert set(runner.requests) == {"alive"}
     runner.idle_release_s = 0.0  # never
     now[0] = 1e6
-    driver._collect(StepRequest(seqs=(driver.work("alive", [12], sample=True),)), {"alive": []})
+    driver._collect(StepRequest(seqs=(driver.work("alive", [13], sample=True),)), {"alive": []})
     assert set(runner.requests) == {"alive"}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -584,3 +586,40 @@ def test_scheduler_a_sequence_started_over_then_preempted_is_queued_once(swapped
     assert list(sched.waiting) == [b] and not sched.running and not sched.swapped
     assert b.status is SeqStatus.WAITING and not b.known_to_allocator
     assert ("b" in sched.pending.abort_ids) == swapped
+
+
+def test_a_tenant_at_its_block_quota_stands_aside_for_other_tenants():
+    # The allocator defers tenant a's request (a holds its 2-block quota) and admits b's
+    # behind it: a's waiting requests then stand aside, so the next step does not carry them
+    # again ahead of the other tenants'; once a's running request ends, a goes on.
+    sched = Scheduler(budget=Budget(max_num_seqs=8, max_num_batched_tokens=64),
+                      block_size=BLOCK)
+    pool, model = CorePool(64, BLOCK), FakeModel(BLOCK)
+    pool.allocator.limits = replace(pool.allocator.limits, max_blocks_per_tenant=2)
+    prompt = [5] * (2 * BLOCK)
+
+    def tenant_request(rid: str) -> Request:
+        req = request(rid, [ord(rid[1]), *prompt[1:]], max_tokens=50)
+        req.tenant = rid[0]
+        return req
+
+    def step(plan: Any) -> StepOutcome:
+        outcome = pool.step(plan.call)
+        batch = sched.apply_outcome(plan, outcome)
+        sched.apply_result(batch, model.execute(batch.call))
+        return outcome
+
+    (a1,) = add(sched, tenant_request("a1"))
+    step(sched.schedule())
+    for rid in ("a2", "b1", "a3", "b2"):
+        add(sched, tenant_request(rid))
+    plan = sched.schedule()
+    assert [i.request_id for i in plan.call.items] == ["a2", "b1", "a3", "b2"]
+    assert step(plan).deferred_request_ids == {"a2", "a3", "b2"}
+    assert sched.quota_blocked == {"a"}  # b2 was deferred last: space or quota, unknown
+    plan = sched.schedule()
+    assert [i.request_id for i in plan.call.items if i.is_new] == ["b2"]
+    step(plan)
+    sched.finish(a1)
+    plan = sched.schedule()
+    assert [i.request_id for i in plan.call.items if i.is_new][:1] == ["a2"]
