@@ -8,7 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import structlog
 
@@ -95,6 +95,17 @@ class Gateway:
         await self.host.run(self.engines.close())
         self.host.stop()
         log.info("gateway_stopped")
+
+
+def _public_credentials(settings: GatewaySettings) -> Any:
+    """TLS for the public port (no client certificate: API keys say who calls), or None."""
+    if not settings.public_tls_cert:
+        return None
+    import grpc
+
+    cert = Path(settings.public_tls_cert).read_bytes()
+    key = Path(settings.public_tls_key).read_bytes()
+    return grpc.ssl_server_credentials([(key, cert)])
 
 
 async def _retry(what: str, fn: Callable[[], Awaitable[T]], timeout_s: float) -> T:
@@ -229,6 +240,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         server = await start_server(
             [(service.GatewayServicer(frontend), service.SERVICE_NAME)],
             settings.host, settings.port, authenticator=tenancy.authenticator(),
+            credentials=_public_credentials(settings),
             # A message past this is refused by gRPC itself, before it is parsed.
             max_receive_bytes=2 * settings.max_prompt_bytes + PROTO_OVERHEAD_BYTES,
         )

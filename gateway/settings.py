@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,6 +51,8 @@ class GatewaySettings:
     salt_secret_file: str
     tenant_max_requests: int
     tenant_max_running: int
+    public_tls_cert: str
+    public_tls_key: str
 
     def __post_init__(self) -> None:
         if not self.executor_addrs:
@@ -64,6 +67,11 @@ class GatewaySettings:
         for name in ("allocator_timeout_s", "execute_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 (seconds)")
+        if bool(self.public_tls_cert) != bool(self.public_tls_key):
+            raise ValueError("--public-tls-cert and --public-tls-key go together")
+        for path in (self.public_tls_cert, self.public_tls_key):
+            if path and not os.access(path, os.R_OK):
+                raise ValueError(f"cannot read {path} (--public-tls-cert / --public-tls-key)")
         for name in ("tenant_max_requests", "tenant_max_running"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: no limit)")
@@ -171,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the secret that derives each tenant's cache salt (every gateway on one "
         "allocator must share it; unset: the internal token, else a random one per process)",
     )
+    add_flag(parser, "--public-tls-cert", default="",
+             help="serve the public port over TLS with this certificate (PEM; unset: "
+             "plaintext, for a TLS proxy in front)")
+    add_flag(parser, "--public-tls-key", default="", help="its private key (PEM)")
     add_flag(parser, "--log-json", action="store_true", help="JSON logs (containers)")
     add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
     add_internal_auth_flags(parser)
@@ -215,6 +227,8 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             salt_secret_file=args.salt_secret_file,
             tenant_max_requests=args.tenant_max_requests,
             tenant_max_running=args.tenant_max_running,
+            public_tls_cert=args.public_tls_cert,
+            public_tls_key=args.public_tls_key,
         )
     except ValueError as exc:
         raise SystemExit(f"gateway: {exc}") from exc

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import grpc
 
@@ -52,9 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=300.0)
     add_flag(parser, "--api-key", default="",
              help="the gateway's API key (when it runs with --api-keys-file)")
+    add_flag(parser, "--tls-ca", default="",
+             help="the CA of the gateway's certificate (when it serves TLS)")
     args = parser.parse_args(argv)
     metadata = ((AUTHORIZATION_KEY, BEARER + args.api_key),) if args.api_key else ()
-    with with_metadata(grpc.insecure_channel(args.addr), metadata) as channel:
+    if args.tls_ca:
+        credentials = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes())
+        plain = grpc.secure_channel(args.addr, credentials)
+    else:
+        plain = grpc.insecure_channel(args.addr)
+    with with_metadata(plain, metadata) as channel:
         stub = pb_grpc.GatewayServiceStub(channel)
         try:
             for response in stub.Generate(build_request(args), timeout=args.timeout_s):

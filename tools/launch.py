@@ -93,6 +93,13 @@ class Stack:
                         key=os.path.join(tls_dir, f"{role}-key.pem"),
                         ca=os.path.join(tls_dir, "ca.pem"))
 
+    def _public_tls_args(self) -> tuple[str, ...]:
+        """With --tls-dir the gateway's public port is TLS too (its own certificate)."""
+        files = self._tls_files("gateway")
+        if files is None:
+            return ()
+        return ("--public-tls-cert", files.cert, "--public-tls-key", files.key)
+
     def _tls_args(self, role: str) -> tuple[str, ...]:
         files = self._tls_files(role)
         if files is None:
@@ -136,7 +143,8 @@ class Stack:
         args = (
             "--allocator-addr", self.allocator_addr,
             "--executor-addrs", ",".join(self.executor_addrs()),
-            "--model", self.spec.model, *self._tls_args("gateway"), *self.spec.gateway_args,
+            "--model", self.spec.model, *self._tls_args("gateway"),
+            *self._public_tls_args(), *self.spec.gateway_args,
         )
         service = self._start(name, "gateway", port, args)
         self._wait_healthy(service)
@@ -210,8 +218,9 @@ class Stack:
                 text = service.port_file.read_text().strip()
                 if text:
                     service.address = f"{HOST}:{int(text)}"
-            # The gateway's public port is plaintext; the internal ones may be mutual TLS.
-            auth = None if service.name.startswith("gateway") else self.internal_auth
+            # Every port speaks TLS with --tls-dir (the gateway's without client certificates,
+            # which it accepts all the same), plaintext without.
+            auth = self.internal_auth
             if service.address and is_serving(service.address, timeout_s=1.0, auth=auth):
                 return
             time.sleep(0.1)
@@ -244,14 +253,18 @@ def _see(service: Service) -> str:
 
 def usage_text(stack: Stack) -> str:
     addr = stack.gateway_addr.replace(HOST, "localhost")
+    tls = stack._tls_files("gateway")
+    client_tls = f" --tls-ca {tls.ca}" if tls else ""
+    grpcurl_tls = f"-cacert {tls.ca}" if tls else "-plaintext"
     return (
         f"\npagedkv is up: gateway {addr}, allocator {stack.allocator_addr}, "
         f"executors {', '.join(stack.executor_addrs())}\n\n"
-        f"  .venv/bin/python -m tools.client --addr {addr} --chat "
+        f"  .venv/bin/python -m tools.client --addr {addr}{client_tls} --chat "
         "\"What is the capital of France?\" --temperature 0\n"
-        f"  .venv/bin/python -m tools.client --addr {addr} \"The quick brown fox\" "
+        f"  .venv/bin/python -m tools.client --addr {addr}{client_tls} \"The quick brown fox\" "
         "--max-tokens 32 --temperature 0\n"
-        f"  grpcurl -plaintext -d '{{\"text\": \"Hello\", \"sampling\": {{\"max_tokens\": 16}}}}' "
+        f"  grpcurl {grpcurl_tls} "
+        "-d '{\"text\": \"Hello\", \"sampling\": {\"max_tokens\": 16}}' "
         f"{addr} pagedkv.gateway.v1.GatewayService/Generate\n\n"
         "Ctrl-C stops everything.\n"
     )

@@ -1,6 +1,6 @@
 """Mutual TLS between the services (make certs; python -m tools.launch --tls-dir): the stack
-serves the reference's tokens, and an internal port refuses whoever lacks a certificate of
-its CA, before any RPC."""
+serves the reference's tokens over the gateway's own TLS port, and an internal port refuses
+whoever lacks a certificate of its CA, before any RPC."""
 
 from __future__ import annotations
 
@@ -25,10 +25,17 @@ def test_a_stack_on_mutual_tls_serves_and_refuses_strangers(tmp_path: Path):
                         executor_args=("--load-format", "dummy", "--num-blocks", "64"))
     try:
         prompt = next(prompts(1, 12, seed=503))
-        with grpc.insecure_channel(stack.gateway_addr) as channel:
+        ca = (tmp_path / "certs" / "ca.pem").read_bytes()
+        address = stack.gateway_addr.replace("127.0.0.1", "localhost")
+        with grpc.secure_channel(address, grpc.ssl_channel_credentials(ca)) as channel:
             done = generate(gpb_grpc.GatewayServiceStub(channel), gpb.GenerateRequest(
                 token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(8)))[0]
         assert tuple(done.token_ids) == reference_greedy(tuple(prompt), 8)
+        with grpc.insecure_channel(stack.gateway_addr) as channel:  # plaintext: no answer
+            with pytest.raises(grpc.RpcError) as err:
+                gpb_grpc.GatewayServiceStub(channel).Tokenize(gpb.TokenizeRequest(text="hi"),
+                                                              timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         # The stack's own credentials work (the gateway's certificate and the token)...
         with stack.internal_auth.channel(stack.allocator_addr) as channel:
             pools = apb_grpc.AllocatorServiceStub(channel).GetStats(apb.GetStatsRequest()).pools

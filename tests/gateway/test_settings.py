@@ -31,6 +31,9 @@ def test_defaults_are_sensible():
         (["--lease-ttl-ms", "100"], "--lease-ttl-ms"),
         (["--max-model-len", "1"], "--max-model-len"),
         (["--executor-addrs", " , "], "--executor-addrs"),
+        (["--public-tls-cert", "cert.pem"], "--public-tls-cert and --public-tls-key"),
+        (["--public-tls-cert", "/nonexistent.pem", "--public-tls-key", "/nonexistent.pem"],
+         "--public-tls-cert"),
     ],
 )
 def test_a_wrong_flag_stops_with_a_message_naming_it(argv: list[str], flag: str):
