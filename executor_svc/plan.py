@@ -35,6 +35,7 @@ class RequestState:
     # The token sampled in the request's last step (its position is num_tokens), until a step
     # uses it: what a use_sampled_token row stands for. None when the last step sampled none.
     sampled_token: int | None = None
+    last_used: float = 0.0  # when a step last computed tokens for it (ModelRunner's clock)
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,7 +83,6 @@ class ModelRunner:
         # tenth of that, from the steps themselves.
         self.idle_release_s = idle_release_s
         self.clock = clock
-        self.last_used: dict[str, float] = {}
         self.next_idle_check = clock() + idle_release_s / 10
         self.info = ExecutorInfo(
             instance_id=uuid.uuid4().hex,
@@ -104,8 +103,6 @@ class ModelRunner:
 
     def release(self, request_ids: tuple[str, ...]) -> int:
         """Drop the requests' state; unknown ids are ignored. Returns how many were held."""
-        for rid in request_ids:
-            self.last_used.pop(rid, None)
         return sum(self.requests.pop(rid, None) is not None for rid in request_ids)
 
     def release_idle(self, step: StepRequest) -> int:
@@ -116,8 +113,8 @@ class ModelRunner:
             return 0
         self.next_idle_check = now + self.idle_release_s / 10
         named = {w.request_id for w in step.seqs}
-        idle = tuple(rid for rid, used in self.last_used.items()
-                     if now - used >= self.idle_release_s and rid not in named)
+        idle = tuple(rid for rid, state in self.requests.items()
+                     if now - state.last_used >= self.idle_release_s and rid not in named)
         if idle:
             log.warning("idle_requests_released", num_requests=len(idle),
                         idle_s=self.idle_release_s)
@@ -209,7 +206,7 @@ class ModelRunner:
             state.block_table = list(planned.block_table)
             state.num_tokens = work.start_position + len(planned.token_ids)
             state.sampled_token = None  # used, or overtaken by these tokens
-            self.last_used[work.request_id] = now
+            state.last_used = now
 
     def _sample(
         self, request_ids: tuple[str, ...], logits: torch.Tensor

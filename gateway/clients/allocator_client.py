@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.credentials import InternalAuth
-from common.interceptor import REQUEST_ID_KEY
 from gateway.clients.call_failures import translated
+from gateway.clients.channel import InternalChannel
 from gateway.core.step import (
     BlockCopy,
     Commit,
@@ -25,17 +25,6 @@ from gateway.core.step import (
 )
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc as pb_grpc
-
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    # A peer that went away is dialled again at most a second apart: with gRPC's default
-    # backoff (up to 120 s) an allocator back after a 15 s outage stayed unreachable for up
-    # to 12 s more, each call failing at once meanwhile.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,17 +44,6 @@ class PrefixMatch:
     num_cached_tokens: int
     num_free_blocks: int
     num_running_requests: int
-
-
-Metadata = tuple[tuple[str, str], ...]
-
-
-def call_metadata(auth: Metadata, request_id: str | None) -> Metadata:
-    """The credential every call carries, and the request id when the call is about one (and
-    it can be a header value: gRPC refuses the whole call otherwise)."""
-    if request_id and request_id.isascii() and request_id.isprintable():
-        return (*auth, (REQUEST_ID_KEY, request_id))
-    return auth
 
 
 def _copies(copies: Sequence[pb.BlockCopy]) -> tuple[BlockCopy, ...]:
@@ -110,26 +88,16 @@ def _outcome(response: pb.StepResponse) -> StepOutcome:
     )
 
 
-class AllocatorClient:
+class AllocatorClient(InternalChannel):
     """Every call carries a deadline of `timeout_s` seconds: a hung allocator must not hang
     the gateway (None: no deadline)."""
 
     def __init__(
         self, address: str, timeout_s: float | None = None, auth: InternalAuth | None = None
     ) -> None:
-        self.address = address
+        super().__init__(address, auth)
         self.timeout_s = timeout_s
-        auth = auth or InternalAuth()
-        self.auth_metadata = auth.call_metadata()
-        self.channel = auth.aio_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.AllocatorServiceStub(self.channel)
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-    def _about(self, request_ids: Sequence[str]) -> Metadata:
-        """A call about one request carries its id (the services' logs name it)."""
-        return call_metadata(self.auth_metadata, request_ids[0] if len(request_ids) == 1 else None)
 
     async def register_pool(self, spec: PoolSpec) -> int:
         """Register (or re-register) an executor's pool; returns the epoch to send."""

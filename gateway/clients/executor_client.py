@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.credentials import InternalAuth
-from gateway.clients.allocator_client import CHANNEL_OPTIONS, Metadata, call_metadata
 from gateway.clients.call_failures import Rejected, translated
+from gateway.clients.channel import InternalChannel
 from gateway.core.step import BlockCopy, ExecuteCall, ExecuteResult, Sampled, SeqWork
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -62,20 +62,10 @@ def _seq(work: SeqWork) -> pb.SequenceWork:
     return seq
 
 
-class ExecutorClient:
+class ExecutorClient(InternalChannel):
     def __init__(self, address: str, auth: InternalAuth | None = None) -> None:
-        self.address = address
-        auth = auth or InternalAuth()
-        self.auth_metadata = auth.call_metadata()
-        self.channel = auth.aio_channel(address, options=CHANNEL_OPTIONS)
+        super().__init__(address, auth)
         self.stub = pb_grpc.ExecutorServiceStub(self.channel)
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-    def _about(self, request_ids: Sequence[str]) -> Metadata:
-        """A call about one request carries its id (the services' logs name it)."""
-        return call_metadata(self.auth_metadata, request_ids[0] if len(request_ids) == 1 else None)
 
     async def describe(self, timeout: float | None = None) -> ExecutorDescription:
         with translated():
