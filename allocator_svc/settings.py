@@ -99,6 +99,8 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.port <= 65535:
         parser.error("--port must be in 0..65535")
+    if args.max_blocks_per_tenant < 0:
+        parser.error("--max-blocks-per-tenant must be >= 0 (0: no quota)")
     if args.default_lease_ttl_ms > args.max_lease_ttl_ms:
         parser.error("--default-lease-ttl-ms must be <= --max-lease-ttl-ms")
     try:
@@ -109,7 +111,7 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
         max_blocks_per_pool=args.max_blocks_per_pool,
         max_cpu_blocks_per_pool=args.max_blocks_per_pool,
         max_pools=args.max_pools,
-        max_blocks_per_tenant=max(0, args.max_blocks_per_tenant),
+        max_blocks_per_tenant=args.max_blocks_per_tenant,
         max_batch_items=args.max_batch_items,
         default_lease_ttl_s=args.default_lease_ttl_ms / 1000,
         max_lease_ttl_s=args.max_lease_ttl_ms / 1000,

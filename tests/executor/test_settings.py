@@ -44,6 +44,7 @@ def test_settings_environment_sets_default_and_flag_wins(monkeypatch: pytest.Mon
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in"),
         (["--model", "/nonexistent"], "is not a directory"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be positive"),
+        (["--idle-release-s", "-1"], "--idle-release-s must be >= 0"),
     ],
 )
 def test_settings_rejects_bad_values_with_a_remedy(argv: list[str], message: str) -> None:

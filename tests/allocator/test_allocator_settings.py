@@ -1,0 +1,36 @@
+"""Allocator flags: a value that cannot work stops it with a usage error naming the flag;
+without internal credentials it refuses to start unless told --insecure."""
+
+from __future__ import annotations
+
+import pytest
+
+from allocator_svc.settings import parse_settings
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--max-blocks-per-tenant", "-1"], "--max-blocks-per-tenant must be >= 0"),
+    (["--max-pools", "0"], "--max-pools must be >= 1"),
+    (["--max-lease-ttl-ms", "0"], "--max-lease-ttl-ms must be >= 1"),
+    (["--default-lease-ttl-ms", "700000"], "--default-lease-ttl-ms must be <= --max-lease-ttl"),
+    (["--port", "70000"], "--port must be in 0..65535"),
+])
+def test_a_bad_flag_is_a_usage_error_naming_it(argv: list[str], message: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_settings(["--insecure", *argv])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_credentials_are_required_and_bounds_reach_the_limits(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("PAGEDKV_INTERNAL_TOKEN", raising=False)
+    with pytest.raises(SystemExit) as info:
+        parse_settings([])
+    assert info.value.code == 2 and "no internal credentials" in capsys.readouterr().err
+    monkeypatch.setenv("PAGEDKV_INTERNAL_TOKEN", "a-token-of-enough-characters")
+    settings = parse_settings(["--max-blocks-per-tenant", "64", "--max-lease-ttl-ms", "60000"])
+    assert settings.auth.token == "a-token-of-enough-characters"
+    assert (settings.limits.max_blocks_per_tenant, settings.limits.max_lease_ttl_s) == (64, 60.0)
+    assert settings.host == "127.0.0.1"
