@@ -100,6 +100,7 @@ def step_items(msg: pb.StepRequest) -> list[StepItem]:
                 m.cache_salt,
                 list(m.append_token_ids),
                 m.tenant,
+                m.resumed,
             )
         )
     return items
@@ -192,6 +193,8 @@ def pool_stats(pool: Pool) -> pb.PoolStats:
         num_free_cpu_blocks=len(pool.free_cpu_block_ids),
         num_prefix_queries=pool.num_prefix_queries,
         num_prefix_hits=pool.num_prefix_hits,
+        num_resumed_prefix_queries=pool.num_resumed_prefix_queries,
+        num_resumed_prefix_hits=pool.num_resumed_prefix_hits,
         num_evictions=blocks.num_evictions,
         num_preemptions=pool.num_preemptions,
         event_seq=pool.events.last_seq,

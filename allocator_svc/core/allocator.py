@@ -54,6 +54,7 @@ class Allocator:
         self.clock = clock
         self.pools: dict[str, Pool] = {}
         self.leases = LeaseTable()
+        self.num_expired_leases = 0
 
     # Pools.
     def register_pool(self, config: PoolConfig) -> tuple[Pool, bool]:
@@ -293,6 +294,7 @@ class Allocator:
         expired = set(self.leases.expire(self.clock()))
         freed = []
         if expired:
+            self.num_expired_leases += len(expired)
             for pool in self.pools.values():
                 for request in [r for r in pool.requests.values() if r.lease_id in expired]:
                     pool.free(request)

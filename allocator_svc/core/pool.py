@@ -43,7 +43,13 @@ class Pool:
         self.requests: dict[str, Request] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up at admission
         self.num_prefix_hits = 0  # of which served from the cache
+        # The same for requests readmitted after a recompute preemption (not in the above).
+        self.num_resumed_prefix_queries = 0
+        self.num_resumed_prefix_hits = 0
         self.num_preemptions = 0
+        self.num_cow_copies = 0  # copy-on-write copies planned (a forked child's shared block)
+        self.num_swap_outs = self.num_swapped_out_blocks = 0  # requests, blocks moved to CPU
+        self.num_swap_ins = self.num_swapped_in_blocks = 0  # and back
         self._roots: dict[str, bytes] = {}  # cache_salt -> chain root
         self.hash_block = BlockHasher(config.block_size)
         # Per lease, what its steps granted and no call has committed yet (scheduled_steps.py).
@@ -81,8 +87,9 @@ class Pool:
             hashes.append(parent)
         return hits, hashes
 
-    def admit(self, request: Request, num_tokens: int) -> Grant | None:
-        """Admit a new request: cached prefix first, then slots for `num_tokens` more."""
+    def admit(self, request: Request, num_tokens: int, resumed: bool = False) -> Grant | None:
+        """Admit a new request: cached prefix first, then slots for `num_tokens` more.
+        `resumed`: it was preempted by recompute; its lookup is counted apart."""
         hits, hashes = self.match_prefix(request.root_hash, request.token_ids)
         num_cached = len(hits) * self.block_size
         num_scheduled = min(num_tokens, len(request.token_ids) - num_cached)
@@ -96,8 +103,13 @@ class Pool:
         request.blocks = hits + fresh
         request.block_hashes = hashes
         request.num_cached_tokens = request.num_computed = request.num_committed = num_cached
-        self.num_prefix_queries += len(request.token_ids)
-        self.num_prefix_hits += num_cached
+        if self.config.enable_prefix_caching:
+            if resumed:
+                self.num_resumed_prefix_queries += len(request.token_ids)
+                self.num_resumed_prefix_hits += num_cached
+            else:
+                self.num_prefix_queries += len(request.token_ids)
+                self.num_prefix_hits += num_cached
         self.requests[request.request_id] = request
         grant = Grant(
             request.request_id,
@@ -135,6 +147,7 @@ class Pool:
             assert taken is not None, "allocate checked the free count"
             private = taken[0]
             copies.append(BlockCopy(shared.block_id, private.block_id))
+            self.num_cow_copies += 1
             self.blocks.free([shared])
             request.blocks[index] = private
             delta_start = index
@@ -285,6 +298,8 @@ class Pool:
         request.blocks = []
         request.cpu_block_ids = cpu_ids
         request.num_preemptions += 1
+        self.num_swap_outs += 1
+        self.num_swapped_out_blocks += len(copies)
         return copies
 
     def swap_in(self, request: Request, num_tokens: int, swap_in: list[BlockCopy]) -> Grant | None:
@@ -296,6 +311,9 @@ class Pool:
         if fresh is None:
             return None
         swap_in.extend(BlockCopy(c, b.block_id) for c, b in zip(cpu_ids, fresh, strict=False))
+        self.scheduled.drop(request)  # older steps' counts must not commit into `fresh`
+        self.num_swap_ins += 1
+        self.num_swapped_in_blocks += len(cpu_ids)
         self.free_cpu_block_ids.extend(cpu_ids)
         request.cpu_block_ids = None
         request.blocks = fresh

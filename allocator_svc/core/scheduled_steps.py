@@ -3,7 +3,9 @@ has written its KV. A caller numbers its Steps (`step_id`, increasing per lease 
 says which have executed: "every step up to N" (`commit_through_step_id`). Until then, what
 each numbered step granted is kept here, per lease, with each request's count at that step.
 
-Committing through N commits every kept step up to N, oldest first, at the counts it granted;
+Committing through N commits every kept step up to N, oldest first, at the counts it granted
+(but a request swapped in since: its KV is in new blocks, written only when the swap-in
+step's batch runs, so only that step and later ones commit it);
 an id already committed is nothing to do, so resending it is harmless. A step whose batch
 failed is covered by a later N too: the caller aborts its requests before (or in the same
 call), and an aborted or freed request is never committed. An unnumbered step (0) keeps
@@ -85,6 +87,18 @@ class ScheduledSteps:
                          if r.request_id not in aborted]
                 requests, counts = [r for r, _ in pairs], [c for _, c in pairs]
             pool.commit_run(requests, counts)
+
+    def drop(self, request: Request) -> None:
+        """The request's KV moved to blocks that a later batch writes (a swap-in's copies run
+        with the batch of the step that granted it): what older steps granted it must not
+        commit into them. The swap-in step, recorded after this, commits it all."""
+        kept = self.kept.get(request.lease_id)
+        if kept is None:
+            return
+        for index, (step_id, requests, counts) in enumerate(kept):
+            if any(r is request for r in requests):
+                pairs = [(r, c) for r, c in zip(requests, counts, strict=True) if r is not request]
+                kept[index] = (step_id, [r for r, _ in pairs], [c for _, c in pairs])
 
     def forget(self, lease_id: str | None) -> None:
         self.kept.pop(lease_id, None)

@@ -34,6 +34,7 @@ class StepItem:
     cache_salt: str = ""
     append_token_ids: list[int] = field(default_factory=list)
     tenant: str = ""  # a new request's tenant, for its block quota
+    resumed: bool = False  # a new admission after a recompute preemption (counted apart)
 
 
 @dataclass(slots=True)
@@ -101,6 +102,7 @@ class StepResult:
         "copies",
         "swap_out",
         "swap_in",
+        "swapped_in",
         "appended_request_ids",
         "appended_block_ids",
         "appended_indexes",
@@ -113,6 +115,7 @@ class StepResult:
         self.copies: list[BlockCopy] = []
         self.swap_out: list[BlockCopy] = []
         self.swap_in: list[BlockCopy] = []
+        self.swapped_in: list[str] = []  # requests brought back from CPU blocks
         # Decodes (sent as `Decodes`) that reached a block boundary and got one fresh block
         # at table index `appended_indexes[i]`: their grants, in columns.
         self.appended_request_ids: list[str] = []
@@ -349,9 +352,12 @@ def _admit(pool: Pool, item: StepItem, lease_id: str | None, result: StepResult)
     request = pool.requests.get(item.request_id)
     if request is not None:  # swapped out: bring it back
         num_tokens = min(item.num_tokens, len(request.token_ids) - request.num_computed)
-        return pool.swap_in(request, num_tokens, result.swap_in)
+        grant = pool.swap_in(request, num_tokens, result.swap_in)
+        if grant is not None:
+            result.swapped_in.append(request.request_id)
+        return grant
     assert item.prompt_token_ids is not None, "validated: a new request carries its prompt"
     prompt = list(item.prompt_token_ids)
     request = Request(item.request_id, lease_id, pool.root(item.cache_salt), prompt, len(prompt),
                       tenant=item.tenant)
-    return pool.admit(request, item.num_tokens)
+    return pool.admit(request, item.num_tokens, resumed=item.resumed)

@@ -40,6 +40,8 @@ class Harness:
         commits: dict[str, int] | None = None,
         free: list[str] | None = None,
         abort: list[str] | None = None,
+        step_id: int = 0,
+        commit_through: int = 0,
     ) -> StepResult:
         result = self.allocator.step(StepCall(
             self.pool.config.pool_id,
@@ -50,6 +52,8 @@ class Harness:
             commits=[Commit(k, v) for k, v in (commits or {}).items()],
             free_ids=free or [],
             abort_ids=abort or [],
+            step_id=step_id,
+            commit_through=commit_through,
         ))
         self.allocator.check_invariants()
         return result

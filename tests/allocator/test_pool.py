@@ -1,6 +1,6 @@
 """Per-request operations: admission with prefix hits, commit, copy-on-write, swap, free order."""
 
-from allocator_svc.core.step import PreemptionMode
+from allocator_svc.core.step import PreemptionMode, StepItem
 from tests.allocator.conftest import decode, make_harness, new
 
 
@@ -118,3 +118,49 @@ def test_pool_swapped_in_blocks_are_cached_only_after_commit():
     h2.step([decode("b", 3)])
     h2.step([], commits={"b": 9}, free=["b"])
     assert h2.step([new("c", list(range(100, 108)) + [2])]).grants[0].num_cached_tokens == 8
+
+
+def test_pool_prefix_counters_count_each_prompt_once():
+    # vLLM's counting: a request readmitted after a recompute preemption (resumed) looks its
+    # prefix up again, and that lookup is counted apart, not as a second query and hit.
+    harness = make_harness(num_blocks=16)
+    harness.step([new("a", list(range(8)))])
+    harness.step([], commits={"a": 8}, free=["a"])
+    harness.step([new("b", list(range(8)) + [50, 51])])
+    pool = harness.pool
+    assert (pool.num_prefix_queries, pool.num_prefix_hits) == (18, 8)
+    harness.step([], commits={"b": 10}, free=["b"])
+    resumed = StepItem("b", 11, list(range(8)) + [50, 51, 52], "", resumed=True)
+    harness.step([resumed])
+    assert (pool.num_prefix_queries, pool.num_prefix_hits) == (18, 8)
+    assert (pool.num_resumed_prefix_queries, pool.num_resumed_prefix_hits) == (11, 8)
+
+
+def test_pool_prefix_counters_stay_zero_with_caching_off():
+    harness = make_harness(num_blocks=16, caching=False)
+    harness.step([new("a", list(range(8)))])
+    harness.step([], commits={"a": 8}, free=["a"])
+    harness.step([new("b", list(range(8)))])
+    harness.step([StepItem("c", 4, [1, 2, 3, 4], "", resumed=True)])
+    pool = harness.pool
+    assert (pool.num_prefix_queries, pool.num_prefix_hits,
+            pool.num_resumed_prefix_queries, pool.num_resumed_prefix_hits) == (0, 0, 0, 0)
+
+
+def test_pool_numbered_steps_never_commit_older_counts_into_swapped_in_blocks():
+    # Pipelined commits (commit_through): b's first 8 tokens were granted by step 1, then b
+    # was swapped out (step 2) and back in (step 3) to fresh blocks, which its swap-in copies
+    # fill only when step 3's batch runs. Committing through step 2 must not cache them
+    # (a prefix hit would read KV not there yet); committing through step 3 does.
+    h = make_harness(num_blocks=4, block_size=4, num_cpu_blocks=4)
+    h.mode = PreemptionMode.SWAP
+    h.step([new("a", list(range(8))), new("b", list(range(100, 108)))], step_id=1)
+    h.step([decode("a", 1), decode("b", 2)], step_id=2)
+    assert h.pool.requests["b"].swapped
+    h.step([decode("b", 3)], free=["a"], step_id=3)
+    assert not h.pool.requests["b"].swapped
+    h.step([], commit_through=2)
+    assert all(block.block_hash is None for block in h.pool.requests["b"].blocks)
+    assert not h.pool.blocks.by_key  # nothing a prefix lookup could hit
+    h.step([], commit_through=3)
+    assert all(block.block_hash is not None for block in h.pool.requests["b"].blocks[:2])
