@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from pathlib import Path
 
 import structlog
 
 from allocator_svc.core.allocator import Allocator
+from allocator_svc.metrics import AllocatorCollector
 from allocator_svc.service import AllocatorServicer, sweep_leases
 from allocator_svc.settings import AllocatorSettings, parse_settings
 from common.auth import internal_authenticator
 from common.logging import configure_logging
+from common.metrics import MetricsPortError, RpcMetrics, service_registry, start_metrics_server
 from common.server import run_until_signal, start_server
 from pagedkv.allocator.v1 import allocator_pb2
 
@@ -22,29 +25,50 @@ SERVICE_NAME = allocator_pb2.DESCRIPTOR.services_by_name["AllocatorService"].ful
 async def serve(settings: AllocatorSettings) -> None:
     log = structlog.get_logger("allocator_svc")
     allocator = Allocator(settings.limits)
+    rpc_metrics = None
+    metrics_server = None
+    if settings.metrics.enabled:
+        registry = service_registry()
+        registry.register(AllocatorCollector(allocator))
+        rpc_metrics = RpcMetrics(registry)
+        metrics_server = start_metrics_server(registry, settings.host, settings.metrics)
     auth = settings.auth
     server = await start_server(
         [(AllocatorServicer(allocator), SERVICE_NAME)], settings.host, settings.port,
         authenticator=internal_authenticator(auth), credentials=auth.server_credentials(),
+        rpc_metrics=rpc_metrics,
     )
     sweeper = asyncio.create_task(sweep_leases(allocator, settings.lease_check_interval_s))
-    if settings.port_file:
-        Path(settings.port_file).write_text(str(server.port))
-    log.info("server_started", host=settings.host, port=server.port,
-             auth="mutual-tls" if auth.tls else "token" if auth.token else "none (--insecure)")
+
+    def ready() -> None:
+        if metrics_server is not None:
+            metrics_server.write_port_file(settings.metrics.port_file)
+        if settings.port_file:
+            Path(settings.port_file).write_text(str(server.port))
+        log.info("server_started", host=settings.host, port=server.port,
+                 metrics_port=metrics_server.port if metrics_server else None,
+                 auth="mutual-tls" if auth.tls else "token" if auth.token else "none (--insecure)")
 
     async def stop_sweeper() -> None:
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
 
-    await run_until_signal(server, settings.grace_s, on_stop=stop_sweeper)
+    try:
+        await run_until_signal(server, settings.grace_s, on_stop=stop_sweeper, on_ready=ready)
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
 
 
 def main() -> None:
     settings = parse_settings()
     configure_logging("allocator", json=settings.log_json, level=settings.log_level)
-    asyncio.run(serve(settings))
+    try:
+        asyncio.run(serve(settings))
+    except MetricsPortError as exc:
+        structlog.get_logger("allocator_svc").error("allocator_failed_to_start", error=str(exc))
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import TypeAlias
 import grpc
 import structlog
 
-from allocator_svc import convert
+from allocator_svc import convert, request_log
 from allocator_svc.core.allocator import Allocator
 from common.errors import InvalidArgument, NotFound
 from pagedkv.allocator.v1 import allocator_pb2 as pb
@@ -70,13 +70,9 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
 
     async def Step(self, request: pb.StepRequest, context: Ctx) -> pb.StepResponse:
         _require_lease(request.lease_id, "Step")
-        result = self.allocator.step(convert.step_call(request))
-        if result.preempted:
-            log.info(
-                "requests_preempted",
-                pool_id=request.pool_id,
-                request_ids=[p.request_id for p in result.preempted],
-            )
+        call = convert.step_call(request)
+        result = self.allocator.step(call)
+        request_log.step_applied(request.pool_id, call, result)
         pool = self.allocator.pools[request.pool_id]
         return convert.step_response(
             result, pool.blocks.num_free, pool.block_size, request.compact_grants
@@ -91,6 +87,7 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
             _require_lease(request.lease_id, "Free"),
             request.commit_through_step_id,
         )
+        request_log.freed(request.pool_id, request.request_ids)
         return pb.FreeResponse(num_free_blocks=pool.blocks.num_free)
 
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
@@ -98,6 +95,7 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
             request.pool_id, request.epoch, list(request.request_ids),
             _require_lease(request.lease_id, "Abort"),
         )
+        request_log.aborted(request.pool_id, request.request_ids)
         return pb.AbortResponse(num_free_blocks=pool.blocks.num_free)
 
     async def Fork(self, request: pb.ForkRequest, context: Ctx) -> pb.ForkResponse:
@@ -108,6 +106,8 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
             list(request.child_request_ids),
             _require_lease(request.lease_id, "Fork"),
         )
+        request_log.forked(request.pool_id, request.parent_request_id,
+                           list(request.child_request_ids))
         return pb.ForkResponse(child_tables=[convert.child_table(c) for c in children])
 
     async def SwapOut(self, request: pb.SwapOutRequest, context: Ctx) -> pb.SwapOutResponse:
@@ -115,6 +115,7 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
             request.pool_id, request.epoch, request.request_id,
             _require_lease(request.lease_id, "SwapOut"),
         )
+        request_log.swapped_out(request.pool_id, request.request_id, len(copies))
         return pb.SwapOutResponse(swap_out=convert.swap_copies(copies))
 
     async def MatchPrefix(
@@ -174,6 +175,9 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
     async def CreateLease(
         self, request: pb.CreateLeaseRequest, context: Ctx
     ) -> pb.CreateLeaseResponse:
+        # create_lease frees the requests of leases that ran out (a client readmits them under
+        # its new lease): done first here, so that they are logged.
+        request_log.expired(self.allocator.expire_leases())
         lease = self.allocator.create_lease(request.ttl_ms / 1000 if request.ttl_ms else None)
         log.info("lease_created", lease_id=lease.lease_id, ttl_s=lease.ttl_s)
         return pb.CreateLeaseResponse(lease_id=lease.lease_id, ttl_ms=round(lease.ttl_s * 1000))
@@ -199,3 +203,4 @@ async def sweep_leases(allocator: Allocator, interval_s: float) -> None:
         freed = allocator.expire_leases()
         if freed:
             log.warning("lease_expired_requests_freed", num_requests=len(freed))
+            request_log.expired(freed)

@@ -13,6 +13,9 @@ from common.credentials import (
     add_internal_auth_flags,
     internal_auth_from_args,
 )
+from common.metrics import MetricsEndpoint, add_metrics_flags, metrics_endpoint
+
+DEFAULT_METRICS_PORT = 9092
 
 _DEFAULTS = Limits()
 
@@ -28,9 +31,10 @@ class AllocatorSettings:
     grace_s: float
     limits: Limits
     auth: InternalAuth
+    metrics: MetricsEndpoint
 
 
-def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m allocator_svc", description="The pagedkv block-allocator service."
     )
@@ -38,6 +42,7 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
              help="address to bind (0.0.0.0: every interface, for a private network)")
     add_flag(parser, "--port", type=int, default=50052, help="port to bind (0: any free port)")
     add_flag(parser, "--port-file", default=None, help="write the bound port here once serving")
+    add_metrics_flags(parser, DEFAULT_METRICS_PORT)
     add_flag(parser, "--log-json", action="store_true", help="JSON logs (containers)")
     add_flag(parser, "--log-level", default="info", help="debug, info, warning or error")
     add_flag(
@@ -85,6 +90,11 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
     )
     add_flag(parser, "--grace-s", type=float, default=5.0, help="graceful-shutdown grace")
     add_internal_auth_flags(parser)
+    return parser
+
+
+def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for name in (
         "max_blocks_per_pool",
@@ -99,6 +109,10 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.port <= 65535:
         parser.error("--port must be in 0..65535")
+    metrics = metrics_endpoint(args)
+    problem = metrics.problem(args.port)
+    if problem:
+        parser.error(problem)
     if args.max_blocks_per_tenant < 0:
         parser.error("--max-blocks-per-tenant must be >= 0 (0: no quota)")
     if args.default_lease_ttl_ms > args.max_lease_ttl_ms:
@@ -127,4 +141,5 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
         args.grace_s,
         limits,
         auth,
+        metrics,
     )

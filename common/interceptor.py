@@ -7,6 +7,9 @@ authenticates the caller, binds the request id and maps errors to statuses.
   handler runs; the principal is available to the handler as `common.auth.caller()`.
 - Domain exceptions (common.errors) become their precise status with their message; anything
   else is a bug: logged with its traceback and returned as INTERNAL without the stack trace.
+- With RpcMetrics (common.metrics), each call's duration and status code are recorded: 1.6 us
+  a call (the wrapped handler called directly: 1.2 us without, 2.8 with), against a round
+  trip of ~500 us.
 
 Why not a `grpc.aio.ServerInterceptor`: an interceptor runs per call (an awaited
 `intercept_service`, a new handler object) and cost ~30 us a call here; so did a
@@ -17,9 +20,12 @@ runs each call in its own task, with its own copy of the context.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
+import re
 import secrets
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -31,12 +37,28 @@ from google.protobuf.message import DecodeError
 from common.auth import Authenticator, set_caller
 from common.credentials import AUTHORIZATION_KEY
 from common.errors import InvalidArgument, ServiceError
+from common.metrics import MethodMetrics, RpcMetrics
 
 REQUEST_ID_KEY = "x-request-id"
 # A caller's request id is echoed into every log line of the call: bounded.
 MAX_REQUEST_ID_CHARS = 128
 
 log = structlog.get_logger(__name__)
+
+# The gateway names a request's sequences `<namespace>/[<tenant tag>/]<request id>` with
+# `-prefill` / `-<i>` for those of an n > 1 request (gateway/core/seq_ids.py); namespace and
+# tenant tag are 8 hex digits each.
+_GATEWAY_PREFIX = re.compile(r"[0-9a-f]{8}/(?:[0-9a-f]{8}/)?")
+
+
+def client_request_id(seq_id: str) -> str:
+    """A sequence id on the wire less the gateway's namespace and tenant tag: the client's
+    request id (with the sequence's suffix, which cannot be told from an id that ends the
+    same way). Logged as `request_id` beside the whole `seq_id`, so that the id a client
+    sent finds every line about its request in every service."""
+    prefix = _GATEWAY_PREFIX.match(seq_id)
+    return seq_id[prefix.end():] if prefix else seq_id
+
 
 # Ids for calls that bring none: unique per process (the prefix), cheap (a counter).
 _ID_PREFIX = secrets.token_hex(8)
@@ -72,6 +94,16 @@ class _CallStart:
             raise InvalidArgument(f"the request could not be decoded: {exc}") from exc
 
 
+def _status_name(exc: BaseException) -> str:
+    return exc.code.name if isinstance(exc, ServiceError) else grpc.StatusCode.INTERNAL.name
+
+
+def _aborted_name(context: grpc.aio.ServicerContext) -> str:
+    """The status a handler aborted its call with (context.abort)."""
+    code = context.code()
+    return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+
+
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
     if isinstance(exc, ServiceError):
         log.info("rpc_rejected", method=method, code=exc.code.name, error=str(exc))
@@ -82,8 +114,8 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseExcept
     )
 
 
-def _wrap_unary(method: str, start: _CallStart,
-                fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+def _wrap_unary(method: str, start: _CallStart, fn: Callable[..., Awaitable[Any]],
+                metrics: MethodMetrics | None) -> Callable[..., Awaitable[Any]]:
     async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await fn(start(raw, context), context)
@@ -92,12 +124,34 @@ def _wrap_unary(method: str, start: _CallStart,
         except Exception as exc:  # noqa: BLE001 - the one place that maps every error
             await _abort(context, method, exc)
 
-    return handler
+    if metrics is None:
+        return handler
+
+    async def measured(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        began = time.perf_counter()
+        code = "OK"
+        try:
+            return await fn(start(raw, context), context)
+        except grpc.aio.AbortError:
+            code = _aborted_name(context)
+            raise
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except Exception as exc:  # noqa: BLE001 - the one place that maps every error
+            code = _status_name(exc)
+            await _abort(context, method, exc)
+        finally:
+            metrics.observe(code, time.perf_counter() - began)
+
+    return measured
 
 
-def _wrap_stream(method: str, start: _CallStart,
-                 fn: Callable[..., AsyncGenerator[Any, None]]) -> Callable[..., Any]:
+def _wrap_stream(method: str, start: _CallStart, fn: Callable[..., AsyncGenerator[Any, None]],
+                 metrics: MethodMetrics | None) -> Callable[..., Any]:
     async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        began = time.perf_counter()
+        code = "OK"
         try:
             request = start(raw, context)
             # aclosing: closing this generator (a client gone) closes the handler's at once,
@@ -106,9 +160,17 @@ def _wrap_stream(method: str, start: _CallStart,
                 async for item in items:
                     yield item
         except grpc.aio.AbortError:
+            code = _aborted_name(context)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            code = "CANCELLED"
             raise
         except Exception as exc:  # noqa: BLE001
+            code = _status_name(exc)
             await _abort(context, method, exc)
+        finally:
+            if metrics is not None:
+                metrics.observe(code, time.perf_counter() - began)
 
     return handler
 
@@ -118,10 +180,11 @@ def _serialize(message: Any) -> bytes:
 
 
 def guarded_handler(
-    servicer: object, service_name: str, authenticator: Authenticator | None = None
+    servicer: object, service_name: str, authenticator: Authenticator | None = None,
+    metrics: RpcMetrics | None = None,
 ) -> grpc.GenericRpcHandler:
     """The servicer's methods (named by the service's descriptor), each wrapped, as one
-    handler to add to a server."""
+    handler to add to a server; with `metrics`, each call's duration and status recorded."""
     service = descriptor_pool.Default().FindServiceByName(service_name)
     handlers = {}
     for method in service.methods:
@@ -130,10 +193,11 @@ def guarded_handler(
         start = _CallStart(parse, authenticator)
         path = f"/{service.full_name}/{method.name}"
         fn = getattr(servicer, method.name)
+        measure = None if metrics is None else metrics.method(service.full_name, method.name)
         if method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(path, start, fn), response_serializer=_serialize)
+                _wrap_stream(path, start, fn, measure), response_serializer=_serialize)
         else:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(path, start, fn), response_serializer=_serialize)
+                _wrap_unary(path, start, fn, measure), response_serializer=_serialize)
     return grpc.method_handlers_generic_handler(service.full_name, handlers)

@@ -2,9 +2,9 @@
 
 Standard gRPC health service (always open: probes carry no credentials), reflection (names
 from the descriptors; only on a server without authentication, since it is an RPC like any
-other), guarded handlers (parsing, authentication, request ids, error statuses:
-common.interceptor), plaintext or TLS, a bound port (0 picks a free one: tests), and
-graceful shutdown on SIGTERM/SIGINT.
+other), guarded handlers (parsing, authentication, request ids, error statuses, per-RPC
+metrics when asked: common.interceptor), plaintext or TLS, a bound port (0 picks a free one:
+tests), and graceful shutdown on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common.auth import Authenticator
 from common.interceptor import guarded_handler
+from common.metrics import RpcMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -58,11 +59,12 @@ class Server:
 async def start_server(
     registrations: Sequence[Registration], host: str, port: int, serving: bool = True,
     *, authenticator: Authenticator | None = None, credentials: Any = None,
-    max_receive_bytes: int = MAX_MESSAGE_BYTES,
+    max_receive_bytes: int = MAX_MESSAGE_BYTES, rpc_metrics: RpcMetrics | None = None,
 ) -> Server:
     """Build, bind and start the server; health says SERVING unless `serving` is False.
     `authenticator` checks every call of the registered services; `credentials`
-    (grpc.ServerCredentials) serves TLS instead of plaintext."""
+    (grpc.ServerCredentials) serves TLS instead of plaintext; `rpc_metrics` records each
+    call's duration and status (health and reflection are not counted)."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -72,7 +74,8 @@ async def start_server(
     )
     names = []
     for servicer, name in registrations:
-        server.add_generic_rpc_handlers((guarded_handler(servicer, name, authenticator),))
+        handler = guarded_handler(servicer, name, authenticator, rpc_metrics)
+        server.add_generic_rpc_handlers((handler,))
         names.append(name)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -104,13 +107,18 @@ async def start_server(
 
 
 async def run_until_signal(
-    server: Server, grace: float = 5.0, on_stop: Callable[[], Awaitable[None]] | None = None
+    server: Server, grace: float = 5.0, on_stop: Callable[[], Awaitable[None]] | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> None:
-    """Serve until SIGTERM or SIGINT, then stop gracefully (health NOT_SERVING first)."""
+    """Serve until SIGTERM or SIGINT, then stop gracefully (health NOT_SERVING first).
+    `on_ready` runs once the signals stop it gracefully: write port files there, so that a
+    caller that signals as soon as it reads one never kills the process outright."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if on_ready is not None:
+        on_ready()
     await stop.wait()
     log.info("server_stopping", grace_s=grace)
     if on_stop is not None:

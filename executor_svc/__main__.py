@@ -1,7 +1,8 @@
 """`python -m executor_svc`: load the model, size the KV cache, serve until SIGTERM.
 
 With `--port 0` the bound port is logged (`server_started port=...`) and, with `--port-file`,
-written to that file once the server accepts calls (written whole, then renamed).
+written to that file once the server accepts calls (written whole, then renamed); the same for
+the metrics port (`--metrics-port`, `--metrics-port-file`), bound once the model is loaded.
 
 torch, grpc and transformers are imported only after malloc is tuned (malloc_tuning.py): they
 start threads, and a thread that allocates before the tuning keeps an arena of its own.
@@ -32,33 +33,50 @@ def write_port_file(path: str, port: int) -> None:
 
 async def serve(settings: ExecutorSettings) -> None:
     from common.auth import internal_authenticator
+    from common.metrics import RpcMetrics, service_registry, start_metrics_server
     from common.server import run_until_signal, start_server
     from executor_svc.compute_thread import compute_thread
     from executor_svc.runner import build_runner
-    from executor_svc.service import registration
+    from executor_svc.service import StepMetrics, registration
 
     worker = compute_thread()
     runner = await asyncio.get_running_loop().run_in_executor(worker, build_runner, settings)
+    step_metrics = rpc_metrics = metrics_server = None
+    if settings.metrics.enabled:
+        registry = service_registry()
+        step_metrics, rpc_metrics = StepMetrics(registry, runner), RpcMetrics(registry)
+        metrics_server = start_metrics_server(registry, settings.host, settings.metrics)
     auth = settings.auth
     server = await start_server(
-        [registration(runner, worker)], settings.host, settings.port,
+        [registration(runner, worker, step_metrics)], settings.host, settings.port,
         authenticator=internal_authenticator(auth), credentials=auth.server_credentials(),
+        rpc_metrics=rpc_metrics,
     )
-    if settings.port_file:
-        write_port_file(settings.port_file, server.port)
     info = runner.info
-    log.info(
-        "server_started",
-        host=settings.host,
-        port=server.port,
-        model=info.model_name,
-        backend=info.backend,
-        device=info.device,
-        num_blocks=info.num_blocks,
-        instance_id=info.instance_id,
-        auth="mutual-tls" if auth.tls else "token" if auth.token else "none (--insecure)",
-    )
-    await run_until_signal(server)
+
+    def ready() -> None:  # once SIGTERM stops it gracefully: whoever reads a port may signal
+        if metrics_server is not None:
+            metrics_server.write_port_file(settings.metrics.port_file)
+        if settings.port_file:
+            write_port_file(settings.port_file, server.port)
+        log.info(
+            "server_started",
+            host=settings.host,
+            port=server.port,
+            metrics_port=metrics_server.port if metrics_server else None,
+            model=info.model_name,
+            backend=info.backend,
+            device=info.device,
+            num_blocks=info.num_blocks,
+            instance_id=info.instance_id,
+            auth="mutual-tls" if auth.tls else "token" if auth.token else "none (--insecure)",
+        )
+
+    try:
+        await run_until_signal(server, on_ready=ready)
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,11 +92,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging("executor", json=settings.log_json, level=settings.log_level)
     log.info("malloc_settings", tuned=malloc_tuned, requested=settings.tune_malloc,
              skipped="cuda" if settings.tune_malloc and settings.on_cuda else None)
+    from common.metrics import MetricsPortError
     from executor_svc.model_loader import ModelLoadError
 
     try:
         asyncio.run(serve(settings))
-    except (SettingsError, ModelLoadError) as exc:
+    except (SettingsError, ModelLoadError, MetricsPortError) as exc:
         log.error("executor_failed_to_start", error=str(exc))
         return 2
     return 0

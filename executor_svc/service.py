@@ -8,37 +8,135 @@ waits in the worker's queue: the worker starts it the moment the one before ends
 through the event loop. A step naming a `previous_step_id` not taken yet waits for it first,
 and is refused if it never comes (step_order.py). Domain exceptions raised by the runner
 reach common.interceptor, which maps them to their status codes.
+
+A request's lifecycle is logged here, each line naming it (`seq_id` on the wire, the
+client's `request_id`: common.interceptor.client_request_id): started (its first step),
+released, idle-released. Steps record their metrics (StepMetrics) from the StepResult.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from common.errors import FailedPrecondition, InvalidArgument
+from common.interceptor import client_request_id
 from common.server import Registration
 from executor_svc import convert
 from executor_svc.compute_thread import compute_thread
 from executor_svc.runner import ModelRunner
+from executor_svc.step import SequenceWork, StepRequest, StepResult
 from executor_svc.step_order import ORDER_WAIT_S, StepOrder
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
 T = TypeVar("T")
+log = structlog.get_logger(__name__)
+
+# From 1 ms (a small decode on GPU) to 10 s (a long prefill on CPU).
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+                0.75, 1.0, 2.5, 5.0, 10.0)
+SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class StepMetrics:
+    """What Execute records per step: about 6 us (five observations, three increments)."""
+
+    def __init__(self, registry: CollectorRegistry, runner: ModelRunner) -> None:
+        def histogram(name: str, text: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, text, registry=registry, buckets=buckets)
+
+        self.forward = histogram("pagedkv_executor_forward_seconds",
+                                 "A step's forward pass (with its releases, copies, swaps)",
+                                 STEP_BUCKETS)
+        self.sample = histogram("pagedkv_executor_sample_seconds", "A step's sampling",
+                                STEP_BUCKETS)
+        self.step = histogram("pagedkv_executor_step_seconds",
+                              "A step's compute: forward pass and sampling", STEP_BUCKETS)
+        self.sequences = histogram("pagedkv_executor_batch_sequences",
+                                   "Sequences in a step", SEQ_BUCKETS)
+        self.tokens = histogram("pagedkv_executor_batch_tokens",
+                                "Tokens computed in a step", TOKEN_BUCKETS)
+        self.steps = Counter("pagedkv_executor_steps", "Execute steps run", registry=registry)
+        self.computed = Counter("pagedkv_executor_tokens", "Tokens computed (prompt and "
+                                "decode)", registry=registry)
+        self.sampled = Counter("pagedkv_executor_sampled_tokens", "Tokens sampled",
+                               registry=registry)
+        self.started = Counter("pagedkv_executor_requests_started",
+                               "Requests whose first step ran here", registry=registry)
+        released = Counter("pagedkv_executor_requests_released",
+                           "Requests dropped: released by the caller, or idle too long",
+                           ["reason"], registry=registry)
+        self.released, self.idle_released = released.labels("released"), released.labels("idle")
+        registry.register(_RunnerCollector(runner))
+
+    def observe(self, num_seqs: int, result: StepResult) -> None:
+        self.steps.inc()
+        if not num_seqs:  # releases or copies only: no batch
+            return
+        timings = result.timings
+        self.forward.observe(timings.forward_ms / 1000)
+        self.sample.observe(timings.sample_ms / 1000)
+        self.step.observe(timings.total_ms / 1000)
+        self.sequences.observe(num_seqs)
+        self.tokens.observe(result.num_tokens)
+        self.computed.inc(result.num_tokens)
+        self.sampled.inc(len(result.tokens))
+
+
+class _RunnerCollector(Collector):
+    """Read at scrape time, in the metrics thread: lengths and constants only."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def collect(self) -> Iterator[Metric]:
+        info = self.runner.info
+        yield GaugeMetricFamily("pagedkv_executor_requests", "Requests held (KV state kept)",
+                                value=len(self.runner.requests))
+        yield GaugeMetricFamily("pagedkv_executor_kv_blocks", "KV blocks on the device",
+                                value=info.num_blocks)
+        yield GaugeMetricFamily("pagedkv_executor_cpu_kv_blocks", "KV blocks for swap, on CPU",
+                                value=info.num_cpu_blocks)
+        labels = {"model": info.model_name, "backend": info.backend, "device": info.device,
+                  "dtype": info.dtype, "instance_id": info.instance_id}
+        metric = GaugeMetricFamily("pagedkv_executor_info", "This executor (value 1)",
+                                   labels=list(labels))
+        metric.add_metric(list(labels.values()), 1)
+        yield metric
+
+
+@dataclass(slots=True)
+class _Executed:
+    result: StepResult
+    released: list[str]  # held requests the step released
+
+
+def _ids(seq_id: str) -> dict[str, str]:
+    return {"seq_id": seq_id, "request_id": client_request_id(seq_id)}
 
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
-    def __init__(self, runner: ModelRunner, worker: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, runner: ModelRunner, worker: ThreadPoolExecutor | None = None,
+                 metrics: StepMetrics | None = None) -> None:
         self._runner = runner
         # One thread: the runner is not thread-safe, and its queue keeps the order.
         self._worker = worker or compute_thread()
         self._order = StepOrder()
+        self._metrics = metrics
 
     async def Describe(  # noqa: N802 - gRPC method name
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
@@ -60,16 +158,72 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                 )
             # A cancelled RPC (client gone) drops its step if it has not started; one that has
             # runs to its end, before anything queued behind it.
-            result = self._in_worker(self._runner.execute, step)
+            executed = self._in_worker(self._execute, step)
         finally:
             self._order.take(request.step_id)  # queued, refused or given up: the next goes on
-        return convert.result_to_proto(await result, len(request.decode_request_ids))
+        done = await executed
+        num_compact = len(request.decode_request_ids)
+        self._log_step(request.step_id, step, num_compact, done)
+        if self._metrics is not None:
+            self._metrics.observe(len(step.seqs), done.result)
+        return convert.result_to_proto(done.result, num_compact)
 
     async def Release(  # noqa: N802
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
-        num_released = await self._in_worker(self._runner.release, tuple(request.request_ids))
-        return pb.ReleaseResponse(num_released=num_released)
+        released = await self._in_worker(self._release, tuple(request.request_ids))
+        self._log_released(released)
+        return pb.ReleaseResponse(num_released=len(released))
+
+    # In the worker: the runner's state is read there, between steps.
+    def _execute(self, step: StepRequest) -> _Executed:
+        runner = self._runner
+        held = runner.requests
+        released = [r for r in step.release_request_ids if r in held]
+        # NOTE: the runner drops idle requests itself, at most every idle_release_s / 10, and
+        # says how many, not which: the held ids are compared only on a step that checks.
+        checks_idle = runner.idle_release_s and runner.clock() >= runner.next_idle_check
+        before = set(held) if checks_idle else None
+        try:
+            return _Executed(runner.execute(step), released)
+        finally:  # the idle ones are gone even when the step is then refused
+            if before is not None:
+                self._log_idle(before - held.keys() - set(released))
+
+    def _release(self, request_ids: tuple[str, ...]) -> list[str]:
+        held = [r for r in dict.fromkeys(request_ids) if r in self._runner.requests]
+        self._runner.release(request_ids)
+        return held
+
+    # Logs and counts.
+    def _log_step(self, step_id: int, step: StepRequest, num_compact: int,
+                  done: _Executed) -> None:
+        self._log_released(done.released)
+        # First steps carry sampling params; compact decodes never do.
+        started = [w for w in step.seqs[num_compact:] if w.sampling is not None]
+        self._log_started(started)
+        if step.seqs and log.is_enabled_for(logging.DEBUG):  # one line a step, not a request
+            log.debug("batch_executed", step_id=step_id, num_tokens=done.result.num_tokens,
+                      seq_ids=[w.request_id for w in step.seqs])
+
+    def _log_started(self, started: list[SequenceWork]) -> None:
+        for work in started:
+            log.info("request_started", start_position=work.start_position,
+                     num_tokens=len(work.token_ids), **_ids(work.request_id))
+        if started and self._metrics is not None:
+            self._metrics.started.inc(len(started))
+
+    def _log_released(self, released: list[str]) -> None:
+        for seq_id in released:
+            log.info("request_released", **_ids(seq_id))
+        if released and self._metrics is not None:
+            self._metrics.released.inc(len(released))
+
+    def _log_idle(self, idle: set[str]) -> None:
+        for seq_id in sorted(idle):
+            log.info("request_idle_released", **_ids(seq_id))
+        if idle and self._metrics is not None:
+            self._metrics.idle_released.inc(len(idle))
 
     def _in_worker(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Queue `fn(*args)` for the worker, in the caller's context (its log bindings)."""
@@ -77,7 +231,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return asyncio.get_running_loop().run_in_executor(self._worker, context.run, fn, *args)
 
 
-def registration(runner: ModelRunner, worker: ThreadPoolExecutor | None = None) -> Registration:
-    """`worker`: the thread that built `runner` (compute_thread.py); None: a new one."""
-    servicer = ExecutorServicer(runner, worker)
+def registration(runner: ModelRunner, worker: ThreadPoolExecutor | None = None,
+                 metrics: StepMetrics | None = None) -> Registration:
+    """`worker`: the thread that built `runner` (compute_thread.py); None: a new one.
+    `metrics`: where steps are recorded (None: nowhere)."""
+    servicer = ExecutorServicer(runner, worker, metrics)
     return (servicer, SERVICE_NAME)

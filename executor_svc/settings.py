@@ -18,10 +18,14 @@ from common.credentials import (
     add_internal_auth_flags,
     internal_auth_from_args,
 )
+from common.metrics import MetricsEndpoint, add_metrics_flags, metrics_endpoint
 from common.model_dirs import DEFAULT_MODEL as EMBEDDED_MODEL
 from common.model_dirs import missing_model_message
 
 DEFAULT_PORT = 50053
+# Executors on one host each need their own (the launcher passes them); the default is
+# given up with a warning when taken (common.metrics).
+DEFAULT_METRICS_PORT = 9093
 BACKENDS = ("auto", "cpu", "torch", "flashinfer")
 DEFAULT_MODEL = str(EMBEDDED_MODEL)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -70,6 +74,7 @@ class ExecutorSettings:
     idle_release_s: float = 600.0  # a request no step used this long is dropped (0: never)
     log_json: bool = False
     log_level: str = "info"
+    metrics: MetricsEndpoint = MetricsEndpoint(DEFAULT_METRICS_PORT, required=False)
 
     @property
     def on_cuda(self) -> bool:
@@ -127,6 +132,8 @@ class ExecutorSettings:
             ),
             (Path(self.model).is_dir(), missing_model_message("--model", self.model)),
         ]
+        problem = self.metrics.problem(self.port)
+        checks.append((problem is None, problem or ""))
         for ok, message in checks:
             if not ok:
                 raise SettingsError(message)
@@ -142,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--host", default=d.host, help="interface to bind")
     add_flag(p, "--port", type=int, default=d.port, help="port to bind; 0 picks a free one")
     add_flag(p, "--port-file", default=None, help="write the bound port here once serving")
+    add_metrics_flags(p, DEFAULT_METRICS_PORT)
     add_flag(p, "--model", default=d.model, help="model directory (config.json, safetensors)")
     add_flag(p, "--load-format", default=d.load_format, choices=["auto", "dummy"], help="weights")
     add_flag(p, "--seed", type=int, default=d.seed, help="seed for dummy weights and sampling")
@@ -196,7 +204,10 @@ def parse_settings(argv: Sequence[str] | None = None) -> ExecutorSettings:
         auth = internal_auth_from_args(args)
     except CredentialsError as exc:
         raise SettingsError(str(exc)) from exc
+    metrics = metrics_endpoint(args)
     values = vars(args)
-    for name in ("internal_token_file", "tls_cert", "tls_key", "tls_ca", "insecure"):
+    for name in ("internal_token_file", "tls_cert", "tls_key", "tls_ca", "insecure",
+                 "metrics_port", "metrics_port_file"):
         del values[name]
-    return ExecutorSettings(**values, auth=auth).validate()
+    values.pop("metrics_port_set", None)
+    return ExecutorSettings(**values, auth=auth, metrics=metrics).validate()

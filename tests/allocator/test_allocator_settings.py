@@ -14,6 +14,11 @@ from allocator_svc.settings import parse_settings
     (["--max-lease-ttl-ms", "0"], "--max-lease-ttl-ms must be >= 1"),
     (["--default-lease-ttl-ms", "700000"], "--default-lease-ttl-ms must be <= --max-lease-ttl"),
     (["--port", "70000"], "--port must be in 0..65535"),
+    (["--metrics-port", "70000"], "--metrics-port must be in -1..65535 (0: any free port, "
+                                  "-1: off), not 70000"),
+    (["--metrics-port", "-2"], "--metrics-port must be in -1..65535"),
+    (["--metrics-port", "50052"], "--metrics-port 50052 is the gRPC --port too"),
+    (["--metrics-port", "nine"], "argument --metrics-port: invalid int value: 'nine'"),
 ])
 def test_a_bad_flag_is_a_usage_error_naming_it(argv: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
@@ -34,3 +39,22 @@ def test_credentials_are_required_and_bounds_reach_the_limits(
     assert settings.auth.token == "a-token-of-enough-characters"
     assert (settings.limits.max_blocks_per_tenant, settings.limits.max_lease_ttl_s) == (64, 60.0)
     assert settings.host == "127.0.0.1"
+
+
+def test_metrics_port_default_is_best_effort_and_a_port_asked_for_is_required(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 9092 unless told; by flag or environment variable it must be bound (common.metrics).
+    monkeypatch.delenv("PAGEDKV_METRICS_PORT", raising=False)
+    default = parse_settings(["--insecure"]).metrics
+    assert (default.port, default.required, default.port_file) == (9092, False, None)
+    flag = parse_settings(["--insecure", "--metrics-port", "0", "--metrics-port-file", "f"])
+    assert (flag.metrics.port, flag.metrics.required, flag.metrics.port_file) == (0, True, "f")
+    monkeypatch.setenv("PAGEDKV_METRICS_PORT", "-1")
+    off = parse_settings(["--insecure"]).metrics
+    assert (off.enabled, off.required) == (False, True)
+    monkeypatch.setenv("PAGEDKV_METRICS_PORT", "70000")
+    with pytest.raises(SystemExit) as info:
+        parse_settings(["--insecure"])
+    assert info.value.code == 2 and "--metrics-port must be in -1..65535" in (
+        capsys.readouterr().err)

@@ -68,3 +68,29 @@ def test_settings_tune_malloc_is_on_by_default_and_takes_only_a_boolean(
     with pytest.raises(SystemExit) as info:
         parse_settings(["--tune-malloc", "sometimes"])
     assert info.value.code == 2 and "--tune-malloc" in capsys.readouterr().err
+
+
+def test_settings_metrics_port_defaults_off_any_and_validation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 9093 by default (given up with a warning when taken); a port set by flag or
+    # environment is required; -1 is off, 0 any free port; out of range or the gRPC port:
+    # an error naming the flag.
+    monkeypatch.delenv("PAGEDKV_METRICS_PORT", raising=False)
+    default = parse_settings([]).metrics
+    assert (default.port, default.required, default.enabled) == (9093, False, True)
+    explicit = parse_settings(["--metrics-port", "0", "--metrics-port-file", "/tmp/m"]).metrics
+    assert (explicit.port, explicit.required, explicit.port_file) == (0, True, "/tmp/m")
+    assert not parse_settings(["--metrics-port", "-1"]).metrics.enabled
+    for argv, message in [
+        (["--metrics-port", "70000"], "--metrics-port must be in -1..65535"),
+        (["--metrics-port", "50053"], "--metrics-port 50053 is the gRPC --port too"),
+    ]:
+        with pytest.raises(SettingsError, match=message):
+            parse_settings(argv)
+    monkeypatch.setenv("PAGEDKV_METRICS_PORT", "9100")
+    from_env = parse_settings([]).metrics
+    assert (from_env.port, from_env.required) == (9100, True)
+    monkeypatch.setenv("PAGEDKV_METRICS_PORT", "-5")
+    with pytest.raises(SettingsError, match="--metrics-port must be in -1..65535"):
+        parse_settings([])
