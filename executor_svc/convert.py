@@ -7,6 +7,7 @@ from executor_svc.runner import ExecutorInfo
 from executor_svc.step import (
     BlockCopy,
     BlockTableDelta,
+    SampledToken,
     SamplingParams,
     SequenceWork,
     StepRequest,
@@ -21,6 +22,16 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         top_p=msg.top_p if msg.top_p != 0.0 else 1.0,  # the contract reads 0 as 1
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
+        min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        # 0 (unset) is read as 1 (off)
+        repetition_penalty=msg.repetition_penalty if msg.repetition_penalty != 0.0 else 1.0,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        min_tokens=msg.min_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        num_prompt_tokens=msg.num_prompt_tokens,
+        top_logprobs=msg.top_logprobs,
     )
 
 
@@ -39,6 +50,7 @@ def sequence_from_proto(msg: pb.SequenceWork) -> SequenceWork:
         sampling=sampling_from_proto(msg.sampling) if msg.HasField("sampling") else None,
         sample=msg.sample,
         use_sampled_token=msg.use_sampled_token,
+        history_token_ids=tuple(msg.history_token_ids),
     )
 
 
@@ -81,16 +93,26 @@ def step_from_proto(msg: pb.ExecuteRequest) -> StepRequest:
     )
 
 
+def _top(token: SampledToken) -> list[pb.TopLogprob]:
+    return [pb.TopLogprob(token_id=t, logprob=lp) for t, lp in token.top_logprobs]
+
+
 def result_to_proto(result: StepResult, num_compact_decodes: int = 0) -> pb.ExecuteResponse:
     """`num_compact_decodes`: the request's compact decodes, which sampled first, in order."""
     compact, rest = result.tokens[:num_compact_decodes], result.tokens[num_compact_decodes:]
+    # The compact decodes' top logprobs as columns, only when one of them has any.
+    tops = [t.top_logprobs for t in compact if t.top_logprobs]
     return pb.ExecuteResponse(
         tokens=[
-            pb.SampledToken(request_id=t.request_id, token_id=t.token_id, logprob=t.logprob)
+            pb.SampledToken(request_id=t.request_id, token_id=t.token_id, logprob=t.logprob,
+                            top_logprobs=_top(t))
             for t in rest
         ],
         decode_sampled_token_ids=[t.token_id for t in compact],
         decode_logprobs=[t.logprob for t in compact],
+        decode_num_top_logprobs=[len(t.top_logprobs) for t in compact] if tops else [],
+        decode_top_token_ids=[token_id for top in tops for token_id, _ in top],
+        decode_top_logprobs=[logprob for top in tops for _, logprob in top],
         timings=pb.Timings(
             forward_ms=result.timings.forward_ms,
             sample_ms=result.timings.sample_ms,

@@ -7,13 +7,14 @@ a rejected Execute leaves every request, block table and KV block as it was.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from common.errors import FailedPrecondition, InvalidArgument, NotFound
+from executor_svc.logits_processor import LogitsProcessor
+from executor_svc.sampling_checks import check_history, check_sampling
 from executor_svc.step import (
     BlockCopy,
     BlockTableDelta,
@@ -36,6 +37,9 @@ class RequestState:
     # uses it: what a use_sampled_token row stands for. None when the last step sampled none.
     sampled_token: int | None = None
     last_used: float = 0.0  # when a step last computed tokens for it (ModelRunner's clock)
+    # min_tokens, logit_bias, penalties and the token history they read; None (most
+    # requests) when the request uses none of them.
+    processor: LogitsProcessor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,17 +69,6 @@ class PlannedSeq:
 class StepPlan:
     release_request_ids: tuple[str, ...]  # held requests to drop (unknown ids are ignored)
     seqs: tuple[PlannedSeq, ...]
-
-
-def check_sampling(params: SamplingParams) -> None:
-    if not (math.isfinite(params.temperature) and params.temperature >= 0.0):
-        raise InvalidArgument(
-            f"temperature {params.temperature} is out of range: use 0 (greedy) or a positive value"
-        )
-    if not (math.isfinite(params.top_p) and 0.0 < params.top_p <= 1.0):
-        raise InvalidArgument(f"top_p {params.top_p} is out of range: use a value in (0, 1]")
-    if params.top_k < 0:
-        raise InvalidArgument(f"top_k {params.top_k} is out of range: use 0 (off) or a positive k")
 
 
 def _check_copies(name: str, copies: tuple[BlockCopy, ...], num_src: int, num_dst: int) -> None:
@@ -118,7 +111,10 @@ def _plan_seq(work: SequenceWork, held: RequestState | None, limits: Limits) -> 
             f"request {rid!r} is already held: send sampling params only on its first step"
         )
     if work.sampling is not None:
-        check_sampling(work.sampling)
+        try:
+            check_sampling(work.sampling, limits.vocab_size, limits.max_model_len)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"request {rid!r}: sampling {exc}") from None
     if not work.token_ids:
         raise InvalidArgument(f"request {rid!r}: token_ids is empty; send at least one token")
     token_ids = work.token_ids
@@ -129,6 +125,8 @@ def _plan_seq(work: SequenceWork, held: RequestState | None, limits: Limits) -> 
         raise InvalidArgument(
             f"request {rid!r}: token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})"
         )
+    if work.sampling is not None or work.history_token_ids:
+        check_history(work, limits.vocab_size)
     expected = held.num_tokens if held is not None else None
     if expected is not None and work.start_position != expected:
         raise InvalidArgument(

@@ -20,12 +20,13 @@ import torch
 
 from executor_svc.attention import AttentionBackend, SeqSpan, StepMetadata, make_backend
 from executor_svc.kv_cache import KVCache, KVCacheSpec
+from executor_svc.logits_processor import LogitsProcessor
 from executor_svc.memory import count_blocks, forward_once
 from executor_svc.model_loader import LoadedModel, dtype_name, load_model
 from executor_svc.plan import Limits, PlannedSeq, RequestState, plan_step
 from executor_svc.sampler import Sampler, new_generator
 from executor_svc.settings import ExecutorSettings, SettingsError
-from executor_svc.step import SampledToken, StepRequest, StepResult, Timings
+from executor_svc.step import SampledToken, SequenceWork, StepRequest, StepResult, Timings
 
 log = structlog.get_logger(__name__)
 
@@ -200,26 +201,44 @@ class ModelRunner:
                     generator=None if seed is None else new_generator(seed, self.loaded.device),
                     block_table=[],
                     num_tokens=0,
+                    processor=self._processor(work),
                 )
                 self.requests[work.request_id] = state
             assert state is not None, f"planned request {work.request_id} vanished"
             state.block_table = list(planned.block_table)
             state.num_tokens = work.start_position + len(planned.token_ids)
+            if state.processor is not None:
+                state.processor.append(planned.token_ids, work.start_position, work.sample)
             state.sampled_token = None  # used, or overtaken by these tokens
             state.last_used = now
+
+    def _processor(self, work: SequenceWork) -> LogitsProcessor | None:
+        """A new request's processor, with the tokens before its first step in its history."""
+        assert work.sampling is not None, "only a new request gets a processor"
+        processor = LogitsProcessor.create(
+            work.sampling, self.loaded.vocab_size, self.loaded.device
+        )
+        if processor is not None and work.history_token_ids:
+            processor.append(work.history_token_ids, 0, sample=False)
+        return processor
 
     def _sample(
         self, request_ids: tuple[str, ...], logits: torch.Tensor
     ) -> tuple[SampledToken, ...]:
         states = [self.requests[rid] for rid in request_ids]
-        token_ids, logprobs = self.sampler.sample(
-            logits, [s.sampling for s in states], [s.generator for s in states]
+        samples = self.sampler.sample(
+            logits,
+            [s.sampling for s in states],
+            [s.generator for s in states],
+            [s.processor for s in states],
         )
-        for state, token_id in zip(states, token_ids, strict=True):
+        for state, token_id in zip(states, samples.token_ids, strict=True):
             state.sampled_token = token_id  # a use_sampled_token row in the next step uses it
         return tuple(
-            SampledToken(s.request_id, t, lp)
-            for s, t, lp in zip(states, token_ids, logprobs, strict=True)
+            SampledToken(s.request_id, t, lp, top)
+            for s, t, lp, top in zip(
+                states, samples.token_ids, samples.logprobs, samples.top_logprobs, strict=True
+            )
         )
 
 

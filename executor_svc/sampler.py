@@ -1,7 +1,11 @@
-"""Per-request sampling: greedy, temperature, top-k, top-p, seeded generators.
+"""Per-request sampling: greedy, temperature, min-p, top-k, top-p, seeded generators.
 
-The reported log-probability is the sampled token's under the model's raw distribution
-(log-softmax of the logits before temperature, top-k and top-p), as vLLM reports by default.
+A row's logits go through, in vLLM V1's order: its LogitsProcessor (min_tokens, logit_bias,
+penalties; only requests that use them have one), then, unless greedy, temperature, min_p,
+top_k and top_p. Greedy takes the argmax after the processor.
+
+The reported log-probability (and the top log-probabilities) are the raw distribution's: the
+log-softmax of the logits before any processing, as vLLM reports by default.
 A request with a seed samples from its own generator, so the same seed and the same logits
 reproduce the same tokens; the others share the executor's generator (seeded by --seed).
 """
@@ -9,10 +13,19 @@ reproduce the same tokens; the others share the executor's generator (seeded by 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from executor_svc.logits_processor import LogitsProcessor
 from executor_svc.step import SamplingParams
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    if min_p <= 0.0:
+        return logits
+    probs = torch.softmax(logits, dim=-1)  # [V]
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))  # [V]
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -57,6 +70,57 @@ def new_generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
 
 
+@dataclass(frozen=True, slots=True)
+class Samples:
+    """One entry per row of logits."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # raw log-softmax of each sampled token
+    # SamplingParams.top_logprobs (token id, logprob) pairs per row, most likely first.
+    top_logprobs: list[tuple[tuple[int, float], ...]]
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # [V] -> [V]
+    """A row that does not sample greedily: temperature, then min_p, top_k, top_p (-inf out)."""
+    scaled = _apply_min_p(logits / params.temperature, params.min_p)  # [V]
+    return _apply_top_p(_apply_top_k(scaled, params.top_k), params.top_p)  # [V]
+
+
+def _draw(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> torch.Tensor:  # [V] -> scalar
+    probs = torch.softmax(warp(logits, params), dim=-1)  # [V]
+    return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def top_logprobs(
+    logprobs: torch.Tensor, params: Sequence[SamplingParams]
+) -> list[tuple[tuple[int, float], ...]]:  # [S, V] -> S tuples of (token id, logprob)
+    counts = [p.top_logprobs for p in params]
+    out: list[tuple[tuple[int, float], ...]] = [()] * len(counts)
+    rows = [row for row, k in enumerate(counts) if k]
+    if not rows:
+        return out
+    k = min(max(counts), logprobs.shape[-1])
+    values, ids = torch.topk(logprobs[rows], k, dim=-1)  # [R, k], [R, k]
+    for row, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
+        n = counts[row]
+        out[row] = tuple(zip(row_ids[:n], row_values[:n], strict=True))
+    return out
+
+
+def _edited_rows(
+    logits: torch.Tensor, processors: Sequence[LogitsProcessor | None]
+) -> dict[int, torch.Tensor]:  # [S, V] -> row -> [V]
+    """The rows that have a processor, each processed in a copy (the raw rows stay)."""
+    edited: dict[int, torch.Tensor] = {}
+    for row, processor in enumerate(processors):
+        if processor is not None:
+            edited[row] = logits[row].clone()
+            processor.apply(edited[row])
+    return edited
+
+
 class Sampler:
     """Samples one token per row of logits; state is only the shared fallback generator."""
 
@@ -68,19 +132,20 @@ class Sampler:
         logits: torch.Tensor,  # [S, V]
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-    ) -> tuple[list[int], list[float]]:
+        processors: Sequence[LogitsProcessor | None] = (),  # empty: none
+    ) -> Samples:
         if logits.shape[0] == 0:
-            return [], []
+            return Samples([], [], [])
         logits = logits.float()
-        logprobs = torch.log_softmax(logits, dim=-1)  # [S, V]
+        logprobs = torch.log_softmax(logits, dim=-1)  # [S, V] raw: what is reported
         tokens = greedy_tokens(logits)  # [S] greedy choice; ties pick the lowest id
+        edited = _edited_rows(logits, processors)
+        if edited:
+            tokens[list(edited)] = greedy_tokens(torch.stack(list(edited.values())))
         for row, (param, generator) in enumerate(zip(params, generators, strict=True)):
             if param.greedy:
                 continue
-            scaled = _apply_top_p(
-                _apply_top_k(logits[row] / param.temperature, param.top_k), param.top_p
-            )
-            probs = torch.softmax(scaled, dim=-1)  # [V]
-            tokens[row] = torch.multinomial(probs, 1, generator=generator or self._shared)[0]
+            source = edited[row] if row in edited else logits[row]  # [V]
+            tokens[row] = _draw(source, param, generator or self._shared)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [S]
-        return tokens.tolist(), chosen.tolist()
+        return Samples(tokens.tolist(), chosen.tolist(), top_logprobs(logprobs, params))

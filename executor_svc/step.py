@@ -11,14 +11,40 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """vLLM's sampling parameters (the proto's SamplingParams says what each one means)."""
+
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0  # (0, 1]
     top_k: int = 0  # 0: off
     seed: int | None = None
+    min_p: float = 0.0  # [0, 1]; 0: off
+    presence_penalty: float = 0.0  # over generated tokens
+    frequency_penalty: float = 0.0  # over generated tokens
+    repetition_penalty: float = 1.0  # over prompt and generated tokens; 1: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
+    min_tokens: int = 0  # stop_token_ids get -inf until this many tokens are generated
+    stop_token_ids: tuple[int, ...] = ()
+    num_prompt_tokens: int = 0  # 0: the positions before the request's first sampled token
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Penalties read the request's token history (logits_processor.py keeps it)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def edits_logits(self) -> bool:
+        """A processor that can change the argmax is on: the request gets a LogitsProcessor."""
+        return (
+            self.has_penalties or bool(self.logit_bias)
+            or (self.min_tokens > 0 and bool(self.stop_token_ids))
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +70,10 @@ class SequenceWork:
     # token_ids[0] is a stand-in for the token this executor sampled for the request in its
     # last step (the caller sent this step before that one returned): see plan.py.
     use_sampled_token: bool = False
+    # With `sampling` only: the tokens at positions [0, start_position), which penalties
+    # count (a cached prefix, a fork child); required when penalties are on and
+    # start_position > 0.
+    history_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +97,9 @@ class StepRequest:
 class SampledToken:
     request_id: str
     token_id: int
-    logprob: float
+    logprob: float  # under the raw model distribution, as top_logprobs
+    # SamplingParams.top_logprobs (token id, logprob) pairs, most likely first.
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

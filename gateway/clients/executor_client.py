@@ -11,7 +11,14 @@ from dataclasses import dataclass
 from common.credentials import InternalAuth
 from gateway.clients.call_failures import Rejected, translated
 from gateway.clients.channel import InternalChannel
-from gateway.core.step import BlockCopy, ExecuteCall, ExecuteResult, Sampled, SeqWork
+from gateway.core.step import (
+    BlockCopy,
+    ExecSampling,
+    ExecuteCall,
+    ExecuteResult,
+    Sampled,
+    SeqWork,
+)
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -41,7 +48,23 @@ def _copies(copies: Sequence[BlockCopy]) -> list[pb.BlockCopy]:
             for c in copies]
 
 
-def _seq(work: SeqWork) -> pb.SequenceWork:
+def _sampling(s: ExecSampling, eos_token_ids: tuple[int, ...]) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias),
+        min_tokens=s.min_tokens, num_prompt_tokens=s.num_prompt_tokens,
+        top_logprobs=s.top_logprobs,
+    )
+    if s.seed is not None:
+        msg.seed = s.seed
+    if s.min_tokens:  # what min_tokens masks: the request's stop ids and (vLLM) EOS
+        eos = () if s.ignore_eos else eos_token_ids
+        msg.stop_token_ids.extend(sorted({*s.stop_token_ids, *eos}))
+    return msg
+
+
+def _seq(work: SeqWork, eos_token_ids: tuple[int, ...]) -> pb.SequenceWork:
     seq = pb.SequenceWork(
         request_id=work.request_id,
         token_ids=work.token_ids,
@@ -53,24 +76,51 @@ def _seq(work: SeqWork) -> pb.SequenceWork:
         seq.delta.start_index = work.delta.start_index
         seq.delta.block_ids.extend(work.delta.block_ids)
     if work.sampling is not None:
-        s = work.sampling
-        seq.sampling.temperature = s.temperature
-        seq.sampling.top_p = s.top_p
-        seq.sampling.top_k = s.top_k
-        if s.seed is not None:
-            seq.sampling.seed = s.seed
+        seq.sampling.CopyFrom(_sampling(work.sampling, eos_token_ids))
+        seq.history_token_ids.extend(work.sampling.history_token_ids)
     return seq
+
+
+def _top(entries: Sequence[pb.TopLogprob]) -> tuple[tuple[int, float], ...]:
+    return tuple((e.token_id, e.logprob) for e in entries)
+
+
+def _decode_tops(
+    response: pb.ExecuteResponse, num_decodes: int
+) -> tuple[tuple[tuple[int, float], ...], ...]:
+    """The compact decodes' top logprobs, row by row, from their columns (empty: none)."""
+    counts = response.decode_num_top_logprobs
+    if not counts:
+        return ()
+    ids, logprobs = response.decode_top_token_ids, response.decode_top_logprobs
+    if len(counts) != num_decodes or not sum(counts) == len(ids) == len(logprobs):
+        raise Rejected(
+            "INTERNAL",
+            f"the executor returned {len(counts)} top-logprob counts (sum {sum(counts)}) for "
+            f"{num_decodes} compact decodes with {len(ids)} ids and {len(logprobs)} logprobs "
+            "(pagedkv.executor.v1; see tests/conformance)",
+        )
+    rows: list[tuple[tuple[int, float], ...]] = []
+    start = 0
+    for count in counts:
+        rows.append(tuple(zip(ids[start : start + count], logprobs[start : start + count],
+                              strict=True)))
+        start += count
+    return tuple(rows)
 
 
 class ExecutorClient(InternalChannel):
     def __init__(self, address: str, auth: InternalAuth | None = None) -> None:
         super().__init__(address, auth)
         self.stub = pb_grpc.ExecutorServiceStub(self.channel)
+        # Its model's EOS ids (from describe()): min_tokens masks them too, unless ignore_eos.
+        self.eos_token_ids: tuple[int, ...] = ()
 
     async def describe(self, timeout: float | None = None) -> ExecutorDescription:
         with translated():
             r = await self.stub.Describe(pb.DescribeRequest(), metadata=self.auth_metadata,
                                        timeout=timeout)
+        self.eos_token_ids = tuple(r.eos_token_ids)
         return ExecutorDescription(
             instance_id=r.instance_id,
             model_name=r.model_name,
@@ -99,7 +149,7 @@ class ExecutorClient(InternalChannel):
             swap_out=_copies(call.swap_out),
             swap_in=_copies(call.swap_in),
             copies=_copies(call.copies),
-            seqs=[_seq(w) for w in call.seqs],
+            seqs=[_seq(w, self.eos_token_ids) for w in call.seqs],
             decode_request_ids=call.decode_request_ids,
             decode_token_ids=call.decode_token_ids,
             decode_positions=call.decode_positions,
@@ -127,11 +177,22 @@ class ExecutorClient(InternalChannel):
                 f"not one for each of the {len(sampling)} that sample, in their order "
                 "(pagedkv.executor.v1; see tests/conformance)",
             )
+        if len(response.decode_logprobs) != num_decodes:
+            raise Rejected(
+                "INTERNAL",
+                f"the executor returned {len(response.decode_logprobs)} logprobs for "
+                f"{num_decodes} compact decodes (pagedkv.executor.v1; see tests/conformance)",
+            )
         timings = response.timings
         return ExecuteResult(
-            tokens=tuple(Sampled(t.request_id, t.token_id) for t in response.tokens),
+            tokens=tuple(
+                Sampled(t.request_id, t.token_id, t.logprob, _top(t.top_logprobs))
+                for t in response.tokens
+            ),
             compute_ms=timings.forward_ms + timings.sample_ms,
             decode_token_ids=tuple(response.decode_sampled_token_ids),
+            decode_logprobs=tuple(response.decode_logprobs),
+            decode_top_logprobs=_decode_tops(response, num_decodes),
             forward_ms=timings.forward_ms,
             sample_ms=timings.sample_ms,
             executor_ms=timings.total_ms,

@@ -11,7 +11,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import PreTrainedModel
 
+from executor_svc.step import SamplingParams
 from pagedkv.executor.v1 import executor_pb2 as pb
+from tests.executor.oracle import reference_sample
 
 from .conftest import (
     Executor,
@@ -329,3 +331,109 @@ def test_a_step_naming_its_previous_step_waits_for_it(
     tokens = [first_reply.tokens[0].token_id, second_call.result().tokens[0].token_id]
     executor.forget("order")
     assert tokens == reference_generate(reference, prompt, 2)
+
+
+# Penalties, logit_bias and min_tokens, in values a float32 field holds exactly.
+PENALISED: dict[str, object] = {
+    "repetition_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": 0.75,
+    "logit_bias": {7: 2.0, 8: -3.0},
+}
+
+
+def _reference_params(fields: dict[str, object]) -> SamplingParams:
+    bias = fields.get("logit_bias", {})
+    assert isinstance(bias, dict)
+    others = {k: v for k, v in fields.items() if k not in ("logit_bias", "stop_token_ids")}
+    return SamplingParams(logit_bias=tuple(sorted(bias.items())),
+                          stop_token_ids=tuple(fields.get("stop_token_ids", ())),  # type: ignore[arg-type]
+                          **others)  # type: ignore[arg-type]
+
+
+def test_penalties_bias_and_min_tokens_match_reference(
+    executor: Executor, reference: PreTrainedModel
+) -> None:
+    # A greedy request with penalties, a logit bias and min_tokens masking its first greedy
+    # token decodes (in the compact columns where its table suffices) exactly as a loop over
+    # transformers' processors in vLLM's order.
+    prompt = _prompts(executor.info.vocab_size, [20], seed=11)[0]
+    first = reference_generate(reference, prompt, 1)[0]
+    fields = {**PENALISED, "min_tokens": 4, "stop_token_ids": [first, 2],
+              "num_prompt_tokens": len(prompt)}
+    outputs = {"penalised": [executor.execute(
+        executor.work("penalised", prompt, **fields)).tokens[0].token_id]}  # type: ignore[arg-type]
+    for _ in range(11):
+        if executor.held["penalised"] % executor.info.block_size == 0:
+            _decode(executor, outputs, 1)
+            continue
+        reply = executor.stub.Execute(pb.ExecuteRequest(
+            decode_request_ids=["penalised"], decode_token_ids=[outputs["penalised"][-1]],
+            decode_positions=[executor.held["penalised"]]))
+        executor.held["penalised"] += 1
+        outputs["penalised"].append(reply.decode_sampled_token_ids[0])
+    executor.forget("penalised")
+    expected = reference_sample(reference, prompt, _reference_params(fields), len(prompt), 12)
+    assert outputs["penalised"] == expected
+    assert first not in expected[:4], "min_tokens masks its stop_token_ids"
+
+
+def test_penalties_count_the_history_before_a_cached_prefix(
+    executor: Executor, reference: PreTrainedModel
+) -> None:
+    # A penalised request starts past a prefix another request computed (its first block),
+    # sending that prefix as history_token_ids: it decodes as the reference does from the
+    # whole prompt, where the repetition penalty counts the prefix's tokens too.
+    size = executor.info.block_size
+    prompt = _prompts(executor.info.vocab_size, [size + 5], seed=12)[0]
+    executor.execute(executor.work("prefix-owner", prompt, sample=False))
+    own = executor.blocks.take(1)
+    fields = {**PENALISED, "num_prompt_tokens": len(prompt)}
+    work = pb.SequenceWork(
+        request_id="prefixed", sampling=pb.SamplingParams(**fields), token_ids=prompt[size:],
+        start_position=size, sample=True, history_token_ids=prompt[:size],
+        delta=pb.BlockTableDelta(block_ids=[executor.tables["prefix-owner"][0], *own]),
+    )
+    outputs = {"prefixed": [executor.execute(work).tokens[0].token_id]}
+    shared = executor.tables["prefix-owner"][0]
+    executor.tables["prefixed"], executor.held["prefixed"] = [shared, *own], len(prompt)
+    _decode(executor, outputs, 7)
+    executor.tables["prefixed"].remove(shared)  # it goes back once, with its owner
+    executor.forget("prefixed", "prefix-owner")
+    expected = reference_sample(reference, prompt, _reference_params(fields), len(prompt), 8)
+    assert outputs["prefixed"] == expected
+
+
+def _assert_top(top: list[tuple[int, float]], raw: torch.Tensor, k: int) -> None:
+    """`top` is the raw distribution's k most likely (ties and float noise allowed)."""
+    assert len(top) == k
+    for token_id, logprob in top:
+        assert logprob == pytest.approx(raw[token_id].item(), abs=1e-3)
+    assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+    assert top[-1][1] >= torch.topk(raw, k + 1).values[-1].item() - 1e-3
+
+
+def test_top_logprobs_are_the_raw_distributions(
+    executor: Executor, reference: PreTrainedModel
+) -> None:
+    # top_logprobs 5 (with a penalty and a temperature that do not touch them): SampledToken
+    # carries the raw log-softmax's 5 most likely, a plain request none; in the compact
+    # columns decode_num_top_logprobs says 5 and 0 and the entries follow row by row.
+    a, b = _prompts(executor.info.vocab_size, [9, 6], seed=13)
+    reply = executor.execute(
+        executor.work("top", a, top_logprobs=5, repetition_penalty=2.0, temperature=0.5,
+                      seed=3),
+        executor.work("no-top", b),
+    )
+    top, plain = reply.tokens
+    raw = reference_logprobs(reference, a)[-1]
+    assert top.logprob == pytest.approx(raw[top.token_id].item(), abs=1e-3)
+    _assert_top([(t.token_id, t.logprob) for t in top.top_logprobs], raw, 5)
+    assert list(plain.top_logprobs) == []
+    reply = executor.stub.Execute(pb.ExecuteRequest(
+        decode_request_ids=["top", "no-top"], decode_token_ids=[top.token_id, plain.token_id],
+        decode_positions=[len(a), len(b)]))
+    executor.held["top"] += 1
+    executor.held["no-top"] += 1
+    executor.forget("top", "no-top")
+    assert list(reply.decode_num_top_logprobs) == [5, 0]
+    entries = list(zip(reply.decode_top_token_ids, reply.decode_top_logprobs, strict=True))
+    _assert_top(entries, reference_logprobs(reference, [*a, top.token_id])[-1], 5)

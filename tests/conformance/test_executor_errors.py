@@ -64,6 +64,48 @@ def _compact(work: pb.SequenceWork, **fields: object) -> pb.ExecuteRequest:
     )
 
 
+def _past_prefix(executor: Executor, **fields: object) -> pb.SequenceWork:
+    """A new penalised request starting after a one-block cached prefix, with its history."""
+    block_size = executor.info.block_size
+    return _new(
+        executor,
+        start_position=block_size,
+        delta=pb.BlockTableDelta(start_index=0, block_ids=[0, 1]),
+        sampling=pb.SamplingParams(frequency_penalty=0.5),
+        **{"history_token_ids": [5] * block_size, **fields},
+    )
+
+
+# A new request's bad SamplingParams fields (from the executor's Describe).
+BAD_SAMPLING: dict[str, Callable[[Executor], dict[str, object]]] = {
+    "min_p_above_one": lambda e: {"min_p": 1.5},
+    "min_p_negative": lambda e: {"min_p": -0.25},
+    "min_p_nan": lambda e: {"min_p": float("nan")},
+    "presence_penalty_above_two": lambda e: {"presence_penalty": 2.5},
+    "frequency_penalty_below_minus_two": lambda e: {"frequency_penalty": -2.5},
+    "frequency_penalty_inf": lambda e: {"frequency_penalty": float("inf")},
+    "repetition_penalty_negative": lambda e: {"repetition_penalty": -1.0},
+    "repetition_penalty_above_65536": lambda e: {"repetition_penalty": 1e6},
+    "logit_bias_token_outside_vocab": lambda e: {"logit_bias": {e.info.vocab_size: 1.0}},
+    "logit_bias_above_100": lambda e: {"logit_bias": {5: 150.0}},
+    "logit_bias_below_minus_100": lambda e: {"logit_bias": {5: -101.0}},
+    "stop_token_id_outside_vocab": lambda e: {
+        "min_tokens": 2, "stop_token_ids": [2, e.info.vocab_size]},
+    "stop_token_ids_naming_every_token": lambda e: {
+        "min_tokens": 2, "stop_token_ids": list(range(e.info.vocab_size))},
+    "num_prompt_tokens_past_max_model_len": lambda e: {
+        "num_prompt_tokens": e.info.max_model_len + 1},
+    "top_logprobs_above_20": lambda e: {"top_logprobs": 21},
+}
+
+
+def _with_new_sampling(fields: Callable[[Executor], dict[str, object]]) -> Case:
+    """The witness's decode beside a new request with these sampling fields."""
+    return lambda e, w: pb.ExecuteRequest(
+        seqs=[w, _new(e, sampling=pb.SamplingParams(**fields(e)))]  # type: ignore[arg-type]
+    )
+
+
 def _copy(src: int, dst: int) -> pb.BlockCopy:
     return pb.BlockCopy(src_block_id=src, dst_block_id=dst)
 
@@ -128,6 +170,29 @@ CASES: dict[str, tuple[Case, grpc.StatusCode]] = {
     ),
     "top_p_negative": (
         lambda e, w: pb.ExecuteRequest(seqs=[w, _new(e, sampling=pb.SamplingParams(top_p=-0.1))]),
+        INVALID,
+    ),
+    **{
+        f"sampling_{name}": (_with_new_sampling(fields), INVALID)
+        for name, fields in BAD_SAMPLING.items()
+    },
+    "history_token_ids_of_the_wrong_length": (
+        lambda e, w: pb.ExecuteRequest(seqs=[w, _past_prefix(e, history_token_ids=[5, 6])]),
+        INVALID,
+    ),
+    "history_token_id_outside_vocab": (
+        lambda e, w: pb.ExecuteRequest(seqs=[w, _past_prefix(
+            e, history_token_ids=[5] * (e.info.block_size - 1) + [e.info.vocab_size])]),
+        INVALID,
+    ),
+    "history_token_ids_for_a_held_request": (
+        lambda e, w: pb.ExecuteRequest(
+            seqs=[_with(w, history_token_ids=[5] * w.start_position)]
+        ),
+        INVALID,
+    ),
+    "penalties_past_position_0_without_history_token_ids": (
+        lambda e, w: pb.ExecuteRequest(seqs=[w, _past_prefix(e, history_token_ids=[])]),
         INVALID,
     ),
     "table_longer_than_max_model_len": (

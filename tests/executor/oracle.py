@@ -13,8 +13,20 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.generation.logits_process import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from executor_svc.runner import ModelRunner
+from executor_svc.sampler import new_generator
 from executor_svc.settings import ExecutorSettings
 from executor_svc.step import (
     BlockTableDelta,
@@ -64,6 +76,68 @@ def reference_generate(model: PreTrainedModel, prompt: list[int], num_new: int) 
 def reference_logits(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model(torch.tensor([tokens]), use_cache=False).logits[0]  # [T, V]
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties (transformers has none): over the tokens
+    after the prompt, logit -= frequency * count + presence * (count > 0)."""
+
+    def __init__(self, presence: float, frequency: float, num_prompt_tokens: int) -> None:
+        self.presence, self.frequency = presence, frequency
+        self.num_prompt_tokens = num_prompt_tokens
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.num_prompt_tokens :]  # [B, G]
+        counts = torch.zeros_like(scores).scatter_add_(
+            1, generated, torch.ones_like(generated, dtype=scores.dtype)
+        )  # [B, V]
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def reference_processors(params: SamplingParams, num_prompt_tokens: int) -> LogitsProcessorList:
+    """transformers' processors in vLLM V1's order: min_tokens and logit_bias, penalties,
+    then (sampling only) temperature, min_p, top_k, top_p."""
+    processors = LogitsProcessorList()
+    if params.min_tokens and params.stop_token_ids:
+        processors.append(MinNewTokensLengthLogitsProcessor(
+            num_prompt_tokens, params.min_tokens, list(params.stop_token_ids)))
+    if params.logit_bias:
+        processors.append(SequenceBiasLogitsProcessor([[[t], b] for t, b in params.logit_bias]))
+    if params.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    if params.presence_penalty or params.frequency_penalty:
+        processors.append(OpenAIPenalties(
+            params.presence_penalty, params.frequency_penalty, num_prompt_tokens))
+    if params.greedy:
+        return processors
+    processors.append(TemperatureLogitsWarper(params.temperature))
+    if params.min_p:
+        processors.append(MinPLogitsWarper(params.min_p))
+    if params.top_k:
+        processors.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        processors.append(TopPLogitsWarper(params.top_p))
+    return processors
+
+
+def reference_sample(
+    model: PreTrainedModel, tokens: list[int], params: SamplingParams, num_prompt_tokens: int,
+    num_new: int,
+) -> list[int]:
+    """`num_new` tokens after `tokens` (whose first num_prompt_tokens are the prompt): a dense
+    forward, transformers' processors, then argmax or a draw from the request's generator."""
+    tokens = list(tokens)
+    processors = reference_processors(params, num_prompt_tokens)
+    generator = new_generator(params.seed or 0, torch.device("cpu"))
+    for _ in range(num_new):
+        logits = reference_logits(model, tokens)[-1:].float()  # [1, V]
+        scores = processors(torch.tensor([tokens]), logits)[0]  # [V]
+        if params.greedy:
+            tokens.append(int(scores.argmax()))
+        else:
+            probs = torch.softmax(scores, dim=-1)  # [V]
+            tokens.append(int(torch.multinomial(probs, 1, generator=generator)[0]))
+    return tokens[len(tokens) - num_new :]
 
 
 def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:

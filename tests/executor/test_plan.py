@@ -125,7 +125,65 @@ def _bad_steps(driver: Driver) -> dict[str, tuple[StepRequest, type[ServiceError
             StepRequest(seqs=(dataclasses.replace(new, token_ids=(5,) * 17),)),
             InvalidArgument,
         ),
+        **{name: (_new_with(new, **fields), InvalidArgument)
+           for name, (fields, _) in BAD_SAMPLING.items()},
+        "history_of_the_wrong_length": (
+            StepRequest(seqs=(_past_prefix(new, free, history_token_ids=(5,) * 3),)),
+            InvalidArgument,
+        ),
+        "history_token_outside_vocab": (
+            StepRequest(seqs=(_past_prefix(new, free, history_token_ids=(5,) * 15 + (512,)),)),
+            InvalidArgument,
+        ),
+        "history_for_a_held_request": (
+            StepRequest(seqs=(_decode_a(driver, history_token_ids=(5,) * 20),)),
+            InvalidArgument,
+        ),
+        "penalties_past_position_0_without_history": (
+            StepRequest(seqs=(_past_prefix(new, free, sampling=SamplingParams(
+                repetition_penalty=1.2)),)),
+            InvalidArgument,
+        ),
     }
+
+
+# A new request's bad sampling field -> (SamplingParams fields, the message's words).
+BAD_SAMPLING: dict[str, tuple[dict[str, object], str]] = {
+    "min_p_above_one": ({"min_p": 1.5}, "min_p 1.5 is out of range"),
+    "min_p_negative": ({"min_p": -0.1}, "min_p -0.1 is out of range"),
+    "presence_penalty_above_two": ({"presence_penalty": 2.5}, "presence_penalty 2.5"),
+    "presence_penalty_nan": ({"presence_penalty": float("nan")}, "presence_penalty nan"),
+    "frequency_penalty_below_minus_two": ({"frequency_penalty": -3.0}, "frequency_penalty -3.0"),
+    "repetition_penalty_negative": ({"repetition_penalty": -1.0}, "repetition_penalty -1.0"),
+    "repetition_penalty_zero": ({"repetition_penalty": 0.0}, "repetition_penalty 0.0"),
+    "repetition_penalty_too_large": ({"repetition_penalty": 1e6}, r"\(0, 65536\]"),
+    "repetition_penalty_inf": ({"repetition_penalty": float("inf")}, "repetition_penalty inf"),
+    "logit_bias_token_outside_vocab": ({"logit_bias": ((512, 1.0),)}, "logit_bias: token id 512"),
+    "logit_bias_out_of_range": ({"logit_bias": ((5, 150.0),)}, "bias 150.0 of token 5"),
+    "logit_bias_nan": ({"logit_bias": ((5, float("nan")),)}, "bias nan of token 5"),
+    "stop_token_id_outside_vocab": (
+        {"min_tokens": 2, "stop_token_ids": (2, 512)}, "stop_token_ids: token id 512"
+    ),
+    "stop_token_ids_naming_every_token": (
+        {"min_tokens": 2, "stop_token_ids": tuple(range(512))}, "names all 512 tokens"
+    ),
+    "num_prompt_tokens_past_max_model_len": (
+        {"num_prompt_tokens": 129}, "num_prompt_tokens 129 exceeds max_model_len=128"
+    ),
+    "top_logprobs_above_20": ({"top_logprobs": 21}, r"top_logprobs 21 .* \[0, 20\]"),
+}
+
+
+def _new_with(new: SequenceWork, **fields: object) -> StepRequest:
+    return StepRequest(seqs=(dataclasses.replace(new, sampling=SamplingParams(**fields)),))  # type: ignore[arg-type]
+
+
+def _past_prefix(new: SequenceWork, free: list[int], **changes: object) -> SequenceWork:
+    """`new` starting at position 16 (a cached prefix, a fork child), with `changes`."""
+    sampling = SamplingParams(frequency_penalty=0.5)
+    work = dataclasses.replace(new, start_position=16, delta=BlockTableDelta(0, tuple(free[:2])),
+                               sampling=sampling)
+    return dataclasses.replace(work, **changes)  # type: ignore[arg-type]
 
 
 # What each rejection's message must say (it names the mistake, so the test pins the reason).
@@ -150,6 +208,11 @@ MESSAGES = {
     "duplicate_request_ids": "appears twice",
     "delta_start_past_table_end": "start_index 3 is past the end",
     "blocks_do_not_cover_positions": "reaches position 17",
+    **{name: words for name, (_, words) in BAD_SAMPLING.items()},
+    "history_of_the_wrong_length": "history_token_ids has 3 ids for start_position 16",
+    "history_token_outside_vocab": "history_token_ids: token id 512 is outside",
+    "history_for_a_held_request": "history_token_ids on a request already held",
+    "penalties_past_position_0_without_history": "send history_token_ids",
 }
 CASES = list(_bad_steps(Driver(runner=None, free_blocks=list(range(8)))))  # type: ignore[arg-type]
 assert sorted(CASES) == sorted(MESSAGES)

@@ -21,16 +21,17 @@ LOGITS = PROBS.log()[None]  # [1, 4]
 def _draws(params: SamplingParams, num: int, seed: int = 0) -> list[int]:
     sampler = Sampler(seed=0, device=CPU)
     generator = new_generator(seed, CPU)
-    return [sampler.sample(LOGITS, [params], [generator])[0][0] for _ in range(num)]
+    return [sampler.sample(LOGITS, [params], [generator]).token_ids[0] for _ in range(num)]
 
 
 def test_sampler_greedy_picks_argmax_and_raw_logprob() -> None:
     # Greedy takes the largest logit; the logprob is the raw log-softmax of that token.
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 3.0, 0.0]])  # ties pick the lowest id
-    tokens, logprobs = Sampler(0, CPU).sample(logits, [SamplingParams()] * 2, [None, None])
-    assert tokens == [1, 0]
+    samples = Sampler(0, CPU).sample(logits, [SamplingParams()] * 2, [None, None])
+    assert samples.token_ids == [1, 0]
+    assert samples.top_logprobs == [(), ()]
     expected = torch.log_softmax(logits, dim=-1)[[0, 1], [1, 0]]
-    torch.testing.assert_close(torch.tensor(logprobs), expected)
+    torch.testing.assert_close(torch.tensor(samples.logprobs), expected)
 
 
 def test_sampler_same_seed_reproduces_and_other_seed_differs() -> None:
