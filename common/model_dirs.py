@@ -7,6 +7,7 @@ to that real model; the presets are picked by name.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,19 @@ class ModelDir:
     def is_preset(self) -> bool:
         """A config-only preset shipped in the repository (random weights by design)."""
         return self.path.resolve().parent == PRESETS_DIR and not self.weight_files
+
+
+def model_name(path: str | Path) -> str:
+    """The name a model is served under by default: its config's own name (`_name_or_path`,
+    e.g. `Qwen/Qwen2.5-0.5B-Instruct`) when that is a name, not a path; else the directory's."""
+    directory = Path(path)
+    try:
+        name = json.loads((directory / "config.json").read_text()).get("_name_or_path", "")
+    except (OSError, ValueError, AttributeError):
+        name = ""
+    if isinstance(name, str) and name and not name.startswith(("/", ".", "~")):
+        return name.rstrip("/")
+    return directory.resolve().name
 
 
 def missing_model_message(flag: str, path: str | Path) -> str:

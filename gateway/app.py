@@ -12,11 +12,14 @@ from typing import Any, TypeVar
 
 import structlog
 
+from common.model_dirs import model_name
 from common.server import Server, start_server
 from gateway.api import service
 from gateway.api.frontend import Frontend, ModelInfo
+from gateway.api.openai.app import HttpApi, create_app
+from gateway.api.openai.server import HttpServer
 from gateway.api.sampling import ModelLimits
-from gateway.api.tenants import load_tenancy
+from gateway.api.tenants import Tenancy, load_tenancy
 from gateway.clients.allocator_client import AllocatorClient
 from gateway.clients.call_failures import CallFailed, Lost
 from gateway.clients.executor_client import ExecutorClient, ExecutorDescription
@@ -28,6 +31,7 @@ from gateway.engine.host import EngineHost
 from gateway.engine.loop import Engine
 from gateway.engine.router import Router
 from gateway.engine.step_stats import StepStats
+from gateway.metrics import EngineSnapshot, GatewayMetrics, snapshot
 from gateway.settings import GatewaySettings
 from gateway.text.output import OutputProcessor
 from gateway.text.tokenizer import Tokenizer
@@ -77,12 +81,15 @@ class Gateway:
     frontend: Frontend
     host: EngineHost
     engines: Engines
+    http: HttpServer | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop serving (in-flight streams get `grace` seconds), let the engines abort what
         was cut off and give its blocks back, then stop the loops. Whatever is left over is
         freed by the allocator when the lease expires."""
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace)
         deadline = time.monotonic() + DRAIN_S
         engines = self.engines.router.engines
@@ -150,7 +157,9 @@ def model_limits(
     )
 
 
-async def build_engines(settings: GatewaySettings, tokenizer: Tokenizer) -> Engines:
+async def build_engines(
+    settings: GatewaySettings, tokenizer: Tokenizer, metrics: GatewayMetrics
+) -> Engines:
     """Connect, describe, lease, register and build every engine (on the engine loop: the
     clients' channels belong to the loop that makes them)."""
     auth = settings.internal_auth
@@ -192,14 +201,13 @@ async def build_engines(settings: GatewaySettings, tokenizer: Tokenizer) -> Engi
             output=output,
             on_lost=router.requeue,
             stats=StepStats(window=settings.stats_every_steps,
-                            log_path=settings.step_log or None),
+                            log_path=settings.step_log or None, observe=metrics.observe_step),
             async_depth=settings.async_depth,
         )
         router.engines.append(engine)
         lease.on_acquired.append(engine.wakeup.set)
     engines = Engines(router=router, lease=lease, allocator=allocator, executors=executors,
-                      limits=limits, eos_token_ids=tuple(eos),
-                      model_name=descriptions[0].model_name or Path(settings.model).name)
+                      limits=limits, eos_token_ids=tuple(eos), model_name=metrics.model_name)
     engines.start()
     return engines
 
@@ -215,10 +223,12 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
     else:
         log.warning("single_tenant", detail="no --api-keys-file: every caller is one tenant, "
                     "shares one prefix cache and can see its hits in cached_prompt_tokens")
+    metrics = GatewayMetrics(settings.served_model_name or model_name(settings.model),
+                             enable_prefix_caching=settings.enable_prefix_caching)
     host = EngineHost()
     host.start()
     try:
-        engines = await host.run(build_engines(settings, tokenizer))
+        engines = await host.run(build_engines(settings, tokenizer, metrics))
     except StartupFailed as exc:
         host.stop()
         raise SystemExit(str(exc)) from exc
@@ -235,7 +245,8 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
     )
     frontend = Frontend(tokenizer=tokenizer, limits=limits, engines=host, info=info,
                         tenancy=tenancy, max_prompt_bytes=settings.max_prompt_bytes,
-                        max_requests_per_tenant=settings.tenant_max_requests)
+                        max_requests_per_tenant=settings.tenant_max_requests, metrics=metrics)
+    http: HttpServer | None = None
     try:
         server = await start_server(
             [(service.GatewayServicer(frontend), service.SERVICE_NAME)],
@@ -244,19 +255,51 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
             # A message past this is refused by gRPC itself, before it is parsed.
             max_receive_bytes=2 * settings.max_prompt_bytes + PROTO_OVERHEAD_BYTES,
         )
+        if settings.http_port >= 0:
+            http = _http_server(settings, frontend, tenancy, metrics, host, engines)
+            await http.start()
     except BaseException:
+        if http is not None:
+            await http.stop()
         frontend.close()
         await host.run(engines.close())
         host.stop()
         raise
-    gateway = Gateway(server=server, frontend=frontend, host=host, engines=engines)
+    gateway = Gateway(server=server, frontend=frontend, host=host, engines=engines, http=http)
     gateway.tasks.append(
         asyncio.get_running_loop().create_task(_watch_health(server, engines.router))
     )
-    if settings.port_file:
-        tmp = Path(f"{settings.port_file}.tmp")
-        tmp.write_text(f"{server.port}\n")
-        tmp.replace(settings.port_file)  # whole or absent: readers never see half a port
-    log.info("gateway_serving", port=server.port, executors=list(settings.executor_addrs),
+    if http is not None and settings.http_port_file:
+        _write_port(settings.http_port_file, http.port)
+    if settings.port_file:  # last: the launcher reads it as "serving"
+        _write_port(settings.port_file, server.port)
+    log.info("gateway_serving", port=server.port, http_port=http.port if http else None,
+             model=metrics.model_name, executors=list(settings.executor_addrs),
              max_model_len=limits.max_model_len)
     return gateway
+
+
+def _write_port(path: str, port: int) -> None:
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)  # whole or absent: readers never see half a port
+
+
+def _http_server(settings: GatewaySettings, frontend: Frontend, tenancy: Tenancy,
+                 metrics: GatewayMetrics, host: EngineHost, engines: Engines) -> HttpServer:
+    router = engines.router
+
+    async def engine_state() -> tuple[list[EngineSnapshot], int]:
+        async def take() -> tuple[list[EngineSnapshot], int]:
+            return [snapshot(e) for e in router.engines], engines.lease.generation
+        return await host.run(take())
+
+    api = HttpApi(
+        frontend=frontend, tenancy=tenancy, metrics=metrics,
+        served_model_name=metrics.model_name,
+        max_body_bytes=2 * settings.max_prompt_bytes + PROTO_OVERHEAD_BYTES,
+        max_sse_buffer=settings.max_sse_buffer,
+        is_healthy=lambda: bool(router.healthy()), engine_state=engine_state,
+    )
+    return HttpServer(create_app(api), settings.host, settings.http_port,
+                      tls_cert=settings.public_tls_cert, tls_key=settings.public_tls_key)

@@ -53,6 +53,10 @@ class GatewaySettings:
     tenant_max_running: int
     public_tls_cert: str
     public_tls_key: str
+    http_port: int
+    http_port_file: str | None
+    served_model_name: str
+    max_sse_buffer: int
 
     def __post_init__(self) -> None:
         if not self.executor_addrs:
@@ -75,6 +79,10 @@ class GatewaySettings:
         for name in ("tenant_max_requests", "tenant_max_running"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: no limit)")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError("--http-port must be a port (0: any free port, -1: no HTTP API)")
+        if self.max_sse_buffer < 1:
+            raise ValueError("--max-sse-buffer must be >= 1 (events)")
         if self.max_prompt_bytes < 1:
             raise ValueError("--max-prompt-bytes must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -95,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
              help="address to bind (0.0.0.0: every interface)")
     add_flag(parser, "--port", type=int, default=50051, help="port to bind (0: any free port)")
     add_flag(parser, "--port-file", default=None, help="write the bound port here once serving")
+    add_flag(parser, "--http-port", type=int, default=8000,
+             help="the OpenAI-compatible HTTP API and /metrics on the same host (0: any free "
+             "port, -1: none)")
+    add_flag(parser, "--http-port-file", default=None,
+             help="write the bound HTTP port here once serving")
+    add_flag(parser, "--served-model-name", default="",
+             help="the model's name in both APIs (unset: the model's own name)")
+    add_flag(parser, "--max-sse-buffer", type=int, default=256,
+             help="events an HTTP stream may have waiting for a slow client before it is cut")
     add_flag(parser, "--allocator-addr", default="localhost:50052", help="allocator host:port")
     add_flag(
         parser, "--executor-addrs", default="localhost:50053",
@@ -229,6 +246,10 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             tenant_max_running=args.tenant_max_running,
             public_tls_cert=args.public_tls_cert,
             public_tls_key=args.public_tls_key,
+            http_port=args.http_port,
+            http_port_file=args.http_port_file,
+            served_model_name=args.served_model_name,
+            max_sse_buffer=args.max_sse_buffer,
         )
     except ValueError as exc:
         raise SystemExit(f"gateway: {exc}") from exc

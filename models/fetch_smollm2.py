@@ -17,6 +17,7 @@ directory that is already complete is left alone (make setup calls this every ti
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -72,6 +73,17 @@ def convert(gguf_file: Path, out: Path) -> None:
     )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    name_model(out / "config.json", SERVED_NAME)
+
+
+def name_model(config_path: Path, name: str) -> None:
+    """The model's own name, which the APIs serve it under (common.model_dirs.model_name)."""
+    config = json.loads(config_path.read_text())
+    config["_name_or_path"] = name
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 def build(out: Path) -> None:

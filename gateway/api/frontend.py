@@ -11,8 +11,9 @@ import asyncio
 import collections
 import hashlib
 import secrets
+import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -31,9 +32,10 @@ from gateway.api.sampling import (
     validate_prompt,
 )
 from gateway.api.tenants import SINGLE_TENANT, Tenancy
-from gateway.core.request_state import CompletionDelta, Request
+from gateway.core.request_state import CompletionDelta, FinishReason, Request
 from gateway.core.seq_ids import sequence_ids
 from gateway.engine.host import EngineHost
+from gateway.metrics import GatewayMetrics
 from gateway.text.tokenizer import ChatTurn, Tokenizer
 
 T = TypeVar("T")
@@ -76,6 +78,7 @@ class Frontend:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
     # This gateway run's sequence-id namespace (seq_ids.py): unique per start.
     id_namespace: str = field(default_factory=lambda: f"{secrets.token_hex(4)}/")
+    metrics: GatewayMetrics | None = None
 
     async def tokenize(self, text: str, tenant: str = SINGLE_TENANT) -> list[int]:
         """The Tokenize RPC: one of the tenant's in-flight slots while it runs."""
@@ -114,6 +117,7 @@ class Frontend:
         """Validate and queue a request; raises the domain error to send back."""
         check_ids(request_id, cache_salt)
         self._take_slot(tenant)  # before any await: concurrent calls cannot all pass the check
+        arrival_time = time.monotonic()  # before tokenizing: time to first token includes it
         request: Request | None = None
         try:
             prompt = await self.prompt_token_ids(prompt_input)
@@ -127,7 +131,8 @@ class Frontend:
             request = Request(
                 request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                 cache_salt=self.tenancy.cache_salt(tenant, cache_salt),
-                id_namespace=self.id_namespace + _tenant_tag(tenant), tenant=tenant)
+                id_namespace=self.id_namespace + _tenant_tag(tenant), tenant=tenant,
+                arrival_time=arrival_time)
             self.active[(tenant, request_id)] = request
             self.seq_owners.update(dict.fromkeys(((tenant, s) for s in seq_ids), request_id))
             engine = await self.engines.submit(request)
@@ -154,11 +159,13 @@ class Frontend:
             )
         self.tenant_requests[tenant] += 1
 
-    async def deltas(self, request: Request) -> AsyncIterator[CompletionDelta]:
+    async def deltas(self, request: Request) -> AsyncGenerator[CompletionDelta, None]:
         """Every completion delta of the request until all n are finished; errors raise.
         Leaving early (client gone, deadline) cancels the request."""
         open_completions = request.sampling.n
         num_tokens = 0
+        reason: FinishReason | None = None
+        observer = self.metrics.observer(request) if self.metrics is not None else None
         try:
             while open_completions:
                 delta = await request.outputs.get()
@@ -166,9 +173,14 @@ class Frontend:
                     raise delta.error
                 if delta.finish_reason is not None:
                     open_completions -= 1
+                    reason = delta.finish_reason
                 num_tokens += len(delta.token_ids)
+                if observer is not None:
+                    observer.on_delta(delta)
                 yield delta
         finally:
+            if observer is not None:
+                observer.on_end(None if open_completions else reason)
             self._forget(request)
             if open_completions:
                 self.engines.cancel(request)
@@ -176,6 +188,14 @@ class Frontend:
             else:
                 log.info("request_finished", num_completion_tokens=num_tokens,
                          num_cached_tokens=request.num_cached_tokens or 0)
+
+    def abandon(self, request: Request) -> None:
+        """Its caller is gone (or never read it): cancel it if it is still active. A no-op
+        once `deltas` has run to its end."""
+        if self.active.get((request.tenant, request.request_id)) is request:
+            self._forget(request)
+            self.engines.cancel(request)
+            log.info("request_abandoned")
 
     def _unique_id(self, tenant: str, request_id: str, n: int, num_prompt_tokens: int) -> str:
         """Request ids are the tenant's own: another tenant's never collide with them."""

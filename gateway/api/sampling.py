@@ -17,9 +17,17 @@ DEFAULT_MAX_TOKENS = 16
 # matched at every token, ids and salts travel to the allocator and into every log line.
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 256
+# min_tokens masks every stop token: some token must be left to sample.
+MAX_STOP_TOKEN_IDS = 1024
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 128
 MAX_CHAT_MESSAGES = 256  # each adds the template's own text around it
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range
+MAX_TOP_LOGPROBS = 20   # OpenAI's top_logprobs limit
+MAX_PENALTY = 2.0       # presence/frequency, OpenAI's range
+MAX_REPETITION_PENALTY = 100.0
+MIN_REPETITION_PENALTY = 1e-6  # (smaller ones round to 0 in float32: read as off)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +41,21 @@ class SamplingOptions:
     stop_token_ids: frozenset[int] = frozenset()
     n: int = 1
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: none; k: each token's logprob and the k most likely
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0  # lower first
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +71,18 @@ class RawSampling:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 0
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool | None = None
+    priority: int = 0
+    # Unset max_tokens: up to the end of the context (the chat API's default), not 16.
+    fill_context: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +93,10 @@ class ModelLimits:
     vocab_size: int
     max_n: int
     pool_capacity_tokens: int  # the smallest pool, in tokens (num_blocks * block_size)
+
+
+class ExceedsCapacity(ResourceExhausted):
+    """The request can never fit a pool (unlike a full queue, retrying will not help)."""
 
 
 def check_prompt_bytes(num_bytes: int, max_bytes: int, what: str = "prompt text") -> None:
@@ -117,6 +156,12 @@ def validate(raw: RawSampling, prompt_len: int, limits: ModelLimits) -> Sampling
             f"sampling.stop_token_ids contains {bad[0]}, outside the vocabulary "
             f"[0, {limits.vocab_size})"
         )
+    most = min(MAX_STOP_TOKEN_IDS, limits.vocab_size - 1)
+    if len(set(raw.stop_token_ids)) > most:
+        raise InvalidArgument(
+            f"sampling.stop_token_ids has {len(set(raw.stop_token_ids))} distinct ids; at most "
+            f"{most}"
+        )
     if len(raw.stop) > MAX_STOP_STRINGS:
         raise InvalidArgument(
             f"sampling.stop has {len(raw.stop)} strings; at most {MAX_STOP_STRINGS}"
@@ -129,12 +174,20 @@ def validate(raw: RawSampling, prompt_len: int, limits: ModelLimits) -> Sampling
             f"sampling.stop has a string of {longest} characters; at most {MAX_STOP_CHARS}"
         )
     max_tokens = DEFAULT_MAX_TOKENS if raw.max_tokens is None else raw.max_tokens
+    if raw.max_tokens is None and raw.fill_context:
+        room = min(limits.max_model_len, limits.pool_capacity_tokens)
+        max_tokens = max(room - prompt_len, 1)
     if max_tokens < 1:
         raise InvalidArgument(f"sampling.max_tokens is {max_tokens}; it must be >= 1")
+    _check_processors(raw, limits.vocab_size)
+    if raw.min_tokens > max_tokens:
+        raise InvalidArgument(
+            f"sampling.min_tokens is {raw.min_tokens}; it must be <= max_tokens ({max_tokens})"
+        )
     # Completions end at max_model_len (finish_reason length); the pool must hold one whole.
     needed = min(prompt_len + max_tokens, limits.max_model_len)
     if needed > limits.pool_capacity_tokens:
-        raise ResourceExhausted(
+        raise ExceedsCapacity(
             f"prompt ({prompt_len} tokens) + sampling.max_tokens ({max_tokens}) needs "
             f"{needed} tokens of KV cache; the smallest pool holds "
             f"{limits.pool_capacity_tokens}: lower max_tokens or shorten the prompt"
@@ -149,4 +202,47 @@ def validate(raw: RawSampling, prompt_len: int, limits: ModelLimits) -> Sampling
         stop_token_ids=frozenset(raw.stop_token_ids),
         n=n,
         ignore_eos=raw.ignore_eos,
+        min_p=raw.min_p,
+        presence_penalty=raw.presence_penalty,
+        frequency_penalty=raw.frequency_penalty,
+        repetition_penalty=1.0 if raw.repetition_penalty is None else raw.repetition_penalty,
+        logit_bias=raw.logit_bias,
+        min_tokens=raw.min_tokens,
+        logprobs=raw.logprobs,
+        include_stop_str_in_output=raw.include_stop_str_in_output,
+        skip_special_tokens=True if raw.skip_special_tokens is None else raw.skip_special_tokens,
+        priority=raw.priority,
     )
+
+
+def _in_range(name: str, value: float, low: float, high: float) -> None:
+    if math.isnan(value) or not low <= value <= high:
+        raise InvalidArgument(f"sampling.{name} is {value}; it must be in [{low}, {high}]")
+
+
+def _check_processors(raw: RawSampling, vocab_size: int) -> None:
+    """The logits processors' fields: OpenAI's ranges where OpenAI has the field."""
+    _in_range("min_p", raw.min_p, 0.0, 1.0)
+    _in_range("presence_penalty", raw.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+    _in_range("frequency_penalty", raw.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+    if raw.repetition_penalty is not None:
+        _in_range("repetition_penalty", raw.repetition_penalty, MIN_REPETITION_PENALTY,
+                  MAX_REPETITION_PENALTY)
+    if len(raw.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument(
+            f"sampling.logit_bias has {len(raw.logit_bias)} entries; at most "
+            f"{MAX_LOGIT_BIAS_ENTRIES}"
+        )
+    for token_id, bias in raw.logit_bias:
+        if not 0 <= token_id < vocab_size:
+            raise InvalidArgument(
+                f"sampling.logit_bias has token id {token_id}, outside the vocabulary "
+                f"[0, {vocab_size})"
+            )
+        _in_range(f"logit_bias[{token_id}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    if raw.min_tokens < 0:
+        raise InvalidArgument(f"sampling.min_tokens is {raw.min_tokens}; it must be >= 0")
+    if raw.logprobs is not None and not 0 <= raw.logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(
+            f"sampling.logprobs is {raw.logprobs}; it must be in [0, {MAX_TOP_LOGPROBS}]"
+        )

@@ -24,7 +24,7 @@ FINISH_REASONS = {
 }
 
 
-def raw_sampling(params: pb.SamplingParams) -> RawSampling:
+def raw_sampling(params: pb.SamplingParams, priority: int = 0) -> RawSampling:
     return RawSampling(
         max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
         temperature=params.temperature if params.HasField("temperature") else None,
@@ -35,6 +35,18 @@ def raw_sampling(params: pb.SamplingParams) -> RawSampling:
         stop_token_ids=tuple(params.stop_token_ids),
         n=params.n,
         ignore_eos=params.ignore_eos,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=(params.repetition_penalty
+                            if params.HasField("repetition_penalty") else None),
+        logit_bias=tuple(sorted(params.logit_bias.items())),
+        min_tokens=params.min_tokens,
+        logprobs=params.logprobs if params.HasField("logprobs") else None,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=(params.skip_special_tokens
+                             if params.HasField("skip_special_tokens") else None),
+        priority=priority,
     )
 
 
@@ -56,6 +68,12 @@ def _usage(usage: Usage | None) -> pb.Usage | None:
                     cached_prompt_tokens=usage.cached_prompt_tokens)
 
 
+def _logprobs(delta: CompletionDelta) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                            top_logprobs=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
+            for lp in delta.logprobs]
+
+
 def _executor_info(engine: Engine) -> pb.ExecutorInfo:
     d = engine.description
     return pb.ExecutorInfo(address=engine.link.executor.address, pool_id=engine.pool_id,
@@ -69,7 +87,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
 
     async def _submit(self, request: Any) -> Any:
         return await self.frontend.submit(
-            _prompt(request), raw_sampling(request.sampling), request.cache_salt,
+            _prompt(request), raw_sampling(request.sampling, request.priority), request.cache_salt,
             request.request_id, tenant=caller(),
         )
 
@@ -85,6 +103,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 text=delta.text,
                 finish_reason=FINISH_REASONS[delta.finish_reason],
                 usage=_usage(delta.usage),
+                logprobs=_logprobs(delta) if delta.logprobs else None,
             )
 
     async def Complete(  # noqa: N802
@@ -118,6 +137,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
 def _collect(completion: pb.Completion, delta: CompletionDelta) -> None:
     completion.token_ids.extend(delta.token_ids)
     completion.text += delta.text
+    if delta.logprobs:
+        completion.logprobs.extend(_logprobs(delta))
     if delta.finish_reason is not None:
         completion.finish_reason = FINISH_REASONS[delta.finish_reason]
         usage = _usage(delta.usage)

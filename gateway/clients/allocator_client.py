@@ -140,6 +140,7 @@ class AllocatorClient(InternalChannel):
                 cache_salt=i.cache_salt,
                 tenant=i.tenant,
                 num_tokens=i.num_tokens,
+                resumed=i.resumed,
             )
             if i.is_new
             else pb.StepItem(

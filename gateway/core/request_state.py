@@ -45,6 +45,16 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's raw distribution, and the most
+    likely tokens' (as many as the request's sampling.logprobs asks for)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class CompletionDelta:
     """What one step produced for one completion, queued for the client's stream."""
 
@@ -54,6 +64,7 @@ class CompletionDelta:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: ServiceError | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -76,6 +87,7 @@ class Request:
     tenant: str = ""  # "" when the gateway has no API keys (one tenant)
     outputs: asyncio.Queue[CompletionDelta] = field(default_factory=asyncio.Queue)
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # its first admission (queue time)
     num_cached_tokens: int | None = None   # from the first admission
     num_open_completions: int = 0
     cancelled: bool = False
@@ -136,6 +148,8 @@ class Sequence:
     seed_offset: int = 0
     detokenizer: Detokenizer | None = None
     finish_reason: FinishReason | None = None
+    # The last landed token's logprobs, when the request asked for them (Scheduler.fill).
+    last_logprob: TokenLogprob | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -193,11 +207,26 @@ class Sequence:
         return self.status is SeqStatus.FINISHED
 
     def exec_sampling(self) -> ExecSampling:
+        """The sampling of the sequence's first Execute, which starts at num_computed_tokens
+        (a cached prefix, or an n > 1 child after its parent's prompt)."""
         options = self.request.sampling
         # Children of n > 1 use seed + index, wrapped to the proto's uint64 range.
         seed = None if options.seed is None else (options.seed + self.seed_offset) % 2**64
+        start = self.num_computed_tokens
         return ExecSampling(
-            temperature=options.temperature, top_p=options.top_p, top_k=options.top_k, seed=seed
+            temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
+            seed=seed, min_p=options.min_p, presence_penalty=options.presence_penalty,
+            frequency_penalty=options.frequency_penalty,
+            repetition_penalty=options.repetition_penalty, logit_bias=options.logit_bias,
+            min_tokens=options.min_tokens,
+            stop_token_ids=tuple(sorted(options.stop_token_ids)) if options.min_tokens else (),
+            ignore_eos=options.ignore_eos,
+            # After a recompute the executor is sent prompt + generated tokens as one request.
+            num_prompt_tokens=len(self.request.prompt_token_ids),
+            top_logprobs=options.logprobs or 0,
+            history_token_ids=(
+                tuple(self.token_slice(0, start)) if options.has_penalties and start else ()
+            ),
         )
 
     def reset_for_recompute(self) -> None:
@@ -213,6 +242,7 @@ class Sequence:
         self.num_preemptions += 1
 
 
-def priority(seq: Sequence) -> tuple[float, int]:
-    """FCFS order: the request's arrival, then the completion's index."""
-    return (seq.request.arrival_time, seq.index)
+def priority(seq: Sequence) -> tuple[int, float, int]:
+    """Scheduling order: the request's priority (lower first), then FCFS: its arrival, then
+    the completion's index."""
+    return (seq.request.sampling.priority, seq.request.arrival_time, seq.index)

@@ -1,5 +1,5 @@
 """The scheduler of one executor's pool: its queues, and which sequences run in the next step.
-Plain Python: no gRPC, no tokenizer, no clock.
+Plain Python: no gRPC, no tokenizer; a clock only to stamp first admissions (queue time).
 
 One step is three calls, made by the engine in this order:
 
@@ -12,9 +12,12 @@ goes out before batch k returns, so apply_result splits into `advance` (counts; 
 per sampled token) and `fill` (the values), and the calls interleave: schedule(k+1),
 advance(k), apply_outcome(k+1), launch(k+1), fill(k).
 
-Planning (`schedule`) is FCFS under the budgets (`max_num_seqs`, `max_num_batched_tokens`):
-running sequences first (one decode token each, or their next prefill chunk), then swapped ones
-(swap-in), then waiting ones (prefill, chunked when the token budget is short).
+Planning (`schedule`) is in priority order under the budgets (`max_num_seqs`,
+`max_num_batched_tokens`): running sequences first (one decode token each, or their next
+prefill chunk), then swapped ones (swap-in), then waiting ones (prefill, chunked when the token
+budget is short). Each queue is ordered by the requests' `priority` (lower first), FCFS among
+equals; the allocator preempts from the tail of the step's order, so the running request of
+the lowest priority (the highest value) goes first, as in vLLM.
 
 Applying the allocator's answer (`apply_outcome`): grants, preemptions and deferrals move
 sequences between the queues, and what was granted becomes the Execute call. The allocator
@@ -30,13 +33,14 @@ calls.
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from gateway.core.batch import Batch, Budget, Pending, ScheduledStep
-from gateway.core.request_state import Request, SeqStatus, Sequence, priority
+from gateway.core.request_state import Request, SeqStatus, Sequence, TokenLogprob, priority
 from gateway.core.step import (
     Commit,
     ExecuteCall,
@@ -68,13 +72,25 @@ class Scheduler:
     # allocator defers while other tenants' wait behind them. Cleared when one of the
     # tenant's sequences ends (its blocks come back).
     quota_blocked: set[str] = field(default_factory=set)
+    clock: Callable[[], float] = time.monotonic
 
     def add(self, seq: Sequence, front: bool = False) -> None:
+        """Queue a sequence among the waiting ones of its priority: behind them (a new
+        request), or in front of them (`front`: one preempted or moved, older than they)."""
         seq.status = SeqStatus.WAITING
+        waiting, level = self.waiting, seq.request.sampling.priority
         if front:
-            self.waiting.appendleft(seq)
+            if not waiting or waiting[0].request.sampling.priority >= level:
+                waiting.appendleft(seq)
+                return
+            at = next((i for i, s in enumerate(waiting) if s.request.sampling.priority >= level),
+                      len(waiting))
         else:
-            self.waiting.append(seq)
+            if not waiting or waiting[-1].request.sampling.priority <= level:
+                waiting.append(seq)
+                return
+            at = next(i for i, s in enumerate(waiting) if s.request.sampling.priority > level)
+        waiting.insert(at, seq)
 
     @property
     def num_unfinished(self) -> int:
@@ -173,6 +189,7 @@ class Scheduler:
                 StepItem(
                     seq.seq_id, num, prompt_token_ids=tuple(seq.token_ids),
                     cache_salt=request.cache_salt, is_new=True, tenant=request.tenant,
+                    resumed=seq.num_preemptions > 0,
                 )
             )
             seqs[seq.seq_id] = seq
@@ -219,6 +236,7 @@ class Scheduler:
         if outcome.deferred_request_ids:
             self._note_quota_deferrals(step, outcome.deferred_request_ids)
         admitted: set[Sequence] = set()
+        swapped_in = False
         work: list[SeqWork] = []
         scheduled: list[tuple[Sequence, int]] = []
         decodes = _DecodeColumns()
@@ -257,11 +275,13 @@ class Scheduler:
                 seq.num_computed_tokens = grant.start_position
                 if seq.request.num_cached_tokens is None:
                     seq.request.num_cached_tokens = grant.num_cached_tokens
+                    seq.request.first_scheduled_time = self.clock()
                 admitted.add(seq)
                 self.running.append(seq)
             elif seq.status is SeqStatus.SWAPPED:
                 self.swapped.remove(seq)
                 self.running.append(seq)
+                swapped_in = True
             seq.status = SeqStatus.RUNNING
             delta = grant.delta if grant is not None else None
             appended = appended_blocks.get(request_id)
@@ -291,6 +311,9 @@ class Scheduler:
             scheduled.append((seq, num))
         if admitted:
             self.waiting = deque(s for s in self.waiting if s not in admitted)
+        if admitted or swapped_in:
+            # Stable: among equal priorities the order stays as it was (FCFS).
+            self.running.sort(key=_priority_level)
         call = ExecuteCall(
             release_request_ids=tuple(self.pending.release_ids),
             swap_out=outcome.swap_out,
@@ -392,6 +415,8 @@ class Scheduler:
             seq.output_token_ids.append(token)
             if seq.status is not SeqStatus.FINISHED:
                 sampled.append((seq, token))
+                if seq.request.sampling.logprobs is not None:
+                    seq.last_logprob = _logprob(result, row, num_decodes, seq.seq_id, token)
         return sampled
 
     def launch(self, batch: Batch) -> None:
@@ -525,6 +550,20 @@ class Scheduler:
             self.waiting = deque(s for s in self.waiting if not s.is_finished)
         if any(s.is_finished for s in self.swapped):
             self.swapped = [s for s in self.swapped if not s.is_finished]
+
+
+def _priority_level(seq: Sequence) -> int:
+    return seq.request.sampling.priority
+
+
+def _logprob(result: ExecuteResult, row: int, num_decodes: int, seq_id: str, token: int
+             ) -> TokenLogprob:
+    """The executor's logprobs for a landed token (a compact decode's by column)."""
+    if row < num_decodes:
+        top = result.decode_top_logprobs[row] if result.decode_top_logprobs else ()
+        return TokenLogprob(token, result.decode_logprobs[row], top)
+    sampled = next(t for t in result.tokens if t.request_id == seq_id)
+    return TokenLogprob(token, sampled.logprob, sampled.top_logprobs)
 
 
 def _samples_its_last(seq: Sequence) -> bool:

@@ -48,6 +48,7 @@ class StepItem:
     append_token_ids: tuple[int, ...] = ()
     is_new: bool = False
     tenant: str = ""  # a new request's, for the allocator's per-tenant block quota
+    resumed: bool = False  # new at the allocator after a recompute preemption
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,10 +108,34 @@ class StepOutcome:
 
 @dataclass(frozen=True, slots=True)
 class ExecSampling:
+    """A sequence's sampling at the executor (pagedkv.executor.v1 SamplingParams says what
+    each field means), sent with its first Execute."""
+
     temperature: float
     top_p: float
     top_k: int
     seed: int | None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    # What min_tokens masks: the request's stop_token_ids; unless ignore_eos, the client adds
+    # its executor's EOS ids (executor_client.py).
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    num_prompt_tokens: int = 0
+    top_logprobs: int = 0
+    # Penalties on and the first Execute starting past position 0 (a cached prefix, an n > 1
+    # child): the tokens before it, which the penalties count. Sent in SequenceWork.
+    history_token_ids: tuple[int, ...] = ()
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,11 +182,14 @@ class ExecuteCall:
 
 @dataclass(frozen=True, slots=True)
 class Sampled:
-    """A sampled token. (The executor also returns logprobs; the public API has no use for
-    them yet, so they are not carried.)"""
+    """A sampled token, its logprob and (when the sequence asked) the most likely tokens'."""
 
     request_id: str
     token_id: int
+    # The raw model distribution's log-softmax (before penalties, temperature, ...).
+    logprob: float = 0.0
+    # ExecSampling.top_logprobs (token id, logprob) pairs, most likely first.
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +197,10 @@ class ExecuteResult:
     tokens: tuple[Sampled, ...]  # for the sequences of `seqs` that sample
     compute_ms: float  # the executor's forward pass + sampling
     decode_token_ids: tuple[int, ...] = ()  # one per compact decode, in column order
+    decode_logprobs: tuple[float, ...] = ()  # one per compact decode, as Sampled.logprob
+    # Empty when no compact decode asked for top logprobs; else one per compact decode, as
+    # Sampled.top_logprobs (() for a row that asked none).
+    decode_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     # The executor's own report: its forward pass, sampling, whole step (ms), tokens computed.
     forward_ms: float = 0.0
     sample_ms: float = 0.0

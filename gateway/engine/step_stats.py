@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import IO
 
@@ -42,6 +43,7 @@ class StepStats:
     allocator_ms: deque[float] = field(default_factory=deque)
     num_seqs: deque[int] = field(default_factory=deque)
     num_steps: int = 0
+    observe: Callable[[StepRecord], None] | None = None  # metrics (gateway/metrics.py)
     _log: IO[str] | None = None
 
     def __post_init__(self) -> None:
@@ -61,6 +63,8 @@ class StepStats:
         self.allocator_ms.append(step.allocator_ms)
         self.num_seqs.append(step.num_seqs)
         self.num_steps += 1
+        if self.observe is not None:
+            self.observe(step)
         if self._log is not None:
             self._log.write(json.dumps({"pool_id": pool_id, **asdict(step)}) + "\n")
 

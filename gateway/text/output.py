@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.core.request_state import CompletionDelta, FinishReason, Sequence, Usage
+from gateway.core.request_state import (
+    CompletionDelta,
+    FinishReason,
+    Sequence,
+    TokenLogprob,
+    Usage,
+)
 from gateway.text.detokenizer import Detokenizer
 
 
@@ -16,27 +22,38 @@ class OutputProcessor:
     max_model_len: int
 
     def start(self, seq: Sequence) -> None:
+        options = seq.request.sampling
         seq.detokenizer = Detokenizer.for_prompt(
-            self.decoder, seq.request.prompt_token_ids, seq.request.sampling.stop
+            self.decoder, seq.request.prompt_token_ids, options.stop,
+            include_stop=options.include_stop_str_in_output,
+            skip_special_tokens=options.skip_special_tokens,
         )
 
     def process(self, seq: Sequence, token_id: int) -> CompletionDelta:
-        """One sampled token: its text, and the finish reason when it ends the completion."""
+        """One sampled token: its text, and the finish reason when it ends the completion.
+        Before min_tokens, only the length limits end it (the executor masks EOS and the stop
+        tokens; stop strings are not looked for), as in vLLM."""
         options = seq.request.sampling
         detok = seq.detokenizer
         assert detok is not None, f"{seq.seq_id} has no detokenizer: call start() first"
-        text = detok.add(token_id)
+        num_outputs = len(seq.output_token_ids)
+        may_stop = num_outputs >= options.min_tokens
+        text = detok.add(token_id, find_stop=may_stop)
         reason: FinishReason | None = None
-        if detok.stopped or token_id in options.stop_token_ids:
+        if may_stop and (detok.stopped or token_id in options.stop_token_ids):
             reason = FinishReason.STOP
-        elif not options.ignore_eos and token_id in self.eos_token_ids:
+        elif may_stop and not options.ignore_eos and token_id in self.eos_token_ids:
             reason = FinishReason.STOP
-        elif len(seq.output_token_ids) >= options.max_tokens:
+        elif num_outputs >= options.max_tokens:
             reason = FinishReason.LENGTH
         elif seq.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if seq.last_logprob is not None:
+            logprobs, seq.last_logprob = (seq.last_logprob,), None
         if reason is None:
-            return CompletionDelta(index=seq.index, token_ids=(token_id,), text=text)
+            return CompletionDelta(index=seq.index, token_ids=(token_id,), text=text,
+                                   logprobs=logprobs)
         seq.finish_reason = reason
         return CompletionDelta(
             index=seq.index,
@@ -44,6 +61,7 @@ class OutputProcessor:
             text=text + detok.flush(),
             finish_reason=reason,
             usage=usage(seq),
+            logprobs=logprobs,
         )
 
 

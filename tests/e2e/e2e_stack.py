@@ -34,10 +34,16 @@ def start_stack(log_dir: Path, **spec: Any) -> Stack:
     return Stack(StackSpec(log_dir=str(log_dir), **spec)).start()
 
 
+def http_base(stack: Stack, gateway: str = "gateway") -> str:
+    """The gateway's HTTP API (the launcher gives it a free port)."""
+    return f"http://127.0.0.1:{stack.by_name(gateway).http_ports['--http-port']}"
+
+
 @dataclass(slots=True)
 class Clients:
     stack: Stack
     channels: list[grpc.Channel] = field(default_factory=list)
+    http: str = ""  # the gateway's HTTP API base URL, when the test knows it
 
     def __post_init__(self) -> None:
         self.channels = [grpc.insecure_channel(self.stack.gateway_addr),

@@ -60,7 +60,13 @@ def _fill(message: Any, rng: random.Random, strings: list[str], numbers: list[in
             continue
         if rng.random() < 0.3:
             continue  # left unset
-        if field.type == FD.TYPE_MESSAGE:
+        if field.type == FD.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:
+            key, value = field.message_type.fields_by_name["key"], \
+                field.message_type.fields_by_name["value"]
+            entries = getattr(message, field.name)
+            for _ in range(rng.choice([0, 1, 3, 40])):
+                entries[_scalar(key, rng, strings, numbers)] = _scalar(value, rng, strings, numbers)
+        elif field.type == FD.TYPE_MESSAGE:
             if depth >= 3:
                 continue
             if field.is_repeated:

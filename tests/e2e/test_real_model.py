@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from e2e_stack import Clients, generate, generate_many, sampling, start_stack
+from e2e_stack import Clients, generate, generate_many, http_base, sampling, start_stack
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.model_dirs import DEFAULT_MODEL
@@ -49,8 +48,9 @@ def hf_greedy(prompt_ids: list[int], max_tokens: int) -> list[int]:
 @pytest.fixture(scope="module")
 def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clients]:
     # The launcher's defaults: the embedded model, weights loaded (auto), no extra flags.
-    stack: Stack = start_stack(tmp_path_factory.mktemp("real-model"), model=str(DEFAULT_MODEL))
-    c = Clients(stack)
+    log_dir = tmp_path_factory.mktemp("real-model")
+    stack: Stack = start_stack(log_dir, model=str(DEFAULT_MODEL))
+    c = Clients(stack, http=http_base(stack))
     try:
         yield c
     finally:
@@ -90,9 +90,10 @@ def test_real_model_chat_template_answers_paris(clients: Clients) -> None:
 
 
 def test_real_model_info_names_the_model_and_its_eos(clients: Clients) -> None:
-    # GetModelInfo reports the directory's name and the EOS of config + generation config.
+    # GetModelInfo reports the model's own name (its config's, which set-up writes) and the
+    # EOS of config + generation config.
     info = clients.gateway.GetModelInfo(gpb.GetModelInfoRequest())
-    assert info.model_name == Path(DEFAULT_MODEL).name
+    assert info.model_name == "SmolLM2-135M-Instruct"
     tokenizer, _ = hf()
     assert list(info.eos_token_ids) == [tokenizer.eos_token_id]
 
@@ -108,3 +109,60 @@ def test_real_model_chat_rejects_unknown_role_and_empty_messages(clients: Client
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert needle in (info.value.details() or "")
     clients.wait_all_blocks_back()
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _chat_reference(messages: list[dict[str, str]], max_tokens: int) -> str:
+    tokenizer, _ = hf()
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False)
+    ids = hf_greedy(tokenizer.encode(rendered, add_special_tokens=False), max_tokens)
+    return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def test_real_model_openai_chat(clients: Clients) -> None:
+    # The official client, the model's own template: the answer is transformers' generate's.
+    import openai
+
+    client = openai.OpenAI(base_url=f"{clients.http}/v1", api_key="unused", max_retries=0)
+    response = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION,  # type: ignore[arg-type]
+        temperature=0, max_completion_tokens=32, logprobs=True, top_logprobs=2)
+    choice = response.choices[0]
+    assert choice.message.content == _chat_reference(QUESTION, 32)
+    assert "Paris" in (choice.message.content or "")
+    assert choice.finish_reason == "stop"
+    content = choice.logprobs.content  # type: ignore[union-attr]
+    assert len(content) == response.usage.completion_tokens  # type: ignore[union-attr]
+    assert all(len(c.top_logprobs) == 2 for c in content)
+    # Greedy: the chosen token is the most likely one.
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
+
+
+def test_real_model_openai_async_streaming_chat(clients: Clients) -> None:
+    import asyncio
+
+    import openai
+
+    async def stream() -> tuple[list[str], str, str | None]:
+        client = openai.AsyncOpenAI(base_url=f"{clients.http}/v1", api_key="unused",
+                                    max_retries=0)
+        chunks = await client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=QUESTION,  # type: ignore[arg-type]
+            temperature=0, max_tokens=32, stream=True)
+        roles, text, reason = [], "", None
+        async for chunk in chunks:
+            for choice in chunk.choices:
+                if choice.delta.role:
+                    roles.append(choice.delta.role)
+                text += choice.delta.content or ""
+                reason = choice.finish_reason or reason
+        await client.close()
+        return roles, text, reason
+
+    roles, text, reason = asyncio.run(stream())
+    assert roles == ["assistant"]
+    assert text == _chat_reference(QUESTION, 32)
+    assert reason == "stop"

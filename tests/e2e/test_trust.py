@@ -12,7 +12,15 @@ from typing import Any
 
 import grpc
 import pytest
-from e2e_stack import Clients, generate, prompts, reference_greedy, sampling, start_stack
+from e2e_stack import (
+    Clients,
+    generate,
+    http_base,
+    prompts,
+    reference_greedy,
+    sampling,
+    start_stack,
+)
 
 from common.credentials import with_metadata
 from gateway.api.tenants import Tenancy, load_tenancy
@@ -37,7 +45,7 @@ def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clients]:
                                       "--max-num-seqs", "2",
                                       "--tenant-max-requests", str(TENANT_MAX_REQUESTS),
                                       "--tenant-max-running", "1"))
-    clients = Clients(stack)
+    clients = Clients(stack, http=http_base(stack))
     yield clients
     clients.close()
     stack.stop()
@@ -271,4 +279,48 @@ def test_concurrent_requests_cannot_overrun_the_in_flight_quota(clients: Clients
             call.cancel()
         channel.close()
     assert admitted <= TENANT_MAX_REQUESTS and admitted + refused == 20
+    clients.wait_all_blocks_back()
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer not-a-key-0123456789", "Basic abc"])
+def test_the_http_api_needs_a_valid_key(clients: Clients, authorization: str | None):
+    # 401 in OpenAI's error shape on every endpoint that serves a tenant; /health and
+    # /metrics stay open for probes and scrapers.
+    import httpx
+
+    headers = {"authorization": authorization} if authorization else {}
+    body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}
+    for response in (httpx.post(f"{clients.http}/v1/completions", json=body, headers=headers),
+                     httpx.get(f"{clients.http}/v1/models", headers=headers)):
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{clients.http}/health").status_code == 200
+    assert httpx.get(f"{clients.http}/metrics").status_code == 200
+
+
+def test_the_http_api_serves_tenants_and_refuses_one_over_its_quota(clients: Clients):
+    # With A's key, the official client works; past A's in-flight quota it gets 429
+    # (openai.RateLimitError), and B is unaffected.
+    import openai
+
+    client_a = openai.OpenAI(base_url=f"{clients.http}/v1", api_key=KEY_A, max_retries=0)
+    client_b = openai.OpenAI(base_url=f"{clients.http}/v1", api_key=KEY_B, max_retries=0)
+    prompt = next(prompts(1, 10, seed=441))
+    streams = [client_a.completions.create(model="tiny-llama", prompt=prompt, max_tokens=400,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+               for _ in range(TENANT_MAX_REQUESTS)]
+    try:  # (each create returned once its stream's headers came: the request is queued)
+        with pytest.raises(openai.RateLimitError, match="tenant-max-requests"):
+            client_a.completions.create(model="tiny-llama", prompt="x", max_tokens=2)
+        done = client_b.completions.create(model="tiny-llama", prompt=prompt, max_tokens=6,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        expected = reference_greedy(tuple(prompt), 6, ignore_eos=True)
+        from e2e_stack import tokenizer
+
+        assert done.choices[0].text == tokenizer().decode(list(expected),
+                                                          skip_special_tokens=True)
+    finally:
+        for stream in streams:
+            stream.close()
     clients.wait_all_blocks_back()

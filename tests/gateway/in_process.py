@@ -53,7 +53,7 @@ def _items(call: StepCall) -> list[core_step.StepItem]:
     return [
         core_step.StepItem(
             i.request_id, i.num_tokens, list(i.prompt_token_ids) if i.is_new else None,
-            i.cache_salt, list(i.append_token_ids), i.tenant,
+            i.cache_salt, list(i.append_token_ids), i.tenant, i.resumed,
         )
         for i in call.items
     ]

@@ -110,5 +110,36 @@ def test_stop_string_index_finds_the_earliest_match_like_a_brute_force_scan():
                  for _ in range(rng.randint(1, 5))]
         text = "".join(rng.choice("abcd") for _ in range(rng.randint(0, 12)))
         new_from = rng.randint(0, len(text))
-        assert StopStrings.of(stops).earliest_match(text, new_from) == _reference_earliest(
+        assert StopStrings.of(stops).earliest_match(text, new_from)[0] == _reference_earliest(
             text, stops, new_from), (stops, text, new_from)
+
+
+def test_detokenizer_keeps_the_stop_string_when_asked(tokenizer: Tokenizer):
+    # include_stop_str_in_output: the text ends right after the stop string, not before it.
+    ids = tokenizer.encode("alpha beta STOP gamma")
+    detok = Detokenizer.for_prompt(tokenizer, ids[:1], ("STOP",), include_stop=True)
+    released = ""
+    for t in ids[1:]:
+        released += detok.add(t)
+        if detok.stopped:
+            break
+    assert detok.stopped
+    full = tokenizer.decode(ids[1:])
+    assert released == full[: full.index("STOP") + len("STOP")]
+
+
+def test_detokenizer_ignores_stop_strings_while_told_to(tokenizer: Tokenizer):
+    # min_tokens: a stop string in text added with find_stop=False ends nothing.
+    ids = tokenizer.encode("a STOP b")
+    detok = Detokenizer.for_prompt(tokenizer, ids[:1], ("STOP",))
+    released = "".join(detok.add(t, find_stop=False) for t in ids[1:]) + detok.flush()
+    assert not detok.stopped
+    assert released == tokenizer.decode(ids[1:])
+
+
+def test_detokenizer_keeps_special_tokens_when_asked(tokenizer: Tokenizer):
+    # skip_special_tokens=False: EOS decodes to its own text, as a full decode does.
+    detok = Detokenizer.for_prompt(tokenizer, [1], (), skip_special_tokens=False)
+    text = detok.add(5) + detok.add(2) + detok.flush()
+    assert text == tokenizer.hf.decode([5, 2], skip_special_tokens=False)
+    assert tokenizer.hf.eos_token in text

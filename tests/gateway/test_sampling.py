@@ -22,6 +22,22 @@ LIMITS = ModelLimits(max_model_len=64, vocab_size=512, max_n=4, pool_capacity_to
         (RawSampling(n=5), "n"),
         (RawSampling(stop_token_ids=(3, 512)), "stop_token_ids"),
         (RawSampling(stop=("ok", "")), "stop"),
+        (RawSampling(min_p=-0.1), "min_p"),
+        (RawSampling(min_p=1.5), "min_p"),
+        (RawSampling(min_p=math.nan), "min_p"),
+        (RawSampling(presence_penalty=2.5), "presence_penalty"),
+        (RawSampling(frequency_penalty=-3.0), "frequency_penalty"),
+        (RawSampling(repetition_penalty=0.0), "repetition_penalty"),
+        (RawSampling(repetition_penalty=1e-50), "repetition_penalty"),
+        (RawSampling(stop_token_ids=tuple(range(512))), "stop_token_ids"),
+        (RawSampling(repetition_penalty=101.0), "repetition_penalty"),
+        (RawSampling(logit_bias=((512, 1.0),)), "logit_bias"),
+        (RawSampling(logit_bias=((5, 101.0),)), "logit_bias"),
+        (RawSampling(logit_bias=((5, math.inf),)), "logit_bias"),
+        (RawSampling(logit_bias=tuple((i, 1.0) for i in range(1025))), "logit_bias"),
+        (RawSampling(logprobs=21), "logprobs"),
+        (RawSampling(min_tokens=20, max_tokens=10), "min_tokens"),
+        (RawSampling(min_tokens=-1), "min_tokens"),
     ],
 )
 def test_validate_rejects_bad_field_naming_it(raw: RawSampling, field: str):
@@ -72,3 +88,28 @@ def test_sampling_explicit_zero_max_tokens_is_invalid():
     # max_tokens is optional on the wire: unset means 16, an explicit 0 is a mistake.
     with pytest.raises(InvalidArgument, match="sampling.max_tokens"):
         validate(RawSampling(max_tokens=0), prompt_len=4, limits=LIMITS)
+
+
+def test_validate_passes_the_processors_through():
+    options = validate(RawSampling(min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5,
+                                   repetition_penalty=1.2, logit_bias=((7, -100.0),),
+                                   min_tokens=2, logprobs=3, include_stop_str_in_output=True,
+                                   skip_special_tokens=False, priority=-4),
+                       prompt_len=4, limits=LIMITS)
+    assert (options.min_p, options.presence_penalty, options.frequency_penalty,
+            options.repetition_penalty, options.logit_bias, options.min_tokens,
+            options.logprobs, options.include_stop_str_in_output, options.skip_special_tokens,
+            options.priority) == (0.1, 0.5, -0.5, 1.2, ((7, -100.0),), 2, 3, True, False, -4)
+    assert options.has_penalties
+    defaults = validate(RawSampling(), prompt_len=4, limits=LIMITS)
+    assert (defaults.repetition_penalty, defaults.skip_special_tokens, defaults.logprobs) == (
+        1.0, True, None)
+    assert not defaults.has_penalties
+
+
+def test_chat_default_max_tokens_fills_the_context():
+    # The chat API's unset max_tokens: the rest of max_model_len (here 64 - 10), not 16.
+    options = validate(RawSampling(fill_context=True), prompt_len=10, limits=LIMITS)
+    assert options.max_tokens == 54
+    small_pool = ModelLimits(max_model_len=64, vocab_size=512, max_n=4, pool_capacity_tokens=32)
+    assert validate(RawSampling(fill_context=True), 10, small_pool).max_tokens == 22

@@ -623,3 +623,73 @@ def test_a_tenant_at_its_block_quota_stands_aside_for_other_tenants():
     sched.finish(a1)
     plan = sched.schedule()
     assert [i.request_id for i in plan.call.items if i.is_new][:1] == ["a2"]
+
+
+def prioritized(rid: str, prompt: list[int], priority: int, max_tokens: int = 4) -> Request:
+    return Request(request_id=rid, prompt_token_ids=prompt, cache_salt="",
+                   sampling=SamplingOptions(max_tokens=max_tokens, priority=priority))
+
+
+def test_scheduler_waiting_queue_orders_by_priority_then_arrival():
+    # Lower priority values first; FCFS among equals (vLLM's priority policy).
+    sched = scheduler()
+    for rid, level in (("a", 1), ("b", 0), ("c", 2), ("d", 0), ("e", 1)):
+        add(sched, prioritized(rid, [3, 4], level))
+    assert [s.request.request_id for s in sched.waiting] == ["b", "d", "a", "e", "c"]
+    # A preempted request goes in front of the waiting ones of its own priority only.
+    seq = Sequence(seq_id="p", request=prioritized("p", [5], 1), index=0)
+    sched.add(seq, front=True)
+    assert [s.request.request_id for s in sched.waiting] == ["b", "d", "p", "a", "e", "c"]
+    plan = sched.schedule()
+    assert plan is not None
+    assert [i.request_id for i in plan.call.items] == ["b", "d", "p", "a", "e", "c"]
+
+
+def test_scheduler_preempts_the_lowest_priority_running_request_first():
+    # Three requests admitted in arrival order, the urgent one last; the pool then runs
+    # short. The allocator preempts from the tail of the step's order: the running queue is
+    # in priority order, so the least urgent request goes, never the urgent one.
+    sched = scheduler(seqs=8, tokens=64)
+    pool, model = CorePool(6, BLOCK), FakeModel(BLOCK)
+    low = add(sched, prioritized("low", [3] * 4, priority=5, max_tokens=12))[0]
+    mid = add(sched, prioritized("mid", [4] * 4, priority=1, max_tokens=12))[0]
+    urgent = add(sched, prioritized("urgent", [5] * 4, priority=0, max_tokens=12))[0]
+    assert [s.request.request_id for s in sched.waiting] == ["urgent", "mid", "low"]
+    drive(sched, pool, model)
+    assert pool.num_preemptions > 0
+    assert urgent.num_preemptions == 0
+    assert low.num_preemptions >= mid.num_preemptions
+    for seq in (low, mid, urgent):
+        assert seq.output_token_ids == model.reference(seq.request.prompt_token_ids, 12)
+    assert pool.all_free() and not model.held
+
+
+def test_scheduler_running_order_follows_priority_after_admission():
+    sched = scheduler()
+    pool = CorePool(64, BLOCK)
+    add(sched, prioritized("late-urgent", [1, 2], priority=0))
+    add(sched, prioritized("relaxed", [3, 4], priority=9))
+    plan = sched.schedule()
+    assert plan is not None
+    sched.apply_outcome(plan, pool.step(plan.call))
+    add(sched, prioritized("urgent-2", [5, 6], priority=0))
+    plan = sched.schedule()
+    assert plan is not None
+    sched.apply_outcome(plan, pool.step(plan.call))
+    assert [s.request.request_id for s in sched.running] == ["late-urgent", "urgent-2",
+                                                             "relaxed"]
+
+
+def test_scheduler_readmissions_after_recompute_are_counted_apart():
+    # The same workload as above: every prompt counts once as a prefix-cache query; the
+    # readmissions of preempted requests (prompt + generated tokens) are sent as resumed.
+    sched = scheduler(seqs=8, tokens=32)
+    pool, model = CorePool(10, BLOCK), FakeModel(BLOCK)
+    reqs = [request(f"r{i}", [i + 3] * 6, max_tokens=8) for i in range(5)]
+    for r in reqs:
+        add(sched, r)
+    drive(sched, pool, model)
+    assert pool.num_preemptions > 0
+    core = pool.pool
+    assert core.num_prefix_queries == sum(len(r.prompt_token_ids) for r in reqs)
+    assert core.num_resumed_prefix_queries > 0

@@ -35,6 +35,9 @@ def test_defaults_are_sensible():
         (["--tenant-max-requests", "-1"], "--tenant-max-requests"),
         (["--tenant-max-running", "-1"], "--tenant-max-running"),
         (["--max-prompt-bytes", "0"], "--max-prompt-bytes"),
+        (["--http-port", "70000"], "--http-port"),
+        (["--http-port", "-2"], "--http-port"),
+        (["--max-sse-buffer", "0"], "--max-sse-buffer"),
         (["--public-tls-cert", "/nonexistent.pem", "--public-tls-key", "/nonexistent.pem"],
          "--public-tls-cert"),
     ],
@@ -120,3 +123,10 @@ def test_a_bad_environment_value_is_a_usage_error_naming_it(
         load_settings([])
     err = capsys.readouterr().err
     assert info.value.code == 2 and message in err and "usage:" in err
+
+
+def test_http_api_defaults():
+    settings = load_settings([])
+    assert (settings.http_port, settings.max_sse_buffer, settings.served_model_name) == (
+        8000, 256, "")
+    assert load_settings(["--http-port", "-1"]).http_port == -1  # no HTTP API

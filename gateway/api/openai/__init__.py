@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API: the same frontend as the gRPC API, another front door."""

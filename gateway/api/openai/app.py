@@ -1,0 +1,415 @@
+"""The OpenAI-compatible HTTP API (FastAPI), on the gateway's own frontend and engines.
+
+    GET  /v1/models            the served model
+    POST /v1/completions       text or token-id prompt; streaming (SSE) or not
+    POST /v1/chat/completions  the model's own chat template; streaming (SSE) or not
+    GET  /health               200 while an executor is reachable, else 503
+    GET  /metrics              Prometheus text format (gateway/metrics.py)
+
+Every request runs through `Frontend.submit` and `Frontend.deltas`, exactly as a gRPC call:
+the same validation, tenants, quotas and request ids. A client that goes away (mid-stream or
+while waiting for a whole completion) cancels its request, which frees its blocks; a stream
+whose client reads too slowly (more than --max-sse-buffer events queued) is cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.types import Receive, Scope, Send
+
+from common.errors import ServiceError
+from gateway.api.frontend import Frontend
+from gateway.api.openai.errors import error_body, error_response, message_of, status_of
+from gateway.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.api.sampling import MAX_REQUEST_ID_CHARS
+from gateway.api.tenants import Tenancy
+from gateway.core.request_state import CompletionDelta, FinishReason, TokenLogprob
+from gateway.core.request_state import Request as EngineRequest
+from gateway.metrics import EngineSnapshot, GatewayMetrics
+
+log = structlog.get_logger(__name__)
+Body = TypeVar("Body", bound=BaseModel)
+REQUEST_ID_HEADER = "x-request-id"
+SSE_PING_S = 15.0
+SSE_SEND_TIMEOUT_S = 30.0  # a client that takes a whole event for this long is gone
+FINISH_REASONS = {None: None, FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
+                  FinishReason.ABORT: "abort"}
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+@dataclass(slots=True)
+class HttpApi:
+    """What the routes need from the gateway."""
+
+    frontend: Frontend
+    tenancy: Tenancy
+    metrics: GatewayMetrics
+    served_model_name: str
+    max_body_bytes: int
+    max_sse_buffer: int
+    is_healthy: Callable[[], bool]
+    # Taken on the engine loop: every engine's snapshot, and the leases acquired so far.
+    engine_state: Callable[[], Awaitable[tuple[list[EngineSnapshot], int]]]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def tenant(self, request: Request) -> str:
+        authenticator = self.tenancy.authenticator()
+        if authenticator is None:
+            return ""
+        return authenticator.authenticate(request.headers.get("authorization"))
+
+    def check_model(self, model: str) -> None:
+        if model != self.served_model_name:
+            raise HttpError(404, f"The model `{model[:128]}` does not exist; this server "
+                            f"serves `{self.served_model_name}`", "model")
+
+    async def body(self, request: Request, model: type[Body]) -> Body:
+        """The JSON body, size-checked before it is read whole, validated by name."""
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type != "application/json":
+            raise HttpError(400, f"Content-Type must be application/json, not "
+                            f"{content_type[:64] or 'missing'}")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise HttpError(413, f"the body is {declared} bytes; at most "
+                            f"{self.max_body_bytes} (--max-prompt-bytes)")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > self.max_body_bytes:
+                raise HttpError(413, f"the body is over {self.max_body_bytes} bytes "
+                                "(--max-prompt-bytes)")
+        try:
+            return model.model_validate_json(bytes(raw))
+        except ValidationError as exc:
+            raise HttpError(400, *_describe(exc)) from None
+
+
+def _describe(exc: ValidationError) -> tuple[str, str | None]:
+    """The first problem, named by its field: an OpenAI client shows only the message."""
+    error = exc.errors()[0]
+    param = ".".join(str(p) for p in error["loc"]) or None
+    kind = error["type"]
+    if kind == "json_invalid":
+        return f"the body is not valid JSON: {error['msg']}", None
+    if kind == "extra_forbidden":
+        return f"unsupported parameter: {param}", param
+    if kind == "missing":
+        return f"{param} is required", param
+    return f"{param}: {error['msg']}", param
+
+
+def create_app(api: HttpApi) -> FastAPI:
+    app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(HttpError)
+    async def _http_error(request: Request, exc: HttpError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, _id_header(request))
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        return error_response(status_of(exc), message_of(exc), headers=_id_header(request))
+
+    @app.middleware("http")
+    async def _request_id(request: Request, call_next: Callable[[Request], Awaitable[Response]]
+                          ) -> Response:
+        """The caller's x-request-id (when valid) names the request in every log line."""
+        structlog.contextvars.clear_contextvars()
+        sent = request.headers.get(REQUEST_ID_HEADER, "")
+        if sent and len(sent) <= MAX_REQUEST_ID_CHARS and sent.isascii() and sent.isprintable():
+            structlog.contextvars.bind_contextvars(request_id=sent)
+        try:
+            return await call_next(request)
+        except Exception:
+            log.exception("http_handler_failed", path=request.url.path)
+            return error_response(500, "internal error: see the gateway's log")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if api.is_healthy():
+            return JSONResponse({"status": "ok"})
+        return error_response(503, "no executor is reachable")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        engines, leases = await api.engine_state()
+        return Response(api.metrics.render(engines, leases),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        api.tenant(request)
+        return JSONResponse({"object": "list", "data": [_model_card(api)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> JSONResponse:
+        api.tenant(request)
+        api.check_model(model_id)
+        return JSONResponse(_model_card(api))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        tenant = api.tenant(request)
+        body = await api.body(request, CompletionRequest)
+        api.check_model(body.model)
+        return await _serve(api, request, body, tenant, Completions(api, body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        tenant = api.tenant(request)
+        body = await api.body(request, ChatCompletionRequest)
+        api.check_model(body.model)
+        return await _serve(api, request, body, tenant, ChatCompletions(api, body))
+
+    return app
+
+
+def _model_card(api: HttpApi) -> dict[str, Any]:
+    return {"id": api.served_model_name, "object": "model", "created": api.created,
+            "owned_by": "pagedkv", "root": api.served_model_name,
+            "max_model_len": api.frontend.info.max_model_len}
+
+
+def _id_header(request: Request) -> dict[str, str]:
+    bound = structlog.contextvars.get_contextvars().get("request_id")
+    return {REQUEST_ID_HEADER: str(bound)} if bound else {}
+
+
+async def _serve(api: HttpApi, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                 tenant: str, shape: Shape) -> Response:
+    if body.user:
+        structlog.contextvars.bind_contextvars(user=body.user)
+    state = await api.frontend.submit(body.prompt_input(), body.sampling(), body.cache_salt,
+                                      body.request_id, tenant=tenant)
+    headers = {REQUEST_ID_HEADER: state.request_id}
+    if body.stream:
+        events = _events(api, state, shape, body.include_usage)
+        return _Stream(events, on_close=lambda: api.frontend.abandon(state), headers=headers,
+                       sep="\n", ping=SSE_PING_S, send_timeout=SSE_SEND_TIMEOUT_S)
+    try:
+        collected = await _until_disconnected(request, _collect(api, state))
+    finally:
+        api.frontend.abandon(state)  # cancelled or failed before it finished: free it
+    return JSONResponse(shape.whole(state, collected), headers=headers)
+
+
+async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """The work's result, or cancelled when the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            log.info("http_client_gone")
+    return await task
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Stream(EventSourceResponse):
+    """An SSE response that releases its request however it ends (even unstarted)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+@dataclass(slots=True)
+class Choice:
+    """One completion as it accumulates (whole responses) or streams (chunks)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    text_offset: int = 0  # completions' logprobs: where the next token's text starts
+
+
+async def _collect(api: HttpApi, state: EngineRequest) -> list[Choice]:
+    choices = [Choice() for _ in range(state.sampling.n)]
+    async for delta in api.frontend.deltas(state):
+        choice = choices[delta.index]
+        choice.text += delta.text
+        choice.token_ids.extend(delta.token_ids)
+        choice.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            choice.finish_reason = delta.finish_reason
+    return choices
+
+
+async def _events(api: HttpApi, state: EngineRequest, shape: Shape, include_usage: bool
+                  ) -> AsyncIterator[str]:
+    choices = [Choice() for _ in range(state.sampling.n)]
+    try:
+        for chunk in shape.opening(state):
+            yield json.dumps(chunk)
+        async with contextlib.aclosing(api.frontend.deltas(state)) as deltas:
+            async for delta in deltas:
+                choice = choices[delta.index]
+                choice.token_ids.extend(delta.token_ids)
+                yield json.dumps(shape.chunk(state, choice, delta, include_usage))
+                if state.outputs.qsize() > api.max_sse_buffer:
+                    log.warning("http_stream_cut", reason="the client reads too slowly",
+                                queued=state.outputs.qsize())
+                    return  # (closing `deltas` cancels the request)
+        if include_usage:
+            yield json.dumps(shape.usage_chunk(state, choices))
+    except ServiceError as exc:
+        yield json.dumps(error_body(status_of(exc), message_of(exc)))
+    yield "[DONE]"
+
+
+def usage(state: EngineRequest, choices: list[Choice]) -> dict[str, Any]:
+    prompt = len(state.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": state.num_cached_tokens or 0}}
+
+
+class Shape:
+    """How one endpoint's responses look."""
+
+    def __init__(self, api: HttpApi, body: Any) -> None:
+        self.api, self.body = api, body
+        self.created = int(time.time())
+        self.decode = api.frontend.tokenizer.decode
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def opening(self, state: EngineRequest) -> list[dict[str, Any]]:
+        return []
+
+    def head(self, state: EngineRequest, kind: str) -> dict[str, Any]:
+        return {"id": f"{self.prefix}{state.request_id}", "object": kind,
+                "created": self.created, "model": self.api.served_model_name}
+
+    prefix = ""
+
+    def whole(self, state: EngineRequest, choices: list[Choice]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def chunk(self, state: EngineRequest, choice: Choice, delta: CompletionDelta,
+              include_usage: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def usage_chunk(self, state: EngineRequest, choices: list[Choice]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class Completions(Shape):
+    prefix = "cmpl-"
+
+    def _logprobs(self, choice: Choice, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
+        if self.body.logprobs is None:
+            return None
+        tokens, offsets = [], []
+        for lp in logprobs:
+            text = self.token_text(lp.token_id)
+            tokens.append(text)
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self.token_text(t): p for t, p in lp.top} for lp in logprobs],
+                "text_offset": offsets}
+
+    def whole(self, state: EngineRequest, choices: list[Choice]) -> dict[str, Any]:
+        return {**self.head(state, "text_completion"),
+                "choices": [{"index": i, "text": c.text,
+                             "logprobs": self._logprobs(c, c.logprobs),
+                             "finish_reason": FINISH_REASONS[c.finish_reason]}
+                            for i, c in enumerate(choices)],
+                "usage": usage(state, choices)}
+
+    def chunk(self, state: EngineRequest, choice: Choice, delta: CompletionDelta,
+              include_usage: bool) -> dict[str, Any]:
+        out = {**self.head(state, "text_completion"),
+               "choices": [{"index": delta.index, "text": delta.text,
+                            "logprobs": self._logprobs(choice, list(delta.logprobs)),
+                            "finish_reason": FINISH_REASONS[delta.finish_reason]}]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, state: EngineRequest, choices: list[Choice]) -> dict[str, Any]:
+        return {**self.head(state, "text_completion"), "choices": [],
+                "usage": usage(state, choices)}
+
+
+class ChatCompletions(Shape):
+    prefix = "chatcmpl-"
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _logprobs(self, logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...]
+                  ) -> dict[str, Any] | None:
+        if not self.body.logprobs:
+            return None
+        return {"content": [{**self._entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [self._entry(t, p) for t, p in lp.top]}
+                            for lp in logprobs]}
+
+    def opening(self, state: EngineRequest) -> list[dict[str, Any]]:
+        """The assistant's role first, for every choice (as OpenAI streams it)."""
+        return [{**self.head(state, "chat.completion.chunk"),
+                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}]}
+                for i in range(state.sampling.n)]
+
+    def whole(self, state: EngineRequest, choices: list[Choice]) -> dict[str, Any]:
+        return {**self.head(state, "chat.completion"),
+                "choices": [{"index": i,
+                             "message": {"role": "assistant", "content": c.text},
+                             "logprobs": self._logprobs(c.logprobs),
+                             "finish_reason": FINISH_REASONS[c.finish_reason]}
+                            for i, c in enumerate(choices)],
+                "usage": usage(state, choices)}
+
+    def chunk(self, state: EngineRequest, choice: Choice, delta: CompletionDelta,
+              include_usage: bool) -> dict[str, Any]:
+        content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+        out = {**self.head(state, "chat.completion.chunk"),
+               "choices": [{"index": delta.index, "delta": content,
+                            "logprobs": self._logprobs(delta.logprobs),
+                            "finish_reason": FINISH_REASONS[delta.finish_reason]}]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, state: EngineRequest, choices: list[Choice]) -> dict[str, Any]:
+        return {**self.head(state, "chat.completion.chunk"), "choices": [],
+                "usage": usage(state, choices)}
+

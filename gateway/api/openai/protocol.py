@@ -1,0 +1,184 @@
+"""The OpenAI-compatible request bodies, and their conversion to the gateway's own inputs.
+
+Every field OpenAI (or vLLM, as an extension) defines that we serve is declared here; any other
+field is refused by name (`extra="forbid"`), never ignored. Fields OpenAI has whose other
+values we do not serve (`echo`, `suffix`, `best_of`, ...) accept only their no-op value. Range
+checks are the gateway's own (gateway/api/sampling.py), shared with the gRPC API.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.errors import InvalidArgument
+from gateway.api.frontend import PromptInput
+from gateway.api.sampling import RawSampling
+from gateway.text.tokenizer import ChatTurn
+
+# OpenAI's newer "developer" role is its system role.
+CHAT_ROLE_ALIASES = {"developer": "system"}
+MAX_USER_CHARS = 256
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints take."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM: -1 or 0 is off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    priority: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str = ""
+    request_id: str = ""
+
+    def raw_sampling(self, max_tokens: int | None, logprobs: int | None,
+                     fill_context: bool) -> RawSampling:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidArgument("stream_options is only allowed with stream: true")
+        if self.n < 1:
+            raise InvalidArgument(f"n is {self.n}; it must be >= 1")
+        top_k = self.top_k or 0
+        if top_k < -1:
+            raise InvalidArgument(f"top_k is {top_k}; it must be >= 0 (-1 or 0: off)")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise InvalidArgument(f"seed is {self.seed}; it must be in [0, 2^64)")
+        if any(t < 0 for t in self.stop_token_ids or ()):
+            raise InvalidArgument("stop_token_ids must be >= 0")
+        if self.min_tokens < 0:
+            raise InvalidArgument(f"min_tokens is {self.min_tokens}; it must be >= 0")
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidArgument(f"max_tokens is {max_tokens}; it must be >= 1")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return RawSampling(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(top_k, 0),
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            n=self.n,
+            ignore_eos=self.ignore_eos,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=_logit_bias(self.logit_bias),
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            priority=self.priority,
+            fill_context=fill_context,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = None  # unset: 16, as OpenAI
+    logprobs: int | None = None
+    echo: Literal[False] = False
+    suffix: None = None
+    best_of: int | None = None
+
+    def prompt_input(self) -> PromptInput:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise InvalidArgument(
+                    f"prompt holds {len(prompt)} prompts; send one prompt per request")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return PromptInput(text=prompt)
+        ids = list(prompt)
+        if any(not isinstance(t, int) or t < 0 for t in ids):
+            raise InvalidArgument("prompt token ids must be integers >= 0")
+        return PromptInput(token_ids=ids)  # type: ignore[arg-type]
+
+    def sampling(self) -> RawSampling:
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidArgument(f"best_of ({self.best_of}) other than n is not supported")
+        return self.raw_sampling(self.max_tokens, self.logprobs, fill_context=False)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # deprecated by OpenAI; unset: up to max_model_len
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, str] | None = None
+
+    def prompt_input(self) -> PromptInput:
+        turns = []
+        for message in self.messages:
+            content = message.content
+            text = content if isinstance(content, str) else "".join(p.text for p in content)
+            turns.append(ChatTurn(CHAT_ROLE_ALIASES.get(message.role, message.role), text))
+        return PromptInput(chat=turns)
+
+    def sampling(self) -> RawSampling:
+        if self.response_format not in (None, {"type": "text"}):
+            raise InvalidArgument("response_format other than {'type': 'text'} is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidArgument("top_logprobs needs logprobs: true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise InvalidArgument("send max_completion_tokens or max_tokens, not both")
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        if self.max_completion_tokens == 0 or self.max_tokens == 0:
+            max_tokens = 0  # refused by name below, not taken as unset
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.raw_sampling(max_tokens, logprobs, fill_context=max_tokens is None)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """JSON object keys are strings: each must be a token id."""
+    items = []
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidArgument(f"logit_bias key {key[:32]!r} is not a token id") from None
+        items.append((token_id, value))
+    return tuple(sorted(items))
