@@ -43,6 +43,7 @@ COPY allocator_svc ./allocator_svc
 COPY executor_svc ./executor_svc
 COPY gateway ./gateway
 COPY tools ./tools
+COPY pagedkv_client ./pagedkv_client
 RUN python -m executor_svc.attention.cpu_kernels
 
 # /run/pagedkv: where compose's credentials service writes the internal token (a named
@@ -51,5 +52,5 @@ RUN useradd --system --uid 10001 pagedkv && chown -R pagedkv build \
     && mkdir -p /run/pagedkv && chown pagedkv /run/pagedkv
 USER pagedkv
 
-EXPOSE 50051 50052 50053
+EXPOSE 50051 50052 50053 8000 9092 9093
 CMD ["python", "-m", "tools.launch", "--log-dir", "/tmp"]

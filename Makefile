@@ -16,7 +16,7 @@ KERNELS_STAMP := build/cpu_kernels/.built
 .PHONY: setup model kernels protos certs lint typecheck test conformance run run-allocator bench bench-full bench-executor bench-vllm compose-check clean
 
 setup: $(VENV)/.installed model kernels
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
@@ -46,7 +46,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 typecheck: protos
-	$(VENV)/bin/mypy common allocator_svc executor_svc gateway tools
+	$(VENV)/bin/mypy common allocator_svc executor_svc gateway tools pagedkv_client
 
 test: protos
 	$(PY) -m pytest -q

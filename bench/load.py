@@ -28,7 +28,7 @@ from pagedkv.allocator.v1 import allocator_pb2 as apb
 from pagedkv.allocator.v1 import allocator_pb2_grpc as apb_grpc
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
 from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
-from tools.launch import Stack, StackSpec
+from tools.launch import REPO_ROOT, Stack, StackSpec
 
 
 def poisson_arrivals(count: int, rate_per_s: float, seed: int) -> list[float]:
@@ -159,10 +159,13 @@ def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[
             if gateway_tree and not _has_step_log(gateway_tree):
                 os.environ["PAGEDKV_BENCH_STEP_LOG"] = step_log
                 module, extra = "bench.cp_gateway", ()
+            # A gateway with an HTTP API gets a free port for it (not 8000, which may be taken).
+            http = _gateway_flag(gateway_tree or str(REPO_ROOT), "--http-port")
             gateway = running._start("gateway", module, 0, (
                 "--allocator-addr", running.allocator_addr,
                 "--executor-addrs", ",".join(running.executor_addrs()), "--model", model,
-                *spec.gateway_args, *extra), cwd=gateway_tree)
+                *spec.gateway_args, *extra), cwd=gateway_tree,
+                ports={"--http-port": 0} if http else None)
             running._wait_healthy(gateway)
         except BaseException:
             running.stop()
@@ -178,7 +181,11 @@ def _has_internal_auth(tree: str) -> bool:
 
 
 def _has_step_log(tree: str) -> bool:
-    return "--step-log" in (Path(tree) / "gateway" / "settings.py").read_text()
+    return _gateway_flag(tree, "--step-log")
+
+
+def _gateway_flag(tree: str, flag: str) -> bool:
+    return f'"{flag}"' in (Path(tree) / "gateway" / "settings.py").read_text()
 
 
 # The gateway's own step records (gateway/engine/step_stats.py) under the short names the

@@ -1,10 +1,17 @@
 """`python -m tools.launch`: allocator, executor(s) and gateway as local subprocesses.
 
 Starts them in dependency order, waits until each reports SERVING on the gRPC health
-service, prints how to call the gateway, and stops everything on Ctrl-C / SIGTERM. A service
-that exits is restarted on its port (the others carry on: the gateway routes around a lost
-executor and waits out an allocator outage); one that keeps failing (5 exits within a minute)
-stops the stack. The e2e tests start their stacks with the same `Stack` (port 0).
+service, prints the gateway's gRPC and HTTP (OpenAI-compatible) addresses and the served
+model's name, and stops everything on Ctrl-C / SIGTERM. A service that exits is restarted on
+its ports (the others carry on: the gateway routes around a lost executor and waits out an
+allocator outage); one that keeps failing (5 exits within a minute) stops the stack. The e2e
+tests start their stacks with the same `Stack` (port 0).
+
+Flags the launcher does not know itself go to the services that take them, read from each
+service's own parser: `--block-size 32` reaches the executors, `--max-num-seqs 64` the gateway
+and the executors, `--log-level debug` all three; a flag no service takes is a usage error.
+The services run in the launcher's working directory (relative paths in flags mean what they
+say there) with this checkout's packages first on their path, from wherever it is started.
 
 The internal services are closed: the launcher generates an internal token (or takes
 PAGEDKV_INTERNAL_TOKEN from its environment) and hands it to every child in that variable;
@@ -24,21 +31,22 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 from common.config import add_flag
 from common.credentials import INTERNAL_TOKEN_ENV, InternalAuth, TlsFiles
-from common.model_dirs import DEFAULT_MODEL
+from common.model_dirs import DEFAULT_MODEL, PRESETS_DIR
+from pagedkv_client import NO_RETRY, Client, PagedkvError
+from tools.flag_routing import UsageError, route_flags, service_flags
 from tools.health_probe import is_serving
 
 HOST = "127.0.0.1"
 RESTART_LIMIT = 5          # exits of one service within RESTART_WINDOW_S stop the stack
 RESTART_WINDOW_S = 60.0
-REPO_ROOT = Path(__file__).resolve().parents[1]  # `python -m <service>` runs from here
-
-
+REPO_ROOT = Path(__file__).resolve().parents[1]  # where `python -m <service>` imports from
 class StackError(RuntimeError):
     """A service did not come up; the message names it and points at its log."""
 
@@ -47,9 +55,15 @@ class StackError(RuntimeError):
 class StackSpec:
     model: str = str(DEFAULT_MODEL)
     num_executors: int = 1
+    host: str = HOST             # every service binds it
     allocator_port: int = 50052
     executor_port: int = 50053   # the first; the others follow (0: any free ports)
     gateway_port: int = 50051
+    # The HTTP API and the metrics ports: 0 (any free port) here, for tests and benchmarks;
+    # the command line's defaults are 8000 and the services' own. -1: off.
+    http_port: int = 0
+    allocator_metrics_port: int | None = 0     # None: the allocator's default
+    executor_metrics_port: int | None = 0      # the first; None: the executor's default
     allocator_args: tuple[str, ...] = ()
     executor_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
@@ -66,8 +80,13 @@ class Service:
     log_path: str | None
     argv: list[str]
     cwd: str | Path
+    tree: Path | None = None  # another checkout the module comes from (None: this one)
     address: str = ""  # host:port, once the port file says which
     exits: collections.deque[float] = field(default_factory=collections.deque)
+    # Its HTTP endpoints (--http-port, --metrics-port): the files the launcher asked for the
+    # bound ports in, and the ports once read.
+    http_port_files: dict[str, Path] = field(default_factory=dict)
+    http_ports: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -78,6 +97,7 @@ class Stack:
     internal_token: str = field(
         default_factory=lambda: os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(32)
     )
+    workdir: str = field(default_factory=os.getcwd)  # the children's working directory
 
     @property
     def internal_auth(self) -> InternalAuth:
@@ -89,6 +109,7 @@ class Stack:
         tls_dir = self.spec.tls_dir
         if not tls_dir:
             return None
+        tls_dir = os.path.abspath(tls_dir)
         return TlsFiles(cert=os.path.join(tls_dir, f"{role}.pem"),
                         key=os.path.join(tls_dir, f"{role}-key.pem"),
                         ca=os.path.join(tls_dir, "ca.pem"))
@@ -107,6 +128,11 @@ class Stack:
         return ("--tls-cert", files.cert, "--tls-key", files.key, "--tls-ca", files.ca)
 
     @property
+    def connect_host(self) -> str:
+        """Where the launcher reaches the services (loopback when they bind every interface)."""
+        return HOST if self.spec.host in ("0.0.0.0", "::", "") else self.spec.host
+
+    @property
     def gateway_addr(self) -> str:
         return self.by_name("gateway").address
 
@@ -122,14 +148,19 @@ class Stack:
 
     def start(self) -> Stack:
         spec = self.spec
+        if spec.log_dir:
+            os.makedirs(spec.log_dir, exist_ok=True)
         try:
             self._start("allocator", "allocator_svc", spec.allocator_port,
-                        (*self._tls_args("allocator"), *spec.allocator_args))
+                        ("--host", spec.host, *self._tls_args("allocator"),
+                         *spec.allocator_args),
+                        ports=self._metrics_port("allocator", spec.allocator_metrics_port))
             for i in range(spec.num_executors):
                 port = spec.executor_port + i if spec.executor_port else 0
                 self._start(f"executor-{i}", "executor_svc", port,
-                            ("--model", spec.model, *self._tls_args("executor"),
-                             *spec.executor_args))
+                            ("--host", spec.host, "--model", spec.model,
+                             *self._tls_args("executor"), *spec.executor_args),
+                            ports=self._metrics_port("executor", spec.executor_metrics_port, i))
             for service in self.services:
                 self._wait_healthy(service)
             self.start_gateway("gateway", spec.gateway_port)
@@ -138,37 +169,65 @@ class Stack:
             raise
         return self
 
+    def _metrics_port(self, role: str, port: int | None,
+                      index: int = 0) -> dict[str, int | None]:
+        """`--metrics-port` for one service, where it has the flag: `port` + index (0: any
+        free port, -1: off). None: the service's default, which it gives up with a warning
+        when taken; the second executor on gets the default + index, which it requires."""
+        action = service_flags()[role].get("--metrics-port")
+        if action is None:
+            return {}
+        if port is None:
+            return {"--metrics-port": int(action.default) + index if index else None}
+        return {"--metrics-port": port + index if port > 0 else port}
+
     def start_gateway(self, name: str, port: int = 0) -> Service:
         """A gateway over the stack's allocator and executors (several may share them)."""
         args = (
-            "--allocator-addr", self.allocator_addr,
+            "--host", self.spec.host, "--allocator-addr", self.allocator_addr,
             "--executor-addrs", ",".join(self.executor_addrs()),
             "--model", self.spec.model, *self._tls_args("gateway"),
             *self._public_tls_args(), *self.spec.gateway_args,
         )
-        service = self._start(name, "gateway", port, args)
+        has_http = "--http-port" in service_flags()["gateway"]
+        service = self._start(name, "gateway", port, args,
+                              ports={"--http-port": self.spec.http_port} if has_http else {})
         self._wait_healthy(service)
         return service
 
     def _start(self, name: str, module: str, port: int, args: tuple[str, ...],
-               cwd: str | Path | None = None) -> Service:
-        """`cwd`: another checkout to run the module from (benchmarks compare commits)."""
-        port_file = os.path.join(self.run_dir, f"{name}.port")
-        argv = [sys.executable, "-m", module, "--port", str(port), "--port-file", port_file,
-                *args]
+               cwd: str | Path | None = None,
+               ports: Mapping[str, int | None] | None = None) -> Service:
+        """`cwd`: another checkout to run the module from (benchmarks compare commits).
+        `ports`: HTTP endpoints by flag (--http-port, --metrics-port; None: the service's
+        default port): the bound port of each is asked for in the flag's -file."""
+        tree = Path(cwd) if cwd else None
+        port_file = Path(self.run_dir) / f"{name}.port"
+        http_port_files = {flag: Path(self.run_dir) / f"{name}{flag}" for flag in ports or {}}
+        python = [sys.executable, "-m"] if tree else [sys.executable, "-P", "-m"]
+        argv = [*python, module, "--port", str(port), "--port-file", str(port_file)]
+        for flag, value in (ports or {}).items():
+            argv += [*([flag, str(value)] if value is not None else []),
+                     f"{flag}-file", str(http_port_files[flag])]
+        argv += args
         log_path = os.path.join(self.spec.log_dir, f"{name}.log") if self.spec.log_dir else None
-        service = Service(name=name, process=self._spawn(argv, cwd or REPO_ROOT, log_path),
-                          port_file=Path(port_file), log_path=log_path, argv=argv,
-                          cwd=cwd or REPO_ROOT)
+        run_in = tree or self.workdir
+        service = Service(name=name, process=self._spawn(argv, run_in, tree, log_path),
+                          port_file=port_file, log_path=log_path, argv=argv, cwd=run_in,
+                          tree=tree, http_port_files=http_port_files)
         self.services.append(service)
         return service
 
-    def _spawn(self, argv: list[str], cwd: str | Path,
+    def _spawn(self, argv: list[str], cwd: str | Path, tree: Path | None,
                log_path: str | None) -> subprocess.Popen[bytes]:
+        """Run `argv` in `cwd`, importing from `tree` (None: this checkout, first on the path
+        and, with `python -P`, never shadowed by the working directory's own folders)."""
         out: IO[bytes] | None = None
         if log_path:
             out = open(log_path, "ab")  # noqa: SIM115 - the child holds its own copy
-        env = {**os.environ, INTERNAL_TOKEN_ENV: self.internal_token}
+        path = [str(tree or REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, INTERNAL_TOKEN_ENV: self.internal_token,
+               "PYTHONPATH": os.pathsep.join(path)}
         try:
             return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
                                     cwd=cwd, env=env, start_new_session=True)
@@ -177,7 +236,7 @@ class Stack:
                 out.close()
 
     def restart_exited(self) -> list[Service]:
-        """Restart every service that has exited, on the port it had; returns them. Raises
+        """Restart every service that has exited, on the ports it had; returns them. Raises
         StackError when one has exited RESTART_LIMIT times within RESTART_WINDOW_S."""
         restarted = []
         for service in self.services:
@@ -192,12 +251,17 @@ class Stack:
                 raise StackError(f"{service.name} exited {len(service.exits)} times within "
                                  f"{RESTART_WINDOW_S:.0f}s (last: {code}){_see(service)}")
             argv = list(service.argv)
-            if service.address:  # the same port: the others know it
+            if service.address:  # the same ports: the others know them
                 argv[argv.index("--port") + 1] = service.address.rsplit(":", 1)[1]
-            service.port_file.unlink(missing_ok=True)
+            for flag, port in service.http_ports.items():
+                if flag in argv:  # else the default port: the service takes it again
+                    argv[argv.index(flag) + 1] = str(port)
+            for path in (service.port_file, *service.http_port_files.values()):
+                path.unlink(missing_ok=True)
             service.address = ""
+            service.http_ports = {}
             service.argv = argv
-            service.process = self._spawn(argv, service.cwd, service.log_path)
+            service.process = self._spawn(argv, service.cwd, service.tree, service.log_path)
             restarted.append(service)
         for service in restarted:
             try:
@@ -217,15 +281,24 @@ class Stack:
             if not service.address and service.port_file.exists():
                 text = service.port_file.read_text().strip()
                 if text:
-                    service.address = f"{HOST}:{int(text)}"
+                    service.address = f"{self.connect_host}:{int(text)}"
             # Every port speaks TLS with --tls-dir (the gateway's without client certificates,
             # which it accepts all the same), plaintext without.
             auth = self.internal_auth
             if service.address and is_serving(service.address, timeout_s=1.0, auth=auth):
+                self._read_http_ports(service)
                 return
             time.sleep(0.1)
         raise StackError(f"{service.name} not healthy after {self.spec.startup_timeout_s}s"
                          f"{_see(service)}")
+
+    def _read_http_ports(self, service: Service) -> None:
+        """The services write these before they serve gRPC; a file missing means that
+        endpoint is off (or, for a default metrics port another process holds, given up)."""
+        for flag, path in service.http_port_files.items():
+            text = path.read_text().strip() if path.exists() else ""
+            if text:
+                service.http_ports[flag] = int(text)
 
     def kill(self, name: str) -> None:
         """Kill one service abruptly (tests: an executor that goes away)."""
@@ -251,46 +324,129 @@ def _see(service: Service) -> str:
     return f" (see {service.log_path})" if service.log_path else ""
 
 
-def usage_text(stack: Stack) -> str:
+
+def _model_dir(model: str) -> str:
+    """A directory, or a preset's name under models/ (`--model tiny-llama`)."""
+    if not Path(model).is_dir() and (PRESETS_DIR / model).is_dir():
+        return str(PRESETS_DIR / model)
+    return model
+
+
+
+def gateway_model_name(stack: Stack) -> str | None:
+    """The name the gateway serves the model under (None: it would not say, e.g. when every
+    call needs an API key)."""
+    tls = stack._tls_files("gateway")
+    try:
+        with Client(stack.gateway_addr, tls_ca=tls.ca if tls else None, retry=NO_RETRY,
+                    timeout=5.0) as client:
+            return client.model_info().model_name or None
+    except PagedkvError:
+        return None
+
+
+def usage_text(stack: Stack, model_name: str | None = None) -> str:
+    gateway = stack.by_name("gateway")
     addr = stack.gateway_addr.replace(HOST, "localhost")
     tls = stack._tls_files("gateway")
     client_tls = f" --tls-ca {tls.ca}" if tls else ""
     grpcurl_tls = f"-cacert {tls.ca}" if tls else "-plaintext"
-    return (
-        f"\npagedkv is up: gateway {addr}, allocator {stack.allocator_addr}, "
-        f"executors {', '.join(stack.executor_addrs())}\n\n"
-        f"  .venv/bin/python -m tools.client --addr {addr}{client_tls} --chat "
-        "\"What is the capital of France?\" --temperature 0\n"
-        f"  .venv/bin/python -m tools.client --addr {addr}{client_tls} \"The quick brown fox\" "
-        "--max-tokens 32 --temperature 0\n"
+    http_port = gateway.http_ports.get("--http-port")
+    scheme = "https" if tls else "http"
+    http = (f"HTTP {scheme}://{stack.connect_host}:{http_port}/v1 (OpenAI-compatible)"
+            if http_port else "no HTTP API")
+    model = f", model {model_name}" if model_name else ""
+    metrics = [f"{s.name} {url}" for s in stack.services if (url := _metrics_url(stack, s))]
+    client = f"{_python_here(stack.workdir)} -m tools.client --addr {addr}{client_tls}"
+    lines = [
+        "",
+        f"gateway: gRPC {stack.gateway_addr}, {http}{model}",
+        f"allocator {stack.allocator_addr}, executors {', '.join(stack.executor_addrs())}",
+        *([f"metrics: {', '.join(metrics)}"] if metrics else []),
+        "",
+        f"  {client} --chat \"What is the capital of France?\" --temperature 0",
+        f"  {client} \"The quick brown fox\" --max-tokens 32 --temperature 0",
+    ]
+    if http_port and model_name:
+        curl_tls = f"--cacert {tls.ca} " if tls else ""
+        lines.append(
+            f"  curl {curl_tls}{scheme}://localhost:{http_port}/v1/chat/completions "
+            "-H 'Content-Type: application/json' "
+            f"-d '{{\"model\": \"{model_name}\", \"messages\": "
+            "[{\"role\": \"user\", \"content\": \"Hi\"}]}'")
+    lines += [
         f"  grpcurl {grpcurl_tls} "
         "-d '{\"text\": \"Hello\", \"sampling\": {\"max_tokens\": 16}}' "
-        f"{addr} pagedkv.gateway.v1.GatewayService/Generate\n\n"
-        "Ctrl-C stops everything.\n"
-    )
+        f"{addr} pagedkv.gateway.v1.GatewayService/Generate",
+        "",
+        "Ctrl-C stops everything.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _metrics_url(stack: Stack, service: Service) -> str | None:
+    """Its /metrics: the executors' and the allocator's on a port of their own, the gateway's
+    on its HTTP API's (TLS with --tls-dir)."""
+    if port := service.http_ports.get("--metrics-port"):
+        return f"http://{stack.connect_host}:{port}/metrics"
+    if port := service.http_ports.get("--http-port"):
+        scheme = "https" if stack.spec.tls_dir else "http"
+        return f"{scheme}://{stack.connect_host}:{port}/metrics"
+    return None
+
+
+def _python_here(workdir: str) -> str:
+    """This Python as the user types it in `workdir` (.venv/bin/python in the checkout; from
+    elsewhere its full path, with the checkout on PYTHONPATH)."""
+    if Path(workdir).resolve() == REPO_ROOT:
+        return os.path.relpath(sys.executable, workdir)
+    return f"PYTHONPATH={REPO_ROOT} {sys.executable}"
 
 
 def parse_spec(argv: list[str] | None = None) -> StackSpec:
-    p = argparse.ArgumentParser(prog="python -m tools.launch", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m tools.launch", description=__doc__, allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Any other flag goes to the services that take it (python -m gateway --help, "
+               "python -m allocator_svc --help, python -m executor_svc --help).")
     add_flag(p, "--model", default=str(DEFAULT_MODEL),
              help="model directory (safetensors + tokenizer) or a preset under models/")
     add_flag(p, "--num-executors", type=int, default=1, help="executors (one KV pool each)")
-    add_flag(p, "--gateway-port", type=int, default=50051, help="gateway port")
+    add_flag(p, "--host", default=HOST,
+             help="interface every service binds (0.0.0.0: all of them)")
+    add_flag(p, "--gateway-port", type=int, default=50051, help="gateway port (gRPC)")
+    add_flag(p, "--http-port", type=int, default=8000,
+             help="the gateway's HTTP API (OpenAI-compatible) and /metrics (0: any free port, "
+                  "-1: off)")
     add_flag(p, "--allocator-port", type=int, default=50052, help="allocator port")
     add_flag(p, "--executor-port", type=int, default=50053, help="first executor port")
+    add_flag(p, "--allocator-metrics-port", type=int, default=None,
+             help="the allocator's /metrics (unset: its default; 0: any free port, -1: off)")
+    add_flag(p, "--executor-metrics-port", type=int, default=None,
+             help="the first executor's /metrics, the others' follow (unset: the executors' "
+                  "default; 0: any free ports, -1: off)")
     add_flag(p, "--load-format", default="auto",
              help="executor weights: auto (the directory's; a config-only preset gets random "
                   "ones, with a warning) or dummy (random on purpose)")
-    add_flag(p, "--log-dir", default=None, help="write each service's log here")
+    add_flag(p, "--log-dir", default=None, help="write each service's log here (created)")
     add_flag(p, "--tls-dir", default=None,
              help="mutual TLS between the services with the certificates in this directory "
                   "(make certs writes them to certs/)")
     args, extra = p.parse_known_args(argv)
+    try:
+        routed = route_flags(extra, service_flags())
+    except UsageError as exc:
+        p.error(str(exc))
     return StackSpec(
-        model=args.model, num_executors=args.num_executors, gateway_port=args.gateway_port,
-        allocator_port=args.allocator_port, executor_port=args.executor_port,
-        executor_args=("--load-format", args.load_format), gateway_args=tuple(extra),
-        log_dir=args.log_dir, tls_dir=args.tls_dir,
+        model=_model_dir(args.model), num_executors=args.num_executors, host=args.host,
+        gateway_port=args.gateway_port, allocator_port=args.allocator_port,
+        executor_port=args.executor_port, http_port=args.http_port,
+        allocator_metrics_port=args.allocator_metrics_port,
+        executor_metrics_port=args.executor_metrics_port,
+        allocator_args=tuple(routed["allocator"]),
+        executor_args=("--load-format", args.load_format, *routed["executor"]),
+        gateway_args=tuple(routed["gateway"]), log_dir=args.log_dir, tls_dir=args.tls_dir,
     )
 
 
@@ -310,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     except StackError as exc:
         print(f"launch: {exc}", file=sys.stderr)
         return 1
-    print(usage_text(stack), flush=True)
+    print(usage_text(stack, gateway_model_name(stack)), flush=True)
     failed = False
     while not stopping:
         time.sleep(0.2)

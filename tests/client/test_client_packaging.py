@@ -1,0 +1,58 @@
+"""The project builds a wheel holding the generated stubs and the client, from the sources
+alone (a copy without pagedkv/, as on a clean clone), with no network."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = ("setup.py", "pyproject.toml", "MANIFEST.in", "protos", "pagedkv_client")
+PIP_OFFLINE = {"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1", "PIP_NO_INDEX": "1"}
+
+
+@pytest.mark.packaging
+def test_client_wheel_has_the_stubs_and_the_client_and_imports(tmp_path: Path):
+    # Built in a copy, so the checkout's own pagedkv/ is neither used nor rewritten; with
+    # this environment's build tools (--no-build-isolation: pyproject's [build-system]).
+    pytest.importorskip("setuptools", minversion="70.1")  # bdist_wheel built in
+    pytest.importorskip("grpc_tools")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in SOURCES:
+        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(
+            ROOT / name, src / name)
+    env = {**os.environ, **PIP_OFFLINE}
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", str(src),
+         "-w", str(tmp_path / "dist")],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert build.returncode == 0, build.stdout + build.stderr
+    (wheel,) = (tmp_path / "dist").glob("pagedkv-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for stub in ("gateway/v1/gateway_pb2.py", "gateway/v1/gateway_pb2_grpc.py",
+                 "gateway/v1/gateway_pb2.pyi", "allocator/v1/allocator_pb2.py",
+                 "executor/v1/executor_pb2.py"):
+        assert f"pagedkv/{stub}" in names
+    for module in ("__init__.py", "client.py", "aio.py", "py.typed"):
+        assert f"pagedkv_client/{module}" in names
+    assert not any(n.startswith(("gateway/", "tools/", "common/", "tests/")) for n in names)
+    # Installed on its own, it imports from where it was installed.
+    site = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(site),
+         str(wheel)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert install.returncode == 0, install.stdout + install.stderr
+    check = subprocess.run(
+        [sys.executable, "-c", "import pagedkv_client, pagedkv.gateway.v1.gateway_pb2 as g; "
+         "print(pagedkv_client.__file__); print(g.__file__)"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(site)})
+    assert check.returncode == 0, check.stderr
+    assert all(line.startswith(str(site)) for line in check.stdout.split())
