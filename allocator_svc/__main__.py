@@ -11,6 +11,7 @@ import structlog
 
 from allocator_svc.core.allocator import Allocator
 from allocator_svc.metrics import AllocatorCollector
+from allocator_svc.pool_resets import ResetVerifier
 from allocator_svc.service import AllocatorServicer, sweep_leases
 from allocator_svc.settings import AllocatorSettings, parse_settings
 from common.auth import internal_authenticator
@@ -20,6 +21,7 @@ from common.server import run_until_signal, start_server
 from pagedkv.allocator.v1 import allocator_pb2
 
 SERVICE_NAME = allocator_pb2.DESCRIPTOR.services_by_name["AllocatorService"].full_name
+_METHODS = [m.name for m in allocator_pb2.DESCRIPTOR.services_by_name["AllocatorService"].methods]
 
 
 async def serve(settings: AllocatorSettings) -> None:
@@ -34,9 +36,13 @@ async def serve(settings: AllocatorSettings) -> None:
         metrics_server = start_metrics_server(registry, settings.host, settings.metrics)
     auth = settings.auth
     server = await start_server(
-        [(AllocatorServicer(allocator), SERVICE_NAME)], settings.host, settings.port,
+        [(AllocatorServicer(allocator, ResetVerifier(auth) if settings.verify_pool_resets
+                            else None), SERVICE_NAME)], settings.host, settings.port,
         authenticator=internal_authenticator(auth), credentials=auth.server_credentials(),
         rpc_metrics=rpc_metrics,
+        # Under mutual TLS only gateways call the allocator.
+        certificate_names=(dict.fromkeys(_METHODS, settings.tls_gateway_names)
+                           if auth.tls is not None and settings.tls_gateway_names else None),
     )
     sweeper = asyncio.create_task(sweep_leases(allocator, settings.lease_check_interval_s))
 

@@ -19,6 +19,8 @@ import structlog
 
 from allocator_svc import convert, request_log
 from allocator_svc.core.allocator import Allocator
+from allocator_svc.core.validation import check_pool_config
+from allocator_svc.pool_resets import ResetVerifier
 from common.errors import InvalidArgument, NotFound
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
@@ -28,8 +30,11 @@ Ctx: TypeAlias = grpc.aio.ServicerContext
 
 
 class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
-    def __init__(self, allocator: Allocator) -> None:
+    def __init__(self, allocator: Allocator, reset_verifier: ResetVerifier | None = None
+                 ) -> None:
         self.allocator = allocator
+        # None: a registration with a new instance id resets a live pool unconfirmed (tests).
+        self.reset_verifier = reset_verifier
 
     async def RegisterPool(
         self, request: pb.RegisterPoolRequest, context: Ctx
@@ -38,8 +43,15 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
         # (the free queue links make them cyclic), which otherwise shows as p99 spikes. A
         # pool replaced on re-registration was frozen too, and its cycles would leak: thaw,
         # collect once (only when a pool is replaced), freeze again.
+        config = convert.pool_config(request)
+        check_pool_config(config, self.allocator.limits)  # a bad shape is refused first
         previous = self.allocator.pools.get(request.pool_id)
-        pool, reset = self.allocator.register_pool(convert.pool_config(request))
+        if (self.reset_verifier is not None and previous is not None
+                and previous.config.executor_instance_id != request.executor_instance_id):
+            await self.reset_verifier.verify(request.pool_id, request.executor_address,
+                                             request.executor_instance_id)
+            previous = self.allocator.pools.get(request.pool_id)  # (it may have changed)
+        pool, reset = self.allocator.register_pool(config)
         created = pool is not previous
         replaced = created and previous is not None
         del previous  # the replaced pool must be garbage for the collection below

@@ -6,7 +6,8 @@ import argparse
 from dataclasses import dataclass
 
 from allocator_svc.core.limits import Limits
-from common.config import add_flag
+from common.auth import split_names
+from common.config import add_flag, parse_bool
 from common.credentials import (
     CredentialsError,
     InternalAuth,
@@ -32,6 +33,8 @@ class AllocatorSettings:
     limits: Limits
     auth: InternalAuth
     metrics: MetricsEndpoint
+    verify_pool_resets: bool = True
+    tls_gateway_names: frozenset[str] = frozenset({"gateway"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="how often expired leases are swept",
     )
     add_flag(parser, "--grace-s", type=float, default=5.0, help="graceful-shutdown grace")
+    add_flag(parser, "--tls-gateway-names", default="gateway",
+             help="with mutual TLS: comma-separated certificate names (subject CN) that may "
+             "call the allocator (empty: any certificate of the CA)")
+    add_flag(parser, "--verify-pool-resets", type=parse_bool, default=True,
+             help="reset a live pool (a registration with a new executor instance id) only "
+             "once the executor at the executor_address sent reports that id itself; false: "
+             "trust every internal caller (tests without executors)")
     add_internal_auth_flags(parser)
     return parser
 
@@ -142,4 +152,6 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
         limits,
         auth,
         metrics,
+        args.verify_pool_resets,
+        split_names(args.tls_gateway_names),
     )

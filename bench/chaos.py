@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
 import os
 import random
 import signal
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 
 from bench.common import machine, markdown_table, write_results
 from bench.load import pool_stats, stack
@@ -228,7 +230,21 @@ def oversized_prompts(repeats: int = 5) -> dict[str, Any]:
             thread = threading.Thread(target=stream)
             thread.start()
             time.sleep(0.3)
+            http = f"http://127.0.0.1:{running.by_name('gateway').http_ports['--http-port']}"
             for name, text in big:
+                # The same prompt as an OpenAI-compatible HTTP body (Content-Length first).
+                body = json.dumps({"model": "tiny-llama", "prompt": text, "max_tokens": 2})
+                times, codes = [], set()
+                for _ in range(repeats):
+                    started = time.monotonic()
+                    response = httpx.post(f"{http}/v1/completions", content=body, timeout=60,
+                                          headers={"content-type": "application/json"})
+                    codes.add(str(response.status_code))
+                    times.append((time.monotonic() - started) * 1e3)
+                out[f"{name} over HTTP"] = {
+                    "codes": sorted(codes),
+                    "refused_ms_median": round(statistics.median(times), 1),
+                    "refused_ms": [round(t, 1) for t in times]}
                 times, codes = [], set()
                 for _ in range(repeats):
                     started = time.monotonic()
@@ -271,7 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="200 streams instead of 1,000")
     parser.add_argument("--only", default="", help="comma-separated scenario name prefixes")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--oversized-only", action="store_true",
+                        help="only the oversized prompts beside a stream (gRPC and HTTP)")
     args = parser.parse_args(argv)
+    if args.oversized_only:
+        print("oversized prompts beside a stream:", oversized_prompts())
+        return 0
     chosen = [s for s in scenarios(args.quick)
               if not args.only or any(s.name.startswith(p) for p in args.only.split(","))]
     most = max(s.num_streams for s in chosen)

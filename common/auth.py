@@ -11,6 +11,11 @@ The public gateway authenticates API keys the same way (one key per tenant): `Au
 is what the guarded handlers (common.interceptor) ask, once per call, with the caller's
 `authorization` value; its answer, the caller's principal, is readable in the handler as
 `caller()` (each gRPC call runs in its own task, so a context variable cannot leak).
+
+Under mutual TLS a certificate's subject name is its role (`make certs` names them allocator,
+executor, gateway): a service may limit each method to some names (`check_certificate_name`),
+so that only gateways execute steps on an executor, and only the allocator besides them asks
+an executor's Describe. With the token alone, every holder is any internal caller.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ from __future__ import annotations
 import contextvars
 import hmac
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
 from common.credentials import BEARER, InternalAuth
-from common.errors import ServiceError
+from common.errors import PermissionDenied, ServiceError
 
 _caller: contextvars.ContextVar[str] = contextvars.ContextVar("pagedkv_caller", default="")
 
@@ -96,3 +102,24 @@ class ApiKeyAuthenticator:
         if not tenant:
             raise Unauthenticated("the API key is not valid")
         return tenant
+
+
+def certificate_name(context: Any) -> str:
+    """The subject common name of the caller's TLS certificate ('' without one)."""
+    names = (context.auth_context() or {}).get("x509_common_name") or []
+    return names[0].decode("utf-8", "replace") if names else ""
+
+
+def check_certificate_name(context: Any, method: str, allowed: AbstractSet[str]) -> None:
+    """Under mutual TLS, who may call what: the caller's certificate must name one of
+    `allowed` (every certificate of the CA is an internal caller; its name is its role)."""
+    name = certificate_name(context)
+    if name not in allowed:
+        raise PermissionDenied(
+            f"a certificate for {name[:64]!r} may not call {method}: only "
+            f"{', '.join(sorted(allowed))} (the service's --tls-*-names)"
+        )
+
+
+def split_names(value: str) -> frozenset[str]:
+    return frozenset(n.strip() for n in value.split(",") if n.strip())

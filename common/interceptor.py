@@ -26,7 +26,8 @@ import itertools
 import re
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import grpc
@@ -34,7 +35,7 @@ import structlog
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
-from common.auth import Authenticator, set_caller
+from common.auth import Authenticator, check_certificate_name, set_caller
 from common.credentials import AUTHORIZATION_KEY
 from common.errors import InvalidArgument, ServiceError
 from common.metrics import MethodMetrics, RpcMetrics
@@ -68,11 +69,14 @@ _next_id = itertools.count(1)
 class _CallStart:
     """What every wrapped call does before its handler: metadata, credential, request."""
 
-    __slots__ = ("authenticator", "parse")
+    __slots__ = ("allowed_names", "authenticator", "method", "parse")
 
-    def __init__(self, parse: Callable[[bytes], Any], authenticator: Authenticator | None):
+    def __init__(self, parse: Callable[[bytes], Any], authenticator: Authenticator | None,
+                 method: str = "", allowed_names: AbstractSet[str] | None = None):
         self.parse = parse
         self.authenticator = authenticator
+        self.method = method
+        self.allowed_names = allowed_names  # certificate names that may call it (None: any)
 
     def __call__(self, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         request_id = authorization = None
@@ -88,6 +92,8 @@ class _CallStart:
         structlog.contextvars.bind_contextvars(request_id=request_id)
         if self.authenticator is not None:
             set_caller(self.authenticator.authenticate(authorization))
+        if self.allowed_names is not None:
+            check_certificate_name(context, self.method, self.allowed_names)
         try:
             return self.parse(raw)
         except DecodeError as exc:
@@ -182,15 +188,19 @@ def _serialize(message: Any) -> bytes:
 def guarded_handler(
     servicer: object, service_name: str, authenticator: Authenticator | None = None,
     metrics: RpcMetrics | None = None,
+    certificate_names: Mapping[str, AbstractSet[str]] | None = None,
 ) -> grpc.GenericRpcHandler:
     """The servicer's methods (named by the service's descriptor), each wrapped, as one
-    handler to add to a server; with `metrics`, each call's duration and status recorded."""
+    handler to add to a server; with `metrics`, each call's duration and status recorded;
+    with `certificate_names`, the methods named there answer only callers whose certificate
+    bears one of their names (mutual TLS)."""
     service = descriptor_pool.Default().FindServiceByName(service_name)
     handlers = {}
     for method in service.methods:
         assert not method.client_streaming, f"{method.full_name}: client streaming is not wrapped"
         parse = message_factory.GetMessageClass(method.input_type).FromString
-        start = _CallStart(parse, authenticator)
+        allowed = (certificate_names or {}).get(method.name)
+        start = _CallStart(parse, authenticator, method.name, allowed)
         path = f"/{service.full_name}/{method.name}"
         fn = getattr(servicer, method.name)
         measure = None if metrics is None else metrics.method(service.full_name, method.name)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import structlog
 
+from common.auth import split_names
 from common.logging import configure_logging
 from executor_svc.malloc_tuning import tune_malloc
 from executor_svc.settings import ExecutorSettings, SettingsError, parse_settings
@@ -50,7 +51,7 @@ async def serve(settings: ExecutorSettings) -> None:
     server = await start_server(
         [registration(runner, worker, step_metrics)], settings.host, settings.port,
         authenticator=internal_authenticator(auth), credentials=auth.server_credentials(),
-        rpc_metrics=rpc_metrics,
+        rpc_metrics=rpc_metrics, certificate_names=_certificate_names(settings),
     )
     info = runner.info
 
@@ -101,6 +102,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("executor_failed_to_start", error=str(exc))
         return 2
     return 0
+
+
+def _certificate_names(settings: ExecutorSettings) -> dict[str, frozenset[str]] | None:
+    """Under mutual TLS: gateways run steps; the allocator may Describe too (None: no TLS, or
+    every certificate of the CA may call everything)."""
+    gateways = split_names(settings.tls_gateway_names)
+    if settings.auth.tls is None or not gateways:
+        return None
+    return {"Execute": gateways, "Release": gateways,
+            "Describe": gateways | split_names(settings.tls_allocator_names)}
 
 
 if __name__ == "__main__":

@@ -70,6 +70,10 @@ class ExecutorSettings:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # Who may call it (flags: common.auth); in-process use (tests) needs none.
     auth: InternalAuth = InternalAuth()
+    # Under mutual TLS, the certificate names (roles) allowed to run steps (Execute, Release),
+    # and the ones that may also Describe it; empty: any certificate of the CA.
+    tls_gateway_names: str = "gateway"
+    tls_allocator_names: str = "allocator"
     tune_malloc: bool = True  # CPU, glibc: a step's large tensors reuse memory (malloc_tuning.py)
     idle_release_s: float = 600.0  # a request no step used this long is dropped (0: never)
     log_json: bool = False
@@ -195,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--log-json", action="store_true", default=False, help="JSON logs")
     add_flag(p, "--log-level", default=d.log_level, help="debug, info, warning, error")
     add_internal_auth_flags(p)
+    add_flag(p, "--tls-gateway-names", default=d.tls_gateway_names,
+             help="with mutual TLS: comma-separated certificate names (subject CN) that may "
+             "call Execute and Release (empty: any certificate of the CA)")
+    add_flag(p, "--tls-allocator-names", default=d.tls_allocator_names,
+             help="with mutual TLS: certificate names that may call Describe besides those "
+             "(the allocator confirms a pool reset with it)")
     return p
 
 

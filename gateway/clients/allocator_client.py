@@ -36,6 +36,7 @@ class PoolSpec:
     model_fingerprint: str
     executor_instance_id: str
     enable_prefix_caching: bool
+    executor_address: str = ""  # where the allocator may confirm the instance id
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +112,7 @@ class AllocatorClient(InternalChannel):
                     model_fingerprint=spec.model_fingerprint,
                     executor_instance_id=spec.executor_instance_id,
                     enable_prefix_caching=spec.enable_prefix_caching,
+                    executor_address=spec.executor_address,
                 ),
                 metadata=self.auth_metadata,
                 timeout=self.timeout_s,

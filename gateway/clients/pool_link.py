@@ -48,6 +48,7 @@ class PoolLink:
                 model_fingerprint=d.model_fingerprint,
                 executor_instance_id=d.instance_id,
                 enable_prefix_caching=self.enable_prefix_caching,
+                executor_address=self.executor.address,
             )
         )
         # Requests admitted from now on join the current lease.

@@ -145,6 +145,8 @@ def allocator_server(tmp_path_factory):
         "50",
         "--max-blocks-per-pool",
         "100000",
+        "--verify-pool-resets",  # no executor to confirm a reset with (see test_service)
+        "false",
     )
     yield server
     assert stop_process(server) == 0, "allocator did not shut down cleanly on SIGTERM"

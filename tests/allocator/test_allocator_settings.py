@@ -19,6 +19,7 @@ from allocator_svc.settings import parse_settings
     (["--metrics-port", "-2"], "--metrics-port must be in -1..65535"),
     (["--metrics-port", "50052"], "--metrics-port 50052 is the gRPC --port too"),
     (["--metrics-port", "nine"], "argument --metrics-port: invalid int value: 'nine'"),
+    (["--verify-pool-resets", "maybe"], "--verify-pool-resets"),
 ])
 def test_a_bad_flag_is_a_usage_error_naming_it(argv: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
@@ -58,3 +59,11 @@ def test_metrics_port_default_is_best_effort_and_a_port_asked_for_is_required(
         parse_settings(["--insecure"])
     assert info.value.code == 2 and "--metrics-port must be in -1..65535" in (
         capsys.readouterr().err)
+
+
+def test_pool_resets_are_verified_and_only_gateways_call_by_default() -> None:
+    settings = parse_settings(["--insecure"])
+    assert settings.verify_pool_resets and settings.tls_gateway_names == {"gateway"}
+    settings = parse_settings(["--insecure", "--verify-pool-resets", "false",
+                               "--tls-gateway-names", "gw-a, gw-b"])
+    assert not settings.verify_pool_resets and settings.tls_gateway_names == {"gw-a", "gw-b"}

@@ -84,6 +84,9 @@ def test_service_register_is_idempotent_and_reports_hash_profile(stub):
 
 def test_service_new_executor_instance_resets_pool_and_epoch(stub):
     # A restarted executor re-registers: requests are dropped, the old epoch is refused.
+    # (This allocator runs with --verify-pool-resets false: there is no executor to ask;
+    # the confirmed reset is tested through the whole stack, in e2e test_restart and
+    # test_trust.)
     pool = register(stub, pool_id="restart")
     step(stub, pool, [new("a", [1, 2, 3])])
     reset = stub.RegisterPool(

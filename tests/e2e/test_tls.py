@@ -13,6 +13,8 @@ from e2e_stack import generate, prompts, reference_greedy, sampling, start_stack
 from common.credentials import InternalAuth, TlsFiles
 from pagedkv.allocator.v1 import allocator_pb2 as apb
 from pagedkv.allocator.v1 import allocator_pb2_grpc as apb_grpc
+from pagedkv.executor.v1 import executor_pb2 as epb
+from pagedkv.executor.v1 import executor_pb2_grpc as epb_grpc
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
 from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
 from tools.make_certs import make_certs
@@ -55,5 +57,27 @@ def test_a_stack_on_mutual_tls_serves_and_refuses_strangers(tmp_path: Path):
                     apb_grpc.AllocatorServiceStub(channel).GetStats(apb.GetStatsRequest(),
                                                                     timeout=5)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # A certificate's name is its role: an executor's may not call the allocator; the
+        # allocator's may Describe an executor (to confirm a pool reset) but not run steps.
+        certs = tmp_path / "certs"
+
+        def as_role(role: str) -> InternalAuth:
+            return InternalAuth(token=stack.internal_token, tls=TlsFiles(
+                str(certs / f"{role}.pem"), str(certs / f"{role}-key.pem"), str(certs / "ca.pem")))
+
+        with as_role("executor").channel(stack.allocator_addr) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                apb_grpc.AllocatorServiceStub(channel).GetStats(apb.GetStatsRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "'executor' may not call GetStats" in (err.value.details() or "")
+        executor_addr = stack.executor_addrs()[0]
+        with as_role("allocator").channel(executor_addr) as channel:
+            stub = epb_grpc.ExecutorServiceStub(channel)
+            assert stub.Describe(epb.DescribeRequest(), timeout=5).instance_id
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Execute(epb.ExecuteRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with as_role("gateway").channel(executor_addr) as channel:
+            epb_grpc.ExecutorServiceStub(channel).Release(epb.ReleaseRequest(), timeout=5)
     finally:
         stack.stop()

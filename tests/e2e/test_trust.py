@@ -324,3 +324,37 @@ def test_the_http_api_serves_tenants_and_refuses_one_over_its_quota(clients: Cli
         for stream in streams:
             stream.close()
     clients.wait_all_blocks_back()
+
+
+def test_only_the_executor_itself_can_reset_its_pool(clients: Clients):
+    # Even an internal caller (it holds the token) cannot reset a live pool with an instance
+    # id the executor does not report: the allocator asks the executor first. The pool, and
+    # the requests it serves, are untouched.
+    from pagedkv.allocator.v1 import allocator_pb2 as apb
+
+    stub = clients.allocator
+    (stats,) = clients.pools()
+    info = stub.DescribePool(apb.DescribePoolRequest(pool_id=stats.pool_id), timeout=10).pool
+    executor_addr = clients.stack.executor_addrs()[0]
+
+    def register(instance_id: str, address: str) -> apb.RegisterPoolResponse:
+        return stub.RegisterPool(apb.RegisterPoolRequest(
+            pool_id=info.pool_id, num_blocks=info.num_blocks, block_size=info.block_size,
+            num_cpu_blocks=info.num_cpu_blocks, model_fingerprint=info.model_fingerprint,
+            executor_instance_id=instance_id, enable_prefix_caching=info.enable_prefix_caching,
+            executor_address=address), timeout=30)
+
+    for address, code, words in (
+        ("", grpc.StatusCode.FAILED_PRECONDITION, "send executor_address"),
+        (executor_addr, grpc.StatusCode.PERMISSION_DENIED, "only an executor's own"),
+        ("127.0.0.1:1", grpc.StatusCode.UNAVAILABLE, "did not answer"),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            register("forged-instance", address)
+        assert err.value.code() == code and words in (err.value.details() or "")
+    same = register(info.executor_instance_id, executor_addr)  # its own id: no reset
+    assert not same.reset and same.pool.epoch == info.epoch
+    prompt = next(prompts(1, 12, seed=451))
+    done = run(clients, gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=prompt),
+                                            sampling=sampling(5, ignore_eos=True)))
+    assert tuple(done.token_ids) == reference_greedy(tuple(prompt), 5, ignore_eos=True)
