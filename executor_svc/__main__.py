@@ -49,7 +49,8 @@ async def serve(settings: ExecutorSettings) -> None:
         metrics_server = start_metrics_server(registry, settings.host, settings.metrics)
     auth = settings.auth
     server = await start_server(
-        [registration(runner, worker, step_metrics)], settings.host, settings.port,
+        [registration(runner, worker, step_metrics, settings.pool_name)], settings.host,
+        settings.port,
         authenticator=internal_authenticator(auth), credentials=auth.server_credentials(),
         rpc_metrics=rpc_metrics, certificate_names=_certificate_names(settings),
     )

@@ -131,8 +131,9 @@ def _ids(seq_id: str) -> dict[str, str]:
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     def __init__(self, runner: ModelRunner, worker: ThreadPoolExecutor | None = None,
-                 metrics: StepMetrics | None = None) -> None:
+                 metrics: StepMetrics | None = None, pool_name: str = "") -> None:
         self._runner = runner
+        self._pool_name = pool_name
         # One thread: the runner is not thread-safe, and its queue keeps the order.
         self._worker = worker or compute_thread()
         self._order = StepOrder()
@@ -141,7 +142,9 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def Describe(  # noqa: N802 - gRPC method name
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DescribeResponse:
-        return convert.info_to_proto(self._runner.info)
+        response = convert.info_to_proto(self._runner.info)
+        response.pool_name = self._pool_name
+        return response
 
     async def Execute(  # noqa: N802
         self, request: pb.ExecuteRequest, context: grpc.aio.ServicerContext
@@ -232,8 +235,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
 
 def registration(runner: ModelRunner, worker: ThreadPoolExecutor | None = None,
-                 metrics: StepMetrics | None = None) -> Registration:
+                 metrics: StepMetrics | None = None, pool_name: str = "") -> Registration:
     """`worker`: the thread that built `runner` (compute_thread.py); None: a new one.
-    `metrics`: where steps are recorded (None: nowhere)."""
-    servicer = ExecutorServicer(runner, worker, metrics)
+    `metrics`: where steps are recorded (None: nowhere). `pool_name`: what Describe reports."""
+    servicer = ExecutorServicer(runner, worker, metrics, pool_name)
     return (servicer, SERVICE_NAME)

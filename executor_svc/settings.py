@@ -49,6 +49,7 @@ def parse_bytes(text: str) -> int:
 class ExecutorSettings:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
+    pool_name: str = ""  # Describe's stable pool name ("": callers use the address)
     port_file: str | None = None  # the bound port is written here once serving (port 0)
     model: str = DEFAULT_MODEL
     # auto: the directory's safetensors (a config-only preset: dummy, with a WARNING);
@@ -153,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--host", default=d.host, help="interface to bind")
     add_flag(p, "--port", type=int, default=d.port, help="port to bind; 0 picks a free one")
     add_flag(p, "--port-file", default=None, help="write the bound port here once serving")
+    add_flag(p, "--pool-name", default=d.pool_name,
+             help="a stable name for this executor's KV pool at the allocator (a StatefulSet "
+             "pod's name), reported by Describe; empty: callers use the address")
     add_metrics_flags(p, DEFAULT_METRICS_PORT)
     add_flag(p, "--model", default=d.model, help="model directory (config.json, safetensors)")
     add_flag(p, "--load-format", default=d.load_format, choices=["auto", "dummy"], help="weights")

@@ -22,6 +22,7 @@ from gateway.api.sampling import ModelLimits
 from gateway.api.tenants import Tenancy, load_tenancy
 from gateway.clients.allocator_client import AllocatorClient
 from gateway.clients.call_failures import CallFailed, Lost
+from gateway.clients.discovery import Discovery, DiscoveryFailed
 from gateway.clients.executor_client import ExecutorClient, ExecutorDescription
 from gateway.clients.lease import Lease
 from gateway.clients.pool_link import PoolLink
@@ -29,10 +30,11 @@ from gateway.core.batch import Budget
 from gateway.core.scheduler import Scheduler
 from gateway.engine.host import EngineHost
 from gateway.engine.loop import Engine
+from gateway.engine.membership import Membership
 from gateway.engine.router import Router
 from gateway.engine.step_stats import StepStats
 from gateway.metrics import EngineSnapshot, GatewayMetrics, snapshot
-from gateway.settings import GatewaySettings
+from gateway.settings import GatewaySettings, discovery
 from gateway.text.output import OutputProcessor
 from gateway.text.tokenizer import Tokenizer
 
@@ -49,30 +51,36 @@ class StartupFailed(Exception):
 
 @dataclass(slots=True)
 class Engines:
-    """What runs on the engine loop: the router and its engines, the lease, the clients."""
+    """What runs on the engine loop: the router and its engines, the lease, the clients, and
+    the membership loop that follows discovery."""
 
     router: Router
     lease: Lease
     allocator: AllocatorClient
-    executors: list[ExecutorClient]
+    membership: Membership
     limits: ModelLimits
     eos_token_ids: tuple[int, ...]
     model_name: str
+    dynamic: bool = False  # executors come and go (--executor-dns, --executor-addrs-file)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def start(self) -> None:
-        """The lease's keep-alives and every engine's loop (called on the engine loop)."""
+        """The lease's keep-alives, every engine's loop, and discovery (on the engine loop)."""
         loop = asyncio.get_running_loop()
         self.tasks.append(loop.create_task(self.lease.keep_alive_forever()))
-        self.tasks.extend(loop.create_task(e.run()) for e in self.router.engines)
+        for engine in self.router.engines:
+            self.membership.start(engine)
+        if self.dynamic:
+            self.tasks.append(loop.create_task(self.membership.run_forever()))
 
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.membership.close()
         await self.allocator.close()
-        for executor in self.executors:
-            await executor.close()
+        for engine in self.router.engines:
+            await engine.link.executor.close()
 
 
 @dataclass(slots=True)
@@ -162,14 +170,10 @@ async def build_engines(
 ) -> Engines:
     """Connect, describe, lease, register and build every engine (on the engine loop: the
     clients' channels belong to the loop that makes them)."""
-    auth = settings.internal_auth
     allocator = AllocatorClient(settings.allocator_addr, timeout_s=settings.allocator_timeout_s,
-                                auth=auth)
-    executors = [ExecutorClient(a, auth=auth) for a in settings.executor_addrs]
-    descriptions = [
-        await _retry(f"Describe {c.address}", c.describe, settings.connect_timeout_s)
-        for c in executors
-    ]
+                                auth=settings.internal_auth)
+    found = discovery(settings)
+    clients, descriptions = await _first_executors(settings, found)
     limits = model_limits(settings, tokenizer, descriptions)
     eos = descriptions[0].eos_token_ids or tokenizer.eos_token_ids
     lease = Lease(allocator=allocator, ttl_ms=settings.lease_ttl_ms)
@@ -177,7 +181,68 @@ async def build_engines(
     output = OutputProcessor(decoder=tokenizer, eos_token_ids=frozenset(eos),
                              max_model_len=limits.max_model_len)
     router = Router(engines=[], allocator=allocator, max_waiting=settings.max_waiting)
-    for client, description in zip(executors, descriptions, strict=True):
+    fleet = Fleet(settings=settings, allocator=allocator, lease=lease, output=output,
+                  router=router, metrics=metrics,
+                  model_fingerprint=descriptions[0].model_fingerprint)
+    for client, description in zip(clients, descriptions, strict=True):
+        router.add(await fleet.engine(client, description))
+    membership = Membership(found, router, fleet.join, settings.discovery_interval_s)
+    engines = Engines(router=router, lease=lease, allocator=allocator, membership=membership,
+                      limits=limits, eos_token_ids=tuple(eos), model_name=metrics.model_name,
+                      dynamic=found.dynamic)
+    engines.start()
+    return engines
+
+
+async def _first_executors(
+    settings: GatewaySettings, found: Discovery
+) -> tuple[list[ExecutorClient], list[ExecutorDescription]]:
+    """The executors to start with: every listed one (a static list), or those discovery
+    finds that answer (at least one), waiting for them up to --connect-timeout-s."""
+    deadline = time.monotonic() + settings.connect_timeout_s
+    auth = settings.internal_auth
+    if not found.dynamic:
+        clients = [ExecutorClient(a, auth=auth) for a in await found.addresses()]
+        return clients, [await _retry(f"Describe {c.address}", c.describe,
+                                      settings.connect_timeout_s) for c in clients]
+    while True:
+        problem = ""
+        try:
+            addresses = await found.addresses()
+        except DiscoveryFailed as exc:
+            addresses, problem = [], str(exc)
+        clients, descriptions = [], []
+        for address in addresses:
+            client = ExecutorClient(address, auth=auth)
+            try:
+                descriptions.append(await client.describe(timeout=5.0))
+                clients.append(client)
+            except CallFailed as exc:
+                problem = f"{address}: {exc.status}"
+                await client.close()
+        if clients:
+            return clients, descriptions
+        if time.monotonic() > deadline:
+            raise StartupFailed(f"gateway: no executor found by {found.source} answered "
+                                f"within --connect-timeout-s ({problem or 'none listed'})")
+        log.info("waiting_for_executors", source=found.source, problem=problem or None)
+        await asyncio.sleep(1.0)
+
+
+@dataclass(slots=True)
+class Fleet:
+    """Builds the engine of an executor: its pool registered, its scheduler, its loop."""
+
+    settings: GatewaySettings
+    allocator: AllocatorClient
+    lease: Lease
+    output: OutputProcessor
+    router: Router
+    metrics: GatewayMetrics
+    model_fingerprint: str
+
+    async def engine(self, client: ExecutorClient, description: ExecutorDescription) -> Engine:
+        settings = self.settings
         budget = Budget(
             max_num_seqs=min(settings.max_num_seqs, description.max_num_seqs or 1 << 30),
             max_num_batched_tokens=min(settings.max_num_batched_tokens,
@@ -185,10 +250,10 @@ async def build_engines(
             max_running_per_tenant=settings.tenant_max_running,
         )
         link = PoolLink(
-            pool_id=client.address,
+            pool_id=description.pool_name or client.address,
             executor=client,
-            allocator=allocator,
-            lease=lease,
+            allocator=self.allocator,
+            lease=self.lease,
             description=description,
             enable_prefix_caching=settings.enable_prefix_caching,
             execute_timeout_s=settings.execute_timeout_s,
@@ -198,18 +263,35 @@ async def build_engines(
             link=link,
             scheduler=Scheduler(budget=budget, block_size=description.block_size,
                                 swap=settings.preemption_mode == "swap"),
-            output=output,
-            on_lost=router.requeue,
+            output=self.output,
+            on_lost=self.router.requeue,
             stats=StepStats(window=settings.stats_every_steps,
-                            log_path=settings.step_log or None, observe=metrics.observe_step),
+                            log_path=settings.step_log or None,
+                            observe=self.metrics.observe_step),
             async_depth=settings.async_depth,
         )
-        router.engines.append(engine)
-        lease.on_acquired.append(engine.wakeup.set)
-    engines = Engines(router=router, lease=lease, allocator=allocator, executors=executors,
-                      limits=limits, eos_token_ids=tuple(eos), model_name=metrics.model_name)
-    engines.start()
-    return engines
+        self.lease.on_acquired.append(engine.wakeup.set)
+        return engine
+
+    async def join(self, address: str) -> Engine | None:
+        """An executor discovery found since: its engine, in the router (None: refused)."""
+        client = ExecutorClient(address, auth=self.settings.internal_auth)
+        try:
+            description = await client.describe(timeout=5.0)
+            if description.model_fingerprint != self.model_fingerprint:
+                log.error("executor_refused", address=address,
+                          reason="it serves another model than this gateway's executors",
+                          model=description.model_name,
+                          fingerprint=description.model_fingerprint,
+                          expected_fingerprint=self.model_fingerprint)
+                await client.close()
+                return None
+            engine = await self.engine(client, description)
+        except BaseException:
+            await client.close()
+            raise
+        self.router.add(engine)
+        return engine
 
 
 async def start_gateway(settings: GatewaySettings) -> Gateway:

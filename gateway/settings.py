@@ -15,6 +15,13 @@ from common.credentials import (
     internal_auth_from_args,
 )
 from common.model_dirs import DEFAULT_MODEL
+from gateway.clients.discovery import (
+    Discovery,
+    DnsAddresses,
+    FileAddresses,
+    StaticAddresses,
+    split_host_port,
+)
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -57,10 +64,19 @@ class GatewaySettings:
     http_port_file: str | None
     served_model_name: str
     max_sse_buffer: int
+    executor_dns: str = ""
+    executor_addrs_file: str = ""
+    discovery_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if not self.executor_addrs:
+        if self.executor_dns and self.executor_addrs_file:
+            raise ValueError("--executor-dns and --executor-addrs-file: give one of them")
+        if self.executor_dns:
+            split_host_port(self.executor_dns, "--executor-dns")
+        elif not self.executor_addrs_file and not self.executor_addrs:
             raise ValueError("--executor-addrs is empty: give at least one host:port")
+        if not self.discovery_interval_s > 0:
+            raise ValueError("--discovery-interval-s must be > 0 (seconds)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -97,6 +113,14 @@ class GatewaySettings:
                 ) from exc
 
 
+def discovery(settings: GatewaySettings) -> Discovery:
+    if settings.executor_dns:
+        return DnsAddresses(*split_host_port(settings.executor_dns, "--executor-dns"))
+    if settings.executor_addrs_file:
+        return FileAddresses(settings.executor_addrs_file)
+    return StaticAddresses(settings.executor_addrs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
     add_flag(parser, "--host", default="127.0.0.1",
@@ -117,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
         parser, "--executor-addrs", default="localhost:50053",
         help="comma-separated executor host:port list (one KV pool each)",
     )
+    add_flag(parser, "--executor-dns", default="",
+             help="find the executors by DNS instead: every address NAME resolves to, with "
+             "PORT (NAME:PORT; a Kubernetes headless Service), asked again every "
+             "--discovery-interval-s: executors join and leave without a restart")
+    add_flag(parser, "--executor-addrs-file", default="",
+             help="find the executors in this file instead (host:port entries, one per line "
+             "or comma-separated), read again every --discovery-interval-s")
+    add_flag(parser, "--discovery-interval-s", type=float, default=5.0,
+             help="how often --executor-dns or --executor-addrs-file is asked again")
     add_flag(parser, "--model", default=str(DEFAULT_MODEL), help="model directory (tokenizer)")
     add_flag(parser, "--max-num-seqs", type=int, default=256, help="sequences per step")
     add_flag(
@@ -250,6 +283,9 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             http_port_file=args.http_port_file,
             served_model_name=args.served_model_name,
             max_sse_buffer=args.max_sse_buffer,
+            executor_dns=args.executor_dns,
+            executor_addrs_file=args.executor_addrs_file,
+            discovery_interval_s=args.discovery_interval_s,
         )
     except ValueError as exc:
         raise SystemExit(f"gateway: {exc}") from exc

@@ -147,6 +147,17 @@ class Stack:
         return next(s for s in self.services if s.name == name)
 
     def start(self) -> Stack:
+        """The allocator and executors, then a gateway over them."""
+        self.start_backends()
+        try:
+            self.start_gateway("gateway", self.spec.gateway_port)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_backends(self) -> Stack:
+        """The allocator and the executors, healthy (no gateway yet)."""
         spec = self.spec
         if spec.log_dir:
             os.makedirs(spec.log_dir, exist_ok=True)
@@ -163,7 +174,6 @@ class Stack:
                             ports=self._metrics_port("executor", spec.executor_metrics_port, i))
             for service in self.services:
                 self._wait_healthy(service)
-            self.start_gateway("gateway", spec.gateway_port)
         except BaseException:
             self.stop()
             raise

@@ -41,6 +41,7 @@ class ExecutorDescription:
     # It fills in its own sampled tokens (use_sampled_token): the next Execute may go out
     # before the previous one returns.
     uses_sampled_tokens: bool = False
+    pool_name: str = ""  # its stable pool name ("": name the pool by the address)
 
 
 def _copies(copies: Sequence[BlockCopy]) -> list[pb.BlockCopy]:
@@ -136,6 +137,7 @@ class ExecutorClient(InternalChannel):
             max_num_batched_tokens=r.max_num_batched_tokens,
             max_num_seqs=r.max_num_seqs,
             uses_sampled_tokens=r.uses_sampled_tokens,
+            pool_name=r.pool_name[:256],
         )
 
     async def execute(

@@ -39,7 +39,15 @@ class Router:
     max_waiting: int
 
     def healthy(self) -> list[Engine]:
-        return [e for e in self.engines if e.healthy]
+        """The engines new requests may go to: healthy, and not leaving."""
+        return [e for e in self.engines if e.healthy and not e.draining]
+
+    def add(self, engine: Engine) -> None:
+        # A new list, never one changed in place: the API's thread reads it (health, info).
+        self.engines = [*self.engines, engine]
+
+    def remove(self, engine: Engine) -> None:
+        self.engines = [e for e in self.engines if e is not engine]
 
     @property
     def num_waiting(self) -> int:

@@ -63,6 +63,8 @@ class EngineState:
     last_schedule_ms: float = 0.0  # the scheduler's share of the latest step
     last_landed: float | None = None  # when the last step that landed a batch ended (stats)
     stepping: bool = False
+    # Its executor left discovery: no new requests; it is stopped once its own are done.
+    draining: bool = False
 
 
     @property

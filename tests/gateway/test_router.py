@@ -25,6 +25,7 @@ class FakeEngine:
     pool_id: str
     load: int = 0
     healthy: bool = True
+    draining: bool = False
     scheduler: FakeScheduler = field(default_factory=FakeScheduler)
     cancelled: int = 0
 
@@ -144,3 +145,13 @@ def test_router_every_executor_lost_during_match_prefix_is_unavailable():
     with pytest.raises(Unavailable):
         asyncio.run(r.submit(request()))
     assert not a.scheduler.waiting and not b.scheduler.waiting
+
+
+def test_router_sends_nothing_new_to_a_draining_engine():
+    # An executor that left discovery finishes its own requests and gets no new ones, nor
+    # requeued ones.
+    leaving, staying = FakeEngine("a", load=0, draining=True), FakeEngine("b", load=9)
+    routing = router([leaving, staying], cached={"a": 3})  # even with its prefix cached
+    assert routing.healthy() == [staying]  # type: ignore[comparison-overlap]
+    engine = asyncio.run(routing.submit(request("r1", [1, 2, 3])))
+    assert engine is staying and not leaving.scheduler.waiting

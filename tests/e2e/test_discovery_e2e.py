@@ -1,0 +1,91 @@
+"""Executors joining and leaving a running gateway (--executor-addrs-file), under load: real
+subprocesses; every stream ends with transformers' tokens and every block comes back."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from e2e_stack import MODEL, Clients, generate, prompts, reference_greedy, sampling
+
+from pagedkv.gateway.v1 import gateway_pb2 as gpb
+from tools.launch import Stack, StackSpec
+
+
+def _wait_for(condition, what: str, timeout_s: float = 30.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_executors_join_and_leave_a_running_gateway_under_load(tmp_path: Path):
+    listed = tmp_path / "executors.txt"
+    stack = Stack(StackSpec(
+        model=MODEL, num_executors=2, allocator_port=0, executor_port=0, gateway_port=0,
+        log_dir=str(tmp_path), executor_args=("--load-format", "dummy", "--num-blocks", "256"),
+        gateway_args=("--executor-addrs-file", str(listed), "--discovery-interval-s", "0.2"),
+    )).start_backends()
+    clients = None
+    try:
+        first, second = stack.executor_addrs()
+        listed.write_text(f"{first}\n")
+        stack.start_gateway("gateway")
+        clients = Clients(stack)
+
+        def executors() -> list[str]:
+            info = clients.gateway.GetModelInfo(gpb.GetModelInfoRequest(), timeout=10)
+            return sorted(e.address for e in info.executors)
+
+        assert executors() == [first]
+        batch = list(prompts(24, 16, seed=601))
+        results: list[tuple[list[int], list[int]]] = []
+
+        def run(prompt: list[int]) -> None:
+            done = generate(clients.gateway, gpb.GenerateRequest(  # type: ignore[union-attr]
+                token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(48, ignore_eos=True)))
+            results.append((prompt, done[0].token_ids))
+
+        threads = [threading.Thread(target=run, args=(p,)) for p in batch[:12]]
+        for thread in threads:
+            thread.start()
+        # A second executor joins mid-load; requests sent from then on use both.
+        listed.write_text(f"{first}\n{second}  # joined\n")
+        _wait_for(lambda: executors() == sorted([first, second]), "the second executor")
+        late = [threading.Thread(target=run, args=(p,)) for p in batch[12:]]
+        for thread in late:
+            thread.start()
+        _wait_for(lambda: all(p.num_requests or p.num_prefix_queries
+                              for p in clients.pools()), "requests on both pools")  # type: ignore[union-attr]
+        # Then it leaves while it still runs some: they finish there; no new ones go to it.
+        listed.write_text(f"{first}\n")
+        _wait_for(lambda: executors() == [first], "the second executor to drain and leave",
+                  timeout_s=120)
+        for thread in [*threads, *late]:
+            thread.join(180)
+        assert len(results) == len(batch)
+        for prompt, tokens in results:
+            assert tuple(tokens) == reference_greedy(tuple(prompt), 48, ignore_eos=True)
+        clients.wait_all_blocks_back()
+        log = Path(stack.by_name("gateway").log_path or "").read_text()
+        assert "executor_joined" in log and "executor_left" in log
+    finally:
+        if clients is not None:
+            clients.close()
+        stack.stop()
+
+
+def test_a_gateway_that_finds_no_executor_says_why(tmp_path: Path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "--insecure", "--model", MODEL, "--http-port", "-1",
+         "--port", "0", "--allocator-addr", "127.0.0.1:1",
+         "--executor-dns", "no-such-executor.invalid:50053", "--connect-timeout-s", "1"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert ("no executor found by --executor-dns no-such-executor.invalid:50053"
+            in done.stderr + done.stdout)
+    assert "does not resolve" in done.stderr + done.stdout
