@@ -13,7 +13,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 # The executor's C++ CPU kernels, compiled once for this machine (executor_svc/attention/csrc).
 KERNELS_STAMP := build/cpu_kernels/.built
 
-.PHONY: setup model kernels protos certs lint typecheck test conformance run run-allocator bench bench-full bench-executor bench-vllm compose-check clean
+.PHONY: setup model kernels protos certs lint typecheck test conformance run run-allocator bench bench-full bench-executor bench-vllm compose-check k8s-check clean
 
 setup: $(VENV)/.installed model kernels
 $(VENV)/.installed: pyproject.toml setup.py
@@ -83,6 +83,13 @@ $(VLLM_VENV)/.installed:
 
 compose-check:
 	docker-compose config -q
+
+# The Kubernetes manifests: both overlays rendered, every object validated offline against the
+# Kubernetes schemas, and the deployment's invariants (tests/deploy).
+k8s-check: protos
+	kubectl kustomize deploy/k8s/overlays/cpu > /dev/null
+	kubectl kustomize deploy/k8s/overlays/gpu > /dev/null
+	$(PY) -m pytest -q tests/deploy
 
 clean:
 	rm -rf pagedkv $(VENV) build .pytest_cache .mypy_cache .ruff_cache
