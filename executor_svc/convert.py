@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.errors import InvalidArgument
-from executor_svc.runner import ExecutorInfo
+from executor_svc.runner_api import ExecutorInfo
 from executor_svc.step import (
     BlockCopy,
     BlockTableDelta,

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from common.errors import FailedPrecondition, InvalidArgument, NotFound
-from executor_svc.logits_processor import LogitsProcessor
 from executor_svc.sampling_checks import check_history, check_sampling
 from executor_svc.step import (
     BlockCopy,
@@ -22,6 +20,11 @@ from executor_svc.step import (
     SequenceWork,
     StepRequest,
 )
+
+if TYPE_CHECKING:  # annotations only: the simulated executor plans steps without torch
+    import torch
+
+    from executor_svc.logits_processor import LogitsProcessor
 
 
 @dataclass(slots=True)

@@ -24,31 +24,12 @@ from executor_svc.logits_processor import LogitsProcessor
 from executor_svc.memory import count_blocks, forward_once
 from executor_svc.model_loader import LoadedModel, dtype_name, load_model
 from executor_svc.plan import Limits, PlannedSeq, RequestState, plan_step
+from executor_svc.runner_api import ExecutorInfo  # re-exported: ExecutorInfo's old home
 from executor_svc.sampler import Sampler, new_generator
 from executor_svc.settings import ExecutorSettings, SettingsError
 from executor_svc.step import SampledToken, SequenceWork, StepRequest, StepResult, Timings
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ExecutorInfo:
-    """What Describe reports."""
-
-    instance_id: str
-    model_name: str
-    model_fingerprint: str
-    num_blocks: int
-    block_size: int
-    num_cpu_blocks: int
-    dtype: str
-    backend: str
-    device: str
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    vocab_size: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ from common.interceptor import client_request_id
 from common.server import Registration
 from executor_svc import convert
 from executor_svc.compute_thread import compute_thread
-from executor_svc.runner import ModelRunner
+from executor_svc.runner_api import StepRunner
 from executor_svc.step import SequenceWork, StepRequest, StepResult
 from executor_svc.step_order import ORDER_WAIT_S, StepOrder
 from pagedkv.executor.v1 import executor_pb2 as pb
@@ -55,7 +55,7 @@ TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 class StepMetrics:
     """What Execute records per step: about 6 us (five observations, three increments)."""
 
-    def __init__(self, registry: CollectorRegistry, runner: ModelRunner) -> None:
+    def __init__(self, registry: CollectorRegistry, runner: StepRunner) -> None:
         def histogram(name: str, text: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(name, text, registry=registry, buckets=buckets)
 
@@ -100,7 +100,7 @@ class StepMetrics:
 class _RunnerCollector(Collector):
     """Read at scrape time, in the metrics thread: lengths and constants only."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: StepRunner) -> None:
         self.runner = runner
 
     def collect(self) -> Iterator[Metric]:
@@ -130,7 +130,7 @@ def _ids(seq_id: str) -> dict[str, str]:
 
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
-    def __init__(self, runner: ModelRunner, worker: ThreadPoolExecutor | None = None,
+    def __init__(self, runner: StepRunner, worker: ThreadPoolExecutor | None = None,
                  metrics: StepMetrics | None = None, pool_name: str = "") -> None:
         self._runner = runner
         self._pool_name = pool_name
@@ -234,7 +234,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         return asyncio.get_running_loop().run_in_executor(self._worker, context.run, fn, *args)
 
 
-def registration(runner: ModelRunner, worker: ThreadPoolExecutor | None = None,
+def registration(runner: StepRunner, worker: ThreadPoolExecutor | None = None,
                  metrics: StepMetrics | None = None, pool_name: str = "") -> Registration:
     """`worker`: the thread that built `runner` (compute_thread.py); None: a new one.
     `metrics`: where steps are recorded (None: nowhere). `pool_name`: what Describe reports."""

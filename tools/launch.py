@@ -55,6 +55,9 @@ class StackError(RuntimeError):
 class StackSpec:
     model: str = str(DEFAULT_MODEL)
     num_executors: int = 1
+    # The executors' module: the real one, or `executor_svc.simulated` (no model: a step
+    # takes a cost model's time; for fleets on one machine).
+    executor_module: str = "executor_svc"
     host: str = HOST             # every service binds it
     allocator_port: int = 50052
     executor_port: int = 50053   # the first; the others follow (0: any free ports)
@@ -168,7 +171,7 @@ class Stack:
                         ports=self._metrics_port("allocator", spec.allocator_metrics_port))
             for i in range(spec.num_executors):
                 port = spec.executor_port + i if spec.executor_port else 0
-                self._start(f"executor-{i}", "executor_svc", port,
+                self._start(f"executor-{i}", spec.executor_module, port,
                             ("--host", spec.host, "--model", spec.model,
                              *self._tls_args("executor"), *spec.executor_args),
                             ports=self._metrics_port("executor", spec.executor_metrics_port, i))

@@ -10,6 +10,13 @@ generated token.
 Parity needs a local reference with the executor's weights: `--reference-model DIR` (default:
 models/<model_name from Describe>) loaded from safetensors, or with `--reference-seed N` the
 seeded dummy weights that `--load-format dummy --seed N` gives (the default seed is 0).
+
+A simulated executor (`python -m executor_svc.simulated`) says so in Describe (backend
+"simulated"): its reference is then its token model (executor_svc/simulated/token_model.py),
+built from Describe's vocabulary and EOS ids, and every parity case checks the contract
+(positions, tables, chunks, forks, swaps, sampled tokens used ahead) against it. It applies
+no logits processors: the cases about their numerics call `require_model_logits`, which
+skips them for it with a message saying why.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -31,6 +39,8 @@ from transformers import PreTrainedModel
 
 from common.credentials import INTERNAL_TOKEN_ENV, InternalAuth
 from executor_svc.model_loader import load_model
+from executor_svc.simulated.runner import SIMULATED_BACKEND
+from executor_svc.simulated.token_model import TokenModel, digest_of
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -187,9 +197,43 @@ def executor(executor_addr: str, internal_auth: InternalAuth) -> Iterator[Execut
     channel.close()
 
 
+@dataclass(frozen=True, slots=True)
+class SimulatedReference:
+    """A simulated executor's model: its token model, and the limits Describe gave."""
+
+    tokens: TokenModel
+    config: SimpleNamespace  # vocab_size, max_position_embeddings (as a model config's)
+
+    @classmethod
+    def of(cls, info: pb.DescribeResponse) -> SimulatedReference:
+        return cls(TokenModel(info.vocab_size, frozenset(info.eos_token_ids)),
+                   SimpleNamespace(vocab_size=info.vocab_size,
+                                   max_position_embeddings=info.max_model_len))
+
+
+Reference = PreTrainedModel | SimulatedReference
+
+
+def is_simulated(executor: Executor) -> bool:
+    return executor.info.backend == SIMULATED_BACKEND
+
+
+def require_model_logits(executor: Executor) -> None:
+    """Cases that compare a model's processed logits (penalties, bias, min_tokens)."""
+    if is_simulated(executor):
+        pytest.skip(
+            "the executor under test is simulated (Describe: backend 'simulated'): it samples "
+            "greedily from a hash of the context and applies no logits processors, so the "
+            "numerics of penalties, logit_bias and min_tokens are not checked against it"
+        )
+
+
 @pytest.fixture(scope="session")
-def reference(pytestconfig: pytest.Config, executor: Executor) -> PreTrainedModel:
-    """transformers' own model (sdpa attention) with the executor's weights, on CPU."""
+def reference(pytestconfig: pytest.Config, executor: Executor) -> Reference:
+    """transformers' own model (sdpa attention) with the executor's weights, on CPU; for a
+    simulated executor, its token model."""
+    if is_simulated(executor):
+        return SimulatedReference.of(executor.info)
     path = pytestconfig.getoption("reference_model") or str(
         ROOT / "models" / executor.info.model_name
     )
@@ -203,13 +247,18 @@ def reference(pytestconfig: pytest.Config, executor: Executor) -> PreTrainedMode
     return model
 
 
-def reference_generate(model: PreTrainedModel, prompt: list[int], num_new: int) -> list[int]:
+def reference_generate(model: Reference, prompt: list[int], num_new: int) -> list[int]:
+    if isinstance(model, SimulatedReference):
+        return model.tokens.generate(prompt, num_new)
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False)
     return out[0, len(prompt) :].tolist()
 
 
-def reference_logprobs(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+def reference_logprobs(model: Reference, tokens: list[int]) -> torch.Tensor:
+    if isinstance(model, SimulatedReference):  # [T, V]: row t after tokens[: t + 1]
+        rows = [model.tokens.logits(digest_of(tokens[: t + 1])) for t in range(len(tokens))]
+        return torch.log_softmax(torch.tensor(rows, dtype=torch.float64), dim=-1).float()
     with torch.inference_mode():
         return torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)  # [T, V]
 

@@ -9,7 +9,6 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from transformers import PreTrainedModel
 
 from executor_svc.step import SamplingParams
 from pagedkv.executor.v1 import executor_pb2 as pb
@@ -17,8 +16,10 @@ from tests.executor.oracle import reference_sample
 
 from .conftest import (
     Executor,
+    Reference,
     reference_generate,
     reference_logprobs,
+    require_model_logits,
     require_uses_sampled_tokens,
 )
 
@@ -38,7 +39,7 @@ def _decode(executor: Executor, outputs: dict[str, list[int]], steps: int) -> No
             outputs[token.request_id].append(token.token_id)
 
 
-def test_describe_reports_a_usable_executor(executor: Executor, reference: PreTrainedModel) -> None:
+def test_describe_reports_a_usable_executor(executor: Executor, reference: Reference) -> None:
     # Sizes, identity and limits are present and agree with the model's config.
     info = executor.info
     assert info.instance_id and info.model_name and info.model_fingerprint
@@ -62,7 +63,7 @@ def test_health_names_the_service_and_needs_no_credential(executor_addr: str) ->
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_prefill_and_decode_match_reference(executor: Executor, reference: PreTrainedModel) -> None:
+def test_prefill_and_decode_match_reference(executor: Executor, reference: Reference) -> None:
     # Three mixed-length prompts in one step, then 15 decode steps: greedy tokens equal the
     # reference's generate, and each prefill logprob equals the reference's log-softmax.
     prompts = _prompts(executor.info.vocab_size, [5, 23, 40], seed=1)
@@ -83,7 +84,7 @@ def test_prefill_and_decode_match_reference(executor: Executor, reference: PreTr
     executor.forget(*rids)
 
 
-def test_compact_decodes_match_reference(executor: Executor, reference: PreTrainedModel) -> None:
+def test_compact_decodes_match_reference(executor: Executor, reference: Reference) -> None:
     # Decodes in the compact columns (a sequence moves to `seqs` when it needs a new block):
     # the same greedy tokens as the reference, sampled tokens returned in column order.
     prompts = _prompts(executor.info.vocab_size, [7, 16, 30], seed=5)
@@ -114,7 +115,7 @@ def test_compact_decodes_match_reference(executor: Executor, reference: PreTrain
     executor.forget(*rids)
 
 
-def test_chunked_prefill_matches_reference(executor: Executor, reference: PreTrainedModel) -> None:
+def test_chunked_prefill_matches_reference(executor: Executor, reference: Reference) -> None:
     # A 50-token prompt in chunks of 13 (only the last samples), then 7 decode steps.
     prompt = _prompts(executor.info.vocab_size, [50], seed=2)[0]
     for start in range(0, 39, 13):
@@ -128,7 +129,7 @@ def test_chunked_prefill_matches_reference(executor: Executor, reference: PreTra
 
 
 def test_copy_on_write_fork_matches_reference(
-    executor: Executor, reference: PreTrainedModel
+    executor: Executor, reference: Reference
 ) -> None:
     # A child forks a parent mid-block: shares its full blocks, gets a copy of the partial one.
     size = executor.info.block_size
@@ -159,7 +160,7 @@ def test_copy_on_write_fork_matches_reference(
     executor.forget("parent", "child")
 
 
-def test_swap_out_and_in_matches_reference(executor: Executor, reference: PreTrainedModel) -> None:
+def test_swap_out_and_in_matches_reference(executor: Executor, reference: Reference) -> None:
     # Swap a request's blocks to CPU, let another request overwrite them, swap them back into
     # other blocks (table replaced by the delta), and continue like the reference.
     size = executor.info.block_size
@@ -238,7 +239,7 @@ def test_sampling_with_a_seed_reproduces(executor: Executor) -> None:
 
 
 def test_sampled_tokens_are_used_before_they_return(
-    executor: Executor, reference: PreTrainedModel
+    executor: Executor, reference: Reference
 ) -> None:
     # Each decode step goes out before the one before it has returned (two calls in flight),
     # its tokens standing for the ones that step samples: compact rows with
@@ -277,7 +278,7 @@ def test_sampled_tokens_are_used_before_they_return(
 
 
 def test_use_sampled_token_needs_a_token_sampled_by_the_last_step(
-    executor: Executor, reference: PreTrainedModel
+    executor: Executor, reference: Reference
 ) -> None:
     # FAILED_PRECONDITION, changing nothing, where the request's last step sampled nothing:
     # a new request, after a prefill chunk, after a step that did not sample. Between them
@@ -311,7 +312,7 @@ def test_use_sampled_token_needs_a_token_sampled_by_the_last_step(
 
 
 def test_a_step_naming_its_previous_step_waits_for_it(
-    executor: Executor, reference: PreTrainedModel
+    executor: Executor, reference: Reference
 ) -> None:
     # gRPC does not order two calls: the second step, which builds on the first's sampled
     # token, is sent first. Naming the first (previous_step_id), it waits for it and runs
@@ -350,11 +351,12 @@ def _reference_params(fields: dict[str, object]) -> SamplingParams:
 
 
 def test_penalties_bias_and_min_tokens_match_reference(
-    executor: Executor, reference: PreTrainedModel
+    executor: Executor, reference: Reference
 ) -> None:
     # A greedy request with penalties, a logit bias and min_tokens masking its first greedy
     # token decodes (in the compact columns where its table suffices) exactly as a loop over
     # transformers' processors in vLLM's order.
+    require_model_logits(executor)
     prompt = _prompts(executor.info.vocab_size, [20], seed=11)[0]
     first = reference_generate(reference, prompt, 1)[0]
     fields = {**PENALISED, "min_tokens": 4, "stop_token_ids": [first, 2],
@@ -377,11 +379,12 @@ def test_penalties_bias_and_min_tokens_match_reference(
 
 
 def test_penalties_count_the_history_before_a_cached_prefix(
-    executor: Executor, reference: PreTrainedModel
+    executor: Executor, reference: Reference
 ) -> None:
     # A penalised request starts past a prefix another request computed (its first block),
     # sending that prefix as history_token_ids: it decodes as the reference does from the
     # whole prompt, where the repetition penalty counts the prefix's tokens too.
+    require_model_logits(executor)
     size = executor.info.block_size
     prompt = _prompts(executor.info.vocab_size, [size + 5], seed=12)[0]
     executor.execute(executor.work("prefix-owner", prompt, sample=False))
@@ -412,7 +415,7 @@ def _assert_top(top: list[tuple[int, float]], raw: torch.Tensor, k: int) -> None
 
 
 def test_top_logprobs_are_the_raw_distributions(
-    executor: Executor, reference: PreTrainedModel
+    executor: Executor, reference: Reference
 ) -> None:
     # top_logprobs 5 (with a penalty and a temperature that do not touch them): SampledToken
     # carries the raw log-softmax's 5 most likely, a plain request none; in the compact

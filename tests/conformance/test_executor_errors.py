@@ -7,11 +7,10 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from transformers import PreTrainedModel
 
 from pagedkv.executor.v1 import executor_pb2 as pb
 
-from .conftest import Executor, reference_generate, require_uses_sampled_tokens
+from .conftest import Executor, Reference, reference_generate, require_uses_sampled_tokens
 
 pytestmark = pytest.mark.conformance
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
@@ -269,7 +268,7 @@ SAMPLED_TOKEN_CASES = {c for c in CASES if "use_sampled_token" in c or "step_id"
 
 
 @pytest.fixture
-def witness(executor: Executor, reference: PreTrainedModel) -> tuple[list[int], list[int]]:
+def witness(executor: Executor, reference: Reference) -> tuple[list[int], list[int]]:
     """A held request (prompt + its first sampled token) that every bad step must not disturb."""
     prompt = [random.Random(11).randrange(3, executor.info.vocab_size) for _ in range(21)]
     executor.forget("witness")
@@ -280,7 +279,7 @@ def witness(executor: Executor, reference: PreTrainedModel) -> tuple[list[int], 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_execute_is_rejected_without_effect(
     executor: Executor,
-    reference: PreTrainedModel,
+    reference: Reference,
     witness: tuple[list[int], list[int]],
     case: str,
 ) -> None:

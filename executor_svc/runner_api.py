@@ -1,0 +1,49 @@
+"""What the servicer needs of a runner, free of torch: what Describe reports, and the calls.
+
+ModelRunner (runner.py) implements it with a model; SimulatedRunner (simulated/) with a cost
+model and a token hash, so that a fleet of simulated executors reuses service.py, convert.py
+and plan.py without importing torch (~300 MB a process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from executor_svc.plan import RequestState
+from executor_svc.step import StepRequest, StepResult
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorInfo:
+    """What Describe reports."""
+
+    instance_id: str
+    model_name: str
+    model_fingerprint: str
+    num_blocks: int
+    block_size: int
+    num_cpu_blocks: int
+    dtype: str
+    backend: str
+    device: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+class StepRunner(Protocol):
+    """One step at a time, in the servicer's compute thread (not thread-safe)."""
+
+    info: ExecutorInfo
+    requests: dict[str, RequestState]  # held requests, by id
+    idle_release_s: float  # 0: never drop idle requests
+    next_idle_check: float  # on `clock`: when a step next looks for idle requests
+    clock: Callable[[], float]
+
+    def execute(self, step: StepRequest) -> StepResult: ...
+
+    def release(self, request_ids: tuple[str, ...]) -> int: ...

@@ -1,0 +1,181 @@
+"""The simulated runner: ModelRunner's interface (runner_api.StepRunner), without a model.
+
+A step: plan (plan.py, the real executor's validation: nothing changes when any part is
+wrong) -> releases -> swap_out -> swap_in -> copies -> "forward": each sequence reads the
+digest before its first token from the slot cache through its block table, extends it by
+its tokens and writes each one to its slot -> commit request state -> sample candidate 0 of
+the token model -> sleep out the rest of the modelled step time. Greedy always: temperature,
+seeds and the logits processors (penalties, logit_bias, min_tokens) are validated, not
+applied.
+
+NOTE: the sleep is in the servicer's compute thread, as a real step's compute is: a step
+that arrives meanwhile waits in the worker's queue exactly as on a real executor, and the
+thread blocks in the kernel (no CPU) while it waits. Not thread-safe: one step at a time.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+import structlog
+
+from executor_svc.plan import Limits, PlannedSeq, RequestState, plan_step
+from executor_svc.runner_api import ExecutorInfo
+from executor_svc.settings import SettingsError
+from executor_svc.simulated.model_config import read_model_config
+from executor_svc.simulated.profiles import PROFILES, Profile, StepShape
+from executor_svc.simulated.settings import SimulatedSettings
+from executor_svc.simulated.slot_cache import SlotCache
+from executor_svc.simulated.token_model import ROOT_DIGEST, TokenModel, extend
+from executor_svc.step import SampledToken, StepRequest, StepResult, Timings
+
+log = structlog.get_logger(__name__)
+SIMULATED_BACKEND = "simulated"  # Describe's backend: the conformance suite keys on it
+
+
+class SimulatedRunner:
+    def __init__(
+        self,
+        info: ExecutorInfo,
+        limits: Limits,
+        profile: Profile,
+        time_scale: float,
+        idle_release_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.info = info
+        self.limits = limits
+        self.profile = profile
+        self.time_scale = time_scale
+        self.tokens = TokenModel(info.vocab_size, frozenset(info.eos_token_ids))
+        self.cache = SlotCache(limits.num_blocks, limits.num_cpu_blocks, limits.block_size)
+        self.requests: dict[str, RequestState] = {}
+        self.idle_release_s = idle_release_s
+        self.clock = clock
+        self.sleep = sleep
+        self.next_idle_check = clock() + idle_release_s / 10
+
+    def release(self, request_ids: tuple[str, ...]) -> int:
+        """Drop the requests' state; unknown ids are ignored. Returns how many were held."""
+        return sum(self.requests.pop(rid, None) is not None for rid in request_ids)
+
+    def release_idle(self, step: StepRequest) -> int:
+        """ModelRunner.release_idle: requests no step has used for idle_release_s."""
+        now = self.clock()
+        if not self.idle_release_s or now < self.next_idle_check:
+            return 0
+        self.next_idle_check = now + self.idle_release_s / 10
+        named = {w.request_id for w in step.seqs}
+        idle = tuple(rid for rid, state in self.requests.items()
+                     if now - state.last_used >= self.idle_release_s and rid not in named)
+        if idle:
+            log.warning("idle_requests_released", num_requests=len(idle),
+                        idle_s=self.idle_release_s)
+        return self.release(idle)
+
+    def execute(self, step: StepRequest) -> StepResult:
+        start = time.perf_counter()
+        self.release_idle(step)  # before planning: the plan holds the states it looked up
+        plan = plan_step(step, self.requests, self.limits)
+        self.release(plan.release_request_ids)
+        self.cache.swap_out(step.swap_out)
+        self.cache.swap_in(step.swap_in)
+        self.cache.copy_blocks(step.copies)
+        digests = [self._forward(planned) for planned in plan.seqs]
+        self._commit(plan.seqs)
+        sample_start = time.perf_counter()
+        tokens = self._sample(plan.seqs, digests)
+        sample_end = time.perf_counter()
+        shape = StepShape(
+            num_tokens=sum(len(p.token_ids) for p in plan.seqs),
+            num_context_tokens=sum(p.work.start_position + len(p.token_ids) for p in plan.seqs),
+            num_swapped_blocks=len(step.swap_out) + len(step.swap_in),
+        )
+        modelled_s = self.profile.step_ms(shape, self.limits.block_size) / 1e3 * self.time_scale
+        if (wait := start + modelled_s - time.perf_counter()) > 0:
+            self.sleep(wait)
+        end = time.perf_counter()
+        sample_ms = (sample_end - sample_start) * 1e3
+        total_ms = (end - start) * 1e3
+        return StepResult(tokens=tokens, timings=Timings(total_ms - sample_ms, sample_ms, total_ms),
+                          num_tokens=shape.num_tokens)
+
+    def _forward(self, planned: PlannedSeq) -> int:
+        """Write the sequence's digests to its slots; return its last one."""
+        start, table, cache = planned.work.start_position, planned.block_table, self.cache
+        digest = cache.read(table, start - 1) if start else ROOT_DIGEST
+        for position, token_id in enumerate(planned.token_ids, start):
+            digest = extend(digest, token_id, position)
+            cache.write(table, position, digest)
+        return digest
+
+    def _commit(self, seqs: tuple[PlannedSeq, ...]) -> None:
+        now = self.clock()
+        for planned in seqs:
+            work = planned.work
+            state = self.requests.get(work.request_id)
+            if planned.is_new:
+                assert work.sampling is not None, "plan_step admits new requests with sampling"
+                state = RequestState(request_id=work.request_id, sampling=work.sampling,
+                                     generator=None, block_table=[], num_tokens=0)
+                self.requests[work.request_id] = state
+            assert state is not None, f"planned request {work.request_id} vanished"
+            state.block_table = list(planned.block_table)
+            state.num_tokens = work.start_position + len(planned.token_ids)
+            state.sampled_token = None  # used, or overtaken by these tokens
+            state.last_used = now
+
+    def _sample(self, seqs: tuple[PlannedSeq, ...], digests: list[int]) -> tuple[SampledToken, ...]:
+        model, logprob, out = self.tokens, self.tokens.logprob(0), []
+        for planned, digest in zip(seqs, digests, strict=True):
+            if not planned.work.sample:
+                continue
+            state = self.requests[planned.work.request_id]
+            token_id = model.next_token(digest)
+            state.sampled_token = token_id  # a use_sampled_token row in the next step uses it
+            k = state.sampling.top_logprobs
+            top = model.top_logprobs(digest, k) if k else ()
+            out.append(SampledToken(state.request_id, token_id, logprob, top))
+        return tuple(out)
+
+
+def build_simulated_runner(settings: SimulatedSettings) -> SimulatedRunner:
+    """Describe's values from the model directory and the profile; no weights, no tensors."""
+    profile = PROFILES[settings.simulate_profile]
+    model = read_model_config(settings.model, profile.model.name)
+    max_model_len = settings.max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise SettingsError(f"--max-model-len {max_model_len} exceeds the model's limit "
+                            f"{model.max_position_embeddings}; lower it")
+    block_size = settings.block_size
+    limits = Limits(
+        num_blocks=settings.num_blocks or profile.num_blocks(block_size),
+        num_cpu_blocks=(profile.num_cpu_blocks(block_size) if settings.num_cpu_blocks is None
+                        else settings.num_cpu_blocks),
+        block_size=block_size,
+        vocab_size=model.vocab_size,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+    )
+    info = ExecutorInfo(
+        instance_id=uuid.uuid4().hex,
+        model_name=model.name,
+        model_fingerprint=model.fingerprint,
+        num_blocks=limits.num_blocks,
+        block_size=block_size,
+        num_cpu_blocks=limits.num_cpu_blocks,
+        dtype=profile.model.dtype,
+        backend=SIMULATED_BACKEND,
+        device=f"simulated:{profile.gpu.name}",
+        max_model_len=max_model_len,
+        eos_token_ids=model.eos_token_ids,
+        vocab_size=model.vocab_size,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+    )
+    return SimulatedRunner(info, limits, profile, settings.time_scale,
+                           idle_release_s=settings.idle_release_s)

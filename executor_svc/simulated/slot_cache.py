@@ -1,0 +1,51 @@
+"""The simulated KV cache: one 64-bit digest per slot (token_model.py), device and host pools.
+
+Slots are addressed as in the real cache (slot = block_id * block_size + offset), so block
+tables, copies and swaps move the same state a real KV cache would, at 8 bytes a slot
+instead of 2 x layers x kv_heads x head_dim x dtype (128 KiB a token for Llama-3-8B). A slot
+never written holds 0, as the real cache holds zeros.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+from executor_svc.step import BlockCopy
+
+
+class SlotCache:
+    def __init__(self, num_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.device = array("Q", bytes(8 * num_blocks * block_size))  # [num_blocks * block_size]
+        self.host = array("Q", bytes(8 * num_cpu_blocks * block_size))  # [num_cpu_blocks * bs]
+
+    def slot(self, block_table: Sequence[int], position: int) -> int:
+        block_size = self.block_size
+        return block_table[position // block_size] * block_size + position % block_size
+
+    def read(self, block_table: Sequence[int], position: int) -> int:
+        return self.device[self.slot(block_table, position)]
+
+    def write(self, block_table: Sequence[int], position: int, digest: int) -> None:
+        self.device[self.slot(block_table, position)] = digest
+
+    def copy_blocks(self, copies: tuple[BlockCopy, ...]) -> None:
+        """Device -> device. NOTE: every source is read before any destination is written."""
+        _move(self.device, self.device, copies, self.block_size)
+
+    def swap_out(self, copies: tuple[BlockCopy, ...]) -> None:
+        _move(self.device, self.host, copies, self.block_size)
+
+    def swap_in(self, copies: tuple[BlockCopy, ...]) -> None:
+        _move(self.host, self.device, copies, self.block_size)
+
+
+def _move(src: array[int], dst: array[int], copies: tuple[BlockCopy, ...],
+          block_size: int) -> None:
+    blocks = [src[c.src_block_id * block_size:(c.src_block_id + 1) * block_size]
+              for c in copies]
+    for copy, block in zip(copies, blocks, strict=True):
+        dst[copy.dst_block_id * block_size:(copy.dst_block_id + 1) * block_size] = block
