@@ -245,6 +245,11 @@ def oversized_prompts(repeats: int = 5) -> dict[str, Any]:
                     "codes": sorted(codes),
                     "refused_ms_median": round(statistics.median(times), 1),
                     "refused_ms": [round(t, 1) for t in times]}
+                if len(body) > 4 << 20:  # over the body limit: refused on its headers alone
+                    # The time to that answer (a client that sends its headers, then
+                    # waits, as `Expect: 100-continue` clients do), without the upload.
+                    out[f"{name} over HTTP, answer to the headers"] = _refusal_on_headers(
+                        http, len(body.encode()), repeats)
                 times, codes = [], set()
                 for _ in range(repeats):
                     started = time.monotonic()
@@ -262,6 +267,23 @@ def oversized_prompts(repeats: int = 5) -> dict[str, Any]:
             out["stream_gap_ms"] = {"p50": round(statistics.median(gaps[1:]) * 1e3, 1),
                                     "max": round(max(gaps[1:]) * 1e3, 1)}
     return out
+
+
+def _refusal_on_headers(http: str, length: int, repeats: int) -> dict[str, Any]:
+    import socket
+    import statistics
+
+    host, port = http.removeprefix("http://").split(":")
+    times, statuses = [], set()
+    for _ in range(repeats):
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            started = time.monotonic()
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: "
+                         f"application/json\r\ncontent-length: {length}\r\n\r\n".encode())
+            head = sock.recv(64).decode(errors="replace")
+            times.append((time.monotonic() - started) * 1e3)
+            statuses.add(head.split(" ")[1] if " " in head else head)
+    return {"codes": sorted(statuses), "refused_ms_median": round(statistics.median(times), 1)}
 
 
 def scenarios(quick: bool) -> list[Scenario]:
