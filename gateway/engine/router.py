@@ -1,6 +1,8 @@
 """Routing across executors: a new request goes to the pool with the longest cached prefix
-for it (the allocator knows exactly), then to the least loaded one. Sequences of a lost
-executor are re-queued on a healthy one (recompute), or fail with UNAVAILABLE."""
+for it, then to the least loaded one, both as the allocator knows them (its exact prefix index
+and each pool's running requests, every gateway's included: several gateways over the same
+pools decide alike). Sequences of a lost executor are re-queued on a healthy one (recompute),
+or fail with UNAVAILABLE."""
 
 from __future__ import annotations
 
@@ -70,23 +72,30 @@ class Router:
         if len(engines) <= 1:
             return self._pick(engines, {})
         cached: dict[str, int] = {}
+        running: dict[str, int] = {}
         try:
             matches = await self.allocator.match_prefix(
                 request.prompt_token_ids, request.cache_salt, [e.pool_id for e in engines],
                 request.request_id,
             )
             cached = {m.pool_id: m.num_cached_tokens for m in matches}
+            running = {m.pool_id: m.num_running_requests for m in matches}
         except CallFailed as exc:
-            log.info("match_prefix_failed", code=exc.status)
+            log.info("match_prefix_failed", code=exc.status)  # this gateway's view alone
         # NOTE: an executor may have been lost while MatchPrefix was in flight; its engine
         # already evicted its sequences, so one submitted there now would wait forever.
-        return self._pick(self.healthy(), cached)
+        return self._pick(self.healthy(), cached, running)
 
     @staticmethod
-    def _pick(engines: list[Engine], cached: dict[str, int]) -> Engine:
+    def _pick(engines: list[Engine], cached: dict[str, int],
+              running: dict[str, int] | None = None) -> Engine:
+        """Longest cached prefix, then fewest running requests at the allocator (all
+        gateways'), then fewest of this gateway's own (its queue too)."""
         if not engines:
             raise Unavailable("no executor is available: check the executors' health")
-        return max(engines, key=lambda e: (cached.get(e.pool_id, 0), -e.load))
+        running = running or {}
+        return max(engines, key=lambda e: (cached.get(e.pool_id, 0),
+                                           -running.get(e.pool_id, 0), -e.load))
 
     def requeue(self, seqs: list[Sequence]) -> None:
         """Sequences of a lost executor: recompute them on the least loaded healthy one."""

@@ -74,3 +74,44 @@ def test_a_restarted_gateway_reuses_the_ids_of_its_dead_run(tmp_path: Path):
     finally:
         clients.close()
         stack.stop()
+
+
+def test_two_gateways_route_shared_prefixes_to_the_pool_that_holds_them(tmp_path: Path):
+    # Two gateways, two executors, one allocator. Each of six prefixes is sent once through
+    # one gateway; then a continuation of it through the other gateway goes to the pool that
+    # cached it (the allocator's exact index, the same for both), served from that cache.
+    # Outputs are the reference's; every block comes back.
+    stack = start_stack(tmp_path, num_executors=2,
+                        executor_args=("--load-format", "dummy", "--num-blocks", "256",
+                                       "--block-size", "16"))
+    clients = Clients(stack)
+    second = stack.start_gateway("gateway-2")
+    channel = grpc.insecure_channel(second.address)
+    try:
+        stubs = [clients.gateway, gpb_grpc.GatewayServiceStub(channel)]
+        prefixes = list(prompts(6, 48, seed=611))
+
+        def first(i: int) -> None:
+            generate(stubs[i % 2], _request(prefixes[i], f"prefix-{i}", max_tokens=4))
+
+        with ThreadPoolExecutor(6) as pool:
+            list(pool.map(first, range(6)))
+        continuations = [[*p, 7, 8, 9] for p in prefixes]
+
+        def then(i: int) -> gpb.Completion:
+            return stubs[(i + 1) % 2].Complete(gpb.CompleteRequest(
+                token_ids=gpb.TokenIds(ids=continuations[i]), request_id=f"then-{i}",
+                sampling=sampling(8, ignore_eos=True)), timeout=60).completions[0]
+
+        with ThreadPoolExecutor(6) as pool:
+            done = list(pool.map(then, range(6)))
+        for prompt, completion in zip(continuations, done, strict=True):
+            assert completion.usage.cached_prompt_tokens == 48  # three full blocks
+            assert tuple(completion.token_ids) == reference_greedy(tuple(prompt), 8,
+                                                                   ignore_eos=True)
+        pools = clients.wait_all_blocks_back()
+        assert all(p.num_prefix_queries > 0 for p in pools)  # both pools served
+    finally:
+        channel.close()
+        clients.close()
+        stack.stop()

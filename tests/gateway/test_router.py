@@ -40,9 +40,11 @@ class FakeEngine:
 @dataclass
 class FakeAllocator:
     cached: dict[str, int]
+    running: dict[str, int] = field(default_factory=dict)  # every gateway's, per pool
 
     async def match_prefix(self, token_ids, cache_salt, pool_ids, request_id):  # noqa: ANN001
-        return [PrefixMatch(p, self.cached.get(p, 0), 0, 0) for p in pool_ids]
+        return [PrefixMatch(p, self.cached.get(p, 0), 0, self.running.get(p, 0))
+                for p in pool_ids]
 
 
 @dataclass
@@ -155,3 +157,16 @@ def test_router_sends_nothing_new_to_a_draining_engine():
     assert routing.healthy() == [staying]  # type: ignore[comparison-overlap]
     engine = asyncio.run(routing.submit(request("r1", [1, 2, 3])))
     assert engine is staying and not leaving.scheduler.waiting
+
+
+def test_router_balances_by_every_gateways_running_requests():
+    # Two gateways over the same pools: this one's own load says "a", but the allocator
+    # counts the other gateway's requests too and "a" is the busier pool: "b" it is. With the
+    # cache equal, all gateways pick alike.
+    a, b = FakeEngine("a", load=0), FakeEngine("b", load=2)
+    routing = Router(engines=[a, b], max_waiting=8,  # type: ignore[list-item]
+                     allocator=FakeAllocator({}, running={"a": 9, "b": 3}))  # type: ignore[arg-type]
+    assert asyncio.run(routing.submit(request("r1"))) is b
+    cached = Router(engines=[a, b], max_waiting=8,  # type: ignore[list-item]
+                    allocator=FakeAllocator({"a": 16}, running={"a": 9, "b": 3}))  # type: ignore[arg-type]
+    assert asyncio.run(cached.submit(request("r2"))) is a  # its prefix first
