@@ -11,14 +11,11 @@ start threads, and a thread that allocates before the tuning keeps an arena of i
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import structlog
 
-from common.auth import split_names
 from common.logging import configure_logging
 from executor_svc.malloc_tuning import tune_malloc
 from executor_svc.settings import ExecutorSettings, SettingsError, parse_settings
@@ -26,59 +23,16 @@ from executor_svc.settings import ExecutorSettings, SettingsError, parse_setting
 log = structlog.get_logger("executor_svc")
 
 
-def write_port_file(path: str, port: int) -> None:
-    tmp = Path(f"{path}.{os.getpid()}.tmp")
-    tmp.write_text(f"{port}\n")
-    tmp.replace(path)
-
-
 async def serve(settings: ExecutorSettings) -> None:
-    from common.auth import internal_authenticator
-    from common.metrics import RpcMetrics, service_registry, start_metrics_server
-    from common.server import run_until_signal, start_server
+    # (Imported here: after malloc is tuned, see the module docstring.)
     from executor_svc.compute_thread import compute_thread
     from executor_svc.runner import build_runner
-    from executor_svc.service import StepMetrics, registration
+    from executor_svc.serving import serve_runner
 
     worker = compute_thread()
     runner = await asyncio.get_running_loop().run_in_executor(worker, build_runner, settings)
-    step_metrics = rpc_metrics = metrics_server = None
-    if settings.metrics.enabled:
-        registry = service_registry()
-        step_metrics, rpc_metrics = StepMetrics(registry, runner), RpcMetrics(registry)
-        metrics_server = start_metrics_server(registry, settings.host, settings.metrics)
-    auth = settings.auth
-    server = await start_server(
-        [registration(runner, worker, step_metrics, settings.pool_name)], settings.host,
-        settings.port,
-        authenticator=internal_authenticator(auth), credentials=auth.server_credentials(),
-        rpc_metrics=rpc_metrics, certificate_names=_certificate_names(settings),
-    )
     info = runner.info
-
-    def ready() -> None:  # once SIGTERM stops it gracefully: whoever reads a port may signal
-        if metrics_server is not None:
-            metrics_server.write_port_file(settings.metrics.port_file)
-        if settings.port_file:
-            write_port_file(settings.port_file, server.port)
-        log.info(
-            "server_started",
-            host=settings.host,
-            port=server.port,
-            metrics_port=metrics_server.port if metrics_server else None,
-            model=info.model_name,
-            backend=info.backend,
-            device=info.device,
-            num_blocks=info.num_blocks,
-            instance_id=info.instance_id,
-            auth="mutual-tls" if auth.tls else "token" if auth.token else "none (--insecure)",
-        )
-
-    try:
-        await run_until_signal(server, on_ready=ready)
-    finally:
-        if metrics_server is not None:
-            metrics_server.close()
+    await serve_runner(settings, runner, worker, backend=info.backend, device=info.device)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,16 +57,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("executor_failed_to_start", error=str(exc))
         return 2
     return 0
-
-
-def _certificate_names(settings: ExecutorSettings) -> dict[str, frozenset[str]] | None:
-    """Under mutual TLS: gateways run steps; the allocator may Describe too (None: no TLS, or
-    every certificate of the CA may call everything)."""
-    gateways = split_names(settings.tls_gateway_names)
-    if settings.auth.tls is None or not gateways:
-        return None
-    return {"Execute": gateways, "Release": gateways,
-            "Describe": gateways | split_names(settings.tls_allocator_names)}
 
 
 if __name__ == "__main__":

@@ -196,3 +196,12 @@ def plan_step(step: StepRequest, requests: Mapping[str, RequestState], limits: L
         for work in step.seqs
     )
     return StepPlan(release_request_ids=released, seqs=seqs)
+
+
+def idle_request_ids(requests: Mapping[str, RequestState], step: StepRequest, now: float,
+                     idle_release_s: float) -> tuple[str, ...]:
+    """The requests no step has used for idle_release_s (on the runner's clock), never one
+    that `step` names (it is alive)."""
+    named = {w.request_id for w in step.seqs}
+    return tuple(rid for rid, state in requests.items()
+                 if now - state.last_used >= idle_release_s and rid not in named)

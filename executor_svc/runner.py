@@ -23,7 +23,7 @@ from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.logits_processor import LogitsProcessor
 from executor_svc.memory import count_blocks, forward_once
 from executor_svc.model_loader import LoadedModel, dtype_name, load_model
-from executor_svc.plan import Limits, PlannedSeq, RequestState, plan_step
+from executor_svc.plan import Limits, PlannedSeq, RequestState, idle_request_ids, plan_step
 from executor_svc.runner_api import ExecutorInfo  # re-exported: ExecutorInfo's old home
 from executor_svc.sampler import Sampler, new_generator
 from executor_svc.settings import ExecutorSettings, SettingsError
@@ -94,9 +94,7 @@ class ModelRunner:
         if not self.idle_release_s or now < self.next_idle_check:
             return 0
         self.next_idle_check = now + self.idle_release_s / 10
-        named = {w.request_id for w in step.seqs}
-        idle = tuple(rid for rid, state in self.requests.items()
-                     if now - state.last_used >= self.idle_release_s and rid not in named)
+        idle = idle_request_ids(self.requests, step, now, self.idle_release_s)
         if idle:
             log.warning("idle_requests_released", num_requests=len(idle),
                         idle_s=self.idle_release_s)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from common.config import add_flag, parse_bool
 from common.credentials import (
@@ -213,7 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> ExecutorSettings:
-    args = build_parser().parse_args(argv)
+    return settings_from_args(ExecutorSettings, build_parser().parse_args(argv))
+
+
+S = TypeVar("S")
+
+
+def settings_from_args(cls: Callable[..., S], args: argparse.Namespace) -> S:
+    """The parsed flags as `cls` (either executor's settings): the credential and metrics
+    flags become its `auth` and `metrics`; the rest are its fields by name."""
     try:
         auth = internal_auth_from_args(args)
     except CredentialsError as exc:
@@ -224,4 +233,4 @@ def parse_settings(argv: Sequence[str] | None = None) -> ExecutorSettings:
                  "metrics_port", "metrics_port_file"):
         del values[name]
     values.pop("metrics_port_set", None)
-    return ExecutorSettings(**values, auth=auth, metrics=metrics).validate()
+    return cls(**values, auth=auth, metrics=metrics).validate()  # type: ignore[attr-defined]

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import structlog
 
-from executor_svc.plan import Limits, PlannedSeq, RequestState, plan_step
+from executor_svc.plan import Limits, PlannedSeq, RequestState, idle_request_ids, plan_step
 from executor_svc.runner_api import ExecutorInfo
 from executor_svc.settings import SettingsError
 from executor_svc.simulated.model_config import read_model_config
@@ -68,9 +68,7 @@ class SimulatedRunner:
         if not self.idle_release_s or now < self.next_idle_check:
             return 0
         self.next_idle_check = now + self.idle_release_s / 10
-        named = {w.request_id for w in step.seqs}
-        idle = tuple(rid for rid, state in self.requests.items()
-                     if now - state.last_used >= self.idle_release_s and rid not in named)
+        idle = idle_request_ids(self.requests, step, now, self.idle_release_s)
         if idle:
             log.warning("idle_requests_released", num_requests=len(idle),
                         idle_s=self.idle_release_s)

@@ -13,17 +13,16 @@ from dataclasses import dataclass
 
 from common.config import add_flag
 from common.credentials import (
-    CredentialsError,
     InternalAuth,
     add_internal_auth_flags,
-    internal_auth_from_args,
 )
-from common.metrics import MetricsEndpoint, add_metrics_flags, metrics_endpoint
+from common.metrics import MetricsEndpoint, add_metrics_flags
 from executor_svc.settings import (
     DEFAULT_METRICS_PORT,
     DEFAULT_MODEL,
     DEFAULT_PORT,
     SettingsError,
+    settings_from_args,
 )
 from executor_svc.simulated.profiles import DEFAULT_PROFILE, PROFILES
 
@@ -120,15 +119,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> SimulatedSettings:
-    args = build_parser().parse_args(argv)
-    try:
-        auth = internal_auth_from_args(args)
-    except CredentialsError as exc:
-        raise SettingsError(str(exc)) from exc
-    metrics = metrics_endpoint(args)
-    values = vars(args)
-    for name in ("internal_token_file", "tls_cert", "tls_key", "tls_ca", "insecure",
-                 "metrics_port", "metrics_port_file"):
-        del values[name]
-    values.pop("metrics_port_set", None)
-    return SimulatedSettings(**values, auth=auth, metrics=metrics).validate()
+    return settings_from_args(SimulatedSettings, build_parser().parse_args(argv))

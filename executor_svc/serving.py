@@ -1,0 +1,102 @@
+"""Serving a runner: the server, credentials, metrics, port files and lifecycle that the real
+executor (`python -m executor_svc`) and the simulated one (`python -m executor_svc.simulated`)
+share. Imports nothing heavy: the simulated executor never loads torch."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+
+from common.auth import internal_authenticator, split_names
+from common.credentials import InternalAuth
+from common.metrics import MetricsEndpoint, RpcMetrics, service_registry, start_metrics_server
+from common.server import run_until_signal, start_server
+from executor_svc.runner_api import StepRunner
+
+log = structlog.get_logger("executor_svc")
+
+
+class ServingSettings(Protocol):
+    """What serving needs of either executor's settings (frozen: read-only)."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
+
+    @property
+    def port_file(self) -> str | None: ...
+
+    @property
+    def pool_name(self) -> str: ...
+
+    @property
+    def auth(self) -> InternalAuth: ...
+
+    @property
+    def metrics(self) -> MetricsEndpoint: ...
+
+    @property
+    def tls_gateway_names(self) -> str: ...
+
+    @property
+    def tls_allocator_names(self) -> str: ...
+
+
+def write_port_file(path: str, port: int) -> None:
+    tmp = Path(f"{path}.{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
+
+
+def certificate_names(settings: ServingSettings) -> dict[str, frozenset[str]] | None:
+    """Under mutual TLS: gateways run steps; the allocator may Describe too (None: no TLS, or
+    every certificate of the CA may call everything)."""
+    gateways = split_names(settings.tls_gateway_names)
+    if settings.auth.tls is None or not gateways:
+        return None
+    return {"Execute": gateways, "Release": gateways,
+            "Describe": gateways | split_names(settings.tls_allocator_names)}
+
+
+async def serve_runner(settings: ServingSettings, runner: StepRunner,
+                       worker: ThreadPoolExecutor | None, **started: Any) -> None:
+    """Serve `runner` until SIGTERM/SIGINT; `started`: more fields for the start-up line."""
+    from executor_svc.service import StepMetrics, registration
+
+    step_metrics = rpc_metrics = metrics_server = None
+    if settings.metrics.enabled:
+        registry = service_registry()
+        step_metrics, rpc_metrics = StepMetrics(registry, runner), RpcMetrics(registry)
+        metrics_server = start_metrics_server(registry, settings.host, settings.metrics)
+    auth = settings.auth
+    server = await start_server(
+        [registration(runner, worker, step_metrics, settings.pool_name)], settings.host,
+        settings.port,
+        authenticator=internal_authenticator(auth), credentials=auth.server_credentials(),
+        rpc_metrics=rpc_metrics, certificate_names=certificate_names(settings),
+    )
+    info = runner.info
+
+    def ready() -> None:  # once SIGTERM stops it gracefully: whoever reads a port may signal
+        if metrics_server is not None:
+            metrics_server.write_port_file(settings.metrics.port_file)
+        if settings.port_file:
+            write_port_file(settings.port_file, server.port)
+        log.info("server_started", host=settings.host, port=server.port,
+                 metrics_port=metrics_server.port if metrics_server else None,
+                 model=info.model_name, num_blocks=info.num_blocks,
+                 instance_id=info.instance_id,
+                 auth="mutual-tls" if auth.tls else "token" if auth.token else "none (--insecure)",
+                 **started)
+
+    try:
+        await run_until_signal(server, on_ready=ready)
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
