@@ -65,6 +65,11 @@ class Engine(EngineState):
     def load(self) -> int:
         return self.scheduler.num_unfinished
 
+    @property
+    def num_admitted(self) -> int:
+        """Its sequences the allocator holds: what this gateway adds to the pool's count."""
+        return len(self.scheduler.running) + len(self.scheduler.swapped)
+
     # The loop.
 
     async def run(self) -> None:

@@ -89,13 +89,18 @@ class Router:
     @staticmethod
     def _pick(engines: list[Engine], cached: dict[str, int],
               running: dict[str, int] | None = None) -> Engine:
-        """Longest cached prefix, then fewest running requests at the allocator (all
-        gateways'), then fewest of this gateway's own (its queue too)."""
+        """Longest cached prefix, then the least load: this gateway's own (its queue too, as
+        it is now) plus the other gateways' running requests (the allocator's count less
+        ours there; the allocator's alone would lag a burst: each request of it would see
+        the same counts and go to the same pool)."""
         if not engines:
             raise Unavailable("no executor is available: check the executors' health")
         running = running or {}
-        return max(engines, key=lambda e: (cached.get(e.pool_id, 0),
-                                           -running.get(e.pool_id, 0), -e.load))
+
+        def load(e: Engine) -> int:
+            return e.load + max(running.get(e.pool_id, 0) - e.num_admitted, 0)
+
+        return max(engines, key=lambda e: (cached.get(e.pool_id, 0), -load(e)))
 
     def requeue(self, seqs: list[Sequence]) -> None:
         """Sequences of a lost executor: recompute them on the least loaded healthy one."""

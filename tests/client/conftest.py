@@ -1,4 +1,4 @@
-"""One real stack per test module (client_stack.py)."""
+"""One real stack for the client tests (client_stack.py), shared by both modules."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from client_stack import start_client_stack
 from tests.e2e.e2e_stack import Clients
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clients]:
     clients = start_client_stack(tmp_path_factory.mktemp("client-stack"))
     yield clients

@@ -26,6 +26,7 @@ class FakeEngine:
     load: int = 0
     healthy: bool = True
     draining: bool = False
+    num_admitted: int = 0  # its sequences the allocator holds
     scheduler: FakeScheduler = field(default_factory=FakeScheduler)
     cancelled: int = 0
 
@@ -161,12 +162,23 @@ def test_router_sends_nothing_new_to_a_draining_engine():
 
 def test_router_balances_by_every_gateways_running_requests():
     # Two gateways over the same pools: this one's own load says "a", but the allocator
-    # counts the other gateway's requests too and "a" is the busier pool: "b" it is. With the
-    # cache equal, all gateways pick alike.
-    a, b = FakeEngine("a", load=0), FakeEngine("b", load=2)
+    # counts the other gateway's requests too (9 on "a", 3 on "b", 2 of them this
+    # gateway's): "a" carries 9, "b" 3. With the cache equal, all gateways pick alike.
+    a, b = FakeEngine("a", load=0), FakeEngine("b", load=2, num_admitted=2)
     routing = Router(engines=[a, b], max_waiting=8,  # type: ignore[list-item]
                      allocator=FakeAllocator({}, running={"a": 9, "b": 3}))  # type: ignore[arg-type]
     assert asyncio.run(routing.submit(request("r1"))) is b
     cached = Router(engines=[a, b], max_waiting=8,  # type: ignore[list-item]
                     allocator=FakeAllocator({"a": 16}, running={"a": 9, "b": 3}))  # type: ignore[arg-type]
     assert asyncio.run(cached.submit(request("r2"))) is a  # its prefix first
+
+
+def test_a_burst_spreads_although_the_allocators_counts_lag():
+    # The allocator still counts a request of "a" that this gateway has finished (its Free
+    # rides on the next Step): a burst of six, each seeing those same counts, must not all go
+    # to "b" (this gateway's own queue grows with each one it sends).
+    a, b = FakeEngine("a"), FakeEngine("b")
+    routing = Router(engines=[a, b], max_waiting=64,  # type: ignore[list-item]
+                     allocator=FakeAllocator({}, running={"a": 1}))  # type: ignore[arg-type]
+    picked = [asyncio.run(routing.submit(request(f"r{i}"))).pool_id for i in range(6)]
+    assert picked.count("a") >= 2 and picked.count("b") >= 2, picked
