@@ -21,8 +21,11 @@ PIP_OFFLINE = {"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1", "PIP_N
 def test_client_wheel_has_the_stubs_and_the_client_and_imports(tmp_path: Path):
     # Built in a copy, so the checkout's own pagedkv/ is neither used nor rewritten; with
     # this environment's build tools (--no-build-isolation: pyproject's [build-system]).
-    pytest.importorskip("setuptools", minversion="70.1")  # bdist_wheel built in
-    pytest.importorskip("grpc_tools")
+    import setuptools
+
+    # pyproject's [build-system] (bdist_wheel built in since 70.1): set-up installs it.
+    major, minor = (int(x) for x in setuptools.__version__.split(".")[:2])
+    assert (major, minor) >= (70, 1), f"setuptools {setuptools.__version__} < 70.1"
     src = tmp_path / "src"
     src.mkdir()
     for name in SOURCES:

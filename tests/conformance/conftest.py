@@ -224,7 +224,9 @@ def require_model_logits(executor: Executor) -> None:
         pytest.skip(
             "the executor under test is simulated (Describe: backend 'simulated'): it samples "
             "greedily from a hash of the context and applies no logits processors, so the "
-            "numerics of penalties, logit_bias and min_tokens are not checked against it"
+            "numerics of penalties, logit_bias and min_tokens are not checked against it; "
+            "they run against an executor with a model, e.g. this project's: "
+            ".venv/bin/python -m pytest -q tests/conformance"
         )
 
 

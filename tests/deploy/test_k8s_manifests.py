@@ -14,6 +14,7 @@ import re
 import secrets
 from pathlib import Path
 
+import kubernetes_validate as kv  # a dev dependency (pyproject)
 import pytest
 
 from common.config import env_name
@@ -55,7 +56,6 @@ def build_parser(service: str) -> argparse.ArgumentParser:
 
 def test_manifests_valid_against_kubernetes_schemas(rendered: Rendered) -> None:
     # Every object of the overlay against the 1.30 API's JSON schema, offline.
-    kv = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[dev]'")
     for obj in rendered.objects:
         try:
             kv.validate(obj, K8S_VERSION, strict=True)
@@ -66,7 +66,6 @@ def test_manifests_valid_against_kubernetes_schemas(rendered: Rendered) -> None:
 
 def test_schema_validation_refuses_a_misspelled_field() -> None:
     # The negative control: strict validation does reject what the API server would.
-    kv = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[dev]'")
     gateway = copy.deepcopy(overlay("cpu").workload("gateway"))
     container = gateway["spec"]["template"]["spec"]["containers"][0]
     container["readinesProbe"] = container.pop("readinessProbe")
