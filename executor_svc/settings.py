@@ -132,6 +132,7 @@ class ExecutorSettings:
             (self.max_num_batched_tokens > 0, "--max-num-batched-tokens must be positive"),
             (self.max_num_seqs > 0, "--max-num-seqs must be positive"),
             (self.idle_release_s >= 0, "--idle-release-s must be >= 0 (0: never)"),
+            pool_name_check(self.pool_name),
             (
                 self.max_model_len is None or self.max_model_len > 0,
                 "--max-model-len must be positive (or unset for the model's own limit)",
@@ -144,6 +145,12 @@ class ExecutorSettings:
             if not ok:
                 raise SettingsError(message)
         return self
+
+
+def pool_name_check(name: str) -> tuple[bool, str]:
+    """--pool-name names the pool at the allocator and in every log line: bounded ASCII."""
+    ok = len(name) <= 256 and (not name or (name.isascii() and name.isprintable()))
+    return ok, "--pool-name must be at most 256 printable ASCII characters"
 
 
 def build_parser() -> argparse.ArgumentParser:

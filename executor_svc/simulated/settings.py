@@ -22,6 +22,7 @@ from executor_svc.settings import (
     DEFAULT_MODEL,
     DEFAULT_PORT,
     SettingsError,
+    pool_name_check,
     settings_from_args,
 )
 from executor_svc.simulated.profiles import DEFAULT_PROFILE, PROFILES
@@ -68,6 +69,7 @@ class SimulatedSettings:
             (self.max_model_len is None or self.max_model_len > 0,
              "--max-model-len must be positive (or unset for the model's own limit)"),
             (self.idle_release_s >= 0, "--idle-release-s must be >= 0 (0: never)"),
+            pool_name_check(self.pool_name),
         ]
         problem = self.metrics.problem(self.port)
         checks.append((problem is None, problem or ""))

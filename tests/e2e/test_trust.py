@@ -171,6 +171,14 @@ def test_huge_prompts_are_refused_at_once_and_a_stream_beside_them_is_unaffected
     ({}, {"request_id": "caf\u00e9"}, "request_id must be printable ASCII"),
     ({}, {"request_id": "a\nb"}, "request_id must be printable ASCII"),
     ({}, {"cache_salt": "s" * 129}, "cache_salt has 129 characters; at most 128"),
+    # The OpenAI sampling fields, on gRPC too (the same validation as HTTP's 400s).
+    ({"min_p": 1.5}, {}, "sampling.min_p is 1.5; it must be in [0.0, 1.0]"),
+    ({"presence_penalty": 2.5}, {}, "sampling.presence_penalty is 2.5"),
+    ({"repetition_penalty": 0.0}, {}, "sampling.repetition_penalty is 0.0"),
+    ({"logit_bias": {600: 1.0}}, {}, "sampling.logit_bias has token id 600, outside"),
+    ({"logit_bias": {5: 101.0}}, {}, "sampling.logit_bias[5] is 101.0"),
+    ({"logprobs": 21}, {}, "sampling.logprobs is 21; it must be in [0, 20]"),
+    ({"min_tokens": 3}, {}, "sampling.min_tokens is 3; it must be <= max_tokens (2)"),
 ])
 def test_bounded_fields_are_invalid_argument(clients: Clients, sampling_fields, ids, message):
     request = gpb.CompleteRequest(text="hi", sampling=sampling(2, **sampling_fields), **ids)

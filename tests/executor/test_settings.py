@@ -45,6 +45,8 @@ def test_settings_environment_sets_default_and_flag_wins(monkeypatch: pytest.Mon
         (["--model", "/nonexistent"], "is not a directory"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be positive"),
         (["--idle-release-s", "-1"], "--idle-release-s must be >= 0"),
+        (["--pool-name", "p" * 257], "--pool-name must be at most 256 printable ASCII"),
+        (["--pool-name", "bad\nname"], "--pool-name must be at most 256 printable ASCII"),
     ],
 )
 def test_settings_rejects_bad_values_with_a_remedy(argv: list[str], message: str) -> None:
