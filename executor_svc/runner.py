@@ -19,11 +19,12 @@ import structlog
 import torch
 
 from executor_svc.attention import AttentionBackend, SeqSpan, StepMetadata, make_backend
+from executor_svc.held_requests import HeldRequests
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.logits_processor import LogitsProcessor
 from executor_svc.memory import count_blocks, forward_once
 from executor_svc.model_loader import LoadedModel, dtype_name, load_model
-from executor_svc.plan import Limits, PlannedSeq, RequestState, idle_request_ids, plan_step
+from executor_svc.plan import Limits, PlannedSeq, RequestState, plan_step
 from executor_svc.runner_api import ExecutorInfo  # re-exported: ExecutorInfo's old home
 from executor_svc.sampler import Sampler, new_generator
 from executor_svc.settings import ExecutorSettings, SettingsError
@@ -43,7 +44,7 @@ def _ms(start: float, end: float) -> float:
     return (end - start) * 1e3
 
 
-class ModelRunner:
+class ModelRunner(HeldRequests):
     def __init__(
         self,
         loaded: LoadedModel,
@@ -59,13 +60,7 @@ class ModelRunner:
         self.backend = backend
         self.limits = limits
         self.sampler = Sampler(seed, loaded.device)
-        self.requests: dict[str, RequestState] = {}
-        # A caller that dies (a gateway killed) never releases its requests: a request no
-        # step has used for `idle_release_s` is dropped (0: never). Checked at most every
-        # tenth of that, from the steps themselves.
-        self.idle_release_s = idle_release_s
-        self.clock = clock
-        self.next_idle_check = clock() + idle_release_s / 10
+        super().__init__(idle_release_s, clock)
         self.info = ExecutorInfo(
             instance_id=uuid.uuid4().hex,
             model_name=loaded.name,
@@ -82,23 +77,6 @@ class ModelRunner:
             max_num_batched_tokens=limits.max_num_batched_tokens,
             max_num_seqs=limits.max_num_seqs,
         )
-
-    def release(self, request_ids: tuple[str, ...]) -> int:
-        """Drop the requests' state; unknown ids are ignored. Returns how many were held."""
-        return sum(self.requests.pop(rid, None) is not None for rid in request_ids)
-
-    def release_idle(self, step: StepRequest) -> int:
-        """Drop the requests no step has used for idle_release_s, never one that `step`
-        names (it is alive); returns how many."""
-        now = self.clock()
-        if not self.idle_release_s or now < self.next_idle_check:
-            return 0
-        self.next_idle_check = now + self.idle_release_s / 10
-        idle = idle_request_ids(self.requests, step, now, self.idle_release_s)
-        if idle:
-            log.warning("idle_requests_released", num_requests=len(idle),
-                        idle_s=self.idle_release_s)
-        return self.release(idle)
 
     def execute(self, step: StepRequest) -> StepResult:
         start = time.perf_counter()
@@ -131,7 +109,7 @@ class ModelRunner:
             empty = torch.empty(0, self.loaded.vocab_size, device=self.loaded.device)
             return ForwardOutput(logits=empty, sampling_request_ids=(), num_tokens=0)
         logits = self._forward(plan.seqs)  # [S, V]
-        self._commit(plan.seqs)
+        self.commit(plan.seqs)
         return ForwardOutput(
             logits=logits,
             sampling_request_ids=tuple(p.work.request_id for p in plan.seqs if p.work.sample),
@@ -166,30 +144,13 @@ class ModelRunner:
             torch.cuda.synchronize(device)  # honest forward timings
         return logits
 
-    def _commit(self, seqs: tuple[PlannedSeq, ...]) -> None:
-        now = self.clock()
-        for planned in seqs:
-            work = planned.work
-            state = self.requests.get(work.request_id)
-            if planned.is_new:
-                assert work.sampling is not None, "plan_step admits new requests with sampling"
-                seed = work.sampling.seed
-                state = RequestState(
-                    request_id=work.request_id,
-                    sampling=work.sampling,
-                    generator=None if seed is None else new_generator(seed, self.loaded.device),
-                    block_table=[],
-                    num_tokens=0,
-                    processor=self._processor(work),
-                )
-                self.requests[work.request_id] = state
-            assert state is not None, f"planned request {work.request_id} vanished"
-            state.block_table = list(planned.block_table)
-            state.num_tokens = work.start_position + len(planned.token_ids)
-            if state.processor is not None:
-                state.processor.append(planned.token_ids, work.start_position, work.sample)
-            state.sampled_token = None  # used, or overtaken by these tokens
-            state.last_used = now
+    def new_state(self, work: SequenceWork) -> RequestState:
+        """Its seeded generator and its logits processors, if it uses any."""
+        state = super().new_state(work)
+        seed = state.sampling.seed
+        state.generator = None if seed is None else new_generator(seed, self.loaded.device)
+        state.processor = self._processor(work)
+        return state
 
     def _processor(self, work: SequenceWork) -> LogitsProcessor | None:
         """A new request's processor, with the tokens before its first step in its history."""

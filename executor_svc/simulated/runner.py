@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 import structlog
 
-from executor_svc.plan import Limits, PlannedSeq, RequestState, idle_request_ids, plan_step
+from executor_svc.held_requests import HeldRequests
+from executor_svc.plan import Limits, PlannedSeq, plan_step
 from executor_svc.runner_api import ExecutorInfo
 from executor_svc.settings import SettingsError
 from executor_svc.simulated.model_config import read_model_config
@@ -35,7 +36,7 @@ log = structlog.get_logger(__name__)
 SIMULATED_BACKEND = "simulated"  # Describe's backend: the conformance suite keys on it
 
 
-class SimulatedRunner:
+class SimulatedRunner(HeldRequests):
     def __init__(
         self,
         info: ExecutorInfo,
@@ -52,27 +53,8 @@ class SimulatedRunner:
         self.time_scale = time_scale
         self.tokens = TokenModel(info.vocab_size, frozenset(info.eos_token_ids))
         self.cache = SlotCache(limits.num_blocks, limits.num_cpu_blocks, limits.block_size)
-        self.requests: dict[str, RequestState] = {}
-        self.idle_release_s = idle_release_s
-        self.clock = clock
         self.sleep = sleep
-        self.next_idle_check = clock() + idle_release_s / 10
-
-    def release(self, request_ids: tuple[str, ...]) -> int:
-        """Drop the requests' state; unknown ids are ignored. Returns how many were held."""
-        return sum(self.requests.pop(rid, None) is not None for rid in request_ids)
-
-    def release_idle(self, step: StepRequest) -> int:
-        """ModelRunner.release_idle: requests no step has used for idle_release_s."""
-        now = self.clock()
-        if not self.idle_release_s or now < self.next_idle_check:
-            return 0
-        self.next_idle_check = now + self.idle_release_s / 10
-        idle = idle_request_ids(self.requests, step, now, self.idle_release_s)
-        if idle:
-            log.warning("idle_requests_released", num_requests=len(idle),
-                        idle_s=self.idle_release_s)
-        return self.release(idle)
+        super().__init__(idle_release_s, clock)
 
     def execute(self, step: StepRequest) -> StepResult:
         start = time.perf_counter()
@@ -83,7 +65,7 @@ class SimulatedRunner:
         self.cache.swap_in(step.swap_in)
         self.cache.copy_blocks(step.copies)
         digests = [self._forward(planned) for planned in plan.seqs]
-        self._commit(plan.seqs)
+        self.commit(plan.seqs)
         sample_start = time.perf_counter()
         tokens = self._sample(plan.seqs, digests)
         sample_end = time.perf_counter()
@@ -109,22 +91,6 @@ class SimulatedRunner:
             digest = extend(digest, token_id, position)
             cache.write(table, position, digest)
         return digest
-
-    def _commit(self, seqs: tuple[PlannedSeq, ...]) -> None:
-        now = self.clock()
-        for planned in seqs:
-            work = planned.work
-            state = self.requests.get(work.request_id)
-            if planned.is_new:
-                assert work.sampling is not None, "plan_step admits new requests with sampling"
-                state = RequestState(request_id=work.request_id, sampling=work.sampling,
-                                     generator=None, block_table=[], num_tokens=0)
-                self.requests[work.request_id] = state
-            assert state is not None, f"planned request {work.request_id} vanished"
-            state.block_table = list(planned.block_table)
-            state.num_tokens = work.start_position + len(planned.token_ids)
-            state.sampled_token = None  # used, or overtaken by these tokens
-            state.last_used = now
 
     def _sample(self, seqs: tuple[PlannedSeq, ...], digests: list[int]) -> tuple[SampledToken, ...]:
         model, logprob, out = self.tokens, self.tokens.logprob(0), []

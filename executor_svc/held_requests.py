@@ -1,0 +1,66 @@
+"""The requests an executor holds between steps, shared by the real runner (runner.py) and
+the simulated one (simulated/runner.py): release, idle release, and recording what a step
+computed. Imports no torch."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import structlog
+
+from executor_svc.plan import PlannedSeq, RequestState, idle_request_ids
+from executor_svc.step import SequenceWork, StepRequest
+
+log = structlog.get_logger(__name__)
+
+
+class HeldRequests:
+    def __init__(self, idle_release_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.requests: dict[str, RequestState] = {}
+        # A caller that dies (a gateway killed) never releases its requests: a request no
+        # step has used for `idle_release_s` is dropped (0: never). Checked at most every
+        # tenth of that, from the steps themselves.
+        self.idle_release_s = idle_release_s
+        self.clock = clock
+        self.next_idle_check = clock() + idle_release_s / 10
+
+    def release(self, request_ids: tuple[str, ...]) -> int:
+        """Drop the requests' state; unknown ids are ignored. Returns how many were held."""
+        return sum(self.requests.pop(rid, None) is not None for rid in request_ids)
+
+    def release_idle(self, step: StepRequest) -> int:
+        """Drop the requests no step has used for idle_release_s, never one that `step`
+        names (it is alive); returns how many."""
+        now = self.clock()
+        if not self.idle_release_s or now < self.next_idle_check:
+            return 0
+        self.next_idle_check = now + self.idle_release_s / 10
+        idle = idle_request_ids(self.requests, step, now, self.idle_release_s)
+        if idle:
+            log.warning("idle_requests_released", num_requests=len(idle),
+                        idle_s=self.idle_release_s)
+        return self.release(idle)
+
+    def new_state(self, work: SequenceWork) -> RequestState:
+        """A new request's state (its first step carries its sampling)."""
+        assert work.sampling is not None, "plan_step admits new requests with sampling"
+        return RequestState(request_id=work.request_id, sampling=work.sampling,
+                            generator=None, block_table=[], num_tokens=0)
+
+    def commit(self, seqs: tuple[PlannedSeq, ...]) -> None:
+        """The step computed these: new requests held, tables and counts as planned."""
+        now = self.clock()
+        for planned in seqs:
+            work = planned.work
+            state = self.requests.get(work.request_id)
+            if planned.is_new:
+                state = self.requests[work.request_id] = self.new_state(work)
+            assert state is not None, f"planned request {work.request_id} vanished"
+            state.block_table = list(planned.block_table)
+            state.num_tokens = work.start_position + len(planned.token_ids)
+            if state.processor is not None:
+                state.processor.append(planned.token_ids, work.start_position, work.sample)
+            state.sampled_token = None  # used, or overtaken by these tokens
+            state.last_used = now
