@@ -36,8 +36,10 @@ async def serve(settings: AllocatorSettings) -> None:
         metrics_server = start_metrics_server(registry, settings.host, settings.metrics)
     auth = settings.auth
     server = await start_server(
-        [(AllocatorServicer(allocator, ResetVerifier(auth) if settings.verify_pool_resets
-                            else None), SERVICE_NAME)], settings.host, settings.port,
+        [(AllocatorServicer(allocator,
+                            ResetVerifier(auth) if settings.verify_pool_resets else None,
+                            settings.shard_index, settings.num_shards), SERVICE_NAME)],
+        settings.host, settings.port,
         authenticator=internal_authenticator(auth), credentials=auth.server_credentials(),
         rpc_metrics=rpc_metrics,
         # Under mutual TLS only gateways call the allocator.
@@ -53,6 +55,7 @@ async def serve(settings: AllocatorSettings) -> None:
             Path(settings.port_file).write_text(str(server.port))
         log.info("server_started", host=settings.host, port=server.port,
                  metrics_port=metrics_server.port if metrics_server else None,
+                 shard=f"{settings.shard_index}/{settings.num_shards}",
                  auth="mutual-tls" if auth.tls else "token" if auth.token else "none (--insecure)")
 
     async def stop_sweeper() -> None:

@@ -21,7 +21,8 @@ from allocator_svc import convert, request_log
 from allocator_svc.core.allocator import Allocator
 from allocator_svc.core.validation import check_pool_config
 from allocator_svc.pool_resets import ResetVerifier
-from common.errors import InvalidArgument, NotFound
+from common.errors import FailedPrecondition, InvalidArgument, NotFound
+from common.sharding import shard_of
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
 
@@ -30,11 +31,22 @@ Ctx: TypeAlias = grpc.aio.ServicerContext
 
 
 class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
-    def __init__(self, allocator: Allocator, reset_verifier: ResetVerifier | None = None
-                 ) -> None:
+    def __init__(self, allocator: Allocator, reset_verifier: ResetVerifier | None = None,
+                 shard_index: int = 0, num_shards: int = 1) -> None:
         self.allocator = allocator
         # None: a registration with a new instance id resets a live pool unconfirmed (tests).
         self.reset_verifier = reset_verifier
+        self.shard_index, self.num_shards = shard_index, num_shards
+
+    def _check_shard(self, pool_id: str) -> None:
+        """A pool registered with two shards would have its blocks handed out twice."""
+        owner = shard_of(pool_id, self.num_shards)
+        if owner != self.shard_index:
+            raise FailedPrecondition(
+                f"pool {pool_id!r} belongs to allocator shard {owner} of {self.num_shards}, "
+                f"this allocator is shard {self.shard_index}: list the allocator shards to "
+                f"the gateway in shard order (--allocator-addr shard0,shard1,...)"
+            )
 
     async def RegisterPool(
         self, request: pb.RegisterPoolRequest, context: Ctx
@@ -43,6 +55,7 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
         # (the free queue links make them cyclic), which otherwise shows as p99 spikes. A
         # pool replaced on re-registration was frozen too, and its cycles would leak: thaw,
         # collect once (only when a pool is replaced), freeze again.
+        self._check_shard(request.pool_id)
         config = convert.pool_config(request)
         check_pool_config(config, self.allocator.limits)  # a bad shape is refused first
         previous = self.allocator.pools.get(request.pool_id)

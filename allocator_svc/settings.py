@@ -15,6 +15,7 @@ from common.credentials import (
     internal_auth_from_args,
 )
 from common.metrics import MetricsEndpoint, add_metrics_flags, metrics_endpoint
+from common.sharding import MAX_SHARDS
 
 DEFAULT_METRICS_PORT = 9092
 
@@ -35,6 +36,10 @@ class AllocatorSettings:
     metrics: MetricsEndpoint
     verify_pool_resets: bool = True
     tls_gateway_names: frozenset[str] = frozenset({"gateway"})
+    # This allocator is shard shard_index of num_shards: it registers only its own pools
+    # (common/sharding.py says which).
+    shard_index: int = 0
+    num_shards: int = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
              help="reset a live pool (a registration with a new executor instance id) only "
              "once the executor at the executor_address sent reports that id itself; false: "
              "trust every internal caller (tests without executors)")
+    add_flag(parser, "--num-shards", type=int, default=1,
+             help="allocator shards the pools are split across (each runs its own allocator)")
+    add_flag(parser, "--shard-index", type=int, default=0,
+             help="this allocator's shard, 0..num-shards-1: it registers only the pools "
+             "whose id hashes to it, and refuses the others")
     add_internal_auth_flags(parser)
     return parser
 
@@ -125,6 +135,11 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
         parser.error(problem)
     if args.max_blocks_per_tenant < 0:
         parser.error("--max-blocks-per-tenant must be >= 0 (0: no quota)")
+    if not 1 <= args.num_shards <= MAX_SHARDS:
+        parser.error(f"--num-shards must be in 1..{MAX_SHARDS}")
+    if not 0 <= args.shard_index < args.num_shards:
+        parser.error(f"--shard-index must be in 0..{args.num_shards - 1} (--num-shards "
+                     f"{args.num_shards})")
     if args.default_lease_ttl_ms > args.max_lease_ttl_ms:
         parser.error("--default-lease-ttl-ms must be <= --max-lease-ttl-ms")
     try:
@@ -154,4 +169,6 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
         metrics,
         args.verify_pool_resets,
         split_names(args.tls_gateway_names),
+        args.shard_index,
+        args.num_shards,
     )

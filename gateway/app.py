@@ -20,12 +20,11 @@ from gateway.api.openai.app import HttpApi, create_app
 from gateway.api.openai.server import HttpServer
 from gateway.api.sampling import ModelLimits
 from gateway.api.tenants import Tenancy, load_tenancy
-from gateway.clients.allocator_client import AllocatorClient
 from gateway.clients.call_failures import CallFailed, Lost
 from gateway.clients.discovery import Discovery, DiscoveryFailed
 from gateway.clients.executor_client import ExecutorClient, ExecutorDescription
-from gateway.clients.lease import Lease
 from gateway.clients.pool_link import PoolLink
+from gateway.clients.shards import AllocatorShards
 from gateway.core.batch import Budget
 from gateway.core.scheduler import Scheduler
 from gateway.engine.host import EngineHost
@@ -51,12 +50,11 @@ class StartupFailed(Exception):
 
 @dataclass(slots=True)
 class Engines:
-    """What runs on the engine loop: the router and its engines, the lease, the clients, and
-    the membership loop that follows discovery."""
+    """What runs on the engine loop: the router and its engines, the allocator shards (a
+    client and a lease each), and the membership loop that follows discovery."""
 
     router: Router
-    lease: Lease
-    allocator: AllocatorClient
+    shards: AllocatorShards
     membership: Membership
     limits: ModelLimits
     eos_token_ids: tuple[int, ...]
@@ -65,20 +63,23 @@ class Engines:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def start(self) -> None:
-        """The lease's keep-alives, every engine's loop, and discovery (on the engine loop)."""
+        """The leases' keep-alives, every engine's loop, and discovery (on the engine loop)."""
         loop = asyncio.get_running_loop()
-        self.tasks.append(loop.create_task(self.lease.keep_alive_forever()))
+        for shard in self.shards.shards:
+            self.tasks.append(loop.create_task(shard.lease.keep_alive_forever()))
         for engine in self.router.engines:
             self.membership.start(engine)
         if self.dynamic:
             self.tasks.append(loop.create_task(self.membership.run_forever()))
+        if self.router.kv_index is not None:  # --routing approx
+            self.tasks.append(loop.create_task(self.router.follow_cache_events()))
 
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.membership.close()
-        await self.allocator.close()
+        await self.shards.close()
         for engine in self.router.engines:
             await engine.link.executor.close()
 
@@ -170,24 +171,26 @@ async def build_engines(
 ) -> Engines:
     """Connect, describe, lease, register and build every engine (on the engine loop: the
     clients' channels belong to the loop that makes them)."""
-    allocator = AllocatorClient(settings.allocator_addr, timeout_s=settings.allocator_timeout_s,
-                                auth=settings.internal_auth)
+    shards = AllocatorShards.connect(settings.allocator_addrs, settings.allocator_timeout_s,
+                                     settings.internal_auth, settings.lease_ttl_ms)
     found = discovery(settings)
     clients, descriptions = await _first_executors(settings, found)
     limits = model_limits(settings, tokenizer, descriptions)
     eos = descriptions[0].eos_token_ids or tokenizer.eos_token_ids
-    lease = Lease(allocator=allocator, ttl_ms=settings.lease_ttl_ms)
-    await _retry("CreateLease", lease.acquire, settings.connect_timeout_s)
+    for shard in shards.shards:
+        await _retry(f"CreateLease {shard.address}", shard.lease.acquire,
+                     settings.connect_timeout_s)
     output = OutputProcessor(decoder=tokenizer, eos_token_ids=frozenset(eos),
                              max_model_len=limits.max_model_len)
-    router = Router(engines=[], allocator=allocator, max_waiting=settings.max_waiting)
-    fleet = Fleet(settings=settings, allocator=allocator, lease=lease, output=output,
+    router = Router(engines=[], allocator=shards, max_waiting=settings.max_waiting,
+                    policy=settings.routing, kv_events_lag_s=settings.kv_events_lag_s)
+    fleet = Fleet(settings=settings, shards=shards, output=output,
                   router=router, metrics=metrics,
                   model_fingerprint=descriptions[0].model_fingerprint)
     for client, description in zip(clients, descriptions, strict=True):
         router.add(await fleet.engine(client, description))
     membership = Membership(found, router, fleet.join, settings.discovery_interval_s)
-    engines = Engines(router=router, lease=lease, allocator=allocator, membership=membership,
+    engines = Engines(router=router, shards=shards, membership=membership,
                       limits=limits, eos_token_ids=tuple(eos), model_name=metrics.model_name,
                       dynamic=found.dynamic)
     engines.start()
@@ -234,8 +237,7 @@ class Fleet:
     """Builds the engine of an executor: its pool registered, its scheduler, its loop."""
 
     settings: GatewaySettings
-    allocator: AllocatorClient
-    lease: Lease
+    shards: AllocatorShards
     output: OutputProcessor
     router: Router
     metrics: GatewayMetrics
@@ -249,11 +251,13 @@ class Fleet:
                                        description.max_num_batched_tokens or 1 << 30),
             max_running_per_tenant=settings.tenant_max_running,
         )
+        pool_id = description.pool_name or client.address
+        shard = self.shards.for_pool(pool_id)  # the pool's blocks are this shard's alone
         link = PoolLink(
-            pool_id=description.pool_name or client.address,
+            pool_id=pool_id,
             executor=client,
-            allocator=self.allocator,
-            lease=self.lease,
+            allocator=shard.client,
+            lease=shard.lease,
             description=description,
             enable_prefix_caching=settings.enable_prefix_caching,
             execute_timeout_s=settings.execute_timeout_s,
@@ -270,7 +274,7 @@ class Fleet:
                             observe=self.metrics.observe_step),
             async_depth=settings.async_depth,
         )
-        self.lease.on_acquired.append(engine.wakeup.set)
+        shard.lease.on_acquired.append(engine.wakeup.set)
         return engine
 
     async def join(self, address: str) -> Engine | None:
@@ -357,6 +361,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
         _write_port(settings.port_file, server.port)
     log.info("gateway_serving", port=server.port, http_port=http.port if http else None,
              model=metrics.model_name, executors=list(settings.executor_addrs),
+             allocators=list(settings.allocator_addrs),
              max_model_len=limits.max_model_len)
     return gateway
 
@@ -373,7 +378,7 @@ def _http_server(settings: GatewaySettings, frontend: Frontend, tenancy: Tenancy
 
     async def engine_state() -> tuple[list[EngineSnapshot], int]:
         async def take() -> tuple[list[EngineSnapshot], int]:
-            return [snapshot(e) for e in router.engines], engines.lease.generation
+            return [snapshot(e) for e in router.engines], engines.shards.num_lease_acquisitions
         return await host.run(take())
 
     api = HttpApi(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from common.credentials import (
     internal_auth_from_args,
 )
 from common.model_dirs import DEFAULT_MODEL
+from common.sharding import MAX_SHARDS
 from gateway.clients.discovery import (
     Discovery,
     DnsAddresses,
@@ -24,6 +26,7 @@ from gateway.clients.discovery import (
 )
 
 PREEMPTION_MODES = ("recompute", "swap")
+ROUTING_POLICIES = ("exact", "approx", "round-robin")  # gateway/engine/router.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +36,7 @@ class GatewaySettings:
     host: str
     port: int
     port_file: str | None
-    allocator_addr: str
+    allocator_addrs: tuple[str, ...]  # the allocator shards, in shard order
     executor_addrs: tuple[str, ...]
     model: str
     max_num_seqs: int
@@ -67,14 +70,30 @@ class GatewaySettings:
     executor_dns: str = ""
     executor_addrs_file: str = ""
     discovery_interval_s: float = 5.0
+    routing: str = "exact"
+    kv_events_lag_s: float = 1.0
 
     def __post_init__(self) -> None:
+        if not self.allocator_addrs:
+            raise ValueError("--allocator-addr is empty: give the allocator's host:port")
+        if len(self.allocator_addrs) > MAX_SHARDS:
+            raise ValueError(f"--allocator-addr lists more than {MAX_SHARDS} shards")
+        if len(set(self.allocator_addrs)) != len(self.allocator_addrs):
+            raise ValueError("--allocator-addr lists a shard twice: each shard is its own "
+                             "allocator, in shard order")
+        for address in self.allocator_addrs:
+            split_host_port(address, "--allocator-addr")
         if self.executor_dns and self.executor_addrs_file:
             raise ValueError("--executor-dns and --executor-addrs-file: give one of them")
         if self.executor_dns:
             split_host_port(self.executor_dns, "--executor-dns")
         elif not self.executor_addrs_file and not self.executor_addrs:
             raise ValueError("--executor-addrs is empty: give at least one host:port")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
+        if not 0 < self.kv_events_lag_s < math.inf:
+            raise ValueError("--kv-events-lag-s must be a finite number of seconds > 0 "
+                             "(between two reads of the pools' cache events)")
         if not self.discovery_interval_s > 0:
             raise ValueError("--discovery-interval-s must be > 0 (seconds)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_n"):
@@ -113,6 +132,10 @@ class GatewaySettings:
                 ) from exc
 
 
+def split_addrs(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in str(text).split(",") if a.strip())
+
+
 def discovery(settings: GatewaySettings) -> Discovery:
     if settings.executor_dns:
         return DnsAddresses(*split_host_port(settings.executor_dns, "--executor-dns"))
@@ -136,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
              help="the model's name in both APIs (unset: the model's own name)")
     add_flag(parser, "--max-sse-buffer", type=int, default=256,
              help="events an HTTP stream may have waiting for a slow client before it is cut")
-    add_flag(parser, "--allocator-addr", default="localhost:50052", help="allocator host:port")
+    add_flag(parser, "--allocator-addr", default="localhost:50052",
+             help="allocator host:port; sharded: every shard's, comma-separated, in shard "
+             "order (each allocator started with --shard-index i --num-shards N)")
     add_flag(
         parser, "--executor-addrs", default="localhost:50053",
         help="comma-separated executor host:port list (one KV pool each)",
@@ -150,6 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
              "or comma-separated), read again every --discovery-interval-s")
     add_flag(parser, "--discovery-interval-s", type=float, default=5.0,
              help="how often --executor-dns or --executor-addrs-file is asked again")
+    add_flag(parser, "--routing", default="exact", choices=ROUTING_POLICIES,
+             help="where a new request goes: exact (the longest cached prefix per the "
+             "allocator's index, one MatchPrefix per request, then the least load), approx "
+             "(the same from the gateway's own index of the pools' cache events, read every "
+             "--kv-events-lag-s; no allocator call per request) or round-robin")
+    add_flag(parser, "--kv-events-lag-s", type=float, default=1.0,
+             help="--routing approx: seconds between two reads of each pool's cache events "
+             "(how stale the gateway's prefix index may be)")
     add_flag(parser, "--model", default=str(DEFAULT_MODEL), help="model directory (tokenizer)")
     add_flag(parser, "--max-num-seqs", type=int, default=256, help="sequences per step")
     add_flag(
@@ -246,13 +279,13 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
         internal_auth = internal_auth_from_args(args)
     except CredentialsError as exc:
         parser.error(str(exc))
-    addrs = tuple(a.strip() for a in str(args.executor_addrs).split(",") if a.strip())
+    addrs = split_addrs(args.executor_addrs)
     try:
         return GatewaySettings(
             host=args.host,
             port=args.port,
             port_file=args.port_file,
-            allocator_addr=args.allocator_addr,
+            allocator_addrs=split_addrs(args.allocator_addr),
             executor_addrs=addrs,
             model=args.model,
             max_num_seqs=args.max_num_seqs,
@@ -286,6 +319,8 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             executor_dns=args.executor_dns,
             executor_addrs_file=args.executor_addrs_file,
             discovery_interval_s=args.discovery_interval_s,
+            routing=args.routing,
+            kv_events_lag_s=args.kv_events_lag_s,
         )
     except ValueError as exc:
         raise SystemExit(f"gateway: {exc}") from exc

@@ -24,6 +24,10 @@ MANAGED_FLAGS = {
     "--allocator-addr": "the gateway is connected to the launcher's own allocator",
     "--executor-addrs": "the gateway is connected to the launcher's own executors "
                         "(--num-executors)",
+    "--pool-name": "two executors must never share a pool: the launcher names them itself "
+                   "(pool-0, pool-1, ... with --allocator-shards)",
+    "--num-shards": "use --allocator-shards: each shard gets its own index",
+    "--shard-index": "use --allocator-shards: each shard gets its own index",
     "--tls-cert": "use --tls-dir (make certs): each service gets a certificate of its own",
     "--tls-key": "use --tls-dir (make certs): each service gets a certificate of its own",
     "--tls-ca": "use --tls-dir (make certs): each service gets a certificate of its own",

@@ -39,6 +39,7 @@ from typing import IO
 from common.config import add_flag
 from common.credentials import INTERNAL_TOKEN_ENV, InternalAuth, TlsFiles
 from common.model_dirs import DEFAULT_MODEL, PRESETS_DIR
+from common.sharding import MAX_SHARDS
 from pagedkv_client import NO_RETRY, Client, PagedkvError
 from tools.flag_routing import UsageError, route_flags, service_flags
 from tools.health_probe import is_serving
@@ -55,11 +56,13 @@ class StackError(RuntimeError):
 class StackSpec:
     model: str = str(DEFAULT_MODEL)
     num_executors: int = 1
+    # Allocator processes the pools are split across (common/sharding.py: by pool id).
+    allocator_shards: int = 1
     # The executors' module: the real one, or `executor_svc.simulated` (no model: a step
     # takes a cost model's time; for fleets on one machine).
     executor_module: str = "executor_svc"
     host: str = HOST             # every service binds it
-    allocator_port: int = 50052
+    allocator_port: int = 50052  # the first shard's; the others follow (0: any free ports)
     executor_port: int = 50053   # the first; the others follow (0: any free ports)
     gateway_port: int = 50051
     # The HTTP API and the metrics ports: 0 (any free port) here, for tests and benchmarks;
@@ -141,7 +144,17 @@ class Stack:
 
     @property
     def allocator_addr(self) -> str:
+        """The allocator of an unsharded stack."""
         return self.by_name("allocator").address
+
+    def allocator_addrs(self) -> list[str]:
+        """Every allocator shard's address, in shard order."""
+        return [s.address for s in self.services
+                if s.name == "allocator" or s.name.startswith("allocator-")]
+
+    @staticmethod
+    def allocator_name(shard: int, num_shards: int) -> str:
+        return "allocator" if num_shards == 1 else f"allocator-{shard}"
 
     def executor_addrs(self) -> list[str]:
         return [s.address for s in self.services if s.name.startswith("executor")]
@@ -165,14 +178,22 @@ class Stack:
         if spec.log_dir:
             os.makedirs(spec.log_dir, exist_ok=True)
         try:
-            self._start("allocator", "allocator_svc", spec.allocator_port,
-                        ("--host", spec.host, *self._tls_args("allocator"),
-                         *spec.allocator_args),
-                        ports=self._metrics_port("allocator", spec.allocator_metrics_port))
+            num_shards = spec.allocator_shards
+            for shard in range(num_shards):
+                sharding = ("--shard-index", str(shard), "--num-shards", str(num_shards))
+                self._start(self.allocator_name(shard, num_shards), "allocator_svc",
+                            spec.allocator_port + shard if spec.allocator_port else 0,
+                            ("--host", spec.host, *self._tls_args("allocator"),
+                             *(sharding if num_shards > 1 else ()), *spec.allocator_args),
+                            ports=self._metrics_port("allocator", spec.allocator_metrics_port,
+                                                     shard))
             for i in range(spec.num_executors):
                 port = spec.executor_port + i if spec.executor_port else 0
+                # Sharded, a pool's shard follows from its id: a name, not a port that
+                # changes from run to run.
+                pool_name = ("--pool-name", f"pool-{i}") if spec.allocator_shards > 1 else ()
                 self._start(f"executor-{i}", spec.executor_module, port,
-                            ("--host", spec.host, "--model", spec.model,
+                            ("--host", spec.host, "--model", spec.model, *pool_name,
                              *self._tls_args("executor"), *spec.executor_args),
                             ports=self._metrics_port("executor", spec.executor_metrics_port, i))
             for service in self.services:
@@ -197,7 +218,7 @@ class Stack:
     def start_gateway(self, name: str, port: int = 0) -> Service:
         """A gateway over the stack's allocator and executors (several may share them)."""
         args = (
-            "--host", self.spec.host, "--allocator-addr", self.allocator_addr,
+            "--host", self.spec.host, "--allocator-addr", ",".join(self.allocator_addrs()),
             "--executor-addrs", ",".join(self.executor_addrs()),
             "--model", self.spec.model, *self._tls_args("gateway"),
             *self._public_tls_args(), *self.spec.gateway_args,
@@ -374,7 +395,8 @@ def usage_text(stack: Stack, model_name: str | None = None) -> str:
     lines = [
         "",
         f"gateway: gRPC {stack.gateway_addr}, {http}{model}",
-        f"allocator {stack.allocator_addr}, executors {', '.join(stack.executor_addrs())}",
+        f"allocator {', '.join(stack.allocator_addrs())}, "
+        f"executors {', '.join(stack.executor_addrs())}",
         *([f"metrics: {', '.join(metrics)}"] if metrics else []),
         "",
         f"  {client} --chat \"What is the capital of France?\" --temperature 0",
@@ -432,7 +454,10 @@ def parse_spec(argv: list[str] | None = None) -> StackSpec:
     add_flag(p, "--http-port", type=int, default=8000,
              help="the gateway's HTTP API (OpenAI-compatible) and /metrics (0: any free port, "
                   "-1: off)")
-    add_flag(p, "--allocator-port", type=int, default=50052, help="allocator port")
+    add_flag(p, "--allocator-shards", type=int, default=1,
+             help="allocator processes the KV pools are split across (by pool id)")
+    add_flag(p, "--allocator-port", type=int, default=50052,
+             help="allocator port (sharded: the first shard's, the others follow)")
     add_flag(p, "--executor-port", type=int, default=50053, help="first executor port")
     add_flag(p, "--allocator-metrics-port", type=int, default=None,
              help="the allocator's /metrics (unset: its default; 0: any free port, -1: off)")
@@ -447,12 +472,15 @@ def parse_spec(argv: list[str] | None = None) -> StackSpec:
              help="mutual TLS between the services with the certificates in this directory "
                   "(make certs writes them to certs/)")
     args, extra = p.parse_known_args(argv)
+    if not 1 <= args.allocator_shards <= MAX_SHARDS:
+        p.error(f"--allocator-shards must be in 1..{MAX_SHARDS}")
     try:
         routed = route_flags(extra, service_flags())
     except UsageError as exc:
         p.error(str(exc))
     return StackSpec(
-        model=_model_dir(args.model), num_executors=args.num_executors, host=args.host,
+        model=_model_dir(args.model), num_executors=args.num_executors,
+        allocator_shards=args.allocator_shards, host=args.host,
         gateway_port=args.gateway_port, allocator_port=args.allocator_port,
         executor_port=args.executor_port, http_port=args.http_port,
         allocator_metrics_port=args.allocator_metrics_port,

@@ -1,34 +1,27 @@
-"""Chained block hashing over a canonical byte encoding (profile pagedkv-block-hash-v1).
-
-    root     = SHA-256( b"pagedkv-block-hash-v1\\0"
-                        || u32le(len(fingerprint)) || fingerprint (UTF-8)
-                        || u32le(len(cache_salt))  || cache_salt (UTF-8) )
-    block[i] = SHA-256( parent || u32le(token_0) || ... || u32le(token_{block_size-1}) )
-    parent   = block[i-1], or root for i = 0
-
-The extra keys (model fingerprint, cache salt) enter once, through the root: every block hash
-of a chain depends on them, so two salts or two models never share a block. Only full blocks
-are hashed. Python's hash() is never used (it is salted per process).
-"""
+"""The allocator's block hashing: the profile it announces (HashProfile) and BlockHasher, the
+hot-path chain hasher. The hash functions themselves are common/block_hash.py (profile
+pagedkv-block-hash-v1), shared with the gateway; they are re-exported here."""
 
 from __future__ import annotations
 
 import hashlib
-import struct
-import sys
-from array import array
 from dataclasses import dataclass
 
-HASH_VERSION = "pagedkv-block-hash-v1"
-HASH_ALGORITHM = "sha256"
-HASH_ENCODING = (
-    "root = sha256(b'pagedkv-block-hash-v1\\x00' + u32le(len(fp)) + fp + u32le(len(salt)) + salt)"
-    " with fp = model fingerprint and salt = cache_salt in UTF-8; "
-    "block_i = sha256(parent + u32le(token) for each of the block_size token ids), "
-    "parent = block_{i-1} or root"
+from common.block_hash import (
+    HASH_ALGORITHM,
+    HASH_ENCODING,
+    HASH_VERSION,
+    BlockHash,
+    hash_block,
+    hash_chain,
+    pack_tokens,
+    root_hash,
 )
 
-BlockHash = bytes
+__all__ = [
+    "HASH_ALGORITHM", "HASH_ENCODING", "HASH_VERSION", "BlockHash", "BlockHasher",
+    "HashProfile", "hash_block", "hash_chain", "hash_profile", "pack_tokens", "root_hash",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,24 +34,6 @@ class HashProfile:
 
 def hash_profile(block_size: int) -> HashProfile:
     return HashProfile(HASH_VERSION, HASH_ALGORITHM, block_size, HASH_ENCODING)
-
-
-def _length_prefixed(text: str) -> bytes:
-    raw = text.encode("utf-8")
-    return struct.pack("<I", len(raw)) + raw
-
-
-def root_hash(model_fingerprint: str, cache_salt: str) -> BlockHash:
-    """The parent of a chain's first block: binds the model and the tenant's salt."""
-    seed = HASH_VERSION.encode() + b"\x00"
-    return hashlib.sha256(
-        seed + _length_prefixed(model_fingerprint) + _length_prefixed(cache_salt)
-    ).digest()
-
-
-def hash_block(parent: BlockHash, token_ids: list[int]) -> BlockHash:
-    """Hash one full block given its parent's hash."""
-    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
 
 
 class BlockHasher:
@@ -92,21 +67,3 @@ class BlockHasher:
         packed, stride, sha256 = pack_tokens(token_ids), self._stride, hashlib.sha256
         keys = [parent + packed[i * stride : (i + 1) * stride] for i, parent in enumerate(parents)]
         return [sha256(key).digest() for key in keys], keys
-
-
-def pack_tokens(token_ids: list[int]) -> bytes:
-    """u32le of each token id, as the profile's encoding says."""
-    packed = array("I", token_ids)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def hash_chain(root: BlockHash, token_ids: list[int], block_size: int) -> list[BlockHash]:
-    """Hashes of every full block of `token_ids` (reference helper for other components)."""
-    hashes: list[BlockHash] = []
-    parent = root
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes

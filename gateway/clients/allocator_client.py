@@ -47,6 +47,41 @@ class PrefixMatch:
     num_running_requests: int
 
 
+@dataclass(frozen=True, slots=True)
+class CacheEvent:
+    """A pool's BlockStored (`stored`) or BlockRemoved, as a prefix index needs it."""
+
+    seq: int
+    stored: bool
+    block_hash: bytes
+    block_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class EventPage:
+    events: tuple[CacheEvent, ...]
+    last_seq: int  # the newest event the pool has produced
+    truncated: bool  # events after the cursor were dropped: take a snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class CachedBlock:
+    block_hash: bytes
+    block_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSnapshot:
+    seq: int  # it reflects every event up to this one: follow on from here
+    blocks: tuple[CachedBlock, ...]
+
+
+def _event(event: pb.CacheEvent) -> CacheEvent:
+    if event.WhichOneof("event") == "stored":
+        return CacheEvent(event.seq, True, event.stored.block_hash, event.stored.block_id)
+    return CacheEvent(event.seq, False, event.removed.block_hash, event.removed.block_id)
+
+
 def _copies(copies: Sequence[pb.BlockCopy]) -> tuple[BlockCopy, ...]:
     return tuple(BlockCopy(c.src_block_id, c.dst_block_id) for c in copies)
 
@@ -256,3 +291,25 @@ class AllocatorClient(InternalChannel):
             PrefixMatch(m.pool_id, m.num_cached_tokens, m.num_free_blocks, m.num_running_requests)
             for m in response.matches
         ]
+
+    async def get_events(self, pool_id: str, after_seq: int, max_events: int) -> EventPage:
+        """The pool's cache events after `after_seq`, oldest first, at most `max_events`."""
+        with translated():
+            response = await self.stub.GetEvents(
+                pb.GetEventsRequest(pool_id=pool_id, after_seq=after_seq, max_events=max_events),
+                metadata=self.auth_metadata,
+                timeout=self.timeout_s,
+            )
+        return EventPage(tuple(_event(e) for e in response.events), response.last_seq,
+                         response.truncated)
+
+    async def get_snapshot(self, pool_id: str) -> CacheSnapshot:
+        """Every block the pool's prefix cache holds, and the event it is current to."""
+        with translated():
+            response = await self.stub.GetSnapshot(
+                pb.GetSnapshotRequest(pool_id=pool_id), metadata=self.auth_metadata,
+                timeout=self.timeout_s,
+            )
+        return CacheSnapshot(
+            response.seq, tuple(CachedBlock(b.block_hash, b.block_id) for b in response.blocks)
+        )

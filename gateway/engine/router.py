@@ -1,23 +1,34 @@
-"""Routing across executors: a new request goes to the pool with the longest cached prefix
-for it, then to the least loaded one, both as the allocator knows them (its exact prefix index
-and each pool's running requests, every gateway's included: several gateways over the same
-pools decide alike). Sequences of a lost executor are re-queued on a healthy one (recompute),
-or fail with UNAVAILABLE."""
+"""Routing across executors, by one of three policies (--routing):
+
+    exact        the pool with the longest cached prefix for the request, then the least
+                 loaded one, both as the allocator knows them (its exact prefix index and each
+                 pool's running requests, every gateway's included: several gateways over the
+                 same pools decide alike). One MatchPrefix call per request.
+    approx       the same choice from the gateway's own prefix index, fed by the pools' cache
+                 events with a lag (kv_event_index.py), and this gateway's own load: no
+                 allocator call on the request path.
+    round-robin  the next healthy engine in turn; prefixes ignored.
+
+Sequences of a lost executor are re-queued on a healthy one (recompute), or fail with
+UNAVAILABLE."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
 from common.errors import ResourceExhausted, Unavailable
-from gateway.clients.allocator_client import AllocatorClient
 from gateway.clients.call_failures import CallFailed
+from gateway.clients.shards import AllocatorShards
 from gateway.core.request_state import CompletionDelta, Request, Sequence
 from gateway.core.seq_ids import child_seq_id, prefill_parent_id, wire_id
+from gateway.engine.kv_event_index import KvEventIndex
 from gateway.engine.loop import Engine
+from gateway.settings import ROUTING_POLICIES
 
 log = structlog.get_logger(__name__)
+NO_EXECUTOR = "no executor is available: check the executors' health"
 
 
 def initial_sequences(request: Request) -> list[Sequence]:
@@ -37,8 +48,17 @@ def initial_sequences(request: Request) -> list[Sequence]:
 @dataclass(slots=True)
 class Router:
     engines: list[Engine]
-    allocator: AllocatorClient
+    allocator: AllocatorShards  # MatchPrefix, each shard asked about its own pools
     max_waiting: int
+    policy: str = "exact"  # one of ROUTING_POLICIES
+    kv_events_lag_s: float = 1.0  # approx: how often its index reads the pools' events
+    kv_index: KvEventIndex | None = field(init=False, default=None)  # approx only
+    turn: int = 0  # round-robin: where the next scan of `engines` starts
+
+    def __post_init__(self) -> None:
+        assert self.policy in ROUTING_POLICIES, f"unknown routing policy {self.policy!r}"
+        if self.policy == "approx":
+            self.kv_index = KvEventIndex(self.kv_events_lag_s)
 
     def healthy(self) -> list[Engine]:
         """The engines new requests may go to: healthy, and not leaving."""
@@ -67,12 +87,29 @@ class Router:
             engine.submit(seq)
         return engine
 
+    async def follow_cache_events(self) -> None:
+        """approx: keep the index fed with the events of the engines of the moment (a task on
+        the engine loop, until cancelled)."""
+        assert self.kv_index is not None, "only --routing approx follows cache events"
+        await self.kv_index.follow(lambda: self.engines)
+
     async def route(self, request: Request) -> Engine:
+        if self.policy == "round-robin":
+            return self._next_in_turn()
+        if self.kv_index is not None:
+            engines = self.healthy()
+            cached = self.kv_index.cached_tokens(request.prompt_token_ids, request.cache_salt,
+                                                 [e.pool_id for e in engines])
+            return self._pick(engines, cached)  # no counts of others: our own load alone
+        return await self._route_exact(request)
+
+    async def _route_exact(self, request: Request) -> Engine:
         engines = self.healthy()
         if len(engines) <= 1:
             return self._pick(engines, {})
         cached: dict[str, int] = {}
         running: dict[str, int] = {}
+        reachable: set[str] | None = None  # the pools whose allocator shard answered
         try:
             matches = await self.allocator.match_prefix(
                 request.prompt_token_ids, request.cache_salt, [e.pool_id for e in engines],
@@ -80,27 +117,45 @@ class Router:
             )
             cached = {m.pool_id: m.num_cached_tokens for m in matches}
             running = {m.pool_id: m.num_running_requests for m in matches}
+            reachable = set(cached)
         except CallFailed as exc:
             log.info("match_prefix_failed", code=exc.status)  # this gateway's view alone
         # NOTE: an executor may have been lost while MatchPrefix was in flight; its engine
         # already evicted its sequences, so one submitted there now would wait forever.
-        return self._pick(self.healthy(), cached, running)
+        return self._pick(self.healthy(), cached, running, reachable)
 
     @staticmethod
     def _pick(engines: list[Engine], cached: dict[str, int],
-              running: dict[str, int] | None = None) -> Engine:
-        """Longest cached prefix, then the least load: this gateway's own (its queue too, as
-        it is now) plus the other gateways' running requests (the allocator's count less
-        ours there; the allocator's alone would lag a burst: each request of it would see
-        the same counts and go to the same pool)."""
+              running: dict[str, int] | None = None,
+              reachable: set[str] | None = None) -> Engine:
+        """A pool whose allocator shard is up first (it answered this request's MatchPrefix,
+        when `reachable` says, and its engine's last Step reached it): a shard that is away
+        fails its pools' requests. Then the longest cached prefix, then the least load: this
+        gateway's own (its queue too, as it is now) plus the other gateways' running
+        requests (the allocator's count less ours there; the allocator's alone would lag a
+        burst: each request of it would see the same counts and go to the same pool)."""
         if not engines:
-            raise Unavailable("no executor is available: check the executors' health")
+            raise Unavailable(NO_EXECUTOR)
         running = running or {}
 
         def load(e: Engine) -> int:
             return e.load + max(running.get(e.pool_id, 0) - e.num_admitted, 0)
 
-        return max(engines, key=lambda e: (cached.get(e.pool_id, 0), -load(e)))
+        def allocator_up(e: Engine) -> bool:
+            answered = reachable is None or e.pool_id in reachable
+            return answered and e.allocator_down_since is None
+
+        return max(engines, key=lambda e: (allocator_up(e), cached.get(e.pool_id, 0), -load(e)))
+
+    def _next_in_turn(self) -> Engine:
+        """The first healthy engine, not leaving, from where the last pick left off."""
+        engines = self.engines
+        for step in range(len(engines)):
+            index = (self.turn + step) % len(engines)
+            if engines[index].healthy and not engines[index].draining:
+                self.turn = index + 1
+                return engines[index]
+        raise Unavailable(NO_EXECUTOR)
 
     def requeue(self, seqs: list[Sequence]) -> None:
         """Sequences of a lost executor: recompute them on the least loaded healthy one."""

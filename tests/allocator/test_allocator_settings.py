@@ -20,6 +20,9 @@ from allocator_svc.settings import parse_settings
     (["--metrics-port", "50052"], "--metrics-port 50052 is the gRPC --port too"),
     (["--metrics-port", "nine"], "argument --metrics-port: invalid int value: 'nine'"),
     (["--verify-pool-resets", "maybe"], "--verify-pool-resets"),
+    (["--num-shards", "0"], "--num-shards must be in 1..256"),
+    (["--num-shards", "2", "--shard-index", "2"], "--shard-index must be in 0..1"),
+    (["--shard-index", "-1"], "--shard-index must be in 0..0"),
 ])
 def test_a_bad_flag_is_a_usage_error_naming_it(argv: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:

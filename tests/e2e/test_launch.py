@@ -121,6 +121,9 @@ def test_launch_from_another_directory_forwards_service_flags_and_prints_address
 @pytest.mark.parametrize("flags, message", [
     (["--no-such-flag", "1"], "unrecognized flag '--no-such-flag'"),
     (["--port", "1"], "--port is set by the launcher"),
+    (["--shard-index", "1"], "--shard-index is set by the launcher: use --allocator-shards"),
+    (["--pool-name", "p"], "--pool-name is set by the launcher"),
+    (["--allocator-shards", "0"], "--allocator-shards must be in 1..256"),
     (["--block-size", "many"], "executor: argument --block-size: invalid int value"),
 ])
 def test_launch_flag_no_service_takes_is_a_usage_error(flags: list[str], message: str,

@@ -27,6 +27,7 @@ class FakeEngine:
     healthy: bool = True
     draining: bool = False
     num_admitted: int = 0  # its sequences the allocator holds
+    allocator_down_since: float | None = None  # its last Step did not reach the allocator
     scheduler: FakeScheduler = field(default_factory=FakeScheduler)
     cancelled: int = 0
 
@@ -182,3 +183,30 @@ def test_a_burst_spreads_although_the_allocators_counts_lag():
                      allocator=FakeAllocator({}, running={"a": 1}))  # type: ignore[arg-type]
     picked = [asyncio.run(routing.submit(request(f"r{i}"))).pool_id for i in range(6)]
     assert picked.count("a") >= 2 and picked.count("b") >= 2, picked
+
+
+@dataclass
+class ShardDownAllocator(FakeAllocator):
+    """Sharded, with the shard of the pools in `down` away: it answers for the others only."""
+
+    down: set[str] = field(default_factory=set)
+
+    async def match_prefix(self, token_ids, cache_salt, pool_ids, request_id):  # noqa: ANN001
+        return [PrefixMatch(p, self.cached.get(p, 0), 0, 0) for p in pool_ids
+                if p not in self.down]
+
+
+def test_a_pool_whose_allocator_shard_is_away_gets_new_requests_last():
+    # Its shard did not answer MatchPrefix: though it is idle and holds the longest prefix
+    # (the last answer it gave), new requests go to the pool whose shard answered.
+    a, b = FakeEngine("a", load=0), FakeEngine("b", load=5)
+    r = Router(engines=[a, b], max_waiting=64,  # type: ignore[list-item]
+               allocator=ShardDownAllocator(cached={"a": 64}, down={"a"}))  # type: ignore[arg-type]
+    assert asyncio.run(r.route(request())) is b
+    # Its engine's last Step failed to reach the allocator: the same, whatever MatchPrefix said.
+    a.allocator_down_since = 1.0
+    r = router([a, b], cached={"a": 64})
+    assert asyncio.run(r.route(request())) is b
+    # Every pool's shard away: still routed (the engine waits for its allocator, then fails).
+    b.allocator_down_since = 2.0
+    assert asyncio.run(r.route(request())) is a
