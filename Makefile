@@ -84,11 +84,12 @@ $(VLLM_VENV)/.installed:
 compose-check:
 	docker-compose config -q
 
-# The Kubernetes manifests: both overlays rendered, every object validated offline against the
+# The Kubernetes manifests: every overlay rendered, every object validated offline against the
 # Kubernetes schemas, and the deployment's invariants (tests/deploy).
 k8s-check: protos
 	kubectl kustomize deploy/k8s/overlays/cpu > /dev/null
 	kubectl kustomize deploy/k8s/overlays/gpu > /dev/null
+	kubectl kustomize deploy/k8s/overlays/cpu-sharded > /dev/null
 	$(PY) -m pytest -q tests/deploy
 
 clean:

@@ -38,8 +38,14 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
         self.reset_verifier = reset_verifier
         self.shard_index, self.num_shards = shard_index, num_shards
 
-    def _check_shard(self, pool_id: str) -> None:
+    def _check_shard(self, pool_id: str, callers_num_shards: int) -> None:
         """A pool registered with two shards would have its blocks handed out twice."""
+        if (callers_num_shards or 1) != self.num_shards:
+            raise FailedPrecondition(
+                f"the caller splits pools across {callers_num_shards or 1} allocator shard(s), "
+                f"this allocator is shard {self.shard_index} of {self.num_shards}: give every "
+                f"gateway the same shard list the allocators were started with"
+            )
         owner = shard_of(pool_id, self.num_shards)
         if owner != self.shard_index:
             raise FailedPrecondition(
@@ -55,7 +61,7 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
         # (the free queue links make them cyclic), which otherwise shows as p99 spikes. A
         # pool replaced on re-registration was frozen too, and its cycles would leak: thaw,
         # collect once (only when a pool is replaced), freeze again.
-        self._check_shard(request.pool_id)
+        self._check_shard(request.pool_id, request.num_shards)
         config = convert.pool_config(request)
         check_pool_config(config, self.allocator.limits)  # a bad shape is refused first
         previous = self.allocator.pools.get(request.pool_id)

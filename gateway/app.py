@@ -261,6 +261,7 @@ class Fleet:
             description=description,
             enable_prefix_caching=settings.enable_prefix_caching,
             execute_timeout_s=settings.execute_timeout_s,
+            num_shards=len(self.shards.shards),
         )
         await _retry(f"RegisterPool {client.address}", link.register, settings.connect_timeout_s)
         engine = Engine(

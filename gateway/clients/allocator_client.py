@@ -37,6 +37,7 @@ class PoolSpec:
     executor_instance_id: str
     enable_prefix_caching: bool
     executor_address: str = ""  # where the allocator may confirm the instance id
+    num_shards: int = 1  # the allocator shards this gateway splits pools across
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +149,7 @@ class AllocatorClient(InternalChannel):
                     executor_instance_id=spec.executor_instance_id,
                     enable_prefix_caching=spec.enable_prefix_caching,
                     executor_address=spec.executor_address,
+                    num_shards=spec.num_shards,
                 ),
                 metadata=self.auth_metadata,
                 timeout=self.timeout_s,

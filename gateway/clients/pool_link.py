@@ -28,6 +28,7 @@ class PoolLink:
     description: ExecutorDescription
     enable_prefix_caching: bool
     execute_timeout_s: float | None = None  # Execute and Release; allocator calls: its client
+    num_shards: int = 1  # allocator shards: the pool's shard checks that it counts alike
     epoch: int = 0
     # The lease our requests were admitted under, and its generation. Calls name this one,
     # not the lease's newest: a lease replaced while a step was being planned (a keep-alive
@@ -49,6 +50,7 @@ class PoolLink:
                 executor_instance_id=d.instance_id,
                 enable_prefix_caching=self.enable_prefix_caching,
                 executor_address=self.executor.address,
+                num_shards=self.num_shards,
             )
         )
         # Requests admitted from now on join the current lease.

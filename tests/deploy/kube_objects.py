@@ -16,8 +16,8 @@ import yaml
 
 K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
-# Values the downward API fills in at run time, as a pod would see them.
-FIELD_SAMPLES = {"metadata.name": "executor-0"}
+# The label a StatefulSet's controller puts on each pod: its ordinal (Kubernetes >= 1.28).
+POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
 
 Obj = dict[str, Any]
 
@@ -94,24 +94,30 @@ class Rendered:
                         if o["kind"] != "Namespace"}
         return namespace
 
-    def env(self, container: Container) -> dict[str, str]:
+    def env(self, container: Container, ordinal: int = 0) -> dict[str, str]:
         """The container's environment as the pod sees it: its ConfigMaps (envFrom, in
-        order), then its own entries (literals, downward API samples)."""
+        order), then its own entries (literals; the downward API as a StatefulSet's pod
+        `ordinal`, <name>-<ordinal>, would read it)."""
         env: dict[str, str] = {}
         for source in container.spec.get("envFrom", []):
             assert "configMapRef" in source, f"envFrom {source}: only ConfigMaps expected"
             config_map = self.get("ConfigMap", source["configMapRef"]["name"])
             env.update(config_map.get("data", {}))
         for entry in container.spec.get("env", []):
-            env[entry["name"]] = self._value(entry)
+            env[entry["name"]] = self._value(container.workload, entry, ordinal)
         return env
 
-    def _value(self, entry: Obj) -> str:
+    @staticmethod
+    def _value(workload: Obj, entry: Obj, ordinal: int) -> str:
         if "value" in entry:
             return str(entry["value"])
         source = entry["valueFrom"]
         if "fieldRef" in source:
-            return FIELD_SAMPLES[source["fieldRef"]["fieldPath"]]
+            # A pod's name and ordinal are stable only in a StatefulSet.
+            assert workload["kind"] == "StatefulSet", f"{entry['name']}: from a fieldRef"
+            fields = {"metadata.name": f"{workload['metadata']['name']}-{ordinal}",
+                      POD_INDEX: str(ordinal)}
+            return fields[source["fieldRef"]["fieldPath"]]
         if "resourceFieldRef" in source:
             return "1"
         raise AssertionError(f"{entry['name']}: unexpected env source {source}")

@@ -1,8 +1,9 @@
 """deploy/k8s: every overlay renders offline (`kubectl kustomize`), every object is valid
 against the Kubernetes 1.30 schemas (strict: no unknown field), and the invariants the
 deployment needs hold: only flags the services accept, Services that select pods, probes on
-declared ports, Secrets where the flags point, gateways replicated, one allocator, GPUs on the
-GPU overlay. The network paths: test_k8s_network_policies.py."""
+declared ports, Secrets where the flags point, gateways replicated, one allocator pod per shard
+and every shard listed to the gateways, GPUs on the GPU overlay. The network paths:
+test_k8s_network_policies.py."""
 
 from __future__ import annotations
 
@@ -17,16 +18,18 @@ from pathlib import Path
 import kubernetes_validate as kv  # a dev dependency (pyproject)
 import pytest
 
+from allocator_svc.settings import parse_settings as parse_allocator_settings
 from common.config import env_name
 from common.credentials import CredentialsError, load_internal_auth, read_token
+from common.sharding import shard_of
 from executor_svc.settings import parse_bytes
 from gateway.api.tenants import load_api_keys
-from tests.deploy.kube_objects import K8S_DIR, Rendered, labels_of, overlay, render
+from tests.deploy.kube_objects import K8S_DIR, POD_INDEX, Rendered, labels_of, overlay, render
 from tests.deploy.network_policy import selects
 from tools.make_secret import make_secret
 
 K8S_VERSION = "1.30"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "cpu-sharded")
 REPO = K8S_DIR.parents[1]
 # Variables a container may set that are no flag: HOME (the root filesystem is read-only; it
 # points at /tmp) and torch's thread count.
@@ -85,10 +88,7 @@ def test_container_env_names_only_flags_of_its_service(rendered: Rendered,
                  for option in action.option_strings if option.startswith("--")}
         unknown = sorted(set(env) - flags - NON_FLAG_ENV)
         assert not unknown, f"{rendered.name}: {container.service} takes no {unknown}"
-        for name in [n for n in os.environ if n.startswith("PAGEDKV_")]:
-            monkeypatch.delenv(name)
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
+        _use_pagedkv_env(monkeypatch, env)
         try:
             build_parser(container.service).parse_args(container.spec.get("args", []))
         except SystemExit:
@@ -181,17 +181,57 @@ def test_gateways_replicated_with_shared_keys_and_salt(rendered: Rendered) -> No
         assert rendered.secret_file(gateway, env[env_name(flag)]) is not None
 
 
-def test_one_allocator_never_two(rendered: Rendered) -> None:
-    # One process per shard: one replica, replaced by Recreate (a rolling update runs two).
-    allocator = rendered.workload("allocator")
-    assert allocator["kind"] == "Deployment" and allocator["spec"]["replicas"] == 1
-    assert allocator["spec"]["strategy"]["type"] == "Recreate"
+def _use_pagedkv_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    """The process environment holds exactly `env`'s PAGEDKV_* variables (and its others)."""
+    for name in [n for n in os.environ if n.startswith("PAGEDKV_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_allocator_one_pod_per_shard_never_two(rendered: Rendered) -> None:
+    # One process per shard: a StatefulSet (never two pods of one ordinal) of
+    # PAGEDKV_NUM_SHARDS replicas, started together and rolled one shard at a time; a pod's
+    # shard is its ordinal; no voluntary disruption of any shard.
+    allocator, container = rendered.workload("allocator"), rendered.container("allocator")
+    spec = allocator["spec"]
+    assert allocator["kind"] == "StatefulSet"
+    assert spec["replicas"] == int(rendered.env(container)["PAGEDKV_NUM_SHARDS"])
+    assert spec["podManagementPolicy"] == "Parallel"
+    assert spec["updateStrategy"]["type"] == "RollingUpdate"
+    (index,) = [e for e in container.spec["env"] if e["name"] == "PAGEDKV_SHARD_INDEX"]
+    assert index["valueFrom"]["fieldRef"]["fieldPath"] == POD_INDEX
+    (budget,) = [b for b in rendered.of_kind("PodDisruptionBudget")
+                 if selects(b["spec"]["selector"], labels_of(allocator))]
+    assert budget["spec"]["maxUnavailable"] == 0 and "minAvailable" not in budget["spec"]
+    assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+def test_allocator_pods_start_as_their_own_shard(rendered: Rendered, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pod allocator-i's environment, read by the allocator's own settings: shard i of
+    # replicas; one pod more (the StatefulSet scaled without PAGEDKV_NUM_SHARDS) stops at
+    # start.
+    container = rendered.container("allocator")
+    num_shards = container.workload["spec"]["replicas"]
+    token = tmp_path / "internal-token"
+    make_secret(token)
+    for ordinal in range(num_shards + 1):
+        env = rendered.env(container, ordinal)
+        _use_pagedkv_env(monkeypatch, {**env, "PAGEDKV_INTERNAL_TOKEN_FILE": str(token)})
+        if ordinal == num_shards:
+            with pytest.raises(SystemExit):
+                parse_allocator_settings(container.spec.get("args", []))
+            continue
+        settings = parse_allocator_settings(container.spec.get("args", []))
+        assert (settings.shard_index, settings.num_shards) == (ordinal, num_shards)
 
 
 def test_gateway_finds_the_executors_and_allocator_of_its_namespace(rendered: Rendered) -> None:
     # Executors: a StatefulSet whose pod names are their pool names, behind a headless Service
     # that lists only ready pods; the gateway asks that Service's DNS name (or, without
-    # discovery, lists every pod's), and the allocator Service's.
+    # discovery, lists every pod's). Allocator shards: every pod's own DNS name under its
+    # headless Service, in shard order 0..N-1.
     namespace, executors = rendered.namespace, rendered.workload("executor")
     assert executors["kind"] == "StatefulSet"
     headless = rendered.get("Service", executors["spec"]["serviceName"])
@@ -208,9 +248,14 @@ def test_gateway_finds_the_executors_and_allocator_of_its_namespace(rendered: Re
         pods = range(executors["spec"]["replicas"])
         assert env["PAGEDKV_EXECUTOR_ADDRS"] == ",".join(
             f"{service}-{i}.{service}.{namespace}.svc:{port}" for i in pods)
-    allocator = rendered.get("Service", "allocator")
-    (grpc,) = [p["port"] for p in allocator["spec"]["ports"] if p["name"] == "grpc"]
-    assert env["PAGEDKV_ALLOCATOR_ADDR"] == f"allocator.{namespace}.svc:{grpc}"
+    allocators = rendered.workload("allocator")
+    shards = rendered.get("Service", allocators["spec"]["serviceName"])
+    assert shards["spec"]["clusterIP"] == "None"
+    (grpc,) = [p["port"] for p in shards["spec"]["ports"] if p["name"] == "grpc"]
+    pod, service = allocators["metadata"]["name"], shards["metadata"]["name"]
+    assert env["PAGEDKV_ALLOCATOR_ADDR"] == ",".join(
+        f"{pod}-{i}.{service}.{namespace}.svc:{grpc}"
+        for i in range(allocators["spec"]["replicas"]))
 
 
 def test_pods_are_restricted_with_a_read_only_root(rendered: Rendered) -> None:
@@ -271,13 +316,14 @@ secretGenerator:
 """
 
 
-def test_local_overlay_replaces_every_placeholder(tmp_path: Path) -> None:
-    # The README's recipe: generated secrets in an overlay of one's own over overlays/cpu;
-    # every pod then reads them, and the services accept them.
+@pytest.mark.parametrize("base", ["cpu", "cpu-sharded"])
+def test_local_overlay_replaces_every_placeholder(tmp_path: Path, base: str) -> None:
+    # The README's recipe: generated secrets in an overlay of one's own over overlays/cpu
+    # (or cpu-sharded); every pod then reads them, and the services accept them.
     make_secret(tmp_path / "internal-token")
     make_secret(tmp_path / "salt-secret")
     (tmp_path / "api-keys").write_text(f"{secrets.token_urlsafe(24)} team-a\n")
-    target = os.path.relpath(K8S_DIR / "overlays" / "cpu", tmp_path)
+    target = os.path.relpath(K8S_DIR / "overlays" / base, tmp_path)
     (tmp_path / "kustomization.yaml").write_text(LOCAL_OVERLAY.format(overlay=target))
     rendered = Rendered("local", render(tmp_path))
     assert len(rendered.of_kind("Secret")) == 3
@@ -289,6 +335,29 @@ def test_local_overlay_replaces_every_placeholder(tmp_path: Path) -> None:
                 assert rendered.secret_data(name)[key] == (tmp_path / key).read_bytes()
     assert load_internal_auth(str(tmp_path / "internal-token"), "", "", "", False).token
     assert load_api_keys(str(tmp_path / "api-keys"))
+
+
+SHARDS_RECIPE = """\
+resources: [{overlay}]
+replicas:
+  - {{name: allocator, count: 2}}
+configMapGenerator:
+  - {{name: pagedkv-allocator, behavior: merge, literals: [PAGEDKV_NUM_SHARDS=2]}}
+  - name: pagedkv-gateway
+    behavior: merge
+    literals:
+      - PAGEDKV_ALLOCATOR_ADDR={addrs}
+"""
+
+
+def test_shards_recipe_renders_the_sharded_overlay(tmp_path: Path) -> None:
+    # The README's recipe for two shards, in an overlay of one's own over overlays/cpu:
+    # exactly what overlays/cpu-sharded renders.
+    target = os.path.relpath(K8S_DIR / "overlays" / "cpu", tmp_path)
+    addrs = ",".join(f"allocator-{i}.allocator.pagedkv.svc:50052" for i in range(2))
+    (tmp_path / "kustomization.yaml").write_text(SHARDS_RECIPE.format(overlay=target,
+                                                                      addrs=addrs))
+    assert render(tmp_path) == overlay("cpu-sharded").objects
 
 
 def _bytes(quantity: str) -> int:
@@ -316,6 +385,24 @@ def test_cpu_overlay_serves_the_embedded_model() -> None:
     kv_and_swap = parse_bytes(env["PAGEDKV_KV_CACHE_MEMORY"]) + float(
         env["PAGEDKV_SWAP_SPACE"]) * 2**30
     assert _bytes(resources["limits"]["memory"]) >= kv_and_swap + 1.25 * 2**30
+
+
+def test_sharded_overlay_is_the_cpu_overlay_with_two_shards() -> None:
+    # overlays/cpu-sharded: two allocator shards, each owning one of the two executors' pools
+    # (common/sharding.py); the executors as in overlays/cpu, and of the configuration only
+    # the shard count and the gateways' list of shards changed.
+    sharded, cpu = overlay("cpu-sharded"), overlay("cpu")
+    assert sharded.workload("allocator")["spec"]["replicas"] == 2
+    executor = sharded.container("executor")
+    pools = [sharded.env(executor, i)["PAGEDKV_POOL_NAME"]
+             for i in range(executor.workload["spec"]["replicas"])]
+    assert sorted({shard_of(pool, 2) for pool in pools}) == [0, 1], pools
+    assert sharded.workload("executor") == cpu.workload("executor")
+    for name in ("allocator", "gateway"):
+        changed = {k for k, v in sharded.env(sharded.container(name)).items()
+                   if cpu.env(cpu.container(name)).get(k) != v}
+        assert changed == {"allocator": {"PAGEDKV_NUM_SHARDS"},
+                           "gateway": {"PAGEDKV_ALLOCATOR_ADDR"}}[name]
 
 
 def test_gpu_overlay_runs_one_executor_per_gpu_on_a_model_volume() -> None:

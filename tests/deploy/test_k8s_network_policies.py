@@ -1,6 +1,6 @@
 """deploy/k8s's NetworkPolicies, evaluated (network_policy.py) for every source a cluster
 may hold against every declared port of every pod: the paths open are exactly the intended
-ones, in both overlays."""
+ones, in every overlay."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ EXPECTED_PATHS = {
 }
 
 
-@pytest.fixture(scope="module", params=("cpu", "gpu"))
+@pytest.fixture(scope="module", params=("cpu", "gpu", "cpu-sharded"))
 def rendered(request: pytest.FixtureRequest) -> Rendered:
     return overlay(request.param)
 

@@ -88,7 +88,7 @@ def test_a_shard_refuses_a_pool_of_another_shard(stack: Stack):
         with pytest.raises(grpc.RpcError) as info:
             stub.RegisterPool(apb.RegisterPoolRequest(
                 pool_id="pool-2", num_blocks=64, block_size=16, model_fingerprint="m",
-                executor_instance_id="i"), timeout=10)
+                executor_instance_id="i", num_shards=NUM_SHARDS), timeout=10)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert (f"pool 'pool-2' belongs to allocator shard {LONE_SHARD} of 2, this allocator is "
             f"shard {other}") in info.value.details()

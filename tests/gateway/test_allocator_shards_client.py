@@ -22,9 +22,10 @@ NUM_SHARDS = 2
 POOLS = [f"pool-{i}" for i in range(6)]  # both shards own some: checked below
 
 
-def spec(pool_id: str) -> PoolSpec:
+def spec(pool_id: str, num_shards: int = NUM_SHARDS) -> PoolSpec:
     return PoolSpec(pool_id=pool_id, num_blocks=32, block_size=4, num_cpu_blocks=0,
-                    model_fingerprint="m", executor_instance_id="i", enable_prefix_caching=True)
+                    model_fingerprint="m", executor_instance_id="i", enable_prefix_caching=True,
+                    num_shards=num_shards)
 
 
 async def start_shards() -> list[Server]:
@@ -46,6 +47,11 @@ def test_pools_register_with_their_shard_and_prefix_matches_span_the_shards():
                 wrong = shards.shards[1 - shards.for_pool(pool_id).index]
                 with pytest.raises(Stale, match="belongs to allocator shard"):
                     await wrong.client.register_pool(spec(pool_id))
+                # A gateway that counts the shards otherwise is refused by every shard.
+                for shard in shards.shards:
+                    with pytest.raises(Stale, match="the caller splits pools across 3 allocator"
+                                       r" shard\(s\), this allocator is shard"):
+                        await shard.client.register_pool(spec(pool_id, num_shards=3))
             matches = await shards.match_prefix([1, 2, 3, 4, 5], "", POOLS, "r")
             assert sorted(m.pool_id for m in matches) == POOLS
             await servers[0].server.stop(None)  # shard 0 goes away
