@@ -13,7 +13,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 # The executor's C++ CPU kernels, compiled once for this machine (executor_svc/attention/csrc).
 KERNELS_STAMP := build/cpu_kernels/.built
 
-.PHONY: setup model kernels protos certs lint typecheck test conformance run run-allocator bench bench-full bench-executor bench-vllm compose-check k8s-check clean
+.PHONY: setup model kernels protos certs lint typecheck test conformance run run-allocator bench bench-full bench-executor bench-vllm bench-fleet compose-check k8s-check clean
 
 setup: $(VENV)/.installed model kernels
 $(VENV)/.installed: pyproject.toml setup.py
@@ -68,6 +68,11 @@ bench-full: protos
 
 bench-executor: protos
 	$(PY) -m bench.executor_bench
+
+# Routing policies on a simulated fleet: one allocator, four gateways, 16 simulated executors
+# (under 4 minutes here); BENCH_ARGS=--full for 64 (about 15 minutes).
+bench-fleet: protos
+	$(PY) -m bench.fleet $(BENCH_ARGS)
 
 # vLLM CPU in a virtualenv of its own (never the project's), then both engines side by side.
 # Its torchvision/torchaudio/torchcodec are built for another torch and break its import.
