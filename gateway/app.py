@@ -163,6 +163,9 @@ def model_limits(
         vocab_size=vocab or tokenizer.vocab_size,
         max_n=settings.max_n,
         pool_capacity_tokens=min(d.num_blocks * d.block_size for d in descriptions),
+        max_beam_width=settings.max_beam_width,
+        eos_token_ids=tuple(descriptions[0].eos_token_ids or tokenizer.eos_token_ids),
+        block_size=max(d.block_size for d in descriptions),
     )
 
 

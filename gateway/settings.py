@@ -27,6 +27,8 @@ from gateway.clients.discovery import (
 
 PREEMPTION_MODES = ("recompute", "swap")
 ROUTING_POLICIES = ("exact", "approx", "round-robin")  # gateway/engine/router.py
+# A beam needs its 2 x beam_width most likely next tokens; executors return at most 20.
+MAX_BEAM_WIDTH = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,7 @@ class GatewaySettings:
     discovery_interval_s: float = 5.0
     routing: str = "exact"
     kv_events_lag_s: float = 1.0
+    max_beam_width: int = 8
 
     def __post_init__(self) -> None:
         if not self.allocator_addrs:
@@ -118,6 +121,9 @@ class GatewaySettings:
             raise ValueError("--http-port must be a port (0: any free port, -1: no HTTP API)")
         if self.max_sse_buffer < 1:
             raise ValueError("--max-sse-buffer must be >= 1 (events)")
+        if not 1 <= self.max_beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"--max-beam-width must be in [1, {MAX_BEAM_WIDTH}] (each beam "
+                             "needs its 2 x width best next tokens; executors return 20)")
         if self.max_prompt_bytes < 1:
             raise ValueError("--max-prompt-bytes must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -199,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag(parser, "--max-waiting", type=int, default=1024, help="bounded waiting queue")
     add_flag(parser, "--max-n", type=int, default=16, help="largest n (completions per request)")
+    add_flag(parser, "--max-beam-width", type=int, default=8,
+             help="widest beam search (use_beam_search) a request may ask for")
     add_flag(parser, "--lease-ttl-ms", type=int, default=10000, help="allocator lease ttl")
     add_flag(
         parser, "--enable-prefix-caching", type=parse_bool, default=True,
@@ -321,6 +329,7 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             discovery_interval_s=args.discovery_interval_s,
             routing=args.routing,
             kv_events_lag_s=args.kv_events_lag_s,
+            max_beam_width=args.max_beam_width,
         )
     except ValueError as exc:
         raise SystemExit(f"gateway: {exc}") from exc

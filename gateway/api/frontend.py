@@ -123,8 +123,9 @@ class Frontend:
             prompt = await self.prompt_token_ids(prompt_input)
             validate_prompt(prompt, self.limits)
             sampling = validate(raw, len(prompt), self.limits)
-            request_id = self._unique_id(tenant, request_id, sampling.n, len(prompt))
-            seq_ids = sequence_ids(request_id, sampling.n, len(prompt))
+            width = sampling.beam.beam_width if sampling.beam is not None else 0
+            request_id = self._unique_id(tenant, request_id, sampling.n, len(prompt), width)
+            seq_ids = sequence_ids(request_id, sampling.n, len(prompt), width)
             self._check_seq_ids_free(tenant, request_id, seq_ids)
             # Every event of this call, and the allocator calls about it, carry this id.
             structlog.contextvars.bind_contextvars(request_id=request_id)
@@ -197,7 +198,8 @@ class Frontend:
             self.engines.cancel(request)
             log.info("request_abandoned")
 
-    def _unique_id(self, tenant: str, request_id: str, n: int, num_prompt_tokens: int) -> str:
+    def _unique_id(self, tenant: str, request_id: str, n: int, num_prompt_tokens: int,
+                   beam_width: int) -> str:
         """Request ids are the tenant's own: another tenant's never collide with them."""
         if not request_id:
             # The caller's x-request-id when it is a valid id and free, sequence ids
@@ -205,7 +207,8 @@ class Frontend:
             bound = str(structlog.contextvars.get_contextvars().get("request_id") or "")
             if (bound and len(bound) <= MAX_REQUEST_ID_CHARS
                     and (tenant, bound) not in self.active
-                    and self._taken(tenant, sequence_ids(bound, n, num_prompt_tokens)) is None):
+                    and self._taken(tenant, sequence_ids(bound, n, num_prompt_tokens,
+                                                         beam_width)) is None):
                 return bound
             return uuid.uuid4().hex[:16]
         if (tenant, request_id) in self.active:
@@ -221,7 +224,7 @@ class Frontend:
             raise AlreadyExists(
                 f"request_id {request_id!r} needs sequence id {seq_id!r}, which request "
                 f"{self.seq_owners[(tenant, seq_id)]!r} is using (n > 1 names its sequences "
-                "<id>-prefill and <id>-<i>): use another id"
+                "<id>-prefill and <id>-<i>, beam search <id>-beam-<j>): use another id"
             )
 
     def _taken(self, tenant: str, seq_ids: list[str]) -> str | None:
@@ -235,8 +238,10 @@ class Frontend:
             return
         del self.active[key]
         self.tenant_requests[request.tenant] -= 1
+        beam = request.sampling.beam
         for seq_id in sequence_ids(request.request_id, request.sampling.n,
-                                   len(request.prompt_token_ids)):
+                                   len(request.prompt_token_ids),
+                                   beam.beam_width if beam is not None else 0):
             self.seq_owners.pop((request.tenant, seq_id), None)
 
 

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 
 from common.errors import InvalidArgument, ResourceExhausted
+from gateway.api.beam_options import check_beam
+from gateway.core.beam_search import BeamConfig, EarlyStopping
 
 DEFAULT_MAX_TOKENS = 16
 # Bounds on what one request may make the gateway hold or scan (and log): stop strings are
@@ -51,6 +53,7 @@ class SamplingOptions:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0  # lower first
+    beam: BeamConfig | None = None  # use_beam_search (api/beam_options.py)
 
     @property
     def has_penalties(self) -> bool:
@@ -83,6 +86,10 @@ class RawSampling:
     priority: int = 0
     # Unset max_tokens: up to the end of the context (the chat API's default), not 16.
     fill_context: bool = False
+    use_beam_search: bool = False
+    beam_width: int | None = None  # unset: n
+    length_penalty: float | None = None  # unset: 1.0
+    early_stopping: EarlyStopping | None = None  # unset: HEURISTIC
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +100,9 @@ class ModelLimits:
     vocab_size: int
     max_n: int
     pool_capacity_tokens: int  # the smallest pool, in tokens (num_blocks * block_size)
+    max_beam_width: int = 8
+    eos_token_ids: tuple[int, ...] = ()
+    block_size: int = 16  # the largest of the pools'
 
 
 class ExceedsCapacity(ResourceExhausted):
@@ -192,6 +202,10 @@ def validate(raw: RawSampling, prompt_len: int, limits: ModelLimits) -> Sampling
             f"{needed} tokens of KV cache; the smallest pool holds "
             f"{limits.pool_capacity_tokens}: lower max_tokens or shorten the prompt"
         )
+    beam = check_beam(raw, limits, n, needed - prompt_len)
+    if beam is not None:
+        _check_beams_fit(beam, needed, limits)
+        temperature = 0.0  # the executor's own pick is never used: the cheapest one
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -212,7 +226,22 @@ def validate(raw: RawSampling, prompt_len: int, limits: ModelLimits) -> Sampling
         include_stop_str_in_output=raw.include_stop_str_in_output,
         skip_special_tokens=True if raw.skip_special_tokens is None else raw.skip_special_tokens,
         priority=raw.priority,
+        beam=beam,
     )
+
+
+def _check_beams_fit(beam: BeamConfig, needed: int, limits: ModelLimits) -> None:
+    """Every beam holding its own copy of every block (no sharing at all) must fit the
+    smallest pool: a beam that waits for its siblings keeps its blocks meanwhile."""
+    block = limits.block_size
+    tokens = beam.beam_width * -(-needed // block) * block
+    if tokens > limits.pool_capacity_tokens:
+        raise ExceedsCapacity(
+            f"beam search with beam_width {beam.beam_width} over {needed} tokens (prompt + "
+            f"max_tokens) may hold {tokens} tokens of KV cache; the smallest pool holds "
+            f"{limits.pool_capacity_tokens}: narrow the beam, lower max_tokens or shorten "
+            "the prompt"
+        )
 
 
 def _in_range(name: str, value: float, low: float, high: float) -> None:

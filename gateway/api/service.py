@@ -8,14 +8,22 @@ from typing import Any
 import grpc
 
 from common.auth import caller
+from common.errors import InvalidArgument
 from gateway.api.frontend import Frontend, PromptInput
 from gateway.api.sampling import RawSampling
+from gateway.core.beam_search import EarlyStopping
 from gateway.core.request_state import CompletionDelta, FinishReason, Usage
 from gateway.engine.loop import Engine
 from gateway.text.tokenizer import ChatTurn
 from pagedkv.gateway.v1 import gateway_pb2 as pb
 from pagedkv.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
+EARLY_STOPPING = {
+    pb.EARLY_STOPPING_UNSPECIFIED: None,
+    pb.EARLY_STOPPING_HEURISTIC: EarlyStopping.HEURISTIC,
+    pb.EARLY_STOPPING_WHEN_FULL: EarlyStopping.WHEN_FULL,
+    pb.EARLY_STOPPING_NEVER: EarlyStopping.NEVER,
+}
 FINISH_REASONS = {
     None: pb.FINISH_REASON_UNSPECIFIED,
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -47,7 +55,18 @@ def raw_sampling(params: pb.SamplingParams, priority: int = 0) -> RawSampling:
         skip_special_tokens=(params.skip_special_tokens
                              if params.HasField("skip_special_tokens") else None),
         priority=priority,
+        use_beam_search=params.use_beam_search,
+        beam_width=params.beam_width if params.HasField("beam_width") else None,
+        length_penalty=(params.length_penalty
+                        if params.HasField("length_penalty") else None),
+        early_stopping=_early_stopping(params.early_stopping),
     )
+
+
+def _early_stopping(value: int) -> EarlyStopping | None:
+    if value not in EARLY_STOPPING:
+        raise InvalidArgument(f"sampling.early_stopping is {value}, not an EarlyStopping value")
+    return EARLY_STOPPING[pb.EarlyStopping.ValueType(value)]
 
 
 def _prompt(request: Any) -> PromptInput:

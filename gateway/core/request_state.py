@@ -6,7 +6,9 @@
            (recompute: prompt + generated tokens are recomputed on readmission)
 
 A `Request` is what a client asked for; it owns `n` completions (one `Sequence` each; with
-n > 1 a prefill-only parent sequence computes the shared prompt once and is then forked).
+n > 1 a prefill-only parent sequence computes the shared prompt once and is then forked). A
+beam search's sequences are its running beams (beam_search.py), forked and freed as the search
+goes; its n completions are its best hypotheses, emitted when it ends.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 from common.errors import ServiceError
 from gateway.api.sampling import SamplingOptions
+from gateway.core.beam_search import BeamSearch
 from gateway.core.step import ExecSampling
 from gateway.text.detokenizer import Detokenizer
 
@@ -95,6 +98,8 @@ class Request:
     # thread posts deltas to it (engine/host.py).
     loop: asyncio.AbstractEventLoop | None = field(default_factory=_running_loop)
     thread_id: int = field(default_factory=threading.get_ident)
+    # use_beam_search: the search over this request's sequences (engine/beams.py runs it).
+    beam_search: BeamSearch[Sequence] | None = None
 
     def emit(self, delta: CompletionDelta) -> None:
         emit_all(((self, delta),))
@@ -150,6 +155,14 @@ class Sequence:
     finish_reason: FinishReason | None = None
     # The last landed token's logprobs, when the request asked for them (Scheduler.fill).
     last_logprob: TokenLogprob | None = None
+    # One of a beam search's beams (request.beam_search): its tokens come from the search,
+    # not from the executor. Once its step landed, its most likely next tokens (token id,
+    # logprob) wait for its search's other beams.
+    is_beam: bool = False
+    beam_candidates: tuple[tuple[int, float], ...] | None = None
+    # A beam the allocator pushed out or did not admit for lack of room, until admitted: its
+    # siblings must not hold blocks meanwhile (Scheduler.set_aside_landed_beams).
+    waits_for_room: bool = False
 
     @property
     def token_ids(self) -> list[int]:
@@ -208,8 +221,12 @@ class Sequence:
 
     def exec_sampling(self) -> ExecSampling:
         """The sampling of the sequence's first Execute, which starts at num_computed_tokens
-        (a cached prefix, or an n > 1 child after its parent's prompt)."""
+        (a cached prefix, or an n > 1 child after its parent's prompt). A beam asks for its
+        search's candidates as top logprobs (greedy: the executor's own pick is not used)."""
         options = self.request.sampling
+        top_logprobs = options.logprobs or 0
+        if options.beam is not None:
+            top_logprobs = options.beam.num_candidates
         # Children of n > 1 use seed + index, wrapped to the proto's uint64 range.
         seed = None if options.seed is None else (options.seed + self.seed_offset) % 2**64
         start = self.num_computed_tokens
@@ -223,7 +240,7 @@ class Sequence:
             ignore_eos=options.ignore_eos,
             # After a recompute the executor is sent prompt + generated tokens as one request.
             num_prompt_tokens=len(self.request.prompt_token_ids),
-            top_logprobs=options.logprobs or 0,
+            top_logprobs=top_logprobs,
             history_token_ids=(
                 tuple(self.token_slice(0, start)) if options.has_penalties and start else ()
             ),
@@ -240,6 +257,7 @@ class Sequence:
         self.samples_in_flight = False
         self.block_table.clear()
         self.num_preemptions += 1
+        self.beam_candidates = None  # computed again, with the rest
 
 
 def priority(seq: Sequence) -> tuple[int, float, int]:

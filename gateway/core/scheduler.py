@@ -151,7 +151,8 @@ class Scheduler:
                 continue
             ahead = seq.num_in_flight
             if ahead and seq.samples_in_flight:
-                if not _samples_its_last(seq):
+                # A beam's next token is its search's pick, once the batch lands (depth 1).
+                if not _samples_its_last(seq) and not seq.is_beam:
                     pending_ids.append(seq.seq_id)
                     seqs[seq.seq_id] = seq
                     tokens_left -= 1
@@ -235,6 +236,7 @@ class Scheduler:
         skipped = outcome.deferred_request_ids | {p.request_id for p in outcome.preempted}
         if outcome.deferred_request_ids:
             self._note_quota_deferrals(step, outcome.deferred_request_ids)
+            self._note_beams_deferred(step, outcome.deferred_request_ids)
         admitted: set[Sequence] = set()
         swapped_in = False
         work: list[SeqWork] = []
@@ -271,6 +273,7 @@ class Scheduler:
                     f"new request {request_id} granted without a grant"
                 )
                 seq.known_to_allocator = True
+                seq.waits_for_room = False
                 seq.num_allocator_tokens = len(item.prompt_token_ids)
                 seq.num_computed_tokens = grant.start_position
                 if seq.request.num_cached_tokens is None:
@@ -281,6 +284,7 @@ class Scheduler:
             elif seq.status is SeqStatus.SWAPPED:
                 self.swapped.remove(seq)
                 self.running.append(seq)
+                seq.waits_for_room = False
                 swapped_in = True
             seq.status = SeqStatus.RUNNING
             delta = grant.delta if grant is not None else None
@@ -368,6 +372,11 @@ class Scheduler:
             self.release(seq)
             recomputed.append(seq)
         self.swapped.sort(key=priority)
+        pushed_out = [s for s in [*recomputed, *swapped_out] if s.is_beam]
+        for seq in pushed_out:
+            seq.waits_for_room = True
+        for request in dict.fromkeys(s.request for s in pushed_out):
+            self.set_aside_landed_beams(request)
         # The earliest preempted sequence goes first: the queue front keeps FCFS order.
         for seq in sorted(recomputed, key=priority, reverse=True):
             self.add(seq, front=True)
@@ -412,6 +421,11 @@ class Scheduler:
         for seq, row in batch.stand_ins:
             token = decoded[row] if row < num_decodes else tokens[seq.seq_id]
             seq.num_placeholders = 0
+            if seq.is_beam:  # its search picks the token (engine/beams.py)
+                seq.beam_candidates = _logprob(result, row, num_decodes, seq.seq_id, token).top
+                if seq.status is not SeqStatus.FINISHED:
+                    sampled.append((seq, token))
+                continue
             seq.output_token_ids.append(token)
             if seq.status is not SeqStatus.FINISHED:
                 sampled.append((seq, token))
@@ -453,13 +467,19 @@ class Scheduler:
     def _note_quota_deferrals(self, step: ScheduledStep, deferred: AbstractSet[str]) -> None:
         """A new item deferred while one after it was admitted was deferred by its tenant's
         block quota: for lack of space the allocator defers every admission after the
-        first that does not fit."""
+        first that does not fit. (None admitted: the pool is full, no quota is to blame.)
+        Only a tenant with sequences here stands aside: one of them ending clears the mark;
+        a tenant whose blocks another gateway's requests hold is simply deferred again."""
         new_ids = [i.request_id for i in step.call.items if i.is_new]
         last_admitted = max((k for k, rid in enumerate(new_ids) if rid not in deferred),
                             default=-1)
+        if last_admitted < 0:
+            return
+        holding = {s.request.tenant for s in (*self.running, *self.swapped)}
         for rid in new_ids[:last_admitted]:
-            if rid in deferred and step.seqs[rid].request.tenant:
-                self.quota_blocked.add(step.seqs[rid].request.tenant)
+            tenant = step.seqs[rid].request.tenant
+            if rid in deferred and tenant and tenant in holding:
+                self.quota_blocked.add(tenant)
 
     def finish(self, seq: Sequence) -> None:
         """The sequence is done: free it at the allocator and release it at the executor."""
@@ -494,6 +514,43 @@ class Scheduler:
             if seq.seq_id in ids:
                 ids.remove(seq.seq_id)
 
+    def set_aside_landed_beams(self, request: Request) -> None:
+        """A beam of this search waits for room (pushed out, or its admission deferred): its
+        siblings that computed their step (waiting for the search's selection) give their
+        blocks back, committed (their KV is written: readmitted, they find it cached), and
+        wait right behind it. Otherwise a search would hold blocks while its beam waits for
+        room that another search holds, and two searches could stall each other."""
+        search = request.beam_search
+        assert search is not None, f"{request.request_id} is not a beam search"
+        beams = [b.handle for b in search.running]
+        anchor = next((s for s in beams if s.waits_for_room and s in self.waiting), None)
+        landed = [s for s in beams
+                  if s.status is SeqStatus.RUNNING and s.beam_candidates is not None]
+        for seq in landed:
+            if seq.known_to_allocator:
+                self.pending.commits[seq.seq_id] = seq.num_computed_tokens
+                self.pending.free_ids.append(seq.seq_id)
+            self.release(seq)
+            self.running.remove(seq)
+            seq.reset_for_recompute()
+        if anchor is None:  # (it joins the queue front next, or waits swapped out)
+            for seq in reversed(landed):
+                self.add(seq, front=True)
+            return
+        at = self.waiting.index(anchor) + 1
+        for seq in landed:
+            self.waiting.insert(at, seq)
+            at += 1
+
+    def _note_beams_deferred(self, step: ScheduledStep, deferred: AbstractSet[str]) -> None:
+        """New beams the allocator did not admit for room: their landed siblings step aside."""
+        waiting = [step.seqs[i.request_id] for i in step.call.items
+                   if i.is_new and i.request_id in deferred and step.seqs[i.request_id].is_beam]
+        for seq in waiting:
+            seq.waits_for_room = True
+        for request in dict.fromkeys(s.request for s in waiting):
+            self.set_aside_landed_beams(request)
+
     def recompute(self, seq: Sequence) -> None:
         """Start the sequence over at the queue front (its step was lost): the allocator aborts
         what it holds (nothing is committed), the executor releases it."""
@@ -514,18 +571,23 @@ class Scheduler:
             self.pending.release_ids.append(seq.seq_id)
             seq.known_to_executor = False
 
-    def fork(self, parent: Sequence, children: list[Sequence], tables: list[TableDelta]) -> None:
-        """Replace a computed prefill parent by its children, which share its blocks."""
+    def fork(self, parent: Sequence, children: list[Sequence], tables: list[TableDelta],
+             keep_parent: bool = False) -> None:
+        """Children that share the parent's blocks run after it: a computed prefill parent is
+        replaced by them; a beam (`keep_parent`) goes on beside them, its tokens theirs too."""
         assert len(children) == len(tables), "one table per child"
         for child, table in zip(children, tables, strict=True):
             child.status = SeqStatus.RUNNING
             child.known_to_allocator = True
             child.num_allocator_tokens = parent.num_tokens
             child.num_computed_tokens = parent.num_computed_tokens
+            if keep_parent:
+                child.output_token_ids = list(parent.output_token_ids)
             table.apply(child.block_table)
         position = self.running.index(parent)
         self.running[position + 1 : position + 1] = children
-        self.finish(parent)
+        if not keep_parent:
+            self.finish(parent)
 
     def evict_all(self) -> list[Sequence]:
         """The allocator forgot our requests, or the executor is gone: every unfinished

@@ -16,7 +16,7 @@ import time
 from gateway.clients.call_failures import CallFailed
 from gateway.core.batch import Batch, InFlight, Landed
 from gateway.core.request_state import SeqStatus
-from gateway.engine import recovery, side_calls
+from gateway.engine import beams, recovery, side_calls
 from gateway.engine.state import EngineState
 
 
@@ -61,13 +61,20 @@ async def land(engine: EngineState) -> Landed | None:
 
 async def take_outputs(engine: EngineState, landed: Landed | None, fork: bool = True) -> None:
     """A landed batch's tokens become deltas (held for the streams), its finished
-    sequences end, its computed prefill parents fork (unless `fork` is False: recovery
-    is about to readmit or fail them)."""
+    sequences end, its computed prefill parents fork and its beam searches step (unless
+    `fork` is False: recovery is about to readmit or fail them)."""
     if landed is None:
         return
+    landed_beams = []
     for seq, token in landed.sampled:
-        if seq.status is not SeqStatus.FINISHED:  # ended since, e.g. cancelled
+        if seq.status is SeqStatus.FINISHED:  # ended since, e.g. cancelled
+            continue
+        if seq.is_beam:
+            landed_beams.append(seq)
+        else:
             engine.emit(seq, token)
+    if landed_beams and fork:
+        await beams.advance(engine, landed_beams)
     parents = engine.scheduler.ready_to_fork(landed.batch) if fork else []
     if parents:
         engine.deliver()  # a Fork is not the hot path: the outputs do not wait for it

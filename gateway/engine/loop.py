@@ -46,7 +46,7 @@ class Engine(EngineState):
     # Called by other coroutines.
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
-        if seq.detokenizer is None and not seq.is_prefill_parent:
+        if seq.detokenizer is None and not seq.is_prefill_parent and not seq.is_beam:
             self.output.start(seq)
         self.scheduler.add(seq, front=front)
         self.wakeup.set()

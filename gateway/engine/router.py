@@ -21,8 +21,9 @@ import structlog
 from common.errors import ResourceExhausted, Unavailable
 from gateway.clients.call_failures import CallFailed
 from gateway.clients.shards import AllocatorShards
+from gateway.core.beam_search import BeamSearch
 from gateway.core.request_state import CompletionDelta, Request, Sequence
-from gateway.core.seq_ids import child_seq_id, prefill_parent_id, wire_id
+from gateway.core.seq_ids import beam_seq_id, child_seq_id, prefill_parent_id, wire_id
 from gateway.engine.kv_event_index import KvEventIndex
 from gateway.engine.loop import Engine
 from gateway.settings import ROUTING_POLICIES
@@ -33,9 +34,14 @@ NO_EXECUTOR = "no executor is available: check the executors' health"
 
 def initial_sequences(request: Request) -> list[Sequence]:
     """n == 1: one sequence. n > 1: a prefill parent that is forked once the prompt (but
-    its last token) is computed; a one-token prompt has nothing to share, so n plain ones."""
+    its last token) is computed; a one-token prompt has nothing to share, so n plain ones.
+    Beam search: its first beam, which computes the prompt (the search forks it)."""
     rid = wire_id(request.id_namespace, request.request_id)
     n = request.sampling.n
+    if request.sampling.beam is not None:
+        beam = Sequence(seq_id=beam_seq_id(rid, 0), request=request, index=0, is_beam=True)
+        request.beam_search = BeamSearch.start(request.sampling.beam, beam)
+        return [beam]
     if n == 1:
         return [Sequence(seq_id=rid, request=request, index=0)]
     if len(request.prompt_token_ids) >= 2:
@@ -158,8 +164,10 @@ class Router:
         raise Unavailable(NO_EXECUTOR)
 
     def requeue(self, seqs: list[Sequence]) -> None:
-        """Sequences of a lost executor: recompute them on the least loaded healthy one."""
+        """Sequences of a lost executor: recompute them on the least loaded healthy one, a
+        request's together (a beam search forks its beams in one pool)."""
         engines = self.healthy()
+        targets: dict[Request, Engine] = {}
         for seq in seqs:
             if not engines:
                 seq.request.emit(CompletionDelta(
@@ -168,7 +176,8 @@ class Router:
                                       "other executor is available"),
                 ))
                 continue
-            target = min(engines, key=lambda e: e.load)
+            target = targets.get(seq.request) or min(engines, key=lambda e: e.load)
+            targets[seq.request] = target
             target.submit(seq, front=True)
         if seqs:
             log.warning("requests_requeued", num=len(seqs), num_engines=len(engines))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.core.request_state import (
     CompletionDelta,
     FinishReason,
+    Request,
     Sequence,
     TokenLogprob,
     Usage,
@@ -28,6 +30,14 @@ class OutputProcessor:
             include_stop=options.include_stop_str_in_output,
             skip_special_tokens=options.skip_special_tokens,
         )
+
+    def whole_text(self, request: Request, token_ids: Iterable[int]) -> str:
+        """A whole completion's text, as its stream would have read (beam search's
+        hypotheses, emitted at once)."""
+        options = request.sampling
+        detok = Detokenizer.for_prompt(self.decoder, request.prompt_token_ids,
+                                       skip_special_tokens=options.skip_special_tokens)
+        return "".join(detok.add(t, find_stop=False) for t in token_ids) + detok.flush()
 
     def process(self, seq: Sequence, token_id: int) -> CompletionDelta:
         """One sampled token: its text, and the finish reason when it ends the completion.

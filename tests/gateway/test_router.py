@@ -210,3 +210,17 @@ def test_a_pool_whose_allocator_shard_is_away_gets_new_requests_last():
     # Every pool's shard away: still routed (the engine waits for its allocator, then fails).
     b.allocator_down_since = 2.0
     assert asyncio.run(r.route(request())) is a
+
+
+def test_a_lost_executors_sequences_move_with_their_request():
+    # A request's sequences (n > 1 children, a search's beams) go to one engine together, so
+    # they can fork there; different requests still spread by load.
+    b, c = FakeEngine("b"), FakeEngine("c")
+    first, second = request("r1", n=3), request("r2", n=3)
+    seqs = [Sequence(seq_id=f"{req.request_id}-{i}", request=req, index=i)
+            for req in (first, second) for i in range(3)]
+    router([b, c]).requeue(seqs)
+    by_request = {req.request_id: {e.pool_id for e in (b, c)
+                                   for s in e.scheduler.waiting if s.request is req}
+                  for req in (first, second)}
+    assert by_request == {"r1": {"b"}, "r2": {"c"}}

@@ -625,6 +625,68 @@ def test_a_tenant_at_its_block_quota_stands_aside_for_other_tenants():
     assert [i.request_id for i in plan.call.items if i.is_new][:1] == ["a2"]
 
 
+def test_a_full_pool_deferring_every_admission_blames_no_tenant():
+    # Every new item deferred for lack of space: no quota is to blame, so no tenant stands
+    # aside (it once marked all but the last, and a tenant with nothing running here was
+    # never cleared: its requests waited forever). Here with no quota at all.
+    sched = Scheduler(budget=Budget(max_num_seqs=8, max_num_batched_tokens=256),
+                      block_size=BLOCK)
+    pool, model = CorePool(6, BLOCK), FakeModel(BLOCK)
+
+    def tenant_request(rid: str, length: int) -> Request:  # no prefix shared with another
+        req = request(rid, [ord(rid[0]), *[5] * (length - 1)], max_tokens=40)
+        req.tenant = rid[0]
+        return req
+
+    (big,) = add(sched, tenant_request("z1", 4 * BLOCK))
+    plan = sched.schedule()
+    batch = sched.apply_outcome(plan, pool.step(plan.call))
+    sched.apply_result(batch, model.execute(batch.call))
+    for rid in ("a1", "b1", "c1"):
+        add(sched, tenant_request(rid, 3 * BLOCK))
+    plan = sched.schedule()
+    outcome = pool.step(plan.call)
+    assert outcome.deferred_request_ids == {"a1", "b1", "c1"}
+    sched.apply_outcome(plan, outcome)
+    assert sched.quota_blocked == set()
+    sched.finish(big)
+    plan = sched.schedule()
+    assert [i.request_id for i in plan.call.items if i.is_new] == ["a1", "b1", "c1"]
+
+
+def test_a_tenant_with_nothing_here_is_deferred_again_not_set_aside():
+    # a's blocks are held elsewhere (another gateway's requests: here, requests admitted on
+    # the pool directly): a deferral by quota cannot be cleared by anything of this
+    # scheduler's, so a is not set aside; its request is simply carried again.
+    sched = Scheduler(budget=Budget(max_num_seqs=8, max_num_batched_tokens=64),
+                      block_size=BLOCK)
+    pool, model = CorePool(64, BLOCK), FakeModel(BLOCK)
+    pool.allocator.limits = replace(pool.allocator.limits, max_blocks_per_tenant=2)
+    other = Scheduler(budget=Budget(max_num_seqs=8, max_num_batched_tokens=64),
+                      block_size=BLOCK)
+    prompt = [5] * (2 * BLOCK)
+
+    def tenant_request(rid: str) -> Request:
+        req = request(rid, [ord(rid[1]), *prompt[1:]], max_tokens=50)
+        req.tenant = rid[0]
+        return req
+
+    sched.next_step_id = 1000  # our Steps numbered after the other's on the shared pool
+    add(other, tenant_request("a0"))  # the other gateway's: holds a's quota
+    plan = other.schedule()
+    other.apply_outcome(plan, pool.step(plan.call))
+    for rid in ("a1", "b1"):
+        add(sched, tenant_request(rid))
+    plan = sched.schedule()
+    outcome = pool.step(plan.call)
+    assert outcome.deferred_request_ids == {"a1"}
+    batch = sched.apply_outcome(plan, outcome)
+    sched.apply_result(batch, model.execute(batch.call))
+    assert sched.quota_blocked == set()
+    plan = sched.schedule()
+    assert [i.request_id for i in plan.call.items if i.is_new] == ["a1"]
+
+
 def prioritized(rid: str, prompt: list[int], priority: int, max_tokens: int = 4) -> Request:
     return Request(request_id=rid, prompt_token_ids=prompt, cache_salt="",
                    sampling=SamplingOptions(max_tokens=max_tokens, priority=priority))

@@ -2,8 +2,12 @@
 
 Every field OpenAI (or vLLM, as an extension) defines that we serve is declared here; any other
 field is refused by name (`extra="forbid"`), never ignored. Fields OpenAI has whose other
-values we do not serve (`echo`, `suffix`, `best_of`, ...) accept only their no-op value. Range
-checks are the gateway's own (gateway/api/sampling.py), shared with the gRPC API.
+values we do not serve (`echo`, `suffix`, ...) accept only their no-op value. Range checks are
+the gateway's own (gateway/api/sampling.py), shared with the gRPC API.
+
+Beam search takes vLLM's extension fields: `use_beam_search`, `best_of` (the beam width; unset:
+n), `n` (the hypotheses returned, best first), `length_penalty`, `early_stopping` (false, true
+or "never", as transformers'). Without beam search `best_of` may only equal n.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from common.errors import InvalidArgument
 from gateway.api.frontend import PromptInput
 from gateway.api.sampling import RawSampling
+from gateway.core.beam_search import EarlyStopping
 from gateway.text.tokenizer import ChatTurn
 
 # OpenAI's newer "developer" role is its system role.
@@ -55,6 +60,10 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     cache_salt: str = ""
     request_id: str = ""
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
     def raw_sampling(self, max_tokens: int | None, logprobs: int | None,
                      fill_context: bool) -> RawSampling:
@@ -73,6 +82,10 @@ class _Common(BaseModel):
             raise InvalidArgument(f"min_tokens is {self.min_tokens}; it must be >= 0")
         if max_tokens is not None and max_tokens < 1:
             raise InvalidArgument(f"max_tokens is {max_tokens}; it must be >= 1")
+        if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
+            raise InvalidArgument(
+                f"best_of ({self.best_of}) other than n is only supported with "
+                "use_beam_search (as the beam width)")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return RawSampling(
             max_tokens=max_tokens,
@@ -95,6 +108,10 @@ class _Common(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             priority=self.priority,
             fill_context=fill_context,
+            use_beam_search=self.use_beam_search,
+            beam_width=self.best_of if self.use_beam_search else None,
+            length_penalty=self.length_penalty,
+            early_stopping=_early_stopping(self.early_stopping),
         )
 
     @property
@@ -108,7 +125,6 @@ class CompletionRequest(_Common):
     logprobs: int | None = None
     echo: Literal[False] = False
     suffix: None = None
-    best_of: int | None = None
 
     def prompt_input(self) -> PromptInput:
         prompt = self.prompt
@@ -125,8 +141,6 @@ class CompletionRequest(_Common):
         return PromptInput(token_ids=ids)  # type: ignore[arg-type]
 
     def sampling(self) -> RawSampling:
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidArgument(f"best_of ({self.best_of}) other than n is not supported")
         return self.raw_sampling(self.max_tokens, self.logprobs, fill_context=False)
 
 
@@ -170,6 +184,14 @@ class ChatCompletionRequest(_Common):
             max_tokens = 0  # refused by name below, not taken as unset
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.raw_sampling(max_tokens, logprobs, fill_context=max_tokens is None)
+
+
+def _early_stopping(value: bool | str | None) -> EarlyStopping | None:
+    if value is None:
+        return None
+    if value == "never":
+        return EarlyStopping.NEVER
+    return EarlyStopping.WHEN_FULL if value else EarlyStopping.HEURISTIC
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
