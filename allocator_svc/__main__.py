@@ -12,6 +12,7 @@ import structlog
 from allocator_svc.core.allocator import Allocator
 from allocator_svc.metrics import AllocatorCollector
 from allocator_svc.pool_resets import ResetVerifier
+from allocator_svc.recording import Recorder, RecordingOpenError, flush_periodically
 from allocator_svc.service import AllocatorServicer, sweep_leases
 from allocator_svc.settings import AllocatorSettings, parse_settings
 from common.auth import internal_authenticator
@@ -27,6 +28,8 @@ _METHODS = [m.name for m in allocator_pb2.DESCRIPTOR.services_by_name["Allocator
 async def serve(settings: AllocatorSettings) -> None:
     log = structlog.get_logger("allocator_svc")
     allocator = Allocator(settings.limits)
+    recorder = (Recorder.open(settings.recording, allocator.pools)
+                if settings.recording is not None else None)
     rpc_metrics = None
     metrics_server = None
     if settings.metrics.enabled:
@@ -38,7 +41,8 @@ async def serve(settings: AllocatorSettings) -> None:
     server = await start_server(
         [(AllocatorServicer(allocator,
                             ResetVerifier(auth) if settings.verify_pool_resets else None,
-                            settings.shard_index, settings.num_shards), SERVICE_NAME)],
+                            settings.shard_index, settings.num_shards, recorder),
+          SERVICE_NAME)],
         settings.host, settings.port,
         authenticator=internal_authenticator(auth), credentials=auth.server_credentials(),
         rpc_metrics=rpc_metrics,
@@ -46,7 +50,9 @@ async def serve(settings: AllocatorSettings) -> None:
         certificate_names=(dict.fromkeys(_METHODS, settings.tls_gateway_names)
                            if auth.tls is not None and settings.tls_gateway_names else None),
     )
-    sweeper = asyncio.create_task(sweep_leases(allocator, settings.lease_check_interval_s))
+    sweeper = asyncio.create_task(
+        sweep_leases(allocator, settings.lease_check_interval_s, recorder))
+    flusher = asyncio.create_task(flush_periodically(recorder)) if recorder else None
 
     def ready() -> None:
         if metrics_server is not None:
@@ -68,6 +74,10 @@ async def serve(settings: AllocatorSettings) -> None:
     finally:
         if metrics_server is not None:
             metrics_server.close()
+        if recorder is not None:  # after the grace period: no call is left to record
+            if flusher is not None:
+                flusher.cancel()
+            recorder.close()
 
 
 def main() -> None:
@@ -75,7 +85,7 @@ def main() -> None:
     configure_logging("allocator", json=settings.log_json, level=settings.log_level)
     try:
         asyncio.run(serve(settings))
-    except MetricsPortError as exc:
+    except (MetricsPortError, RecordingOpenError) as exc:
         structlog.get_logger("allocator_svc").error("allocator_failed_to_start", error=str(exc))
         sys.exit(2)
 

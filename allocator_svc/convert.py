@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from allocator_svc.core.events import CacheEvent, EventKind
 from allocator_svc.core.hashing import hash_profile
+from allocator_svc.core.pins import PinStatus
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import BlockCopy, Commit, Grant, Request
 from allocator_svc.core.step import Decodes, PreemptionMode, StepCall, StepItem, StepResult
@@ -198,6 +199,8 @@ def pool_stats(pool: Pool) -> pb.PoolStats:
         num_evictions=blocks.num_evictions,
         num_preemptions=pool.num_preemptions,
         event_seq=pool.events.last_seq,
+        num_pinned_blocks=blocks.num_pinned,
+        num_pins=len(pool.pins.pins),
     )
 
 
@@ -226,6 +229,28 @@ def cache_event(event: CacheEvent) -> pb.CacheEvent:
                 token_ids=event.token_ids,
             ),
         )
+    if event.kind is EventKind.PINNED:
+        return pb.CacheEvent(
+            seq=event.seq,
+            pinned=pb.BlockPinned(block_hash=event.block_hash, block_id=event.block_id),
+        )
+    if event.kind is EventKind.UNPINNED:
+        return pb.CacheEvent(
+            seq=event.seq,
+            unpinned=pb.BlockUnpinned(block_hash=event.block_hash, block_id=event.block_id),
+        )
     return pb.CacheEvent(
         seq=event.seq, removed=pb.BlockRemoved(block_hash=event.block_hash, block_id=event.block_id)
+    )
+
+
+def pin_info(pin: PinStatus) -> pb.PinInfo:
+    return pb.PinInfo(
+        pin_id=pin.pin_id,
+        name=pin.name,
+        pool_id=pin.pool_id,
+        num_blocks=pin.num_blocks,
+        num_pinned_blocks=pin.num_pinned_blocks,
+        num_pending_blocks=pin.num_pending_blocks,
+        num_tokens=pin.num_tokens,
     )

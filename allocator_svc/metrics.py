@@ -24,7 +24,7 @@ from allocator_svc.core.pool import Pool
 PoolReadings = dict[str, tuple[str, Callable[[Pool], int]]]
 _POOL_GAUGES: PoolReadings = {
     "pagedkv_allocator_blocks": ("KV blocks in the pool", lambda p: p.config.num_blocks),
-    "pagedkv_allocator_blocks_used": ("Blocks held by requests (ref_count > 0)",
+    "pagedkv_allocator_blocks_used": ("Blocks held by requests or pins (ref_count > 0)",
                                       lambda p: p.config.num_blocks - p.blocks.num_free),
     "pagedkv_allocator_blocks_free": ("Blocks in the free queue, cached ones included",
                                       lambda p: p.blocks.num_free),
@@ -36,6 +36,14 @@ _POOL_GAUGES: PoolReadings = {
                                           lambda p: len(p.free_cpu_block_ids)),
     "pagedkv_allocator_requests": ("Requests holding blocks of the pool (swapped ones too)",
                                    lambda p: len(p.requests)),
+    "pagedkv_allocator_blocks_pinned": ("Cached blocks held for pins: never evicted",
+                                        lambda p: p.blocks.num_pinned),
+    "pagedkv_allocator_blocks_pinned_pending": (
+        "Blocks pins name that are not cached yet (held once a request commits them)",
+        lambda p: max(0, len(p.blocks.pinned) - p.blocks.num_pinned)),  # (read mid-unpin)
+    "pagedkv_allocator_pins": ("Pinned prefixes (PinPrefix)", lambda p: len(p.pins.pins)),
+    "pagedkv_allocator_pin_budget_blocks": ("Most blocks the pool's pins may name",
+                                            lambda p: p.pins.budget),
 }
 _POOL_COUNTERS: PoolReadings = {
     "pagedkv_allocator_evictions": ("Prefix-cache blocks evicted for reuse",

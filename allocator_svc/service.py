@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from collections.abc import Iterable
 from typing import TypeAlias
 
 import grpc
@@ -19,8 +20,11 @@ import structlog
 
 from allocator_svc import convert, request_log
 from allocator_svc.core.allocator import Allocator
+from allocator_svc.core.pool import Pool
+from allocator_svc.core.request import Request
 from allocator_svc.core.validation import check_pool_config
 from allocator_svc.pool_resets import ResetVerifier
+from allocator_svc.recording import Recorder
 from common.errors import FailedPrecondition, InvalidArgument, NotFound
 from common.sharding import shard_of
 from pagedkv.allocator.v1 import allocator_pb2 as pb
@@ -32,8 +36,10 @@ Ctx: TypeAlias = grpc.aio.ServicerContext
 
 class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
     def __init__(self, allocator: Allocator, reset_verifier: ResetVerifier | None = None,
-                 shard_index: int = 0, num_shards: int = 1) -> None:
+                 shard_index: int = 0, num_shards: int = 1,
+                 recorder: Recorder | None = None) -> None:
         self.allocator = allocator
+        self.recorder = recorder  # --record-allocations (recording.py); None: off
         # None: a registration with a new instance id resets a live pool unconfirmed (tests).
         self.reset_verifier = reset_verifier
         self.shard_index, self.num_shards = shard_index, num_shards
@@ -54,6 +60,12 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
                 f"the gateway in shard order (--allocator-addr shard0,shard1,...)"
             )
 
+    def _before_free(self, pool_id: str, request_ids: Iterable[str]) -> list[Request]:
+        """The requests a Free or Abort names, for the recording (read after the call)."""
+        if self.recorder is None:
+            return []
+        return self.recorder.before_free(self.allocator.pools, pool_id, request_ids)
+
     async def RegisterPool(
         self, request: pb.RegisterPoolRequest, context: Ctx
     ) -> pb.RegisterPoolResponse:
@@ -71,6 +83,8 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
                                              request.executor_instance_id)
             previous = self.allocator.pools.get(request.pool_id)  # (it may have changed)
         pool, reset = self.allocator.register_pool(config)
+        if reset and previous is not None:
+            _log_dropped_pins(previous, pool)
         created = pool is not previous
         replaced = created and previous is not None
         del previous  # the replaced pool must be garbage for the collection below
@@ -84,6 +98,8 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
                 gc.enable()
         elif created:  # nothing to reclaim: just freeze the new blocks
             gc.freeze()
+        if created and self.recorder is not None:
+            self.recorder.pool_registered(config, reset)
         log.info(
             "pool_registered",
             pool_id=request.pool_id,
@@ -102,14 +118,19 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
     async def Step(self, request: pb.StepRequest, context: Ctx) -> pb.StepResponse:
         _require_lease(request.lease_id, "Step")
         call = convert.step_call(request)
+        recorder = self.recorder
+        ending = recorder.before_step(self.allocator.pools, call) if recorder else []
         result = self.allocator.step(call)
         request_log.step_applied(request.pool_id, call, result)
         pool = self.allocator.pools[request.pool_id]
+        if recorder is not None:
+            recorder.step(pool, call, result, ending)
         return convert.step_response(
             result, pool.blocks.num_free, pool.block_size, request.compact_grants
         )
 
     async def Free(self, request: pb.FreeRequest, context: Ctx) -> pb.FreeResponse:
+        ending = self._before_free(request.pool_id, request.request_ids)
         pool = self.allocator.free(
             request.pool_id,
             request.epoch,
@@ -119,14 +140,19 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
             request.commit_through_step_id,
         )
         request_log.freed(request.pool_id, request.request_ids)
+        if self.recorder is not None:
+            self.recorder.ended(request.pool_id, ending, aborted=False)
         return pb.FreeResponse(num_free_blocks=pool.blocks.num_free)
 
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
+        ending = self._before_free(request.pool_id, request.request_ids)
         pool = self.allocator.abort(
             request.pool_id, request.epoch, list(request.request_ids),
             _require_lease(request.lease_id, "Abort"),
         )
         request_log.aborted(request.pool_id, request.request_ids)
+        if self.recorder is not None:
+            self.recorder.ended(request.pool_id, ending, aborted=True)
         return pb.AbortResponse(num_free_blocks=pool.blocks.num_free)
 
     async def Fork(self, request: pb.ForkRequest, context: Ctx) -> pb.ForkResponse:
@@ -139,6 +165,10 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
         )
         request_log.forked(request.pool_id, request.parent_request_id,
                            list(request.child_request_ids))
+        if self.recorder is not None:
+            self.recorder.forked(request.pool_id, self.allocator.pools[request.pool_id]
+                                 .requests[request.parent_request_id],
+                                 list(request.child_request_ids))
         return pb.ForkResponse(child_tables=[convert.child_table(c) for c in children])
 
     async def SwapOut(self, request: pb.SwapOutRequest, context: Ctx) -> pb.SwapOutResponse:
@@ -147,6 +177,8 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
             _require_lease(request.lease_id, "SwapOut"),
         )
         request_log.swapped_out(request.pool_id, request.request_id, len(copies))
+        if self.recorder is not None:
+            self.recorder.swapped_out(request.pool_id, request.request_id)
         return pb.SwapOutResponse(swap_out=convert.swap_copies(copies))
 
     async def MatchPrefix(
@@ -184,7 +216,8 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
 
     async def GetEvents(self, request: pb.GetEventsRequest, context: Ctx) -> pb.GetEventsResponse:
         pool = self.allocator.pool(request.pool_id)
-        page = pool.events.after(request.after_seq, request.max_events or 1024)
+        page = pool.events.after(request.after_seq, request.max_events or 1024,
+                                 request.include_pin_events)
         return pb.GetEventsResponse(
             events=[convert.cache_event(e) for e in page.events],
             last_seq=page.last_seq,
@@ -208,7 +241,10 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
     ) -> pb.CreateLeaseResponse:
         # create_lease frees the requests of leases that ran out (a client readmits them under
         # its new lease): done first here, so that they are logged.
-        request_log.expired(self.allocator.expire_leases())
+        expired = self.allocator.expire_leases()
+        request_log.expired(expired)
+        if self.recorder is not None:
+            self.recorder.expired(expired)
         lease = self.allocator.create_lease(request.ttl_ms / 1000 if request.ttl_ms else None)
         log.info("lease_created", lease_id=lease.lease_id, ttl_s=lease.ttl_s)
         return pb.CreateLeaseResponse(lease_id=lease.lease_id, ttl_ms=round(lease.ttl_s * 1000))
@@ -216,6 +252,32 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: Ctx) -> pb.KeepAliveResponse:
         lease = self.allocator.keep_alive(request.lease_id)
         return pb.KeepAliveResponse(ttl_ms=round(lease.ttl_s * 1000))
+
+    # Pins: operator calls (internal credentials, like every call here), no lease.
+    async def PinPrefix(self, request: pb.PinPrefixRequest, context: Ctx) -> pb.PinPrefixResponse:
+        pin, created = self.allocator.pin_prefix(
+            request.pool_id, list(request.token_ids), request.cache_salt, request.name
+        )
+        log.info("prefix_pinned", pool_id=pin.pool_id, pin_id=pin.pin_id, name=pin.name,
+                 num_blocks=pin.num_blocks, num_pinned_blocks=pin.num_pinned_blocks,
+                 created=created)
+        return pb.PinPrefixResponse(pin=convert.pin_info(pin), created=created)
+
+    async def UnpinPrefix(
+        self, request: pb.UnpinPrefixRequest, context: Ctx
+    ) -> pb.UnpinPrefixResponse:
+        pin, num_released = self.allocator.unpin_prefix(request.pool_id, request.pin_id)
+        log.info("prefix_unpinned", pool_id=pin.pool_id, pin_id=pin.pin_id, name=pin.name,
+                 num_released_blocks=num_released)
+        return pb.UnpinPrefixResponse(pin=convert.pin_info(pin),
+                                      num_released_blocks=num_released)
+
+    async def ListPins(self, request: pb.ListPinsRequest, context: Ctx) -> pb.ListPinsResponse:
+        pins = self.allocator.list_pins(request.pool_id)
+        table = self.allocator.pools[request.pool_id].pins
+        return pb.ListPinsResponse(pins=[convert.pin_info(p) for p in pins],
+                                   pin_budget_blocks=table.budget,
+                                   num_budget_blocks_used=table.num_blocks)
 
 
 def _require_lease(lease_id: str, method: str) -> str:
@@ -227,7 +289,17 @@ def _require_lease(lease_id: str, method: str) -> str:
     return lease_id
 
 
-async def sweep_leases(allocator: Allocator, interval_s: float) -> None:
+def _log_dropped_pins(previous: Pool, pool: Pool) -> None:
+    """A reset pool keeps its pins; the ones it cannot hold are dropped, and said so."""
+    for pin_id, pin in previous.pins.pins.items():
+        if pin_id not in pool.pins.pins:
+            log.warning("pin_dropped_on_reset", pool_id=pool.config.pool_id, pin_id=pin_id,
+                        name=pin.name, num_blocks=len(pin.block_hashes),
+                        pin_budget_blocks=pool.pins.budget)
+
+
+async def sweep_leases(allocator: Allocator, interval_s: float,
+                       recorder: Recorder | None = None) -> None:
     """Free the requests of expired leases, forever (cancelled at shutdown)."""
     while True:
         await asyncio.sleep(interval_s)
@@ -235,3 +307,5 @@ async def sweep_leases(allocator: Allocator, interval_s: float) -> None:
         if freed:
             log.warning("lease_expired_requests_freed", num_requests=len(freed))
             request_log.expired(freed)
+            if recorder is not None:
+                recorder.expired(freed)

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from allocator_svc.core.limits import Limits
+from allocator_svc.recording import DEFAULT_MAX_BYTES, RecordingSettings
 from common.auth import split_names
 from common.config import add_flag, parse_bool
 from common.credentials import (
@@ -40,6 +41,8 @@ class AllocatorSettings:
     # (common/sharding.py says which).
     shard_index: int = 0
     num_shards: int = 1
+    # --record-allocations: the calls' workload appended to a file (recording.py); None: off.
+    recording: RecordingSettings | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--max-blocks-per-tenant", type=int, default=0,
              help="a tenant's new requests wait while its requests hold this many blocks of a "
              "pool (0: no quota)")
+    add_flag(parser, "--max-pinned-fraction", type=float, default=_DEFAULTS.max_pinned_fraction,
+             help="each pool's pin budget: its pinned prefixes (PinPrefix) may name at most "
+             "this fraction of its blocks, rounded down (0: no pins; below 1)")
     add_flag(parser, "--max-pools", type=int, default=_DEFAULTS.max_pools,
              help="most pools registered at once")
     add_flag(parser, "--max-lease-ttl-ms", type=int,
@@ -109,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--shard-index", type=int, default=0,
              help="this allocator's shard, 0..num-shards-1: it registers only the pools "
              "whose id hashes to it, and refuses the others")
+    add_flag(parser, "--record-allocations", default="", metavar="PATH",
+             help="append every Step, Free, Fork ... call's workload (request lengths and "
+             "prefix hashes, no token ids) to this file, for `python -m tools.replay` "
+             "(empty: off)")
+    add_flag(parser, "--record-token-ids", action="store_true",
+             help="with --record-allocations: record the requests' token ids too")
+    add_flag(parser, "--record-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+             help="the recording stops growing at this size (bytes)")
     add_internal_auth_flags(parser)
     return parser
 
@@ -135,11 +149,18 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
         parser.error(problem)
     if args.max_blocks_per_tenant < 0:
         parser.error("--max-blocks-per-tenant must be >= 0 (0: no quota)")
+    if not 0 <= args.max_pinned_fraction < 1:  # (NaN fails too)
+        parser.error("--max-pinned-fraction must be in [0, 1): a fraction of each pool "
+                     "(0.1: a tenth; 0: no pins)")
     if not 1 <= args.num_shards <= MAX_SHARDS:
         parser.error(f"--num-shards must be in 1..{MAX_SHARDS}")
     if not 0 <= args.shard_index < args.num_shards:
         parser.error(f"--shard-index must be in 0..{args.num_shards - 1} (--num-shards "
                      f"{args.num_shards})")
+    if args.record_token_ids and not args.record_allocations:
+        parser.error("--record-token-ids needs --record-allocations PATH")
+    if args.record_max_bytes < 4096:
+        parser.error("--record-max-bytes must be >= 4096")
     if args.default_lease_ttl_ms > args.max_lease_ttl_ms:
         parser.error("--default-lease-ttl-ms must be <= --max-lease-ttl-ms")
     try:
@@ -151,6 +172,7 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
         max_cpu_blocks_per_pool=args.max_blocks_per_pool,
         max_pools=args.max_pools,
         max_blocks_per_tenant=args.max_blocks_per_tenant,
+        max_pinned_fraction=args.max_pinned_fraction,
         max_batch_items=args.max_batch_items,
         default_lease_ttl_s=args.default_lease_ttl_ms / 1000,
         max_lease_ttl_s=args.max_lease_ttl_ms / 1000,
@@ -171,4 +193,14 @@ def parse_settings(argv: list[str] | None = None) -> AllocatorSettings:
         split_names(args.tls_gateway_names),
         args.shard_index,
         args.num_shards,
+        _recording(args),
     )
+
+
+def _recording(args: argparse.Namespace) -> RecordingSettings | None:
+    if not args.record_allocations:
+        return None
+    path = args.record_allocations
+    if args.num_shards > 1:  # the launcher gives every shard the same flags: one file each
+        path = f"{path}.shard{args.shard_index}"
+    return RecordingSettings(path, args.record_token_ids, args.record_max_bytes)

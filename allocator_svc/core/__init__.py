@@ -1,2 +1,2 @@
 """The allocator core: plain Python, no gRPC. Reading order: hashing, free_queue, block_pool,
-events, request, pool, step, leases, validation, allocator."""
+events, pins, request, pool, step, leases, validation, allocator."""

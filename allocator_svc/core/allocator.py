@@ -14,6 +14,7 @@ from itertools import chain
 
 from allocator_svc.core.leases import Lease, LeaseTable
 from allocator_svc.core.limits import Limits
+from allocator_svc.core.pins import Pin, PinStatus, pin_budget
 from allocator_svc.core.pipeline import check_pending, scheduled_ids
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import BlockCopy, Commit, Request
@@ -25,6 +26,8 @@ from allocator_svc.core.validation import (
     check_length,
     check_not_pending,
     check_owner,
+    check_pin,
+    check_pin_budget,
     check_pool_config,
     check_releases,
     check_token_ids,
@@ -73,7 +76,10 @@ class Allocator:
         if existing is None and len(self.pools) >= self.limits.max_pools:
             raise ResourceExhausted(f"at most {self.limits.max_pools} pools may be registered")
         epoch = max(time.time_ns(), existing.epoch + 1 if existing else 0)
-        pool = Pool(config, epoch, self.limits.event_capacity)
+        budget = pin_budget(config.num_blocks, self.limits.max_pinned_fraction)
+        pool = Pool(config, epoch, self.limits.event_capacity, budget)
+        if existing is not None:  # pins are configuration: the new pool keeps what it can
+            pool.pins.carry(existing.pins.pins.values(), pool.block_size, pool.chain)
         self.pools[config.pool_id] = pool
         return pool, existing is not None
 
@@ -254,6 +260,48 @@ class Allocator:
                 )
             )
         return matches
+
+    # Pins (operators): prefixes whose blocks are never evicted, within a per-pool budget.
+    def pin_prefix(
+        self, pool_id: str, token_ids: list[int], cache_salt: str, name: str
+    ) -> tuple[PinStatus, bool]:
+        """Pin the full blocks of `token_ids` under `cache_salt`; returns the pin and whether
+        it is new. The same chain pinned again under the same name is the same pin."""
+        pool = self.pool(pool_id)
+        check_pin(pool, token_ids, cache_salt, name, self.limits)
+        tokens = token_ids[: len(token_ids) // pool.block_size * pool.block_size]
+        hashes = pool.chain(cache_salt, tokens)
+        existing = pool.pins.find(hashes)
+        if existing is not None:
+            if existing.name != name:
+                raise AlreadyExists(
+                    f"this prefix is pinned in pool {pool_id!r} already, as pin "
+                    f"{existing.pin_id!r} named {existing.name!r}: pin it under that name, or "
+                    "unpin that one first"
+                )
+            return pool.pins.status(existing, pool_id, pool.block_size), False
+        check_pin_budget(pool, hashes)
+        pin_id = pool.pins.new_id()
+        pool.pins.add(Pin(pin_id, name, cache_salt, tokens, hashes))
+        return pool.pins.status(pool.pins.pins[pin_id], pool_id, pool.block_size), True
+
+    def unpin_prefix(self, pool_id: str, pin_id: str) -> tuple[PinStatus, int]:
+        """Drop a pin: its blocks no other pin names go back to the LRU (still cached) once
+        no request holds them. Returns the pin as it was and how many blocks it let go."""
+        pool = self.pool(pool_id)
+        if not pin_id:
+            raise InvalidArgument("pin_id is required (PinPrefix returned it; ListPins lists them)")
+        pin = pool.pins.pins.get(pin_id)
+        if pin is None:
+            raise NotFound(
+                f"unknown pin {pin_id!r} in pool {pool_id!r}: ListPins lists the pool's pins"
+            )
+        status = pool.pins.status(pin, pool_id, pool.block_size)
+        return status, pool.pins.remove(pin_id)
+
+    def list_pins(self, pool_id: str) -> list[PinStatus]:
+        pool = self.pool(pool_id)
+        return [pool.pins.status(p, pool_id, pool.block_size) for p in pool.pins.pins.values()]
 
     # Leases.
     def create_lease(self, ttl_s: float | None) -> Lease:

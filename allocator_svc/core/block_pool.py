@@ -4,6 +4,12 @@ NOTE: eviction is lazy. "Free" (ref_count 0) and "cached" (has a hash) are indep
 freed block keeps its hash and contents until it is popped for reuse, so a later request can
 revive it. Unhashed freed blocks go to the head of the free queue (reused first), hashed ones
 to the tail (evicted last).
+
+NOTE: a pinned hash (pins.py) holds one reference on the block that caches it, for as long as
+any pin names it: taken when the pin is made if the hash is cached then, else the moment a
+commit caches it. So a pinned block never enters the free queue and is never evicted; when
+the last pin naming it goes, the reference is dropped like a request's and the block goes to
+the LRU tail, still cached and revivable.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.events = events
         self.num_evictions = 0
+        # Hashes some pin names; each one cached holds one reference for the pins (num_pinned
+        # of them: the rest are pending, attached when a commit caches them).
+        self.pinned: set[bytes] = set()
+        self.num_pinned = 0
 
     @property
     def num_free(self) -> int:
@@ -77,6 +87,8 @@ class BlockPool:
         block.block_hash, block.chain_key = block_hash, key
         self.cached[block_hash] = self.by_key[key] = block
         self.events.stored_blocks([block_hash], [block.block_id], [parent_hash], token_ids)
+        if self.pinned and block_hash in self.pinned:
+            self._hold_for_pins([block], [block_hash])
         return True
 
     def cache_run(
@@ -122,6 +134,43 @@ class BlockPool:
             )
         if blocks:
             self.events.stored_blocks(hashes, [b.block_id for b in blocks], parents, token_ids)
+            if self.pinned and not self.pinned.isdisjoint(hashes):
+                pinned = [i for i, h in enumerate(hashes) if h in self.pinned]
+                self._hold_for_pins([blocks[i] for i in pinned], [hashes[i] for i in pinned])
+
+    # Pins: hashes whose cached block is held out of the free queue.
+
+    def pin(self, hashes: list[bytes]) -> int:
+        """Pin hashes no pin names yet: the cached ones are held (revived if free) now, the
+        others once cached. Returns how many were cached."""
+        assert self.enable_caching, "pins need prefix caching"
+        assert self.pinned.isdisjoint(hashes), "a hash pinned twice"
+        self.pinned.update(hashes)
+        cached = [h for h in hashes if h in self.cached]
+        if cached:
+            self._hold_for_pins([self.cached[h] for h in cached], cached)
+        return len(cached)
+
+    def unpin(self, hashes: list[bytes]) -> int:
+        """No pin names these hashes any more (a chain, in order): their cached blocks lose
+        the pins' reference, last first as a request's (the prefix outlives its suffix in the
+        LRU). Returns how many were cached."""
+        assert self.pinned.issuperset(hashes), "unpinning a hash no pin names"
+        self.pinned.difference_update(hashes)
+        cached = [h for h in reversed(hashes) if h in self.cached]
+        if cached:
+            blocks = [self.cached[h] for h in cached]
+            self.free(blocks)
+            self.num_pinned -= len(blocks)
+            self.events.pin_run(False, cached, [b.block_id for b in blocks])
+        return len(cached)
+
+    def _hold_for_pins(self, blocks: list[Block], hashes: list[bytes]) -> None:
+        """The cached blocks of pinned hashes: one reference each, for the pins (revived from
+        the free queue if free)."""
+        self.touch(blocks)
+        self.num_pinned += len(blocks)
+        self.events.pin_run(True, hashes, [b.block_id for b in blocks])
 
     def _evict(self, blocks: list[Block]) -> None:
         cached, by_key = self.cached, self.by_key
@@ -141,12 +190,18 @@ class BlockPool:
         return sum(1 for block in self.free_queue if block.block_hash is not None)
 
     def check_invariants(self, tables: Iterable[list[Block]]) -> None:
-        """The whole contract; `tables` are every block table that holds blocks of this pool."""
+        """The whole contract; `tables` are every block table that holds blocks of this pool.
+        The pins hold one more reference on each cached block of a pinned hash."""
         refs = [0] * len(self.blocks)
         for table in tables:
             for block in table:
                 assert self.blocks[block.block_id] is block, f"foreign block {block.block_id}"
                 refs[block.block_id] += 1
+        held = [self.cached[h] for h in self.pinned if h in self.cached]
+        for block in held:
+            refs[block.block_id] += 1
+        assert len(held) == self.num_pinned, f"{self.num_pinned} pinned blocks counted, {len(held)}"
+        assert not self.pinned or self.enable_caching, "pins without prefix caching"
         queued = 0
         for block in self.free_queue:
             assert block.in_free_queue and block.ref_count == 0, f"bad free {block.block_id}"
@@ -155,7 +210,7 @@ class BlockPool:
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]}"
-                " tables holding it"
+                " tables (and pins) holding it"
             )
             assert block.in_free_queue == (block.ref_count == 0), (
                 f"block {block.block_id}: free iff ref_count is 0"

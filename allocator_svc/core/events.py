@@ -1,4 +1,5 @@
-"""Prefix-cache events (BlockStored / BlockRemoved) with a per-pool sequence number.
+"""Prefix-cache events (BlockStored / BlockRemoved, and BlockPinned / BlockUnpinned) with a
+per-pool sequence number.
 
 An observer follows the cache from a cursor; when its cursor has fallen off the bounded log it
 is told so (truncated) and takes a snapshot, whose seq says where to resume: no gaps.
@@ -9,6 +10,10 @@ expanded into CacheEvents only when an observer reads them. Building one record 
 the hot path cost about a third of a request lifecycle. A run holds only tuples, bytes and
 ints, so the garbage collector untracks it: a full log of 65,536 events otherwise made every
 full collection in the allocator take 15-30 ms.
+
+NOTE: pin events (a cached block held for a pin, and let go) are read only by an observer
+that asks for them (`include_pins`): one that predates them would read an unknown kind as a
+removal. The others see their sequence numbers skipped, never a block event missing.
 """
 
 from __future__ import annotations
@@ -23,6 +28,13 @@ from typing import Any, NamedTuple
 class EventKind(Enum):
     STORED = "stored"
     REMOVED = "removed"
+    PINNED = "pinned"  # a cached block is held for a pin: never evicted until UNPINNED
+    UNPINNED = "unpinned"  # no pin holds it any more: it is free once no request holds it
+
+
+# A run's kind as an int (an enum member would make the run tracked by the collector).
+_REMOVED, _STORED, _PINNED, _UNPINNED = range(4)
+_KINDS = (EventKind.REMOVED, EventKind.STORED, EventKind.PINNED, EventKind.UNPINNED)
 
 
 class CacheEvent(NamedTuple):
@@ -38,10 +50,10 @@ class CacheEvent(NamedTuple):
 
 class _Run(NamedTuple):
     """Events first_seq, first_seq + 1, ... of one kind (a commit's chain, a step's commits,
-    an allocation's evictions)."""
+    an allocation's evictions, the blocks a pin took or let go)."""
 
     first_seq: int
-    stored: bool  # BlockStored (else BlockRemoved); a bool, not the enum: keeps it untracked
+    kind: int  # _STORED, _REMOVED, _PINNED or _UNPINNED; an int, not the enum: untracked
     block_hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     parent_hashes: tuple[bytes | None, ...]  # stored: each block's parent (None: a root)
@@ -51,13 +63,16 @@ class _Run(NamedTuple):
     def last_seq(self) -> int:
         return self.first_seq + len(self.block_ids) - 1
 
+    @property
+    def is_pin(self) -> bool:
+        return self.kind >= _PINNED
+
     def events(self, start: int, stop: int) -> list[CacheEvent]:
         """The run's events with index in [start, stop)."""
-        if not self.stored:
+        if self.kind != _STORED:
+            kind = _KINDS[self.kind]
             return [
-                CacheEvent(
-                    self.first_seq + i, EventKind.REMOVED, self.block_hashes[i], self.block_ids[i]
-                )
+                CacheEvent(self.first_seq + i, kind, self.block_hashes[i], self.block_ids[i])
                 for i in range(start, stop)
             ]
         block_size = len(self.token_ids) // len(self.block_ids)
@@ -74,10 +89,10 @@ class _Run(NamedTuple):
         ]
 
     def without_first(self, count: int) -> _Run:
-        block_size = len(self.token_ids) // len(self.block_ids) if self.stored else 0
+        block_size = len(self.token_ids) // len(self.block_ids) if self.kind == _STORED else 0
         return _Run(
             self.first_seq + count,
-            self.stored,
+            self.kind,
             self.block_hashes[count:],
             self.block_ids[count:],
             self.parent_hashes[count:],
@@ -114,7 +129,7 @@ class EventLog:
         self._append(
             _Run(
                 self.last_seq + 1,
-                True,
+                _STORED,
                 tuple(block_hashes),
                 tuple(block_ids),
                 tuple(parent_hashes),
@@ -123,7 +138,14 @@ class EventLog:
         )
 
     def removed_run(self, block_hashes: list[bytes], block_ids: list[int]) -> None:
-        self._append(_Run(self.last_seq + 1, False, tuple(block_hashes), tuple(block_ids), (), ()))
+        self._append(
+            _Run(self.last_seq + 1, _REMOVED, tuple(block_hashes), tuple(block_ids), (), ())
+        )
+
+    def pin_run(self, pinned: bool, block_hashes: list[bytes], block_ids: list[int]) -> None:
+        """Cached blocks a pin took a reference on (`pinned`), or that no pin holds any more."""
+        kind = _PINNED if pinned else _UNPINNED
+        self._append(_Run(self.last_seq + 1, kind, tuple(block_hashes), tuple(block_ids), (), ()))
 
     def _run(self, index: int) -> _Run:
         return _Run._make(self._runs[index])
@@ -148,8 +170,9 @@ class EventLog:
                 self._first_seqs[0] += excess
                 self._num_events -= excess
 
-    def after(self, cursor: int, max_events: int) -> EventPage:
-        """Events with seq > cursor, oldest first, at most max_events of them."""
+    def after(self, cursor: int, max_events: int, include_pins: bool = False) -> EventPage:
+        """Events with seq > cursor, oldest first, at most max_events of them; pin events
+        only with `include_pins` (else their numbers are skipped)."""
         oldest = self._run(0).first_seq if self._runs else self.last_seq + 1
         truncated = cursor + 1 < oldest and cursor < self.last_seq
         # The run holding seq cursor + 1 (or the oldest, when the cursor fell off the log).
@@ -159,6 +182,8 @@ class EventLog:
             if len(page) >= max_events:
                 break
             run = self._run(index)
+            if run.is_pin and not include_pins:
+                continue
             start = max(0, cursor + 1 - run.first_seq)
             stop = min(len(run.block_ids), start + max_events - len(page))
             page.extend(run.events(start, stop))

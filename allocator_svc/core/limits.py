@@ -22,3 +22,5 @@ class Limits:
     max_salt_chars: int = 256
     # Per-tenant block quota at admission, per pool (core/step.py TenantQuota); 0: none.
     max_blocks_per_tenant: int = 0
+    # Each pool's pins may name at most this fraction of its blocks (core/pins.py pin_budget).
+    max_pinned_fraction: float = 0.1

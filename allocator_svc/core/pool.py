@@ -15,6 +15,7 @@ from allocator_svc.core.block_pool import BlockPool
 from allocator_svc.core.events import EventLog
 from allocator_svc.core.free_queue import Block
 from allocator_svc.core.hashing import BlockHasher, pack_tokens, root_hash
+from allocator_svc.core.pins import PinTable
 from allocator_svc.core.request import PENDING, BlockCopy, Grant, Request
 from allocator_svc.core.scheduled_steps import ScheduledSteps
 
@@ -33,12 +34,15 @@ class PoolConfig:
 
 
 class Pool:
-    def __init__(self, config: PoolConfig, epoch: int, event_capacity: int) -> None:
+    def __init__(
+        self, config: PoolConfig, epoch: int, event_capacity: int, pin_budget: int = 0
+    ) -> None:
         self.config = config
         self.epoch = epoch
         self.block_size = config.block_size
         self.events = EventLog(event_capacity)
         self.blocks = BlockPool(config.num_blocks, config.enable_prefix_caching, self.events)
+        self.pins = PinTable(self.blocks, pin_budget)  # the operator's pinned prefixes
         self.free_cpu_block_ids: list[int] = list(range(config.num_cpu_blocks - 1, -1, -1))
         self.requests: dict[str, Request] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up at admission
@@ -67,6 +71,11 @@ class Pool:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def chain(self, cache_salt: str, token_ids: list[int]) -> list[bytes]:
+        """The block hashes of the full blocks of `token_ids` (a pin's chain)."""
+        num_blocks = len(token_ids) // self.block_size
+        return self.hash_block.chain_with_keys(self.root(cache_salt), token_ids, num_blocks)[0]
 
     def match_prefix(self, root: bytes, token_ids: list[int]) -> tuple[list[Block], list[bytes]]:
         """Longest run of cached full blocks, capped so the last token is always computed."""
@@ -326,6 +335,7 @@ class Pool:
 
     def check_invariants(self) -> None:
         self.blocks.check_invariants(r.blocks for r in self.requests.values())
+        self.pins.check_invariants()
         for key, block in self.blocks.by_key.items():
             assert hashlib.sha256(key).digest() == block.block_hash, (
                 f"block {block.block_id} is indexed by an input that does not hash to its hash"

@@ -12,6 +12,7 @@ from allocator_svc.core.request import Commit, Request
 from allocator_svc.core.step import Decodes, StepItem
 from common.errors import (
     AlreadyExists,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -256,3 +257,42 @@ def _raise_bad_ids(request_ids: Iterable[str]) -> None:
 def check_token_ids(owner: str, token_ids: list[int]) -> None:
     if token_ids and min(token_ids) < 0:
         raise InvalidArgument(f"{owner}: token ids must be >= 0, got {min(token_ids)}")
+
+
+def check_pin(pool: Pool, token_ids: list[int], cache_salt: str, name: str,
+              limits: Limits) -> None:
+    """A pin's arguments, before its chain is hashed (the work is bounded by the budget)."""
+    pool_id = pool.config.pool_id
+    if not pool.config.enable_prefix_caching:
+        raise FailedPrecondition(
+            f"pool {pool_id!r} runs without prefix caching: it caches no block to pin"
+        )
+    check_length("cache_salt", cache_salt, limits.max_salt_chars)
+    check_length("name", name, limits.max_id_chars)
+    check_token_ids("pin", token_ids)
+    num_blocks = len(token_ids) // pool.block_size
+    if num_blocks == 0:
+        raise InvalidArgument(
+            f"a pin needs at least one full block: {len(token_ids)} token ids, pool "
+            f"{pool_id!r} has blocks of {pool.block_size} (only full blocks are pinned)"
+        )
+    if num_blocks > pool.pins.budget:
+        _raise_over_budget(pool, f"the prefix has {num_blocks} full blocks, more than the "
+                           "whole budget")
+
+
+def check_pin_budget(pool: Pool, block_hashes: list[bytes]) -> None:
+    """Only the chain's hashes no pin names yet count: a prefix of a pinned one is free."""
+    num_new = pool.pins.num_new(block_hashes)
+    if pool.pins.num_blocks + num_new > pool.pins.budget:
+        _raise_over_budget(pool, f"the prefix has {len(block_hashes)} full blocks, {num_new} "
+                           "of them not pinned yet")
+
+
+def _raise_over_budget(pool: Pool, asked: str) -> None:
+    pins = pool.pins
+    raise ResourceExhausted(
+        f"over the pin budget of pool {pool.config.pool_id!r}: {asked}; {len(pins.pins)} "
+        f"pins hold {pins.num_blocks} of its {pins.budget} blocks. Unpin some (ListPins, "
+        "UnpinPrefix), pin a shorter prefix, or raise the allocator's --max-pinned-fraction"
+    )

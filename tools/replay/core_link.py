@@ -1,0 +1,67 @@
+"""The gateway's step records to the allocator core's and back, in process: what
+gateway/clients/allocator_client.py and allocator_svc/convert.py do across the wire, without
+the wire (compact grants, as the gateway asks for them)."""
+
+from __future__ import annotations
+
+from allocator_svc.core import request as core
+from allocator_svc.core.step import (
+    Decodes,
+    PreemptionMode,
+    StepItem,
+    StepResult,
+)
+from allocator_svc.core.step import StepCall as CoreStepCall
+from gateway.core.step import (
+    BlockCopy,
+    Grant,
+    Preemption,
+    StepCall,
+    StepOutcome,
+    TableDelta,
+)
+
+
+def core_call(pool_id: str, epoch: int, call: StepCall) -> CoreStepCall:
+    late = None
+    if call.late_request_ids:
+        late = Decodes(list(call.late_request_ids), list(call.late_token_ids))
+    return CoreStepCall(
+        pool_id, epoch, None,
+        [StepItem(i.request_id, i.num_tokens, list(i.prompt_token_ids) if i.is_new else None,
+                  i.cache_salt, list(i.append_token_ids), i.tenant, i.resumed)
+         for i in call.items],
+        PreemptionMode.SWAP if call.swap else PreemptionMode.RECOMPUTE,
+        [core.Commit(c.request_id, c.num_computed_tokens) for c in call.commits],
+        list(call.free_request_ids), list(call.abort_request_ids),
+        Decodes(list(call.decode_request_ids), list(call.decode_token_ids)),
+        list(call.pending_decode_request_ids), late, call.step_id, call.commit_through_step_id,
+    )
+
+
+def outcome(result: StepResult, block_size: int) -> StepOutcome:
+    appended = dict(zip(result.appended_request_ids, result.appended_block_ids, strict=True))
+    grants = {}
+    for g in result.grants:
+        if (len(g.block_ids) == 1 and g.num_scheduled == 1 and not g.new_request
+                and g.start_position == g.delta_start * block_size):
+            appended[g.request_id] = g.block_ids[0]  # a grant that only appends a block
+        else:
+            grants[g.request_id] = Grant(g.request_id, TableDelta(g.delta_start,
+                                                                  tuple(g.block_ids)),
+                                         g.num_cached_tokens, g.num_scheduled,
+                                         g.start_position)
+    return StepOutcome(
+        grants=grants,
+        preempted=tuple(Preemption(p.request_id, p.mode is PreemptionMode.SWAP)
+                        for p in result.preempted),
+        deferred_request_ids=frozenset(result.deferred),
+        copies=_copies(result.copies),
+        swap_out=_copies(result.swap_out),
+        swap_in=_copies(result.swap_in),
+        appended=appended,
+    )
+
+
+def _copies(copies: list[core.BlockCopy]) -> tuple[BlockCopy, ...]:
+    return tuple(BlockCopy(c.src_block_id, c.dst_block_id) for c in copies)
