@@ -277,6 +277,7 @@ class Fleet:
                             log_path=settings.step_log or None,
                             observe=self.metrics.observe_step),
             async_depth=settings.async_depth,
+            allocator_retry_s=settings.allocator_retry_s,
         )
         shard.lease.on_acquired.append(engine.wakeup.set)
         return engine

@@ -52,6 +52,7 @@ class GatewaySettings:
     connect_timeout_s: float
     allocator_timeout_s: float
     execute_timeout_s: float
+    allocator_retry_s: float
     stats_every_steps: int
     step_log: str
     async_depth: int
@@ -106,7 +107,7 @@ class GatewaySettings:
             raise ValueError("--lease-ttl-ms must be >= 300 (keep-alives go every ttl/3)")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"--preemption-mode must be one of {PREEMPTION_MODES}")
-        for name in ("allocator_timeout_s", "execute_timeout_s"):
+        for name in ("allocator_timeout_s", "execute_timeout_s", "allocator_retry_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 (seconds)")
         if bool(self.public_tls_cert) != bool(self.public_tls_key):
@@ -222,6 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
         "a Step past it is treated as lost: its requests are aborted and recomputed",
     )
     add_flag(
+        parser, "--allocator-retry-s", type=float, default=10.0,
+        help="how long requests wait for an allocator (shard) that does not answer, retried "
+        "and recomputed meanwhile, before they fail with UNAVAILABLE",
+    )
+    add_flag(
         parser, "--execute-timeout-s", type=float, default=60.0,
         help="deadline of each Execute (one batched forward pass; twice this for one launched "
         "ahead, which waits for the one before) and Release; an executor past it is treated "
@@ -307,6 +313,7 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             connect_timeout_s=args.connect_timeout_s,
             allocator_timeout_s=args.allocator_timeout_s,
             execute_timeout_s=args.execute_timeout_s,
+            allocator_retry_s=args.allocator_retry_s,
             stats_every_steps=args.stats_every_steps,
             step_log=args.step_log,
             async_depth=args.async_depth,

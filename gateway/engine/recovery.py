@@ -17,7 +17,7 @@ The failures are call_failures' outcomes, as the clients report them.
 - a Step cut off (Lost: unreachable, or past `--allocator-timeout-s`): whether
   the allocator applied it is unknown, so it is never resent: what the allocator may hold is
   aborted and every sequence is readmitted (recompute); while the allocator stays away
-  longer than ALLOCATOR_RETRY_S, sequences fail with UNAVAILABLE;
+  longer than `--allocator-retry-s` (10 s), sequences fail with UNAVAILABLE;
 - a bug interrupts a step: its sequences fail with INTERNAL; nothing is left held at the
   allocator or the executor.
 """
@@ -40,7 +40,6 @@ log = structlog.get_logger(__name__)
 
 # The allocator no longer knows what we hold there: register again, readmit everything.
 STALE_POOL = (Unknown, Stale)
-ALLOCATOR_RETRY_S = 10.0
 RETRY_PAUSE_S = 0.2
 RECONNECT_INTERVAL_S = 1.0
 
@@ -67,10 +66,11 @@ async def allocator_step_failed(engine: EngineState, plan: ScheduledStep, exc: C
 
 
 async def allocator_unreachable(engine: EngineState, exc: CallFailed) -> None:
-    """Pause before the next try; past ALLOCATOR_RETRY_S, what waits fails with UNAVAILABLE."""
+    """Pause before the next try; past the engine's allocator_retry_s, what waits fails with
+    UNAVAILABLE."""
     now = time.monotonic()
     engine.allocator_down_since = engine.allocator_down_since or now
-    if now - engine.allocator_down_since >= ALLOCATOR_RETRY_S:
+    if now - engine.allocator_down_since >= engine.allocator_retry_s:
         engine.fail_all(Unavailable(
             f"the allocator has not answered for {now - engine.allocator_down_since:.0f} s "
             f"({exc.status}): check that it is running and reachable"

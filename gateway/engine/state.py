@@ -37,6 +37,8 @@ class EngineState:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     stats: StepStats = field(default_factory=StepStats)
     allocator_down_since: float | None = None
+    # How long requests wait for an allocator that does not answer before they fail.
+    allocator_retry_s: float = 10.0
     # Ids the allocator may hold that no sequence tracks: aborted before the next Step.
     orphan_ids: set[str] = field(default_factory=set)
     # The executor refused a Release of its own: the ids wait for the next Execute to carry

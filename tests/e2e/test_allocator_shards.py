@@ -61,8 +61,9 @@ def wait_no_requests(stack: Stack, timeout_s: float = 15.0) -> None:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):
     assert [shard_of(p, NUM_SHARDS) for p in POOLS] == [1, 1, LONE_SHARD]
+    # Requests wait 3 s (not the default 10) for a shard that does not answer.
     stack = start_stack(tmp_path_factory.mktemp("shards"), allocator_shards=NUM_SHARDS,
-                        num_executors=len(POOLS))
+                        num_executors=len(POOLS), gateway_args=("--allocator-retry-s", "3"))
     yield stack
     stack.stop()
 
@@ -97,13 +98,13 @@ def test_a_shard_refuses_a_pool_of_another_shard(stack: Stack):
 
 def test_losing_a_shard_fails_only_its_pools_requests(stack: Stack):
     """One long request per pool; the lone shard goes away for good (past the gateway's
-    allocator retry window): its pool's request fails with UNAVAILABLE, the others finish
-    and match; new requests meanwhile go to the live shard's pools; when the shard returns,
-    its pool is registered again and serves."""
+    --allocator-retry-s): its pool's request fails with UNAVAILABLE, the others finish and
+    match; new requests meanwhile go to the live shard's pools; when the shard returns, its
+    pool is registered again and serves."""
     gateway = grpc.insecure_channel(stack.gateway_addr)
     stub = gpb_grpc.GatewayServiceStub(gateway)
     long_prompts = list(prompts(len(POOLS), 12, seed=73))
-    max_tokens = 1000
+    max_tokens = 600
     results: dict[int, object] = {}
     streaming = [threading.Event() for _ in POOLS]
 

@@ -195,6 +195,7 @@ async def rig(
         scheduler=Scheduler(Budget(max_num_seqs=8, max_num_batched_tokens=16), BLOCK),
         output=OutputProcessor(tokenizer, frozenset({2}), max_model_len=256),
         on_lost=router.requeue,
+        allocator_retry_s=0.5,
     )
     router.engines.append(engine)
     loop = asyncio.get_running_loop()
@@ -216,7 +217,6 @@ def tokenizer() -> Tokenizer:
 
 @pytest.fixture(autouse=True)
 def quick_recovery(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(recovery, "ALLOCATOR_RETRY_S", 0.5)
     monkeypatch.setattr(recovery, "RECONNECT_INTERVAL_S", 0.2)
 
 

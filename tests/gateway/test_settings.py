@@ -26,6 +26,7 @@ def test_defaults_are_sensible():
         (["--allocator-timeout-s", "0"], "--allocator-timeout-s"),
         (["--allocator-timeout-s", "-1"], "--allocator-timeout-s"),
         (["--execute-timeout-s", "0"], "--execute-timeout-s"),
+        (["--allocator-retry-s", "0"], "--allocator-retry-s"),
         (["--max-num-seqs", "0"], "--max-num-seqs"),
         (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
         (["--lease-ttl-ms", "100"], "--lease-ttl-ms"),
