@@ -12,13 +12,10 @@ token: EOS or stop_token_ids) and logprobs. The beam width is bounded by
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from common.errors import InvalidArgument
+from gateway.api.sampling_fields import ModelLimits, RawSampling
 from gateway.core.beam_search import BeamConfig, EarlyStopping
-
-if TYPE_CHECKING:
-    from gateway.api.sampling import ModelLimits, RawSampling
 
 # The executors' limit on top log-probabilities per token (executor_svc/sampling_checks.py).
 MAX_CANDIDATES = 20

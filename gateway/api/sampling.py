@@ -12,7 +12,10 @@ from dataclasses import dataclass
 
 from common.errors import InvalidArgument, ResourceExhausted
 from gateway.api.beam_options import check_beam
-from gateway.core.beam_search import BeamConfig, EarlyStopping
+from gateway.api.sampling_fields import ModelLimits, RawSampling
+from gateway.core.beam_search import BeamConfig
+
+__all__ = ["ModelLimits", "RawSampling", "SamplingOptions", "validate"]
 
 DEFAULT_MAX_TOKENS = 16
 # Bounds on what one request may make the gateway hold or scan (and log): stop strings are
@@ -59,50 +62,6 @@ class SamplingOptions:
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
-
-
-@dataclass(frozen=True, slots=True)
-class RawSampling:
-    """The client's sampling fields as sent (None: unset)."""
-
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    n: int = 0
-    ignore_eos: bool = False
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-    logprobs: int | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool | None = None
-    priority: int = 0
-    # Unset max_tokens: up to the end of the context (the chat API's default), not 16.
-    fill_context: bool = False
-    use_beam_search: bool = False
-    beam_width: int | None = None  # unset: n
-    length_penalty: float | None = None  # unset: 1.0
-    early_stopping: EarlyStopping | None = None  # unset: HEURISTIC
-
-
-@dataclass(frozen=True, slots=True)
-class ModelLimits:
-    """What the model and the pools allow; fixed once the executors are known."""
-
-    max_model_len: int
-    vocab_size: int
-    max_n: int
-    pool_capacity_tokens: int  # the smallest pool, in tokens (num_blocks * block_size)
-    max_beam_width: int = 8
-    eos_token_ids: tuple[int, ...] = ()
-    block_size: int = 16  # the largest of the pools'
 
 
 class ExceedsCapacity(ResourceExhausted):
