@@ -82,7 +82,7 @@ class Engine(EngineState):
                 continue
             if not self._has_work():
                 if self.link.lease_renewed:
-                    await recovery.reregister_idle(self)
+                    await recovery.register_again(self)  # (registering takes the renewal)
                     continue
                 self.wakeup.clear()
                 self.last_landed = None
@@ -120,6 +120,9 @@ class Engine(EngineState):
             await landing.settle(self, fork=not renewal)
         if renewal:
             recovery.allocator_forgot(self, "lease_renewed")
+            # The allocator may have restarted: it learns the pool again now, not at a Step
+            # that may never come (routing leaves out a pool its allocator does not know).
+            await recovery.register_again(self)
         if self.has_cancellations:
             self._apply_cancellations()
         if self.orphan_ids:

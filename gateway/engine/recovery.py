@@ -173,10 +173,11 @@ async def reconnect(engine: EngineState) -> None:
     log.info("executor_reconnected", pool_id=engine.pool_id)
 
 
-async def reregister_idle(engine: EngineState) -> None:
-    """The lease was replaced while the engine was idle (the allocator restarted): register
-    the pool again now, not when the next request comes, so that the allocator (its stats,
-    routing by prefix, other gateways) knows it. A failure is retried on the next pass."""
+async def register_again(engine: EngineState) -> None:
+    """The lease was replaced (the allocator may have restarted): register the pool again
+    now, not when the next request comes, so that the allocator (its stats, routing by
+    prefix, other gateways) knows it. Idempotent for a pool it still knows. A failure leaves
+    it to the next Step (an unknown pool is registered then)."""
     try:
         await engine.link.refresh(timeout_s=5.0)
     except CallFailed as exc:

@@ -47,7 +47,8 @@ class FakeLink:
     lease_renewed: bool = False
 
     def take_lease_renewal(self) -> bool:
-        return False
+        taken, self.renewals = self.renewals > 0, max(self.renewals - 1, 0)
+        return taken
 
     def _maybe_crash(self, where: str, call: Any) -> None:
         if self.crash_at == where and self.crash_when(call):
@@ -92,7 +93,11 @@ class FakeLink:
     epoch: int = 1
     refresh_bug: bool = False  # the next refresh (a reconnect) raises a gateway bug
 
+    num_refreshes: int = 0
+    renewals: int = 0  # lease renewals the engine has yet to take
+
     async def refresh(self, timeout_s: float) -> None:
+        self.num_refreshes += 1
         if self.refresh_bug:
             self.refresh_bug = False
             raise RuntimeError("a gateway bug while reconnecting")
@@ -602,3 +607,19 @@ def test_engine_streams_held_outputs_before_moving_requests_elsewhere(tokenizer:
     eng2.on_lost = lambda seqs: handed_on.append((len(seqs), req2.outputs.qsize()))
     recovery.lose_executor(eng2)
     assert handed_on[-1] == (1, 1)
+
+
+def test_a_lease_renewed_mid_work_registers_the_pool_again(tokenizer: Tokenizer):
+    # The allocator restarted while the engine was busy (an orphan's abort failing, say):
+    # the step that takes the new lease registers the pool again at once. Waiting for a
+    # Step to find the pool unknown never came: routing leaves out a pool its allocator does
+    # not know, so no request went there.
+    eng, link = engine(tokenizer, num_blocks=64)
+    eng.orphan_ids.add("gone")  # work: an abort the allocator never confirmed
+    link.renewals = 1
+
+    async def scenario() -> None:
+        await eng.step()
+
+    asyncio.run(scenario())
+    assert link.num_refreshes == 1 and not eng.orphan_ids
