@@ -44,7 +44,7 @@ COPY executor_svc ./executor_svc
 COPY gateway ./gateway
 COPY tools ./tools
 COPY pagedkv_client ./pagedkv_client
-RUN python -m executor_svc.attention.cpu_kernels
+RUN python -m executor_svc.cpu_kernels
 
 # /run/pagedkv: where compose's credentials service writes the internal token (a named
 # volume mounted there starts with this directory's owner).

@@ -10,7 +10,7 @@ PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := pagedkv/.generated
 # The embedded real model, converted once at set-up (models/fetch_smollm2.py); never at run time.
 MODEL_DIR := models/smollm2-135m-instruct
-# The executor's C++ CPU kernels, compiled once for this machine (executor_svc/attention/csrc).
+# The executor's C++ CPU kernels, compiled once for this machine (executor_svc/cpu_kernels/csrc).
 KERNELS_STAMP := build/cpu_kernels/.built
 
 .PHONY: setup model kernels protos certs lint typecheck test conformance run run-allocator bench bench-full bench-executor bench-vllm bench-fleet compose-check k8s-check clean
@@ -24,8 +24,8 @@ $(VENV)/.installed: pyproject.toml setup.py
 	touch $@
 
 kernels: $(KERNELS_STAMP)
-$(KERNELS_STAMP): executor_svc/attention/csrc/paged_decode.cpp | $(VENV)/.installed
-	$(PY) -m executor_svc.attention.cpu_kernels && touch $@ || \
+$(KERNELS_STAMP): $(wildcard executor_svc/cpu_kernels/csrc/*) | $(VENV)/.installed
+	$(PY) -m executor_svc.cpu_kernels && touch $@ || \
 		echo "C++ kernels not built: executors fall back to --backend torch (slower decode)"
 
 model: $(MODEL_DIR)/.complete

@@ -29,6 +29,8 @@ from transformers.models.auto.auto_factory import _get_model_class
 
 from common.model_dirs import FOREIGN_SUFFIXES, TOKENIZER_FILES, ModelDir
 from executor_svc.attention import ATTENTION_NAME, register_attention
+from executor_svc.cpu_kernels import load as load_cpu_kernels
+from executor_svc.fused_layers import fuse_layers
 from executor_svc.lm_head import speed_up_lm_head
 from executor_svc.packed_linear import pack_linears
 
@@ -203,9 +205,13 @@ def load_model(
             raise ModelLoadError(f"cannot load the weights in {directory}: {exc}") from exc
     model = model.to(device).eval()
     model.requires_grad_(False)
+    fused = 0
     if device.type == "cpu":
         speed_up_lm_head(model)  # float32
         pack_linears(model)  # bfloat16
+        kernels = load_cpu_kernels()  # None (logged) where they cannot be built
+        if kernels is not None:
+            fused = fuse_layers(model, kernels)
     loaded = LoadedModel(
         model=model,
         config=model.config,
@@ -223,6 +229,7 @@ def load_model(
         dtype=dtype_name(dtype),
         device=str(device),
         num_params=sum(p.numel() for p in model.parameters()),
+        fused_modules=fused,
         fingerprint=loaded.fingerprint[:16],
     )
     return loaded

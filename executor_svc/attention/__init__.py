@@ -85,7 +85,7 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
     """`auto`: the C++ kernel backend on CPU where it builds (else torch), torch on CUDA."""
     if name in ("auto", "cpu") and device.type == "cpu":
         from executor_svc.attention.cpu_backend import CpuBackend
-        from executor_svc.attention.cpu_kernels import load
+        from executor_svc.cpu_kernels import load
 
         kernel = load()
         if kernel is not None:

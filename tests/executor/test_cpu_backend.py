@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from executor_svc.attention.cpu_backend import CpuBackend
-from executor_svc.attention.cpu_kernels import load
 from executor_svc.attention.metadata import SeqSpan
 from executor_svc.attention.torch_backend import TorchBackend
+from executor_svc.cpu_kernels import load
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.runner import ModelRunner
 

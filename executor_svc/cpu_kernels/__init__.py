@@ -1,6 +1,10 @@
 """The executor's C++ CPU kernels (csrc/), compiled once by torch's extension builder.
 
-`make setup` builds them (`python -m executor_svc.attention.cpu_kernels`) into
+- paged_decode.cpp: decode attention over the paged cache, read in place (attention/cpu_backend.py);
+- fused_ops.cpp: RMSNorm and SiLU-times-up in one pass each (fused_layers.py);
+- bindings.cpp: the Python module that exposes them.
+
+`make setup` builds them (`python -m executor_svc.cpu_kernels`) into
 build/cpu_kernels/; an executor then loads the built library in milliseconds (torch rebuilds
 only when a source or a flag changed). They are compiled for the machine that builds them
 (-march=native unless PAGEDKV_KERNEL_MARCH says otherwise): a build directory is never shared
@@ -23,7 +27,8 @@ from common.model_dirs import REPO_ROOT
 
 log = structlog.get_logger(__name__)
 
-SOURCES = [Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"]
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = [CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp", CSRC / "bindings.cpp"]
 BUILD_DIR = REPO_ROOT / "build" / "cpu_kernels"
 # NOTE: fast-math lets gcc vectorise expf (glibc's libmvec) and reorder the dot products'
 # sums; the kernel produces no infinities or NaNs for it to mishandle (scores are finite and
@@ -62,8 +67,3 @@ def load() -> ModuleType | None:
         )
         return None
 
-
-if __name__ == "__main__":
-    module = load()
-    print("cpu kernels:", "built" if module is not None else "UNAVAILABLE", file=sys.stderr)
-    sys.exit(0 if module is not None else 1)

@@ -12,7 +12,7 @@
 // Grouped-query attention: query head h*G + g reads KV head h (G = Hq / Hkv). Each sequence
 // is one task (at::parallel_for, torch's own thread count): its blocks are read once, all
 // KV heads together, so a block's memory is walked front to back.
-#include <torch/extension.h>
+#include "kernels.h"
 
 #include <ATen/Parallel.h>
 
@@ -159,6 +159,8 @@ void run(torch::Tensor out, torch::Tensor query, torch::Tensor rows, torch::Tens
   });
 }
 
+}  // namespace
+
 void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor rows,
                             torch::Tensor key, torch::Tensor value, torch::Tensor block_tables,
                             torch::Tensor context_lens, double scale) {
@@ -193,9 +195,3 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   }
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over a paged KV cache, read in place (float32 or bfloat16)");
-}

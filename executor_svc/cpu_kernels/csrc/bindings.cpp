@@ -1,0 +1,11 @@
+// The Python module of the executor's CPU kernels (executor_svc/cpu_kernels/__init__.py).
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Decode attention over a paged KV cache, read in place (float32 or bfloat16)");
+  m.def("rms_norm", &rms_norm,
+        "weight * (x * rsqrt(mean(x^2) + eps)) over each row, as LlamaRMSNorm (float32 or bfloat16)");
+  m.def("rotary_", &rotary_, "rotary position embedding of q and k, in place (float32)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up, row by row (float32)");
+}

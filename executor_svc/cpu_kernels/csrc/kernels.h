@@ -1,0 +1,14 @@
+// The kernels' entry points, shared by their sources and bindings.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+// paged_decode.cpp
+void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor rows,
+                            torch::Tensor key, torch::Tensor value, torch::Tensor block_tables,
+                            torch::Tensor context_lens, double scale);
+
+// fused_ops.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
+void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
