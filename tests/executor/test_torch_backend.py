@@ -1,16 +1,24 @@
-"""The torch reference backend: decode grouping, and a batch that splits into groups."""
+"""The torch reference backend: decode grouping, a batch that splits into groups, and prompts
+without a cached prefix grouped into one causal call."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from executor_svc.attention import SeqSpan
-from executor_svc.attention.torch_backend import _decode_batch
+from executor_svc.attention.torch_backend import (
+    _decode_batch,
+    _fresh_group,
+    _fresh_prefill_groups,
+)
 from executor_svc.runner import ModelRunner
 
 from .oracle import Driver, random_prompts, reference_generate, reference_model
+
+CPU = torch.device("cpu")
 
 
 def _span(row: int, context_len: int) -> SeqSpan:
@@ -53,3 +61,58 @@ def test_torch_backend_decode_groups_stay_under_the_key_limit() -> None:
     batch = _decode_batch(spans, 16, 2500, torch.float32, torch.device("cpu"))
     assert [g.rows for g in batch.groups] == [slice(0, 2), slice(2, 4), slice(4, 6)]
     assert all(g.key_mask is None for g in batch.groups)
+
+
+def _fresh(row: int, length: int) -> SeqSpan:
+    return SeqSpan(row, length, length, tuple(range(64)))
+
+
+def test_fresh_prompts_group_by_length_and_equal_back_to_back_ones_are_views() -> None:
+    equal = _fresh_prefill_groups([_fresh(0, 8), _fresh(8, 8), _fresh(16, 8)], CPU)
+    assert [(g.count, g.length, g.rows, g.padded_rows) for g in equal] == [
+        (3, 8, slice(0, 24), None)
+    ]
+    # 300 and 280 pad to 600 (real 580): one group; a 10-token prompt padded to 300 would not
+    # join them (900 padded against 590 real), so the three short ones make their own.
+    spans = [_fresh(0, 10), _fresh(10, 300), _fresh(310, 10), _fresh(320, 280), _fresh(600, 10)]
+    groups = _fresh_prefill_groups(spans, CPU)
+    assert [(g.count, g.length) for g in groups] == [(2, 300), (3, 10)]
+    long_rows = groups[0].rows
+    assert isinstance(long_rows, torch.Tensor) and groups[0].padded_rows is not None
+    assert long_rows.tolist() == [*range(10, 310), *range(320, 600)]
+    assert groups[0].padded_rows.tolist() == [*range(0, 300), *range(300, 580)]
+    assert groups[1].rows.tolist() == [*range(0, 10), *range(310, 320), *range(600, 610)]
+
+
+def test_fresh_prompt_groups_equal_one_causal_call_per_prompt() -> None:
+    # Packed rows: a decode row, prompts of 7, 5 and 7 tokens, another decode row. Every way
+    # of grouping them gives each prompt's rows what its own causal SDPA call gives.
+    gen = torch.Generator().manual_seed(3)
+    lengths, starts = [7, 5, 7], [1, 8, 13]
+    total, heads, kv_heads, dim = 21, 6, 2, 16
+    q = torch.randn(total, heads, dim, generator=gen)
+    k = torch.randn(total, kv_heads, dim, generator=gen)
+    v = torch.randn(total, kv_heads, dim, generator=gen)
+    want = torch.zeros(total, heads, dim)
+    for start, n in zip(starts, lengths, strict=True):
+        rows = slice(start, start + n)
+        want[rows] = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None],
+            v[rows].transpose(0, 1)[None], is_causal=True, scale=0.3, enable_gqa=True,
+        )[0].transpose(0, 1)
+    spans = [_fresh(s, n) for s, n in zip(starts, lengths, strict=True)]
+    for groups in (_fresh_prefill_groups(spans, CPU), [_fresh_group(spans, CPU)]):
+        got = torch.zeros(total, heads, dim)
+        for group in groups:
+            group.run(q, k, v, got, 0.3)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # Equal prompts back to back: the view path.
+    got = torch.zeros(total, heads, dim)
+    _fresh_group([_fresh(1, 7), _fresh(8, 7)], CPU).run(q, k, v, got, 0.3)
+    for start in (1, 8):
+        rows = slice(start, start + 7)
+        ref = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None],
+            v[rows].transpose(0, 1)[None], is_causal=True, scale=0.3, enable_gqa=True,
+        )[0].transpose(0, 1)
+        torch.testing.assert_close(got[rows], ref, rtol=1e-5, atol=1e-6)
