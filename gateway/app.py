@@ -26,6 +26,7 @@ from gateway.clients.executor_client import ExecutorClient, ExecutorDescription
 from gateway.clients.pool_link import PoolLink
 from gateway.clients.shards import AllocatorShards
 from gateway.core.batch import Budget
+from gateway.core.finish_rules import FinishRules
 from gateway.core.scheduler import Scheduler
 from gateway.engine.host import EngineHost
 from gateway.engine.loop import Engine
@@ -34,7 +35,6 @@ from gateway.engine.router import Router
 from gateway.engine.step_stats import StepStats
 from gateway.metrics import EngineSnapshot, GatewayMetrics, snapshot
 from gateway.settings import GatewaySettings, discovery
-from gateway.text.output import OutputProcessor
 from gateway.text.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -183,11 +183,10 @@ async def build_engines(
     for shard in shards.shards:
         await _retry(f"CreateLease {shard.address}", shard.lease.acquire,
                      settings.connect_timeout_s)
-    output = OutputProcessor(decoder=tokenizer, eos_token_ids=frozenset(eos),
-                             max_model_len=limits.max_model_len)
+    finish_rules = FinishRules(eos_token_ids=frozenset(eos), max_model_len=limits.max_model_len)
     router = Router(engines=[], allocator=shards, max_waiting=settings.max_waiting,
                     policy=settings.routing, kv_events_lag_s=settings.kv_events_lag_s)
-    fleet = Fleet(settings=settings, shards=shards, output=output,
+    fleet = Fleet(settings=settings, shards=shards, finish_rules=finish_rules,
                   router=router, metrics=metrics,
                   model_fingerprint=descriptions[0].model_fingerprint)
     for client, description in zip(clients, descriptions, strict=True):
@@ -241,7 +240,7 @@ class Fleet:
 
     settings: GatewaySettings
     shards: AllocatorShards
-    output: OutputProcessor
+    finish_rules: FinishRules
     router: Router
     metrics: GatewayMetrics
     model_fingerprint: str
@@ -271,7 +270,7 @@ class Fleet:
             link=link,
             scheduler=Scheduler(budget=budget, block_size=description.block_size,
                                 swap=settings.preemption_mode == "swap"),
-            output=self.output,
+            finish_rules=self.finish_rules,
             on_lost=self.router.requeue,
             stats=StepStats(window=settings.stats_every_steps,
                             log_path=settings.step_log or None,

@@ -2,7 +2,8 @@
 
 Tokenizing (and rendering a chat template) runs on a thread of its own, never on the event
 loop that serves every stream, and only after the text's size is checked: a prompt over
---max-prompt-bytes is refused at once.
+--max-prompt-bytes is refused at once. Detokenizing and stop strings run on this loop, as the
+engine's deltas arrive (text/output.py), never on the engine's.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from gateway.core.request_state import CompletionDelta, FinishReason, Request
 from gateway.core.seq_ids import sequence_ids
 from gateway.engine.host import EngineHost
 from gateway.metrics import GatewayMetrics
+from gateway.text.output import RequestOutput
 from gateway.text.tokenizer import ChatTurn, Tokenizer
 
 T = TypeVar("T")
@@ -167,14 +169,22 @@ class Frontend:
         num_tokens = 0
         reason: FinishReason | None = None
         observer = self.metrics.observer(request) if self.metrics is not None else None
+        output = RequestOutput(self.tokenizer, request)
         try:
             while open_completions:
-                delta = await request.outputs.get()
-                if delta.error is not None:
-                    raise delta.error
-                if delta.finish_reason is not None:
+                engine_delta = await request.outputs.get()
+                if engine_delta.error is not None:
+                    if output.ended(engine_delta.index):
+                        continue  # it failed after its stop string, which the client has
+                    raise engine_delta.error
+                delta, finished = output.process(engine_delta)
+                if delta is None:
+                    continue  # sampled after its completion's stop string
+                if finished is not None:
                     open_completions -= 1
                     reason = delta.finish_reason
+                    if finished.engine_running:
+                        self.engines.stop_completion(request, finished.index)
                 num_tokens += len(delta.token_ids)
                 if observer is not None:
                     observer.on_delta(delta)

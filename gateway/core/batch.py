@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 
 from gateway.core.request_state import Sequence
 from gateway.core.step import ExecuteCall, ExecuteResult, StepCall
-from gateway.engine.held_outputs import EXECUTE_HEAD_START_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,16 +83,6 @@ class InFlight:
     schedule_ms: float = 0.0
     allocator_ms: float = 0.0
     ahead: bool = False
-
-    def head_start_left(self) -> float:
-        """Seconds until the call has had EXECUTE_HEAD_START_S to reach the executor."""
-        return max(0.0, EXECUTE_HEAD_START_S - (time.perf_counter() - self.launched))
-
-    async def head_start(self) -> None:
-        """Wait until the call has had its head start (or has returned)."""
-        left = self.head_start_left()
-        if left > 0:
-            await asyncio.wait([self.execute], timeout=left)
 
 
 @dataclass(slots=True)

@@ -24,7 +24,6 @@ from common.errors import ServiceError
 from gateway.api.sampling import SamplingOptions
 from gateway.core.beam_search import BeamSearch
 from gateway.core.step import ExecSampling
-from gateway.text.detokenizer import Detokenizer
 
 
 class SeqStatus(enum.Enum):
@@ -92,8 +91,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # its first admission (queue time)
     num_cached_tokens: int | None = None   # from the first admission
-    num_open_completions: int = 0
     cancelled: bool = False
+    # Completions (by index) a stop string ended on the API's side: their sequences are
+    # finished before the next step. Written on the engine loop only (Router.stop_completion).
+    stopped: set[int] = field(default_factory=set)
     # The loop that reads `outputs` (the API's), and its thread: an engine on another
     # thread posts deltas to it (engine/host.py).
     loop: asyncio.AbstractEventLoop | None = field(default_factory=_running_loop)
@@ -148,10 +149,13 @@ class Sequence:
     num_in_flight: int = 0
     samples_in_flight: bool = False
     allocator_pending: bool = False
+    # NOTE: a copy of the allocator's table for it. Read by a forked child's first Execute,
+    # which sends the whole table (only the Fork response carries it: the child's first
+    # grant may be empty), by the blocks-used gauges (metrics.py: distinct blocks of this
+    # gateway's tables) and by beam search's shared/unshared tally (bench/beam_search.py).
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     seed_offset: int = 0
-    detokenizer: Detokenizer | None = None
     finish_reason: FinishReason | None = None
     # The last landed token's logprobs, when the request asked for them (Scheduler.fill).
     last_logprob: TokenLogprob | None = None

@@ -107,7 +107,6 @@ async def _fork(engine: EngineState, parent: Sequence, children: list[Sequence])
     failure the search fails (its running beams)."""
     child_ids = [c.seq_id for c in children]
     engine.orphan_ids.update(child_ids)  # until the scheduler tracks them
-    engine.deliver()  # a Fork is not the hot path: held outputs do not wait for it
     try:
         tables = await engine.link.fork(parent.seq_id, child_ids, parent.request.request_id)
     except CallFailed as exc:
@@ -130,17 +129,18 @@ def _fail_search(engine: EngineState, request: Request, error: Unavailable) -> N
 
 
 def _emit_results(engine: EngineState, request: Request, hypotheses: list[Hypothesis]) -> None:
-    """The n best hypotheses, one final delta each, index 0 the best."""
-    output = engine.output
+    """The n best hypotheses, one final delta each, index 0 the best (their text is made
+    on the API's side, text/output.py)."""
     for index, hypothesis in enumerate(hypotheses):
         tokens = hypothesis.token_ids
-        engine.held.add(request, CompletionDelta(
-            index=index, token_ids=tokens, text=output.whole_text(request, tokens),
+        engine.outbox.append((request, CompletionDelta(
+            index=index, token_ids=tokens,
             finish_reason=FinishReason.STOP if hypothesis.stopped else FinishReason.LENGTH,
             usage=Usage(prompt_tokens=len(request.prompt_token_ids),
                         completion_tokens=len(tokens),
                         cached_prompt_tokens=request.num_cached_tokens or 0),
-        ))
+        )))
+    engine.deliver()
     assert request.beam_search is not None
     tally = request.beam_search.blocks
     # What sharing saved (bench/beam_search.py reads these): the running beams' distinct

@@ -1,7 +1,7 @@
 """The batches in flight: an engine sends each Execute as a task (`launch`), and awaits it in
-the same step or, at depth 2, in the next (`land`): its tokens advance the scheduler at once,
-and become deltas, finishes and forks a little later (`take_outputs`), once the next Execute
-has had its head start. `settle` does both; recovery, housekeeping and idle start from there.
+the same step or, at depth 2, in the next (`land`): its tokens advance the scheduler, and
+become deltas for the streams, finishes and forks (`take_outputs`). `settle` does both;
+recovery, housekeeping and idle start from there.
 
 At depth 2, a step's Execute goes out before the previous one lands: two are in flight
 for that while (`engine.in_flight`, oldest first), and they land in order. The older one has
@@ -35,16 +35,15 @@ def launch(engine: EngineState, batch: Batch) -> InFlight:
     return flight
 
 async def land(engine: EngineState) -> Landed | None:
-    """Await the oldest batch in flight, if any (the previous step's streams are written
-    meanwhile), and take its tokens: computed counts and outputs advance (an advanced
-    batch's outputs get their values); what they mean for the streams waits for
-    `take_outputs`. None if nothing landed."""
+    """Await the oldest batch in flight, if any, and take its tokens: computed counts and
+    outputs advance (an advanced batch's outputs get their values); what they mean for the
+    streams waits for `take_outputs`. None if nothing landed."""
     if not engine.in_flight:
         return None
     flight = engine.in_flight.popleft()
     batch = engine.batch = flight.batch
     try:
-        result = await engine.held.during_execute(flight.execute, flight.head_start_left())
+        result = await flight.execute
     except CallFailed as exc:
         engine.scheduler.land(batch)
         if engine.in_flight:  # launched ahead on top of this one: it may fail too
@@ -60,7 +59,7 @@ async def land(engine: EngineState) -> Landed | None:
     return Landed(flight, result, execute_ms, sampled)
 
 async def take_outputs(engine: EngineState, landed: Landed | None, fork: bool = True) -> None:
-    """A landed batch's tokens become deltas (held for the streams), its finished
+    """A landed batch's tokens become deltas, handed to the streams at once; its finished
     sequences end, its computed prefill parents fork and its beam searches step (unless
     `fork` is False: recovery is about to readmit or fail them)."""
     if landed is None:
@@ -73,14 +72,12 @@ async def take_outputs(engine: EngineState, landed: Landed | None, fork: bool = 
             landed_beams.append(seq)
         else:
             engine.emit(seq, token)
+    engine.deliver()
     if landed_beams and fork:
         await beams.advance(engine, landed_beams)
     parents = engine.scheduler.ready_to_fork(landed.batch) if fork else []
-    if parents:
-        engine.deliver()  # a Fork is not the hot path: the outputs do not wait for it
     for parent in parents:
         await side_calls.fork(engine, parent)
-    engine.holding = engine.held.worth_holding()
 
 async def settle(engine: EngineState, fork: bool = True) -> Landed | None:
     """Land every batch in flight and take its outputs; the last one landed, if any."""

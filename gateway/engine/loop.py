@@ -7,8 +7,8 @@ Its Execute goes out as soon as its Step returns, and the executor starts it the
 ends; then batch k lands. At depth 1 (`--async-depth 1`, or an executor that cannot use its own
 sampled tokens) each batch lands before the next is planned.
 
-A busy step's outputs are held across the next step's Step (up to 10 ms) and reach the client
-streams while its Execute runs; nothing else waits for them (held_outputs.py).
+A landed batch's deltas (token ids: detokenizing and stop strings are the API's, on its own
+loop) go to the client streams at once, while the next batch computes.
 
 Single writer: the engines run on their own event loop and thread (engine/host.py), where
 the loop is the only code that mutates its scheduler, between awaits, so no lock is needed.
@@ -46,13 +46,14 @@ class Engine(EngineState):
     # Called by other coroutines.
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
-        if seq.detokenizer is None and not seq.is_prefill_parent and not seq.is_beam:
-            self.output.start(seq)
         self.scheduler.add(seq, front=front)
+        if seq.request.cancelled or seq.request.stopped:  # re-queued from a lost executor
+            self.has_cancellations = True
         self.wakeup.set()
 
     def cancel(self) -> None:
-        """Some request was cancelled: the loop aborts its sequences before the next step."""
+        """Some request was cancelled, or a completion stopped: the loop aborts or finishes
+        their sequences before the next step."""
         self.has_cancellations = True
         self.wakeup.set()
 
@@ -100,14 +101,12 @@ class Engine(EngineState):
 
     async def step(self) -> bool:
         """One scheduling step; False when nothing could run (all deferred)."""
-        self.holding = False
         self.stepping = True
         try:
             return await self._step()
         finally:
             self.stepping = False
-            if not self.holding:  # no Execute follows with which to overlap: deliver now
-                self.deliver()
+            self.deliver()
 
     async def _step(self) -> bool:
         """Plan, allocate, execute, land, stream. At depth 2 the batch in flight lands after
@@ -126,7 +125,6 @@ class Engine(EngineState):
         if self.has_cancellations:
             self._apply_cancellations()
         if self.orphan_ids:
-            self.deliver()  # held outputs wait for nothing but the hot path's two calls
             if not await recovery.abort_orphans(self):
                 return False
         if self.in_flight and not self._can_build_on(self.in_flight[0]):
@@ -139,7 +137,7 @@ class Engine(EngineState):
         self.last_schedule_ms = (time.perf_counter() - started) * 1e3
         if plan is None or not plan.call.has_items():
             await landing.settle(self)  # nothing to overlap with the batch executing
-            self.deliver()
+            self.deliver()  # no delta waits behind a call off the hot path
             if plan is None:
                 await side_calls.flush_releases(self)
             else:
@@ -168,23 +166,19 @@ class Engine(EngineState):
             if self.in_flight:  # the batch in flight lands first
                 landed = await landing.land(self)
             await landing.take_outputs(self, landed)
-            self.deliver()
             self.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
             await side_calls.flush_releases(self)
             return False
-        flight = landing.launch(self, batch)
+        landing.launch(self, batch)
         if len(self.in_flight) > 1:
-            # The batch before lands now. A busy step's outputs are held until the next
-            # Execute is out: then no stream write delays it (256 writes take ~15-19 ms,
-            # longer than a GPU step).
+            # The batch before lands now, while this one computes.
             landed = await landing.land(self)
             await landing.take_outputs(self, landed)
         elif self.depth > 1:
             # Depth 2, nothing was in flight (the first step after idle, or one that landed
-            # early): this batch lands in the next step. The landed batch's outputs
-            # (detokenizing, stop strings) are taken while it computes, once it has reached
-            # the executor (on two cores, work started at once delays its intake).
-            await flight.head_start()
+            # early): this batch lands in the next step; the landed one's outputs go now,
+            # once the Execute task has had its turn to send the call.
+            await asyncio.sleep(0)
             await landing.take_outputs(self, landed)
         else:
             landed = await landing.settle(self)
@@ -224,7 +218,7 @@ class Engine(EngineState):
         return (
             self.scheduler.has_work() or pending.has_allocator_work()
             or (bool(pending.release_ids) and not self.releases_refused)
-            or self.has_cancellations or bool(self.orphan_ids) or bool(self.held)
+            or self.has_cancellations or bool(self.orphan_ids) or bool(self.outbox)
             or bool(self.in_flight)
         )
 
@@ -237,13 +231,12 @@ class Engine(EngineState):
         flight lands first)."""
         sent = time.perf_counter()
         try:
-            outcome = await self.held.during_step(call)
+            outcome = await call
         except CallFailed as exc:
             if settle:
                 landed = await landing.land(self)
             # (No fork: recovery readmits or fails the parents.)
             await landing.take_outputs(self, landed, fork=False)
-            self.deliver()
             await recovery.allocator_step_failed(self, plan, exc)
             return None
         self.last_step_ms = (time.perf_counter() - sent) * 1e3
@@ -253,6 +246,10 @@ class Engine(EngineState):
     def _apply_cancellations(self) -> None:
         self.has_cancellations = False
         for seq in self.scheduler.sequences():
-            if seq.request.cancelled:
+            request = seq.request
+            if request.cancelled:
                 self.scheduler.abort(seq)
+            elif seq.index in request.stopped and not seq.is_prefill_parent:
+                # Finished as at EOS, not aborted: what it computed may enter the prefix cache.
+                self.scheduler.finish(seq)
 

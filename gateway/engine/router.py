@@ -88,7 +88,6 @@ class Router:
             )
         engine = await self.route(request)
         seqs = initial_sequences(request)
-        request.num_open_completions = request.sampling.n
         for seq in seqs:
             engine.submit(seq)
         return engine
@@ -184,5 +183,12 @@ class Router:
 
     def cancel(self, request: Request) -> None:
         request.cancelled = True
+        for engine in self.engines:
+            engine.cancel()
+
+    def stop_completion(self, request: Request, index: int) -> None:
+        """A stop string ended completion `index` on the API's side: its sequence is finished
+        (committed and freed, as at EOS) before the next step."""
+        request.stopped.add(index)
         for engine in self.engines:
             engine.cancel()

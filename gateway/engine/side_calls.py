@@ -1,6 +1,6 @@
 """An engine's calls off the hot path: Fork (n > 1), and Free, Abort and Release when no
-Step or Execute is there for them to ride on. Held outputs are delivered before each (the
-callers do it), and failures go to recovery.py like the hot path's."""
+Step or Execute is there for them to ride on. Failures go to recovery.py like the hot
+path's."""
 
 from __future__ import annotations
 
@@ -41,8 +41,6 @@ async def fork(engine: EngineState, parent: Sequence) -> None:
             engine.orphan_ids.difference_update(child_ids)
         engine.fail(parent, Unavailable(f"fork failed ({exc.status})"))
         return
-    for child in children:
-        engine.output.start(child)
     engine.scheduler.fork(parent, children, tables)
     engine.orphan_ids.difference_update(child_ids)
 

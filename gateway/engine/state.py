@@ -19,18 +19,17 @@ from common.errors import ServiceError
 from gateway.clients.executor_client import ExecutorDescription
 from gateway.clients.pool_link import PoolLink
 from gateway.core.batch import Batch, InFlight, ScheduledStep
-from gateway.core.request_state import CompletionDelta, Sequence
+from gateway.core.finish_rules import FinishRules
+from gateway.core.request_state import CompletionDelta, Request, Sequence, emit_all
 from gateway.core.scheduler import Scheduler
-from gateway.engine.held_outputs import HeldOutputs
 from gateway.engine.step_stats import StepStats
-from gateway.text.output import OutputProcessor
 
 
 @dataclass(slots=True, eq=False)
 class EngineState:
     link: PoolLink
     scheduler: Scheduler
-    output: OutputProcessor
+    finish_rules: FinishRules
     on_lost: Callable[[list[Sequence]], None]
     healthy: bool = True
     has_cancellations: bool = False
@@ -48,10 +47,8 @@ class EngineState:
     # The step in progress, for recovery when a bug interrupts it.
     plan: ScheduledStep | None = None
     batch: Batch | None = None
-    # The last executed step's deltas, held until the next Execute is out, and whether this
-    # step holds its own for the next one.
-    held: HeldOutputs = field(default_factory=HeldOutputs)
-    holding: bool = False
+    # The deltas of the batch landing now: each reading loop gets them in one callback.
+    outbox: list[tuple[Request, CompletionDelta]] = field(default_factory=list)
     # Batches in flight at most (README, "How it fits together"). 2, with an executor that
     # uses its own sampled tokens: step k+1 is planned, allocated and sent while batch k
     # executes, and batch k lands after. 1: each batch lands before the next is planned.
@@ -83,14 +80,16 @@ class EngineState:
         return self.async_depth if self.link.description.uses_sampled_tokens else 1
 
     def emit(self, seq: Sequence, token: int) -> None:
-        delta = self.output.process(seq, token)
-        self.held.add(seq.request, delta)
+        delta = self.finish_rules.delta(seq, token)
+        self.outbox.append((seq.request, delta))
         if delta.finish_reason is not None:
             self.scheduler.finish(seq)
 
     def deliver(self) -> None:
-        """Hand every held delta to its stream now, in order."""
-        self.held.deliver()
+        """Hand every delta in the outbox to its stream, in order (none to a cancelled
+        request)."""
+        outbox, self.outbox = self.outbox, []
+        emit_all((request, delta) for request, delta in outbox if not request.cancelled)
 
     def fail(self, seq: Sequence, error: ServiceError) -> None:
         self.deliver()  # the tokens before the failure first

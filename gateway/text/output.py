@@ -1,83 +1,95 @@
-"""Turning sampled tokens into client deltas: detokenization and stop conditions."""
+"""One request's output on the API's side: the engine's token deltas become text, and stop
+strings end completions.
+
+The engine posts token ids, logprobs and the finishes it decides (EOS, stop tokens, lengths:
+core/finish_rules.py). Here, on the loop that reads the request's stream, each completion is
+detokenized incrementally and its text searched for the stop strings (vLLM V1's output
+processor does the same in its API process). A stop string ends the completion here: its
+text is cut at the match, its tokens and usage count up to the token that completed it, and
+what the engine sampled after that token is dropped; the caller tells the engine to stop
+(`Finished.engine_running`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gateway.core.request_state import (
-    CompletionDelta,
-    FinishReason,
-    Request,
-    Sequence,
-    TokenLogprob,
-    Usage,
-)
+from gateway.core.request_state import CompletionDelta, FinishReason, Request, Usage
 from gateway.text.detokenizer import Detokenizer
 
 
-@dataclass(frozen=True, slots=True)
-class OutputProcessor:
-    decoder: Any  # gateway.tokenizer.Tokenizer, or anything with decode()
-    eos_token_ids: frozenset[int]
-    max_model_len: int
+@dataclass(slots=True)
+class CompletionText:
+    """One completion's text so far, and whether it has ended for the client."""
 
-    def start(self, seq: Sequence) -> None:
-        options = seq.request.sampling
-        seq.detokenizer = Detokenizer.for_prompt(
-            self.decoder, seq.request.prompt_token_ids, options.stop,
+    detokenizer: Detokenizer
+    num_tokens: int = 0  # passed on to the client
+    finished: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A completion ended with this delta; `engine_running`: by a stop string, so the engine
+    still runs its sequence and must be told to stop it."""
+
+    index: int
+    engine_running: bool
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    decoder: Any  # gateway.text.tokenizer.Tokenizer, or anything with decode()
+    request: Request
+    completions: dict[int, CompletionText] = field(default_factory=dict)
+
+    def process(self, delta: CompletionDelta) -> tuple[CompletionDelta | None, Finished | None]:
+        """The client's delta for the engine's (None: the completion has ended already, so
+        these tokens came after its stop string), and whether it ended the completion."""
+        text = self.completions.get(delta.index)
+        if text is None:
+            text = self.completions[delta.index] = CompletionText(self._detokenizer())
+        if text.finished:
+            return None, None
+        options = self.request.sampling
+        detok = text.detokenizer
+        pieces: list[str] = []
+        kept = 0
+        for token_id in delta.token_ids:
+            kept += 1
+            text.num_tokens += 1
+            # Before min_tokens no stop string is looked for, as in vLLM.
+            pieces.append(detok.add(token_id, find_stop=text.num_tokens >= options.min_tokens))
+            if detok.stopped:
+                break
+        if detok.stopped:
+            text.finished = True
+            out = CompletionDelta(
+                index=delta.index, token_ids=delta.token_ids[:kept], text="".join(pieces),
+                finish_reason=FinishReason.STOP, usage=self._usage(text.num_tokens),
+                logprobs=delta.logprobs[:kept],
+            )
+            return out, Finished(delta.index, engine_running=delta.finish_reason is None)
+        if delta.finish_reason is None:
+            return CompletionDelta(delta.index, delta.token_ids, "".join(pieces),
+                                   logprobs=delta.logprobs), None
+        text.finished = True
+        pieces.append(detok.flush())
+        return replace(delta, text="".join(pieces)), Finished(delta.index, engine_running=False)
+
+    def ended(self, index: int) -> bool:
+        text = self.completions.get(index)
+        return text is not None and text.finished
+
+    def _detokenizer(self) -> Detokenizer:
+        options = self.request.sampling
+        return Detokenizer.for_prompt(
+            self.decoder, self.request.prompt_token_ids, options.stop,
             include_stop=options.include_stop_str_in_output,
             skip_special_tokens=options.skip_special_tokens,
         )
 
-    def whole_text(self, request: Request, token_ids: Iterable[int]) -> str:
-        """A whole completion's text, as its stream would have read (beam search's
-        hypotheses, emitted at once)."""
-        options = request.sampling
-        detok = Detokenizer.for_prompt(self.decoder, request.prompt_token_ids,
-                                       skip_special_tokens=options.skip_special_tokens)
-        return "".join(detok.add(t, find_stop=False) for t in token_ids) + detok.flush()
-
-    def process(self, seq: Sequence, token_id: int) -> CompletionDelta:
-        """One sampled token: its text, and the finish reason when it ends the completion.
-        Before min_tokens, only the length limits end it (the executor masks EOS and the stop
-        tokens; stop strings are not looked for), as in vLLM."""
-        options = seq.request.sampling
-        detok = seq.detokenizer
-        assert detok is not None, f"{seq.seq_id} has no detokenizer: call start() first"
-        num_outputs = len(seq.output_token_ids)
-        may_stop = num_outputs >= options.min_tokens
-        text = detok.add(token_id, find_stop=may_stop)
-        reason: FinishReason | None = None
-        if may_stop and (detok.stopped or token_id in options.stop_token_ids):
-            reason = FinishReason.STOP
-        elif may_stop and not options.ignore_eos and token_id in self.eos_token_ids:
-            reason = FinishReason.STOP
-        elif num_outputs >= options.max_tokens:
-            reason = FinishReason.LENGTH
-        elif seq.num_tokens >= self.max_model_len:
-            reason = FinishReason.LENGTH
-        logprobs: tuple[TokenLogprob, ...] = ()
-        if seq.last_logprob is not None:
-            logprobs, seq.last_logprob = (seq.last_logprob,), None
-        if reason is None:
-            return CompletionDelta(index=seq.index, token_ids=(token_id,), text=text,
-                                   logprobs=logprobs)
-        seq.finish_reason = reason
-        return CompletionDelta(
-            index=seq.index,
-            token_ids=(token_id,),
-            text=text + detok.flush(),
-            finish_reason=reason,
-            usage=usage(seq),
-            logprobs=logprobs,
-        )
-
-
-def usage(seq: Sequence) -> Usage:
-    return Usage(
-        prompt_tokens=len(seq.request.prompt_token_ids),
-        completion_tokens=len(seq.output_token_ids),
-        cached_prompt_tokens=seq.request.num_cached_tokens or 0,
-    )
+    def _usage(self, num_tokens: int) -> Usage:
+        request = self.request
+        return Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=num_tokens,
+                     cached_prompt_tokens=request.num_cached_tokens or 0)

@@ -101,6 +101,37 @@ def test_generate_stop_string_ends_completion(clients: Clients):
     assert done[0].text == full.text[: full.text.find(stop)]
 
 
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_generate_stop_string_across_tokens_with_n_2_ends_both_and_frees_everything(
+    clients: Clients, include_stop: bool
+):
+    # A stop string of four characters across a token boundary, n = 2 greedy (the children
+    # are alike): each completion ends at the token that completes the match, its usage
+    # counts that token, its text is cut there (or just after the stop string), nothing the
+    # engine sampled later leaks, and every block comes back.
+    prompt = next(prompts(1, 12, seed=23))
+    full = generate(clients.gateway, gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(32, ignore_eos=True)))[0]
+    decode = tokenizer().decode
+    ends = [len(decode(full.token_ids[: k + 1], skip_special_tokens=True))
+            for k in range(len(full.token_ids))]
+    assert decode(full.token_ids, skip_special_tokens=True) == full.text
+    at = next(e for e in ends[4:] if full.text[e - 2 : e + 2].strip()
+              and full.text.find(full.text[e - 2 : e + 2]) == e - 2)
+    stop = full.text[at - 2 : at + 2]
+    last = next(k for k, e in enumerate(ends) if e >= at + 2)  # completes the match
+    done = generate(clients.gateway, gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(
+            32, stop=[stop], n=2, ignore_eos=True, include_stop_str_in_output=include_stop)))
+    for completion in (done[0], done[1]):
+        assert completion.finish_reason == gpb.FINISH_REASON_STOP
+        assert completion.text == full.text[: at + 2 if include_stop else at - 2]
+        assert completion.token_ids == full.token_ids[: last + 1]
+        assert completion.usage is not None
+        assert completion.usage.completion_tokens == last + 1
+    clients.wait_all_blocks_back()
+
+
 def test_generate_prefix_cache_hit_keeps_output_and_salts_never_share(clients: Clients):
     # Two prompts share 160 tokens: the second reports cached tokens; another salt gets none.
     shared = next(prompts(1, 160, seed=11))

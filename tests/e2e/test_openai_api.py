@@ -99,6 +99,31 @@ def test_streamed_completion_equals_the_whole_one(client: openai.OpenAI):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_streamed_completion_with_a_stop_string_equals_the_whole_one(
+    client: openai.OpenAI, clients: Clients
+):
+    # The stop string is found on the API's side: streamed or not, the text ends before it,
+    # the finish is "stop", the usage counts the tokens through the one that completed it,
+    # and the blocks come back (the engine was told to stop).
+    prompt = next(prompts(1, 18, seed=507))
+    full = client.completions.create(model=SERVED, prompt=prompt, max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    text = full.choices[0].text
+    stop = next(text[i : i + 3] for i in range(6, len(text) - 3)
+                if text[i : i + 3].strip() and text.find(text[i : i + 3]) == i)
+    whole = client.completions.create(model=SERVED, prompt=prompt, max_tokens=40, temperature=0,
+                                      stop=[stop], extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(
+        model=SERVED, prompt=prompt, max_tokens=40, temperature=0, stream=True, stop=[stop],
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert whole.choices[0].text == text[: text.find(stop)]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert whole.choices[0].finish_reason == "stop"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens < 40
+    clients.wait_all_blocks_back()
+
+
 def test_logprobs_are_the_models_own(client: openai.OpenAI, clients: Clients):
     # Each token's logprob and the top alternatives equal log_softmax of transformers' forward
     # pass over the same tokens (the raw distribution, as vLLM reports by default): exactly,

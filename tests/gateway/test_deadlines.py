@@ -31,13 +31,13 @@ from gateway.clients.executor_client import ExecutorClient, ExecutorDescription
 from gateway.clients.lease import Lease
 from gateway.clients.pool_link import PoolLink
 from gateway.core.batch import Budget
+from gateway.core.finish_rules import FinishRules
 from gateway.core.request_state import CompletionDelta, Request
 from gateway.core.scheduler import Scheduler
 from gateway.core.step import ExecuteCall, ExecuteResult
 from gateway.engine import orphans, recovery
 from gateway.engine.loop import Engine
 from gateway.engine.router import Router
-from gateway.text.output import OutputProcessor
 from gateway.text.tokenizer import Tokenizer
 from pagedkv.executor.v1 import executor_pb2 as epb
 from pagedkv.executor.v1 import executor_pb2_grpc
@@ -193,7 +193,7 @@ async def rig(
     engine = Engine(
         link=link,
         scheduler=Scheduler(Budget(max_num_seqs=8, max_num_batched_tokens=16), BLOCK),
-        output=OutputProcessor(tokenizer, frozenset({2}), max_model_len=256),
+        finish_rules=FinishRules(frozenset({2}), max_model_len=256),
         on_lost=router.requeue,
         allocator_retry_s=0.5,
     )

@@ -17,13 +17,13 @@ from common.errors import Unavailable
 from gateway.api.sampling import SamplingOptions
 from gateway.clients.call_failures import CallFailed, failure
 from gateway.core.batch import Budget
+from gateway.core.finish_rules import FinishRules
 from gateway.core.request_state import CompletionDelta, FinishReason, Request
 from gateway.core.scheduler import Scheduler
 from gateway.core.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome, TableDelta
-from gateway.engine import held_outputs, recovery
+from gateway.engine import recovery
 from gateway.engine.loop import Engine
 from gateway.engine.router import initial_sequences
-from gateway.text.output import OutputProcessor
 from gateway.text.tokenizer import Tokenizer
 
 BLOCK = 4
@@ -119,7 +119,7 @@ def engine(
     eng = Engine(
         link=link,  # type: ignore[arg-type]
         scheduler=Scheduler(Budget(max_num_seqs=8, max_num_batched_tokens=tokens), BLOCK),
-        output=OutputProcessor(tokenizer, frozenset({2}), max_model_len=256),
+        finish_rules=FinishRules(frozenset({2}), max_model_len=256),
         on_lost=lambda seqs: None,
         async_depth=depth,
     )
@@ -193,6 +193,44 @@ def test_engine_fork_and_swap_preemption_give_reference_outputs(
             tokens = [t for d in deltas if d.index == index for t in d.token_ids]
             assert tokens == link.model.reference(req.prompt_token_ids, 8)
     assert link.pool.all_free() and not link.model.held
+
+
+@pytest.mark.parametrize("after_steps", [2, 5, 9])
+@DEPTHS
+def test_engine_stop_completion_finishes_that_completion_alone(
+    tokenizer: Tokenizer, depth: int, after_steps: int
+):
+    # A stop string ended completion 1 of an n=2 request on the API's side (Router.
+    # stop_completion) while the pool swaps and preempts: wherever its sequence is then
+    # (running, swapped out, waiting, or finished already), it is finished and given back;
+    # completion 0 and the other requests run to their reference; nothing leaks.
+    eng, link = engine(tokenizer, num_blocks=8, depth=depth)
+    eng.scheduler.swap = True
+    link.pool = CorePool(8, BLOCK, num_cpu_blocks=16)
+    stopped = submit(eng, "n2", [4] * 9, 8, n=2)
+    others = [submit(eng, "a", [6] * 7, 8), submit(eng, "b", [8] * 7, 8)]
+
+    async def scenario() -> None:
+        for _ in range(after_steps):
+            await eng.step()
+        stopped.stopped.add(1)
+        eng.cancel()
+        await run_until_idle(eng)
+
+    asyncio.run(scenario())
+    assert link.pool.num_preemptions > 0
+    reference = link.model.reference(stopped.prompt_token_ids, 8)
+    deltas = drain(stopped)
+    assert [t for d in deltas if d.index == 0 for t in d.token_ids] == reference
+    second = [t for d in deltas if d.index == 1 for t in d.token_ids]
+    assert second == reference[: len(second)]
+    for req in others:
+        assert [t for d in drain(req) for t in d.token_ids] == link.model.reference(
+            req.prompt_token_ids, 8)
+    assert link.pool.all_free() and not link.model.held
+    eng.cancel()  # a stop repeated, or one for a finished sequence: nothing to do
+    asyncio.run(run_until_idle(eng))
+    assert link.pool.all_free() and not eng.busy
 
 
 @DEPTHS
@@ -301,28 +339,17 @@ def test_engine_bug_mid_step_fails_requests_and_leaks_nothing(
     assert link.pool.all_free() and not link.model.held
 
 
-@pytest.mark.parametrize("by", ["stop_string", "stop_token_id"])
 @DEPTHS
-def test_engine_stops_exactly_at_the_stop_string_or_stop_token(
-    tokenizer: Tokenizer, by: str, depth: int
-):
-    # The completion ends exactly at the token that completes the stop string (or is the
-    # stop token id), reports STOP with its usage, and everything is given back.
+def test_engine_stops_exactly_at_the_stop_token(tokenizer: Tokenizer, depth: int):
+    # The completion ends exactly at the stop token id, reports STOP with its usage, and
+    # everything is given back. (Stop strings: test_engine_host.py, through the frontend.)
     prompt = [9] * 6
     eng, link = engine(tokenizer, num_blocks=32, depth=depth)
     reference = link.model.reference(prompt, 24)
-    texts = [tokenizer.decode(reference[: i + 1]) for i in range(len(reference))]
-    stop_at = next(
-        i for i in range(3, len(reference))
-        if reference[i] not in reference[:i] and texts[i] != texts[i - 1]
-        and texts[i][len(texts[i - 1]):] not in texts[i - 1]
-    )
-    options: dict[str, Any] = (
-        {"stop": (texts[stop_at][len(texts[stop_at - 1]):],)} if by == "stop_string"
-        else {"stop_token_ids": frozenset({reference[stop_at]})}
-    )
+    stop_at = next(i for i in range(3, len(reference)) if reference[i] not in reference[:i])
     req = Request(request_id="s", prompt_token_ids=prompt, cache_salt="",
-                  sampling=SamplingOptions(max_tokens=24, ignore_eos=True, **options))
+                  sampling=SamplingOptions(max_tokens=24, ignore_eos=True,
+                                           stop_token_ids=frozenset({reference[stop_at]})))
     for seq in initial_sequences(req):
         eng.submit(seq)
     asyncio.run(run_until_idle(eng))
@@ -379,14 +406,11 @@ def test_a_release_the_executor_refuses_waits_for_the_next_execute(tokenizer: To
 
 
 @DEPTHS
-def test_engine_streams_a_steps_outputs_while_the_next_execute_runs(
-    tokenizer: Tokenizer, depth: int
-):
-    # Step k's deltas are not in the stream when Execute k+1 starts; they are while it is
-    # still computing (after the executor's head start); the last step's go once the
-    # engine has nothing else to do. In order, and exactly the reference.
+def test_engine_streams_each_batchs_outputs_as_it_lands(tokenizer: Tokenizer, depth: int):
+    # A landed batch's deltas are in the stream at once: at depth 2 while the next Execute
+    # (sent before it landed) computes, at depth 1 before the next one is sent. In order,
+    # and exactly the reference.
     eng, link = engine(tokenizer, num_blocks=64, depth=depth)
-    eng.held.min_to_hold = 1
     req = submit(eng, "o", [5] * 6, max_tokens=4)
     seen_at_start: list[int] = []
     seen_while_running: list[int] = []
@@ -400,75 +424,26 @@ def test_engine_streams_a_steps_outputs_while_the_next_execute_runs(
 
     link.compute = slow_execute  # type: ignore[method-assign]
     asyncio.run(run_until_idle(eng))
-    # One token per Execute (the prompt fits one step): Execute k sees k-1 deltas queued
-    # only once it has been running a while.
-    assert seen_at_start == [0, 0, 1, 2]
+    # One token per Execute (the prompt fits one step).
+    assert seen_at_start == ([0, 0, 1, 2] if depth == 2 else [0, 1, 2, 3])
     assert seen_while_running == [0, 1, 2, 3]
     deltas = drain(req)
     assert [t for d in deltas for t in d.token_ids] == link.model.reference([5] * 6, 4)
     assert deltas[-1].finish_reason is FinishReason.LENGTH
 
 
-def test_engine_delivers_a_quiet_steps_outputs_at_once(tokenizer: Tokenizer):
-    # Fewer deltas than HeldOutputs.min_to_hold (16): in the stream as the step returns.
+def test_engine_delivers_a_steps_outputs_as_it_returns(tokenizer: Tokenizer):
     eng, link = engine(tokenizer, num_blocks=64, tokens=64, depth=1)
     reqs = [submit(eng, f"q{i}", [5 + i] * 6, max_tokens=4) for i in range(3)]
     asyncio.run(eng.step())
     assert [r.outputs.qsize() for r in reqs] == [1, 1, 1]
-    assert not eng.held
+    assert not eng.outbox
 
 
-def test_engine_holds_outputs_for_the_hot_path_only(tokenizer: Tokenizer):
-    # Held deltas count as work (an idle engine delivers them); they go before a Free or
-    # Release is sent, and once a Step takes longer than STEP_HOLD_LIMIT_S.
-    eng, link = engine(tokenizer, num_blocks=64, depth=1)
-    eng.held.min_to_hold = 1
-    req = submit(eng, "h", [5] * 6, max_tokens=3)
-    queued_at: dict[str, list[int]] = {"free": [], "release": [], "slow_step_return": []}
-    original_step, original_free, original_release = link.step, link.free, link.release
-
-    async def slow_step(call: StepCall) -> StepOutcome:
-        if link.num_steps == 1:  # the second Step: slower than the hold limit
-            await asyncio.sleep(5 * held_outputs.STEP_HOLD_LIMIT_S)
-            queued_at["slow_step_return"].append(req.outputs.qsize())
-        return await original_step(call)
-
-    async def free(
-        commits: tuple[Commit, ...], request_ids: tuple[str, ...], commit_through: int
-    ) -> None:
-        queued_at["free"].append(req.outputs.qsize())
-        await original_free(commits, request_ids, commit_through)
-
-    async def release(request_ids: list[str]) -> None:
-        queued_at["release"].append(req.outputs.qsize())
-        await original_release(request_ids)
-
-    link.step, link.free, link.release = slow_step, free, release  # type: ignore[method-assign]
-    asyncio.run(eng.step())  # prefill: one delta, held
-    assert req.outputs.qsize() == 0 and eng.busy
-    asyncio.run(run_until_idle(eng))
-    assert queued_at["slow_step_return"] == [1]  # delivered while the slow Step ran
-    assert queued_at["free"] == [3] and queued_at["release"] == [3]
-    assert [t for d in drain(req) for t in d.token_ids] == link.model.reference([5] * 6, 3)
-    assert not eng.busy and link.pool.all_free()
-
-    # Held deltas alone keep an engine busy until a step delivers them.
-    idle, _ = engine(tokenizer, num_blocks=64)
-    assert not idle.busy
-    other = Request(request_id="x", prompt_token_ids=[6], cache_salt="",
-                    sampling=SamplingOptions(max_tokens=1))
-    delta = CompletionDelta(index=0, token_ids=(7,), text="")
-    idle.held.add(other, delta)
-    assert idle.busy
-    asyncio.run(run_until_idle(idle))
-    assert drain(other) == [delta] and not idle.held
-
-
-def test_engine_delivers_held_outputs_before_any_call_off_the_hot_path(tokenizer: Tokenizer):
-    # A Fork, an orphan abort and a lone Release find the held deltas already in their
+def test_engine_delivers_outputs_before_any_call_off_the_hot_path(tokenizer: Tokenizer):
+    # A Fork, an orphan abort and a lone Release find the step's deltas already in their
     # streams; so does an error reported with Engine.fail.
     eng, link = engine(tokenizer, num_blocks=64, tokens=64, depth=1)
-    eng.held.min_to_hold = 1
     a = submit(eng, "a", [5] * 6, max_tokens=3)
     submit(eng, "p", [7] * 6, max_tokens=3, n=2)
     queued: dict[str, list[int]] = {"fork": [], "abort": [], "release": []}
@@ -489,9 +464,9 @@ def test_engine_delivers_held_outputs_before_any_call_off_the_hot_path(tokenizer
     link.fork, link.abort, link.release = (  # type: ignore[method-assign]
         record_fork, record_abort, record_release
     )
-    asyncio.run(eng.step())  # both prefills; p's parent forks with a's first delta held
+    asyncio.run(eng.step())  # both prefills; p's parent forks after a's first delta
     assert queued["fork"] == [1]
-    asyncio.run(eng.step())  # a's second delta, held
+    asyncio.run(eng.step())  # a's second delta
     eng.orphan_ids.add("nobody")
     asyncio.run(eng.step())
     assert queued["abort"] and set(queued["abort"]) == {2}
@@ -506,14 +481,14 @@ def test_engine_delivers_held_outputs_before_any_call_off_the_hot_path(tokenizer
         at_release.append(held.outputs.qsize())
 
     idle_link.release = lone_release  # type: ignore[method-assign]
-    idle.held.add(held, delta)
+    idle.outbox.append((held, delta))
     idle.scheduler.pending.release_ids.append("gone")
     asyncio.run(idle.step())
     assert at_release == [1]
 
     failing, _ = engine(tokenizer, num_blocks=64)
     req = submit(failing, "e", [8] * 6, max_tokens=3)
-    failing.held.add(req, delta)
+    failing.outbox.append((req, delta))
     failing.fail(failing.scheduler.sequences()[0], Unavailable("gone"))
     first, second = drain(req)
     assert first == delta and second.error is not None
@@ -521,13 +496,12 @@ def test_engine_delivers_held_outputs_before_any_call_off_the_hot_path(tokenizer
 
 
 @DEPTHS
-def test_engine_streams_held_outputs_before_a_failed_steps_error(
+def test_engine_streams_outputs_before_a_failed_steps_error(
     tokenizer: Tokenizer, depth: int
 ):
-    # The allocator rejects Step k+1 while step k's tokens are held: they still reach the
-    # client, before the error; nothing leaks.
+    # The allocator rejects Step k+1 after step k's tokens: they reach the client before
+    # the error; nothing leaks.
     eng, link = engine(tokenizer, num_blocks=64, depth=depth)
-    eng.held.min_to_hold = 1
     req = submit(eng, "f", [9] * 5, max_tokens=8)
     original = link.step
 
@@ -545,13 +519,12 @@ def test_engine_streams_held_outputs_before_a_failed_steps_error(
     assert link.pool.all_free()
 
 
-def test_engine_streams_held_outputs_before_pausing_for_a_lost_allocator(
+def test_engine_streams_outputs_before_pausing_for_a_lost_allocator(
     tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ):
     # The allocator does not answer Step k+1: step k's tokens reach the client before the
     # engine pauses and retries (they do not wait out the outage).
     eng, link = engine(tokenizer, num_blocks=64, depth=1)
-    eng.held.min_to_hold = 1
     req = submit(eng, "u", [9] * 5, max_tokens=8)
     original = link.step
     queued_at_pause: list[int] = []
@@ -574,12 +547,11 @@ def test_engine_streams_held_outputs_before_pausing_for_a_lost_allocator(
     assert queued_at_pause == [1]
 
 
-def test_engine_streams_held_outputs_before_moving_requests_elsewhere(tokenizer: Tokenizer):
+def test_engine_streams_outputs_before_moving_requests_elsewhere(tokenizer: Tokenizer):
     # The executor is lost mid-run: the tokens it computed reach the stream before the
     # requests are handed on (another executor continues after them), whether the loss
     # shows on an Execute or anywhere else (recovery.lose_executor itself).
     eng, link = engine(tokenizer, num_blocks=64, depth=1)
-    eng.held.min_to_hold = 1
     req = submit(eng, "m", [6] * 5, max_tokens=8)
     handed_on: list[tuple[int, int]] = []
     eng.on_lost = lambda seqs: handed_on.append((len(seqs), req.outputs.qsize()))
@@ -600,10 +572,8 @@ def test_engine_streams_held_outputs_before_moving_requests_elsewhere(tokenizer:
     assert [t for d in drain(req) for t in d.token_ids] == link.model.reference([6] * 5, 2)
 
     eng2, _ = engine(tokenizer, num_blocks=64, depth=1)
-    eng2.held.min_to_hold = 1
     req2 = submit(eng2, "m2", [6] * 5, max_tokens=8)
     asyncio.run(eng2.step())
-    assert eng2.held
     eng2.on_lost = lambda seqs: handed_on.append((len(seqs), req2.outputs.qsize()))
     recovery.lose_executor(eng2)
     assert handed_on[-1] == (1, 1)

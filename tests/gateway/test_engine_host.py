@@ -34,13 +34,13 @@ async def _collect(request: Request) -> list[CompletionDelta]:
     return deltas
 
 
-def _hosted(tokenizer: Tokenizer, max_waiting: int = 8):  # type: ignore[no-untyped-def]
+def _hosted(tokenizer: Tokenizer, max_waiting: int = 8, depth: int = 2):  # type: ignore[no-untyped-def]
     """A host whose loop runs one engine (built there: its locks and tasks belong to it)."""
     host = EngineHost()
     host.start()
 
     async def build():  # type: ignore[no-untyped-def]
-        eng, link = engine(tokenizer, num_blocks=32)
+        eng, link = engine(tokenizer, num_blocks=32, depth=depth)
         router = Router(engines=[eng], allocator=None, max_waiting=max_waiting)  # type: ignore[arg-type]
         eng.on_lost = router.requeue
         task = asyncio.get_running_loop().create_task(eng.run())

@@ -1,73 +1,122 @@
-"""Stop conditions per token (gateway/text/output.py): min_tokens, EOS, stop strings and
-tokens, lengths; logprobs ride on the token's delta."""
+"""One request's output on the API's side (gateway/text/output.py): the engine's token deltas
+become text; a stop string ends its completion there, cut at the match, with its tokens, logprobs
+and usage up to the token that completed it, and nothing the engine sampled after it."""
 
 from __future__ import annotations
 
 import pytest
 
 from gateway.api.sampling import SamplingOptions
-from gateway.core.request_state import FinishReason, Request, Sequence, TokenLogprob
-from gateway.text.output import OutputProcessor
+from gateway.core.request_state import CompletionDelta, FinishReason, Request, TokenLogprob, Usage
+from gateway.text.output import Finished, RequestOutput
 from gateway.text.tokenizer import Tokenizer
 
-EOS = 2
+TEXT = "hello world, good morning"  # he|l|lo| w|or|l|d|,| g|o|o|d| m|or|n|ing
 
 
 @pytest.fixture(scope="module")
-def processor() -> OutputProcessor:
-    return OutputProcessor(decoder=Tokenizer.load("models/tiny-llama"),
-                           eos_token_ids=frozenset({EOS}), max_model_len=64)
+def tokenizer() -> Tokenizer:
+    return Tokenizer.load("models/tiny-llama")
 
 
-def run(processor: OutputProcessor, options: SamplingOptions, tokens: list[int]
-        ) -> tuple[list[int], FinishReason | None]:
-    """Feed tokens as the scheduler lands them until one ends the completion."""
-    seq = Sequence(seq_id="r", request=Request("r", [1, 5], options, ""), index=0)
-    processor.start(seq)
-    taken: list[int] = []
+def output(tokenizer: Tokenizer, **options: object) -> RequestOutput:
+    sampling = SamplingOptions(max_tokens=30, **options)  # type: ignore[arg-type]
+    return RequestOutput(tokenizer, Request("r", [1, 5], sampling, ""))
+
+
+def feed(out: RequestOutput, tokens: list[int], index: int = 0
+         ) -> tuple[list[CompletionDelta], Finished | None]:
+    """One engine delta per token, as the engine posts them; the client's deltas."""
+    deltas: list[CompletionDelta] = []
+    finished = None
     for token in tokens:
-        seq.output_token_ids.append(token)
-        taken.append(token)
-        delta = processor.process(seq, token)
-        if delta.finish_reason is not None:
-            return taken, delta.finish_reason
-    return taken, None
+        delta, done = out.process(CompletionDelta(index=index, token_ids=(token,)))
+        if delta is not None:
+            deltas.append(delta)
+        finished = done or finished
+    return deltas, finished
 
 
-def test_eos_ends_nothing_before_min_tokens(processor: OutputProcessor):
-    options = SamplingOptions(max_tokens=10, min_tokens=3)
-    assert run(processor, options, [7, EOS, 8, EOS, 9]) == ([7, EOS, 8, EOS], FinishReason.STOP)
-    assert run(processor, SamplingOptions(max_tokens=10), [7, EOS, 8]) == ([7, EOS],
-                                                                           FinishReason.STOP)
+def test_output_text_without_stops_is_the_whole_decode(tokenizer: Tokenizer):
+    ids = tokenizer.encode(TEXT)[1:]
+    out = output(tokenizer)
+    deltas, finished = feed(out, ids[:-1])
+    last, done = out.process(CompletionDelta(index=0, token_ids=(ids[-1],),
+                                             finish_reason=FinishReason.LENGTH))
+    assert last is not None and done == Finished(0, engine_running=False)
+    assert "".join(d.text for d in [*deltas, last]) == TEXT and finished is None
 
 
-def test_stop_tokens_and_strings_wait_for_min_tokens(processor: OutputProcessor):
-    tok = processor.decoder
-    ids = tok.encode("a STOP b STOP c")[1:]
-    options = SamplingOptions(max_tokens=30, stop=("STOP",), min_tokens=len(ids))
-    taken, reason = run(processor, options, ids)
-    assert reason is None and taken == ids  # every STOP came before min_tokens
-    taken, reason = run(processor, SamplingOptions(max_tokens=30, stop=("STOP",),
-                                                   min_tokens=1), ids)
-    assert reason is FinishReason.STOP and len(taken) < len(ids) // 2 + 1
-    options = SamplingOptions(max_tokens=30, stop_token_ids=frozenset({9}), min_tokens=2)
-    assert run(processor, options, [9, 9, 4]) == ([9, 9], FinishReason.STOP)
+def test_output_stop_string_spanning_tokens_cuts_the_text_and_counts_its_last_token(
+    tokenizer: Tokenizer,
+):
+    # "lo wo" spans three tokens (lo| w|or): the completion ends at "or", the 5th token.
+    ids = tokenizer.encode(TEXT)[1:]
+    out = output(tokenizer, stop=("lo wo",))
+    deltas, finished = feed(out, ids)
+    assert finished == Finished(0, engine_running=True)  # the engine must be told
+    assert "".join(d.text for d in deltas) == "hel"
+    assert [t for d in deltas for t in d.token_ids] == ids[:5]
+    assert deltas[-1].finish_reason is FinishReason.STOP
+    assert deltas[-1].usage == Usage(prompt_tokens=2, completion_tokens=5,
+                                     cached_prompt_tokens=0)
+    assert all(d.finish_reason is None for d in deltas[:-1])
 
 
-def test_max_tokens_ends_even_before_min_tokens_is_met(processor: OutputProcessor):
-    # (validation refuses min_tokens > max_tokens; equal: length ends it)
-    options = SamplingOptions(max_tokens=3, min_tokens=3)
-    assert run(processor, options, [EOS, EOS, 7, EOS]) == ([EOS, EOS, 7], FinishReason.LENGTH)
+def test_output_include_stop_str_keeps_the_stop_string(tokenizer: Tokenizer):
+    ids = tokenizer.encode(TEXT)[1:]
+    deltas, _ = feed(output(tokenizer, stop=("lo wo",), include_stop_str_in_output=True), ids)
+    assert "".join(d.text for d in deltas) == "hello wo"
 
 
-def test_the_landed_logprob_rides_on_its_tokens_delta(processor: OutputProcessor):
-    seq = Sequence(seq_id="r", request=Request("r", [1, 5], SamplingOptions(
-        max_tokens=4, logprobs=1), ""), index=0)
-    processor.start(seq)
-    seq.output_token_ids.append(7)
-    seq.last_logprob = TokenLogprob(7, -0.5, ((7, -0.5),))
-    delta = processor.process(seq, 7)
-    assert delta.logprobs == (TokenLogprob(7, -0.5, ((7, -0.5),)),)
-    assert seq.last_logprob is None
-    seq.output_token_ids.append(8)
-    assert processor.process(seq, 8).logprobs == ()
+def test_output_tokens_sampled_after_the_stop_never_reach_the_client(tokenizer: Tokenizer):
+    # The engine sent three tokens in one delta, the stop string ends in the first ("lo"),
+    # then more deltas and its own length finish: none of it leaks, logprobs cut alike.
+    ids = tokenizer.encode(TEXT)[1:]
+    out = output(tokenizer, stop=("llo",), logprobs=0)
+    first, _ = feed(out, ids[:2])
+    logprobs = tuple(TokenLogprob(t, -1.0) for t in ids[2:5])
+    delta, done = out.process(CompletionDelta(index=0, token_ids=tuple(ids[2:5]),
+                                              logprobs=logprobs))
+    assert delta is not None and done == Finished(0, engine_running=True)
+    assert delta.token_ids == (ids[2],) and delta.logprobs == logprobs[:1]
+    assert "".join(d.text for d in [*first, delta]) == "he"
+    assert delta.usage is not None and delta.usage.completion_tokens == 3
+    later, finished = feed(out, ids[5:8])
+    assert later == [] and finished is None
+    assert out.process(CompletionDelta(index=0, token_ids=(ids[8],),
+                                       finish_reason=FinishReason.LENGTH)) == (None, None)
+    assert out.ended(0)
+
+
+def test_output_stop_in_the_engines_last_token_needs_no_stop_call(tokenizer: Tokenizer):
+    ids = tokenizer.encode(TEXT)[1:]
+    out = output(tokenizer, stop=("lo",))
+    feed(out, ids[:2])
+    delta, done = out.process(CompletionDelta(index=0, token_ids=(ids[2],),
+                                              finish_reason=FinishReason.LENGTH))
+    assert delta is not None and delta.finish_reason is FinishReason.STOP
+    assert done == Finished(0, engine_running=False)
+
+
+def test_output_stop_strings_wait_for_min_tokens(tokenizer: Tokenizer):
+    ids = tokenizer.encode("a STOP b STOP c")[1:]
+    deltas, finished = feed(output(tokenizer, stop=("STOP",), min_tokens=len(ids)), ids)
+    assert finished is None and len(deltas) == len(ids)  # every STOP came before min_tokens
+    deltas, finished = feed(output(tokenizer, stop=("STOP",), min_tokens=1), ids)
+    assert finished is not None and len(deltas) == 5  # a| S|T|O|P
+    assert "".join(d.text for d in deltas) == "a "
+    # min_tokens 7: the first STOP ends before it, the second after.
+    deltas, _ = feed(output(tokenizer, stop=("STOP",), min_tokens=7), ids)
+    assert len(deltas) == 10 and "".join(d.text for d in deltas) == "a STOP b "
+
+
+def test_output_completions_stop_on_their_own(tokenizer: Tokenizer):
+    # n = 2: completion 1 stops; completion 0 goes on to its engine finish.
+    ids = tokenizer.encode(TEXT)[1:]
+    out = output(tokenizer, stop=("wor",), n=2)
+    _, finished = feed(out, ids[:6], index=1)
+    assert finished == Finished(1, engine_running=True) and out.ended(1)
+    deltas, finished = feed(out, ids[7:], index=0)  # ", good morning"
+    assert finished is None and not out.ended(0)
+    assert "".join(d.text for d in deltas) == ", good morning"[: -len("wor") + 1]

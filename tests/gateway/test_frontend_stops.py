@@ -1,0 +1,193 @@
+"""Stop strings on the API's side (api/frontend.py, text/output.py), over an engine on its own
+thread (engine/host.py) on the real allocator core and a fake model: the text is cut at the
+match, the tokens end at the one that completed it, nothing the engine sampled after it
+reaches the client, and the engine is told to stop the completion, which gives its blocks
+back, however that races with the engine's own finish and with the client leaving."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from test_engine import tokenizer as tokenizer  # the module-scoped fixture
+from test_engine_host import _hosted, _stop
+
+from gateway.api.frontend import Frontend, ModelInfo, PromptInput
+from gateway.api.sampling import ModelLimits, RawSampling
+from gateway.core.request_state import CompletionDelta, FinishReason, Request
+from gateway.engine.host import EngineHost
+from gateway.text.tokenizer import Tokenizer
+
+PROMPT = [9] * 6
+DEPTHS = pytest.mark.parametrize("depth", [2, 1])
+
+
+def _frontend(tokenizer: Tokenizer, host: EngineHost) -> Frontend:
+    return Frontend(
+        tokenizer=tokenizer,
+        limits=ModelLimits(max_model_len=256, vocab_size=tokenizer.vocab_size, max_n=4,
+                           pool_capacity_tokens=128),
+        engines=host,
+        info=ModelInfo("tiny", 256, tokenizer.vocab_size, (2,)),
+    )
+
+
+def _stop_string(tokenizer: Tokenizer, reference: list[int], span: int) -> tuple[int, str]:
+    """(i, s): the text of tokens i-span+1..i, whose first match in the completion's text
+    ends with token i (the fake model's tokens decode to one character each, or none)."""
+    text = tokenizer.decode(reference)
+    for i in range(span + 2, len(reference)):
+        before = tokenizer.decode(reference[: i + 1 - span])
+        upto = tokenizer.decode(reference[: i + 1])
+        stop = upto[len(before):]
+        if len(stop) == span and text.find(stop) == len(before):
+            return i, stop
+    raise AssertionError("no such stop string in the reference")
+
+
+async def _generate(frontend: Frontend, raw: RawSampling) -> tuple[Request, list[CompletionDelta]]:
+    request = await frontend.submit(PromptInput(token_ids=PROMPT), raw, "", "")
+    return request, [d async for d in frontend.deltas(request)]
+
+
+async def _until_free(host: EngineHost, timeout_s: float = 2.0) -> float:
+    """Seconds until the engine is idle and the pool has every block back."""
+    eng = host.engines[0]
+    link = eng.link
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if not eng.busy and link.pool.all_free() and not link.model.held:  # type: ignore[attr-defined]
+            return time.monotonic() - started
+        await asyncio.sleep(0.005)
+    raise AssertionError("blocks or executor state still held")
+
+
+@DEPTHS
+@pytest.mark.parametrize("span", [1, 3])
+def test_frontend_stop_string_ends_at_the_token_that_completes_it(
+    tokenizer: Tokenizer, depth: int, span: int
+):
+    # A stop string of one token's text, or spanning three: the completion ends at the
+    # token that completes it, with STOP, its usage counting that token, the text before
+    # the match; the engine gives everything back.
+    host, eng, link, task = _hosted(tokenizer, depth=depth)
+    reference = link.model.reference(PROMPT, 24)
+    stop_at, stop = _stop_string(tokenizer, reference, span)
+    frontend = _frontend(tokenizer, host)
+
+    async def scenario() -> list[CompletionDelta]:
+        _, deltas = await _generate(frontend, RawSampling(max_tokens=24, ignore_eos=True,
+                                                          stop=(stop,)))
+        await _until_free(host)
+        return deltas
+
+    try:
+        deltas = asyncio.run(scenario())
+    finally:
+        _stop(host, task)
+    text = tokenizer.decode(reference)
+    assert [t for d in deltas for t in d.token_ids] == reference[: stop_at + 1]
+    assert "".join(d.text for d in deltas) == text[: text.find(stop)]
+    assert deltas[-1].finish_reason is FinishReason.STOP
+    assert deltas[-1].usage is not None and deltas[-1].usage.completion_tokens == stop_at + 1
+    assert not frontend.active
+
+
+def test_frontend_tokens_sampled_after_the_stop_never_reach_the_client(tokenizer: Tokenizer):
+    # The client reads only once the engine has run the completion to its 40 tokens: the
+    # stop string is found in the 5th or so, the 35 after it stay unread, and the stop
+    # reaching an engine that finished the sequence already changes nothing.
+    host, eng, link, task = _hosted(tokenizer)
+    reference = link.model.reference(PROMPT, 40)
+    stop_at, stop = _stop_string(tokenizer, reference, 2)
+    frontend = _frontend(tokenizer, host)
+
+    async def scenario() -> tuple[Request, list[CompletionDelta]]:
+        request = await frontend.submit(
+            PromptInput(token_ids=PROMPT),
+            RawSampling(max_tokens=40, ignore_eos=True, stop=(stop,)), "", "")
+        await _until_free(host)  # every token posted, the sequence finished at its length
+        deltas = [d async for d in frontend.deltas(request)]
+        await _until_free(host)
+        return request, deltas
+
+    try:
+        request, deltas = asyncio.run(scenario())
+    finally:
+        _stop(host, task)
+    assert [t for d in deltas for t in d.token_ids] == reference[: stop_at + 1]
+    text = tokenizer.decode(reference)
+    assert "".join(d.text for d in deltas) == text[: text.find(stop)]
+    unread: list[int] = []
+    while not request.outputs.empty():
+        unread.extend(request.outputs.get_nowait().token_ids)
+    assert unread == reference[stop_at + 1 :]  # sampled, and never sent
+
+
+def test_frontend_stop_frees_the_blocks_of_a_long_completion(tokenizer: Tokenizer):
+    # 100 tokens at 20 ms a step would take 2 s: the stop string found in the first few
+    # reaches the engine, which finishes the sequence and gives its blocks back at once.
+    host, eng, link, task = _hosted(tokenizer)
+    original = link.compute
+    num_calls = 0
+
+    async def slow(call):  # type: ignore[no-untyped-def]
+        nonlocal num_calls
+        num_calls += 1
+        await asyncio.sleep(0.02)
+        return await original(call)
+
+    link.compute = slow  # type: ignore[method-assign]
+    reference = link.model.reference(PROMPT, 100)
+    stop_at, stop = _stop_string(tokenizer, reference, 1)
+    frontend = _frontend(tokenizer, host)
+
+    async def scenario() -> tuple[list[CompletionDelta], float]:
+        _, deltas = await _generate(frontend, RawSampling(max_tokens=100, ignore_eos=True,
+                                                          stop=(stop,)))
+        return deltas, await _until_free(host)
+
+    try:
+        deltas, freed_after_s = asyncio.run(scenario())
+    finally:
+        _stop(host, task)
+    assert [t for d in deltas for t in d.token_ids] == reference[: stop_at + 1]
+    assert freed_after_s < 0.5 and num_calls < stop_at + 10
+
+
+def test_frontend_client_leaving_after_one_completion_stopped_frees_both(
+    tokenizer: Tokenizer,
+):
+    # n = 2: the client leaves on the first completion's stop; that completion's stop and
+    # the request's cancellation reach the engine together (in either order nothing leaks).
+    host, eng, link, task = _hosted(tokenizer)
+    original = link.compute
+
+    async def slow(call):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.005)
+        return await original(call)
+
+    link.compute = slow  # type: ignore[method-assign]
+    reference = link.model.reference(PROMPT, 100)
+    _, stop = _stop_string(tokenizer, reference, 2)
+    frontend = _frontend(tokenizer, host)
+
+    async def scenario() -> CompletionDelta:
+        request = await frontend.submit(
+            PromptInput(token_ids=PROMPT),
+            RawSampling(max_tokens=100, ignore_eos=True, stop=(stop,), n=2), "", "")
+        deltas = frontend.deltas(request)
+        async for delta in deltas:
+            if delta.finish_reason is not None:
+                await deltas.aclose()  # the client goes, the other completion still open
+                break
+        await _until_free(host)
+        return delta
+
+    try:
+        first = asyncio.run(scenario())
+    finally:
+        _stop(host, task)
+    assert first.finish_reason is FinishReason.STOP
+    assert not frontend.active
