@@ -86,6 +86,11 @@ class FusedRotaryAttention(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
+        if self.config._attn_implementation != ATTENTION_NAME:
+            raise RuntimeError(
+                "a fused attention runs the executor's paged attention only; load the model "
+                "with load_model(..., fused_layers=False) to switch its attention implementation"
+            )
         batch, tokens, _ = hidden_states.shape
         heads = (batch, tokens, -1, self.head_dim)
         query = self.q_proj(hidden_states).view(heads)  # [1, T, Hq, D]

@@ -170,7 +170,12 @@ def _check_architecture(config: PretrainedConfig) -> None:
 
 
 def load_model(
-    path: str, load_format: str, dtype_flag: str, device_flag: str, seed: int
+    path: str,
+    load_format: str,
+    dtype_flag: str,
+    device_flag: str,
+    seed: int,
+    fused_layers: bool = True,  # False: transformers' own modules (a reference model)
 ) -> LoadedModel:
     directory = Path(path)
     device = torch.device(device_flag)
@@ -209,7 +214,7 @@ def load_model(
     if device.type == "cpu":
         speed_up_lm_head(model)  # float32
         pack_linears(model)  # bfloat16
-        kernels = load_cpu_kernels()  # None (logged) where they cannot be built
+        kernels = load_cpu_kernels() if fused_layers else None  # None (logged): not built
         if kernels is not None:
             fused = fuse_layers(model, kernels)
     loaded = LoadedModel(

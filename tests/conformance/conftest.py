@@ -241,7 +241,9 @@ def reference(pytestconfig: pytest.Config, executor: Executor) -> Reference:
     )
     seed = pytestconfig.getoption("reference_seed")
     has_weights = any(Path(path).glob("*.safetensors"))
-    loaded = load_model(path, "auto" if has_weights else "dummy", "float32", "cpu", seed)
+    loaded = load_model(
+        path, "auto" if has_weights else "dummy", "float32", "cpu", seed, fused_layers=False
+    )
     model = loaded.model
     model.set_attn_implementation("sdpa")
     model.generation_config.eos_token_id = None

@@ -19,9 +19,10 @@ from executor_svc.fused_layers import (
     FusedSiluMLP,
     fuse_layers,
 )
+from executor_svc.model_loader import load_model
 from executor_svc.runner import build_runner
 
-from .oracle import make_settings, reference_model
+from .oracle import MODELS, make_settings, reference_model
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +130,19 @@ def test_fuse_layers_leaves_unknown_classes_alone(kernel) -> None:  # type: igno
     model = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
     assert fuse_layers(model, kernel) == 0  # type: ignore[arg-type]
     assert [type(m) for m in model] == [torch.nn.LayerNorm, torch.nn.Linear]
+
+
+def test_a_fused_model_refuses_another_attention_and_an_unfused_one_switches() -> None:
+    fused = build_runner(make_settings("tiny-llama")).loaded.model
+    fused.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError, match="fused_layers=False"):
+        fused(torch.tensor([[1, 2, 3]]))
+    plain = load_model(str(MODELS / "tiny-llama"), "dummy", "float32", "cpu", 1234,
+                       fused_layers=False).model
+    assert not any(type(m).__name__.startswith("Fused") for m in plain.modules())
+    plain.set_attn_implementation("sdpa")
+    reference = reference_model(build_runner(make_settings("tiny-llama")))
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            plain(torch.tensor([[1, 2, 3]])).logits, reference(torch.tensor([[1, 2, 3]])).logits
+        )
