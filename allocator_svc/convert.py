@@ -31,6 +31,7 @@ def pool_config(msg: pb.RegisterPoolRequest) -> PoolConfig:
         msg.model_fingerprint,
         msg.executor_instance_id,
         msg.enable_prefix_caching,
+        msg.num_cpu_cache_blocks,
     )
 
 
@@ -46,6 +47,7 @@ def pool_info(pool: Pool) -> pb.PoolInfo:
         model_fingerprint=c.model_fingerprint,
         executor_instance_id=c.executor_instance_id,
         enable_prefix_caching=c.enable_prefix_caching,
+        num_cpu_cache_blocks=pool.cpu.capacity,
         hash_profile=pb.HashProfile(
             version=profile.version,
             algorithm=profile.algorithm,
@@ -119,6 +121,7 @@ def _grant(grant: Grant) -> pb.Grant:
         num_scheduled_tokens=grant.num_scheduled,
         start_position=grant.start_position,
         new_request=grant.new_request,
+        num_cpu_cached_tokens=grant.num_cpu_cached_tokens,
     )
 
 
@@ -201,6 +204,11 @@ def pool_stats(pool: Pool) -> pb.PoolStats:
         event_seq=pool.events.last_seq,
         num_pinned_blocks=blocks.num_pinned,
         num_pins=len(pool.pins.pins),
+        num_cpu_cache_blocks=pool.cpu.capacity,
+        num_cpu_cached_blocks=len(pool.cpu.entries),
+        num_prefix_cpu_hits=pool.num_prefix_cpu_hits,
+        num_cpu_cache_stores=pool.cpu.num_kept,
+        num_cpu_cache_loads=pool.cpu.num_loaded,
     )
 
 

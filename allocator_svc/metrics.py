@@ -30,10 +30,17 @@ _POOL_GAUGES: PoolReadings = {
                                       lambda p: p.blocks.num_free),
     "pagedkv_allocator_blocks_cached": ("Blocks that are prefix-cache entries (held or free)",
                                         lambda p: len(p.blocks.cached)),
-    "pagedkv_allocator_cpu_blocks": ("CPU swap blocks in the pool",
+    "pagedkv_allocator_cpu_blocks": ("CPU blocks in the pool (swap space and the CPU tier)",
                                      lambda p: p.config.num_cpu_blocks),
-    "pagedkv_allocator_cpu_blocks_free": ("CPU swap blocks not holding a swapped request",
-                                          lambda p: len(p.free_cpu_block_ids)),
+    "pagedkv_allocator_cpu_blocks_free": (
+        "CPU blocks holding neither a swapped request nor a CPU-tier entry",
+        lambda p: p.cpu.num_free),
+    "pagedkv_allocator_cpu_cache_blocks": (
+        "CPU blocks the prefix cache's CPU tier may hold (0: no tier)",
+        lambda p: p.cpu.capacity),
+    "pagedkv_allocator_cpu_cache_blocks_cached": (
+        "CPU-tier entries: evicted cached blocks kept on the CPU (pending ones too)",
+        lambda p: len(p.cpu.entries)),
     "pagedkv_allocator_requests": ("Requests holding blocks of the pool (swapped ones too)",
                                    lambda p: len(p.requests)),
     "pagedkv_allocator_blocks_pinned": ("Cached blocks held for pins: never evicted",
@@ -63,6 +70,12 @@ _POOL_COUNTERS: PoolReadings = {
                                                lambda p: p.num_prefix_queries),
     "pagedkv_allocator_prefix_cache_hits": ("Prompt tokens served from the prefix cache",
                                             lambda p: p.num_prefix_hits),
+    "pagedkv_allocator_cpu_cache_stores": (
+        "Cached blocks evicted from the device and copied into the CPU tier",
+        lambda p: p.cpu.num_kept),
+    "pagedkv_allocator_cpu_cache_loads": (
+        "CPU-tier blocks copied back to the device on a prefix hit",
+        lambda p: p.cpu.num_loaded),
     "pagedkv_allocator_resumed_prefix_cache_queries": (
         "Prompt tokens looked up by requests readmitted after a recompute preemption",
         lambda p: p.num_resumed_prefix_queries),
@@ -86,9 +99,25 @@ class AllocatorCollector(Collector):
                 for pool in pools:
                     metric.add_metric([pool.config.pool_id], read(pool))
                 yield metric
+        yield _tier_hits(pools)
         yield GaugeMetricFamily("pagedkv_allocator_leases", "Client leases held",
                                 value=len(allocator.leases.leases))
         yield CounterMetricFamily("pagedkv_allocator_leases_expired",
                                   "Leases that ran out (their requests were freed)",
                                   value=allocator.num_expired_leases)
 
+
+
+def _tier_hits(pools: list[Pool]) -> Metric:
+    """Prefix-cache hits (the prompt tokens of pagedkv_allocator_prefix_cache_hits) by the
+    tier that served them: the device's blocks, or the CPU tier's copied back."""
+    metric = CounterMetricFamily(
+        "pagedkv_allocator_prefix_cache_tier_hits",
+        "Prompt tokens served from the prefix cache, by tier (device or cpu)",
+        labels=["pool_id", "tier"],
+    )
+    for pool in pools:
+        cpu = pool.num_prefix_cpu_hits
+        metric.add_metric([pool.config.pool_id, "device"], pool.num_prefix_hits - cpu)
+        metric.add_metric([pool.config.pool_id, "cpu"], cpu)
+    return metric

@@ -19,13 +19,14 @@ kind `k`, and `t`, seconds since its segment's header (monotonic, 0.1 ms). Ids a
 Records, by kind:
 
 - pool: a pool registered or reset: num_blocks, block_size, num_cpu_blocks, prefix_caching,
-  reset.
+  reset; num_cpu_cache_blocks (of num_cpu_blocks, the prefix cache's CPU tier) only when not
+  0, so a recording without a tier reads as before.
 - step: every Step the core applied: rows (requests scheduled), used (blocks held after it);
   but for a decode-only step, tokens (computed: a decode one, a prefill chunk many); and
   only when non-empty: swap (1: the call's preemption mode), admit ([id, prompt tokens,
-  cached tokens, resumed 0/1]: new requests admitted), wait (new requests deferred, the first
-  time only), pre ([id, "recompute" or "swap"]: preempted), in (swapped back in), end (freed
-  or aborted by the call).
+  cached tokens (either tier), resumed 0/1]: new requests admitted), wait (new requests
+  deferred, the first time only), pre ([id, "recompute" or "swap"]: preempted), in (swapped
+  back in), end (freed or aborted by the call).
 - free: a Free or Abort call: end.
 - fork: a Fork: parent, num_tokens (the parent's), children.
 - swap_out: a SwapOut call: id.
@@ -139,6 +140,7 @@ class Recorder:
             f'{{"k":"pool","t":{self._now()},"pool":{self._pool(config.pool_id)},'
             f'"num_blocks":{config.num_blocks},"block_size":{config.block_size},'
             f'"num_cpu_blocks":{config.num_cpu_blocks},'
+            f'{_cpu_tier(config)}'
             f'"prefix_caching":{_bool(config.enable_prefix_caching)},'
             f'"reset":{_bool(reset)}}}\n'))
 
@@ -321,6 +323,11 @@ def _quote(text: str) -> str:
 
 def _bool(value: bool) -> str:
     return "true" if value else "false"
+
+
+def _cpu_tier(config: PoolConfig) -> str:
+    tier = config.num_cpu_cache_blocks
+    return f'"num_cpu_cache_blocks":{tier},' if tier else ""
 
 
 def _hash_prefixes(hashes: list[bytes]) -> str:

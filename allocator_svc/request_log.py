@@ -46,6 +46,7 @@ def step_applied(pool_id: str, call: StepCall, result: StepResult) -> None:
         if grant.new_request:
             log.debug("request_admitted", pool_id=pool_id,
                       num_cached_tokens=grant.num_cached_tokens,
+                      num_cpu_cached_tokens=grant.num_cpu_cached_tokens,
                       num_scheduled_tokens=grant.num_scheduled, block_ids=grant.block_ids,
                       **_ids(grant.request_id))
         elif grant.block_ids:

@@ -194,6 +194,7 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
                     num_cached_tokens=m.num_cached_tokens,
                     num_free_blocks=m.num_free_blocks,
                     num_running_requests=m.num_running_requests,
+                    num_cpu_cached_tokens=m.num_cpu_cached_tokens,
                 )
                 for m in matches
             ]

@@ -130,6 +130,7 @@ def info_to_proto(info: ExecutorInfo) -> pb.DescribeResponse:
         num_blocks=info.num_blocks,
         block_size=info.block_size,
         num_cpu_blocks=info.num_cpu_blocks,
+        num_cpu_cache_blocks=info.num_cpu_cache_blocks,
         dtype=info.dtype,
         backend=info.backend,
         device=info.device,

@@ -7,6 +7,8 @@ On CUDA, the weights are loaded first; then one forward pass over the largest st
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import structlog
 import torch
 
@@ -60,17 +62,29 @@ def _profile_peak_bytes(
     return peak
 
 
+class BlockCounts(NamedTuple):
+    num_blocks: int  # on the device
+    num_cpu_blocks: int  # on the CPU: swap space, then the CPU tier
+    num_cpu_cache_blocks: int  # of num_cpu_blocks, the prefix cache's CPU tier
+
+
 def count_blocks(
     settings: ExecutorSettings,
     loaded: LoadedModel,
     spec: KVCacheSpec,
     backend: AttentionBackend,
     max_model_len: int,
-) -> tuple[int, int]:
-    """(device blocks, CPU swap blocks) for these settings."""
-    num_cpu_blocks = spec.blocks_for(int(settings.swap_space * 2**30))
+) -> BlockCounts:
+    """Device blocks and CPU blocks for these settings."""
+    num_cpu_cache_blocks = spec.blocks_for(int(settings.cpu_cache_space * 2**30))
+    if settings.cpu_cache_space > 0 and num_cpu_cache_blocks < 1:
+        raise SettingsError(
+            f"--cpu-cache-space {settings.cpu_cache_space:g} GiB holds no block of "
+            f"{spec.bytes_per_block} bytes: raise it, or 0 for no CPU tier"
+        )
+    num_cpu_blocks = spec.blocks_for(int(settings.swap_space * 2**30)) + num_cpu_cache_blocks
     if settings.num_blocks is not None:
-        return settings.num_blocks, num_cpu_blocks
+        return BlockCounts(settings.num_blocks, num_cpu_blocks, num_cpu_cache_blocks)
     if loaded.device.type == "cuda":
         num_tokens = min(settings.max_num_batched_tokens, max_model_len)
         peak = _profile_peak_bytes(loaded, spec, backend, num_tokens)
@@ -91,4 +105,4 @@ def count_blocks(
             f"the KV budget ({budget} bytes) holds no block of {spec.bytes_per_block} bytes: "
             "raise --kv-cache-memory / --gpu-memory-utilization or lower --block-size"
         )
-    return num_blocks, num_cpu_blocks
+    return BlockCounts(num_blocks, num_cpu_blocks, num_cpu_cache_blocks)

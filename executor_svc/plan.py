@@ -74,16 +74,27 @@ class StepPlan:
     seqs: tuple[PlannedSeq, ...]
 
 
-def _check_copies(name: str, copies: tuple[BlockCopy, ...], num_src: int, num_dst: int) -> None:
+def _check_copies(name: str, copies: tuple[BlockCopy, ...], src: tuple[str, int],
+                  dst: tuple[str, int]) -> None:
+    """`src`, `dst`: which pool each side names ("device" or "CPU") and its size."""
+    (src_kind, num_src), (dst_kind, num_dst) = src, dst
+    written: set[int] = set()
     for copy in copies:
         if not 0 <= copy.src_block_id < num_src:
             raise InvalidArgument(
-                f"{name}: source block {copy.src_block_id} is outside [0, {num_src})"
+                f"{name}: source block {copy.src_block_id} is outside [0, {num_src}) "
+                f"({src_kind} blocks; see Describe)"
             )
         if not 0 <= copy.dst_block_id < num_dst:
             raise InvalidArgument(
-                f"{name}: destination block {copy.dst_block_id} is outside [0, {num_dst})"
+                f"{name}: destination block {copy.dst_block_id} is outside [0, {num_dst}) "
+                f"({dst_kind} blocks; see Describe)"
             )
+        if copy.dst_block_id in written:
+            raise InvalidArgument(
+                f"{name}: destination block {copy.dst_block_id} is written twice in one step"
+            )
+        written.add(copy.dst_block_id)
 
 
 def _check_budget(step: StepRequest, limits: Limits) -> None:
@@ -187,9 +198,10 @@ def plan_step(step: StepRequest, requests: Mapping[str, RequestState], limits: L
     """Check the whole step in the order it would apply; raise before anything changes."""
     released = tuple(dict.fromkeys(r for r in step.release_request_ids if r in requests))
     _check_budget(step, limits)
-    _check_copies("swap_out", step.swap_out, limits.num_blocks, limits.num_cpu_blocks)
-    _check_copies("swap_in", step.swap_in, limits.num_cpu_blocks, limits.num_blocks)
-    _check_copies("copies", step.copies, limits.num_blocks, limits.num_blocks)
+    device, cpu = ("device", limits.num_blocks), ("CPU", limits.num_cpu_blocks)
+    _check_copies("swap_out", step.swap_out, device, cpu)
+    _check_copies("swap_in", step.swap_in, cpu, device)
+    _check_copies("copies", step.copies, device, device)
     gone = set(released)
     seqs = tuple(
         _plan_seq(work, None if work.request_id in gone else requests.get(work.request_id), limits)

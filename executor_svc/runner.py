@@ -54,6 +54,7 @@ class ModelRunner(HeldRequests):
         seed: int,
         idle_release_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        num_cpu_cache_blocks: int = 0,
     ) -> None:
         self.loaded = loaded
         self.cache = cache
@@ -76,6 +77,7 @@ class ModelRunner(HeldRequests):
             vocab_size=loaded.vocab_size,
             max_num_batched_tokens=limits.max_num_batched_tokens,
             max_num_seqs=limits.max_num_seqs,
+            num_cpu_cache_blocks=num_cpu_cache_blocks,
         )
 
     def execute(self, step: StepRequest) -> StepResult:
@@ -200,7 +202,9 @@ def build_runner(settings: ExecutorSettings) -> ModelRunner:
         )
     backend = make_backend(settings.backend, loaded.device)
     spec = KVCacheSpec.from_config(loaded.config, settings.block_size, loaded.dtype)
-    num_blocks, num_cpu_blocks = count_blocks(settings, loaded, spec, backend, max_model_len)
+    num_blocks, num_cpu_blocks, num_cpu_cache_blocks = count_blocks(
+        settings, loaded, spec, backend, max_model_len
+    )
     cache = KVCache.allocate(spec, num_blocks, num_cpu_blocks, loaded.device)
     limits = Limits(
         num_blocks=num_blocks,
@@ -215,9 +219,11 @@ def build_runner(settings: ExecutorSettings) -> ModelRunner:
         "kv_cache_allocated",
         num_blocks=num_blocks,
         num_cpu_blocks=num_cpu_blocks,
+        num_cpu_cache_blocks=num_cpu_cache_blocks,
         block_size=settings.block_size,
         bytes_per_block=spec.bytes_per_block,
         max_model_len=max_model_len,
     )
     return ModelRunner(loaded, cache, backend, limits, settings.seed,
-                       idle_release_s=settings.idle_release_s)
+                       idle_release_s=settings.idle_release_s,
+                       num_cpu_cache_blocks=num_cpu_cache_blocks)

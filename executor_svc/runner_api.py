@@ -33,6 +33,7 @@ class ExecutorInfo:
     vocab_size: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    num_cpu_cache_blocks: int = 0  # of num_cpu_blocks, the prefix cache's CPU tier
 
 
 class StepRunner(Protocol):

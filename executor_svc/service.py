@@ -109,8 +109,12 @@ class _RunnerCollector(Collector):
                                 value=len(self.runner.requests))
         yield GaugeMetricFamily("pagedkv_executor_kv_blocks", "KV blocks on the device",
                                 value=info.num_blocks)
-        yield GaugeMetricFamily("pagedkv_executor_cpu_kv_blocks", "KV blocks for swap, on CPU",
+        yield GaugeMetricFamily("pagedkv_executor_cpu_kv_blocks",
+                                "KV blocks on CPU: swap space and the prefix cache's CPU tier",
                                 value=info.num_cpu_blocks)
+        yield GaugeMetricFamily("pagedkv_executor_cpu_cache_kv_blocks",
+                                "Of the CPU KV blocks, those for the prefix cache's CPU tier",
+                                value=info.num_cpu_cache_blocks)
         labels = {"model": info.model_name, "backend": info.backend, "device": info.device,
                   "dtype": info.dtype, "instance_id": info.instance_id}
         metric = GaugeMetricFamily("pagedkv_executor_info", "This executor (value 1)",

@@ -22,6 +22,7 @@ from common.credentials import (
 from common.metrics import MetricsEndpoint, add_metrics_flags, metrics_endpoint
 from common.model_dirs import DEFAULT_MODEL as EMBEDDED_MODEL
 from common.model_dirs import missing_model_message
+from executor_svc.host_memory import available_host_bytes
 
 DEFAULT_PORT = 50053
 # Executors on one host each need their own (the launcher passes them); the default is
@@ -67,6 +68,9 @@ class ExecutorSettings:
     num_blocks: int | None = None  # overrides the budget (tests, debugging)
     gpu_memory_utilization: float = 0.9
     swap_space: float = 0.25  # GiB of CPU blocks for swap-out
+    # GiB of CPU blocks for the prefix cache's CPU tier: cached blocks evicted from the device
+    # are kept there and copied back on a hit (0: off).
+    cpu_cache_space: float = 0.0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -129,6 +133,8 @@ class ExecutorSettings:
                 "--gpu-memory-utilization must be in (0, 1], e.g. 0.9",
             ),
             (self.swap_space >= 0, "--swap-space must be >= 0 GiB"),
+            (self.cpu_cache_space >= 0, "--cpu-cache-space must be >= 0 GiB (0: no CPU tier)"),
+            host_memory_check(self.swap_space, self.cpu_cache_space),
             (self.max_num_batched_tokens > 0, "--max-num-batched-tokens must be positive"),
             (self.max_num_seqs > 0, "--max-num-seqs must be positive"),
             (self.idle_release_s >= 0, "--idle-release-s must be >= 0 (0: never)"),
@@ -145,6 +151,19 @@ class ExecutorSettings:
             if not ok:
                 raise SettingsError(message)
         return self
+
+
+def host_memory_check(swap_space: float, cpu_cache_space: float) -> tuple[bool, str]:
+    """The CPU blocks (swap space and the CPU tier) must fit the machine's available memory."""
+    if cpu_cache_space <= 0 or swap_space < 0:
+        return True, ""
+    available = available_host_bytes()
+    wanted = (swap_space + cpu_cache_space) * 2**30
+    gib = available / 2**30
+    return wanted <= available, (
+        f"--cpu-cache-space {cpu_cache_space:g} GiB (with --swap-space {swap_space:g} GiB) is "
+        f"more than this machine's {gib:.1f} GiB of available memory; lower it (0: no CPU tier)"
+    )
 
 
 def pool_name_check(name: str) -> tuple[bool, str]:
@@ -190,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="fraction of GPU memory for weights, activations and KV",
     )
     add_flag(p, "--swap-space", type=float, default=d.swap_space, help="GiB of CPU swap blocks")
+    add_flag(p, "--cpu-cache-space", type=float, default=d.cpu_cache_space,
+             help="GiB of CPU blocks for the prefix cache's CPU tier: cached blocks evicted "
+             "from the device are kept there and copied back on a hit (0: off)")
     add_flag(
         p, "--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="per step"
     )

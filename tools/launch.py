@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -40,6 +40,8 @@ from common.config import add_flag
 from common.credentials import INTERNAL_TOKEN_ENV, InternalAuth, TlsFiles
 from common.model_dirs import DEFAULT_MODEL, PRESETS_DIR
 from common.sharding import MAX_SHARDS
+from executor_svc.host_memory import available_host_bytes
+from executor_svc.settings import build_parser as executor_parser
 from pagedkv_client import NO_RETRY, Client, PagedkvError
 from tools.flag_routing import UsageError, route_flags, service_flags
 from tools.health_probe import is_serving
@@ -478,6 +480,9 @@ def parse_spec(argv: list[str] | None = None) -> StackSpec:
         routed = route_flags(extra, service_flags())
     except UsageError as exc:
         p.error(str(exc))
+    problem = cpu_blocks_problem(routed["executor"], args.num_executors)
+    if problem is not None:
+        p.error(problem)
     return StackSpec(
         model=_model_dir(args.model), num_executors=args.num_executors,
         allocator_shards=args.allocator_shards, host=args.host,
@@ -489,6 +494,22 @@ def parse_spec(argv: list[str] | None = None) -> StackSpec:
         executor_args=("--load-format", args.load_format, *routed["executor"]),
         gateway_args=tuple(routed["gateway"]), log_dir=args.log_dir, tls_dir=args.tls_dir,
     )
+
+
+def cpu_blocks_problem(executor_args: Sequence[str], num_executors: int) -> str | None:
+    """The executors started here keep their CPU blocks (swap space and the prefix cache's
+    CPU tier) in this machine's memory: what they could not all get is refused before
+    anything starts."""
+    flags, _ = executor_parser().parse_known_args(list(executor_args))
+    swap, tier = flags.swap_space, flags.cpu_cache_space
+    if tier < 0:
+        return "--cpu-cache-space must be >= 0 GiB (0: no CPU tier)"
+    available = available_host_bytes()
+    if tier == 0 or swap < 0 or num_executors * (swap + tier) * 2**30 <= available:
+        return None
+    return (f"{num_executors} executor(s) x (--cpu-cache-space {tier:g} + --swap-space "
+            f"{swap:g} GiB) is more than this machine's {available / 2**30:.1f} GiB of available "
+            "memory; lower it (0: no CPU tier)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
 
+from allocator_svc.core.cpu_blocks import CpuEntry
 from allocator_svc.core.leases import Lease, LeaseTable
 from allocator_svc.core.limits import Limits
 from allocator_svc.core.pins import Pin, PinStatus, pin_budget
@@ -49,6 +50,7 @@ class PrefixMatch:
     num_cached_tokens: int
     num_free_blocks: int
     num_running_requests: int
+    num_cpu_cached_tokens: int = 0  # of num_cached_tokens, in the CPU tier
 
 
 class Allocator:
@@ -152,8 +154,10 @@ class Allocator:
         for commit in commits:
             pool.commit(pool.requests[commit.request_id], commit.num_computed)
         if released:
-            for request_id in (*free_ids, *abort_ids):
+            for request_id in free_ids:
                 pool.free(pool.requests[request_id])
+            for request_id in abort_ids:
+                pool.abort(pool.requests[request_id])
         result = run_step(
             pool, items, call.mode, lease_id, decodes, decode_requests, call.step_id,
             self.limits.max_blocks_per_tenant,
@@ -175,6 +179,7 @@ class Allocator:
         request_ids: list[str],
         lease_id: str | None = None,
         commit_through: int = 0,
+        aborted: bool = False,
     ) -> Pool:
         pool = self.pool(pool_id, epoch)
         self._check_owner(pool, chain(request_ids, (c.request_id for c in commits)), lease_id)
@@ -185,15 +190,16 @@ class Allocator:
             pool.scheduled.commit_through(pool, lease_id, commit_through)
         for commit in commits:
             pool.commit(pool.requests[commit.request_id], commit.num_computed)
+        release = pool.abort if aborted else pool.free
         for request_id in request_ids:
-            pool.free(pool.requests[request_id])
+            release(pool.requests[request_id])
         return pool
 
     def abort(
         self, pool_id: str, epoch: int, request_ids: list[str], lease_id: str | None = None
     ) -> Pool:
         """Free without committing: blocks whose KV was never confirmed are not cached."""
-        return self.free(pool_id, epoch, [], request_ids, lease_id)
+        return self.free(pool_id, epoch, [], request_ids, lease_id, aborted=True)
 
     def fork(
         self,
@@ -235,6 +241,7 @@ class Allocator:
         if request.swapped:
             raise FailedPrecondition(f"request {request_id!r} is already swapped out")
         copies = pool.swap_out(request)
+        pool.cpu.end_step()  # nothing else is in this "step": its blocks are not busy after it
         if copies is None:
             raise ResourceExhausted(
                 f"pool {pool_id!r} has {len(pool.free_cpu_block_ids)} free CPU blocks; "
@@ -251,12 +258,14 @@ class Allocator:
         matches = []
         for pool in pools:
             hits, _ = pool.match_prefix(pool.root(cache_salt), token_ids)
+            num_cpu = sum(1 for hit in hits if isinstance(hit, CpuEntry))
             matches.append(
                 PrefixMatch(
                     pool.config.pool_id,
                     len(hits) * pool.block_size,
                     pool.blocks.num_free,
                     len(pool.requests),
+                    num_cpu * pool.block_size,
                 )
             )
         return matches

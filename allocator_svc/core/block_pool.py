@@ -10,12 +10,16 @@ any pin names it: taken when the pin is made if the hash is cached then, else th
 commit caches it. So a pinned block never enters the free queue and is never evicted; when
 the last pin naming it goes, the reference is dropped like a request's and the block goes to
 the LRU tail, still cached and revivable.
+
+NOTE: with a CPU tier (cpu_blocks.py), evicting a cached block first offers its KV to the
+tier, which plans a device -> CPU copy of it; the block is then reused as without one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from allocator_svc.core.cpu_blocks import CpuBlocks
 from allocator_svc.core.events import EventLog
 from allocator_svc.core.free_queue import Block, FreeQueue
 
@@ -35,6 +39,7 @@ class BlockPool:
         # of them: the rest are pending, attached when a commit caches them).
         self.pinned: set[bytes] = set()
         self.num_pinned = 0
+        self.cpu_tier: CpuBlocks | None = None  # where evicted cached blocks go (None: nowhere)
 
     @property
     def num_free(self) -> int:
@@ -173,11 +178,13 @@ class BlockPool:
         self.events.pin_run(True, hashes, [b.block_id for b in blocks])
 
     def _evict(self, blocks: list[Block]) -> None:
-        cached, by_key = self.cached, self.by_key
+        cached, by_key, tier = self.cached, self.by_key, self.cpu_tier
         hashes = []
         for block in blocks:
             block_hash, key = block.block_hash, block.chain_key
             assert block_hash is not None and key is not None and cached.get(block_hash) is block
+            if tier is not None:
+                tier.keep(block.block_id, block_hash, key)
             del cached[block_hash]
             del by_key[key]
             block.block_hash = block.chain_key = None

@@ -1,8 +1,9 @@
-"""One executor's pool: block pool, CPU swap blocks and the requests holding blocks of it.
+"""One executor's pool: block pool, CPU blocks and the requests holding blocks of it.
 
 Every operation on a request lives here, so the ways a block table changes are on one page:
-admit (with prefix lookup), allocate (with copy-on-write), commit, free, fork, swap out/in.
-Operations that can fall short return None and change nothing; callers validate arguments.
+admit (with prefix lookup in both tiers), allocate (with copy-on-write), commit, free, fork,
+swap out/in. Operations that can fall short return None and change nothing; callers validate
+arguments.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from allocator_svc.core.block_pool import BlockPool
+from allocator_svc.core.cpu_blocks import CpuBlocks, CpuEntry
 from allocator_svc.core.events import EventLog
 from allocator_svc.core.free_queue import Block
 from allocator_svc.core.hashing import BlockHasher, pack_tokens, root_hash
@@ -31,6 +33,8 @@ class PoolConfig:
     model_fingerprint: str
     executor_instance_id: str
     enable_prefix_caching: bool
+    # Of num_cpu_blocks, how many may hold the prefix cache's CPU tier (0: no tier).
+    num_cpu_cache_blocks: int = 0
 
 
 class Pool:
@@ -43,10 +47,14 @@ class Pool:
         self.events = EventLog(event_capacity)
         self.blocks = BlockPool(config.num_blocks, config.enable_prefix_caching, self.events)
         self.pins = PinTable(self.blocks, pin_budget)  # the operator's pinned prefixes
-        self.free_cpu_block_ids: list[int] = list(range(config.num_cpu_blocks - 1, -1, -1))
+        tier = config.num_cpu_cache_blocks if config.enable_prefix_caching else 0
+        self.cpu = CpuBlocks(config.num_cpu_blocks, tier)
+        if tier:
+            self.blocks.cpu_tier = self.cpu
         self.requests: dict[str, Request] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up at admission
         self.num_prefix_hits = 0  # of which served from the cache
+        self.num_prefix_cpu_hits = 0  # of which copied back from the CPU tier
         # The same for requests readmitted after a recompute preemption (not in the above).
         self.num_resumed_prefix_queries = 0
         self.num_resumed_prefix_hits = 0
@@ -57,7 +65,7 @@ class Pool:
         self._roots: dict[str, bytes] = {}  # cache_salt -> chain root
         self.hash_block = BlockHasher(config.block_size)
         # Per lease, what its steps granted and no call has committed yet (scheduled_steps.py).
-        self.scheduled = ScheduledSteps()
+        self.scheduled = ScheduledSteps(self.cpu)
         # Requests whose last token is PENDING: granted, its value not known yet.
         self.pending: set[str] = set()
 
@@ -69,6 +77,10 @@ class Pool:
             root = self._roots[cache_salt] = root_hash(self.config.model_fingerprint, cache_salt)
         return root
 
+    @property
+    def free_cpu_block_ids(self) -> list[int]:
+        return self.cpu.free_ids
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -77,41 +89,66 @@ class Pool:
         num_blocks = len(token_ids) // self.block_size
         return self.hash_block.chain_with_keys(self.root(cache_salt), token_ids, num_blocks)[0]
 
-    def match_prefix(self, root: bytes, token_ids: list[int]) -> tuple[list[Block], list[bytes]]:
-        """Longest run of cached full blocks, capped so the last token is always computed."""
-        hits: list[Block] = []
+    def match_prefix(
+        self, root: bytes, token_ids: list[int]
+    ) -> tuple[list[Block | CpuEntry], list[bytes]]:
+        """Longest run of cached full blocks, each on the device or else in the CPU tier,
+        capped so the last token is always computed."""
+        hits: list[Block | CpuEntry] = []
         hashes: list[bytes] = []
         if not self.config.enable_prefix_caching:
             return hits, hashes
         num_blocks = (len(token_ids) - 1) // self.block_size
         packed = pack_tokens(token_ids[: num_blocks * self.block_size])
         stride, by_key, parent = 4 * self.block_size, self.blocks.by_key, root
+        tier = self.cpu if self.cpu.capacity else None
         for start in range(0, len(packed), stride):
             # Indexed by the hash input: a cached block's hash is read, not recomputed.
-            block = by_key.get(parent + packed[start : start + stride])
-            if block is None:
+            key = parent + packed[start : start + stride]
+            hit: Block | CpuEntry | None = by_key.get(key)
+            if hit is None and tier is not None:
+                hit = tier.lookup(key)
+            if hit is None:
                 break
-            parent = block.block_hash  # type: ignore[assignment]
-            hits.append(block)
+            parent = hit.block_hash  # type: ignore[assignment]
+            hits.append(hit)
             hashes.append(parent)
         return hits, hashes
 
-    def admit(self, request: Request, num_tokens: int, resumed: bool = False) -> Grant | None:
-        """Admit a new request: cached prefix first, then slots for `num_tokens` more.
-        `resumed`: it was preempted by recompute; its lookup is counted apart."""
+    def admit(
+        self,
+        request: Request,
+        num_tokens: int,
+        swap_in: list[BlockCopy],
+        resumed: bool = False,
+    ) -> Grant | None:
+        """Admit a new request: cached prefix first (CPU-tier hits copied back by `swap_in`),
+        then slots for `num_tokens` more. `resumed`: it was preempted by recompute; its lookup
+        is counted apart."""
         hits, hashes = self.match_prefix(request.root_hash, request.token_ids)
         num_cached = len(hits) * self.block_size
         num_scheduled = min(num_tokens, len(request.token_ids) - num_cached)
-        num_new = self.blocks_for(num_cached + num_scheduled) - len(hits)
-        num_revived = sum(1 for block in hits if block.ref_count == 0)
+        on_device = [b for b in hits if isinstance(b, Block)]
+        num_new = self.blocks_for(num_cached + num_scheduled) - len(on_device)
+        num_revived = sum(1 for block in on_device if block.ref_count == 0)
         if num_new + num_revived > self.blocks.num_free:
             return None
-        self.blocks.touch(hits)
-        fresh = self.blocks.allocate(num_new)
+        loaded = len(hits) - len(on_device)
+        if loaded:
+            request.blocks = self._load_hits(hits, swap_in)
+            # NOTE: the loaded blocks hold nothing until this step's swap-ins run: they (and
+            # every block after the first) enter the device cache through this step's commit.
+            first = next(i for i, b in enumerate(hits) if not isinstance(b, Block))
+            hashes = hashes[:first]
+        else:
+            self.blocks.touch(on_device)
+            request.blocks = on_device
+        fresh = self.blocks.allocate(num_new - loaded)
         assert fresh is not None, "admission checked the free count"
-        request.blocks = hits + fresh
+        request.blocks += fresh
         request.block_hashes = hashes
         request.num_cached_tokens = request.num_computed = request.num_committed = num_cached
+        request.num_cpu_cached_tokens = loaded * self.block_size
         if self.config.enable_prefix_caching:
             if resumed:
                 self.num_resumed_prefix_queries += len(request.token_ids)
@@ -119,6 +156,7 @@ class Pool:
             else:
                 self.num_prefix_queries += len(request.token_ids)
                 self.num_prefix_hits += num_cached
+                self.num_prefix_cpu_hits += request.num_cpu_cached_tokens
         self.requests[request.request_id] = request
         grant = Grant(
             request.request_id,
@@ -128,9 +166,31 @@ class Pool:
             num_cached,
             num_cached,
             new_request=True,
+            num_cpu_cached_tokens=request.num_cpu_cached_tokens,
         )
         request.num_computed += num_scheduled
         return grant
+
+    def _load_hits(self, hits: list[Block | CpuEntry], swap_in: list[BlockCopy]) -> list[Block]:
+        """The table of a prefix with hits in the CPU tier: device hits as they are, a fresh
+        block for each CPU hit with a copy into it. The entries are marked busy before any
+        allocation, so the evictions it causes never write over them."""
+        entries = [h for h in hits if not isinstance(h, Block)]
+        for entry in entries:
+            self.cpu.load(entry)
+        self.blocks.touch(h for h in hits if isinstance(h, Block))
+        fresh = self.blocks.allocate(len(entries))
+        assert fresh is not None, "admission checked the free count"
+        loads = iter(fresh)
+        table: list[Block] = []
+        for hit in hits:
+            if isinstance(hit, Block):
+                table.append(hit)
+            else:
+                block = next(loads)
+                swap_in.append(BlockCopy(hit.cpu_block_id, block.block_id))
+                table.append(block)
+        return table
 
     def blocks_needed(self, request: Request, num_tokens: int) -> int:
         """Free blocks `allocate` would take: new slots plus a copy-on-write copy."""
@@ -273,8 +333,14 @@ class Pool:
         self.blocks.free(reversed(request.blocks))
         request.blocks = []
         if request.cpu_block_ids is not None:
-            self.free_cpu_block_ids.extend(request.cpu_block_ids)
+            self.cpu.release(request.cpu_block_ids)
             request.cpu_block_ids = None
+
+    def abort(self, request: Request) -> None:
+        """Free without a commit: a step that scheduled it may have been refused, so the
+        CPU-tier copies that step planned are not trusted (scheduled_steps.py)."""
+        self.scheduled.aborted(request)
+        self.free(request)
 
     def fork(self, parent: Request, child_ids: list[str]) -> list[Request]:
         children = []
@@ -298,10 +364,11 @@ class Pool:
         return children
 
     def swap_out(self, request: Request) -> list[BlockCopy] | None:
-        """Move a request's blocks to CPU blocks; None if swap space is short."""
-        if len(request.blocks) > len(self.free_cpu_block_ids):
+        """Move a request's blocks to CPU blocks (evicting CPU-tier entries if need be); None
+        if swap space is short."""
+        cpu_ids = self.cpu.take(len(request.blocks))
+        if cpu_ids is None:
             return None
-        cpu_ids = [self.free_cpu_block_ids.pop() for _ in request.blocks]
         copies = [BlockCopy(b.block_id, c) for b, c in zip(request.blocks, cpu_ids, strict=True)]
         self.blocks.free(reversed(request.blocks))
         request.blocks = []
@@ -323,7 +390,7 @@ class Pool:
         self.scheduled.drop(request)  # older steps' counts must not commit into `fresh`
         self.num_swap_ins += 1
         self.num_swapped_in_blocks += len(cpu_ids)
-        self.free_cpu_block_ids.extend(cpu_ids)
+        self.cpu.release_after_step(cpu_ids)
         request.cpu_block_ids = None
         request.blocks = fresh
         # NOTE: the fresh blocks hold nothing until this step's swap-in copies run, so they
@@ -340,9 +407,14 @@ class Pool:
             assert hashlib.sha256(key).digest() == block.block_hash, (
                 f"block {block.block_id} is indexed by an input that does not hash to its hash"
             )
-        cpu_held = [c for r in self.requests.values() for c in (r.cpu_block_ids or ())]
-        all_cpu = sorted(cpu_held + self.free_cpu_block_ids)
-        assert all_cpu == list(range(self.config.num_cpu_blocks)), "CPU blocks lost or doubled"
+        self.cpu.check_invariants(
+            [c for r in self.requests.values() for c in (r.cpu_block_ids or ())],
+            self.scheduled.unsettled(),
+        )
+        for key, entry in self.cpu.by_key.items():
+            assert hashlib.sha256(key).digest() == entry.block_hash, (
+                f"CPU entry {entry.cpu_block_id} is indexed by an input that does not hash to it"
+            )
         for request in self.requests.values():
             if not request.swapped:
                 assert len(request.blocks) == self.blocks_for(request.num_computed), (

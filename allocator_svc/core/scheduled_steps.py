@@ -11,6 +11,12 @@ failed is covered by a later N too: the caller aborts its requests before (or in
 call), and an aborted or freed request is never committed. An unnumbered step (0) keeps
 nothing: its caller commits with explicit commits. The pool does the committing
 (Pool.commit_run).
+
+What a step did to the CPU tier (cpu_blocks.py: the cached blocks it evicted there, the
+entries it copied back) is kept with it too and settled when it is committed: its entries are
+then written, unless one of its requests was aborted before (the executor may have refused the
+step: they are dropped). A step that is never committed (pushed out of the kept steps, its
+lease expired) drops its entries. An unnumbered step's are settled at once, as written.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from typing import Protocol
 
+from allocator_svc.core.cpu_blocks import CpuBlocks, TierOps
 from allocator_svc.core.request import Request
 from common.errors import InvalidArgument
 
@@ -35,14 +43,23 @@ class Committer(Protocol):
     def commit_run(self, requests: list[Request], counts: Iterable[int]) -> None: ...
 
 
+@dataclass(slots=True, eq=False)
+class KeptStep:
+    step_id: int
+    requests: list[Request]  # the requests it scheduled ...
+    counts: list[int]  # ... each at the count it granted
+    tier: TierOps | None = None  # what it did to the CPU tier
+
+
 class ScheduledSteps:
     """Per lease (None: no lease): its numbered steps not yet committed, oldest first, and
     the newest id it has sent. Two leases may step the same pool."""
 
-    __slots__ = ("kept", "newest")
+    __slots__ = ("cpu", "kept", "newest")
 
-    def __init__(self) -> None:
-        self.kept: dict[str | None, deque[tuple[int, list[Request], list[int]]]] = {}
+    def __init__(self, cpu: CpuBlocks | None = None) -> None:
+        self.cpu = cpu  # the CPU tier the kept steps' TierOps settle in
+        self.kept: dict[str | None, deque[KeptStep]] = {}
         self.newest: dict[str | None, int] = {}
 
     def check(self, lease_id: str | None, step_id: int, commit_through: int) -> None:
@@ -60,15 +77,19 @@ class ScheduledSteps:
                 f"newest is {newest}): commit only steps whose batches executed"
             )
 
-    def record(self, lease_id: str | None, step_id: int, requests: list[Request]) -> None:
-        """What step `step_id` granted: each request at its count now. 0: nothing kept."""
+    def record(self, lease_id: str | None, step_id: int, requests: list[Request],
+               tier: TierOps | None = None) -> None:
+        """What step `step_id` granted: each request at its count now, and what it did to
+        the CPU tier. 0: nothing kept (its tier work is settled as done)."""
         if not step_id:
+            self._settle(tier, ran=True)
             return
         self.newest[lease_id] = step_id
         kept = self.kept.setdefault(lease_id, deque())
-        kept.append((step_id, requests, [r.num_computed for r in requests]))
+        kept.append(KeptStep(step_id, requests, [r.num_computed for r in requests], tier))
         if len(kept) > MAX_KEPT_STEPS:
-            kept.popleft()  # never committed: its blocks stay out of the prefix cache
+            # Never committed: its blocks stay out of the prefix cache, its CPU entries go.
+            self._settle(kept.popleft().tier, ran=False)
 
     def commit_through(
         self,
@@ -80,13 +101,18 @@ class ScheduledSteps:
         """Commit every kept step of the lease up to `step_id`, oldest first, but for the
         requests in `aborted` (an abort commits nothing)."""
         kept = self.kept.get(lease_id)
-        while kept and kept[0][0] <= step_id:
-            _, requests, counts = kept.popleft()
+        while kept and kept[0].step_id <= step_id:
+            step = kept.popleft()
+            requests, counts = step.requests, step.counts
             if aborted:
                 pairs = [(r, c) for r, c in zip(requests, counts, strict=True)
                          if r.request_id not in aborted]
+                if step.tier is not None and len(pairs) < len(requests):
+                    step.tier.tainted = True
                 requests, counts = [r for r, _ in pairs], [c for _, c in pairs]
             pool.commit_run(requests, counts)
+            if step.tier is not None:
+                self._settle(step.tier, ran=not step.tier.tainted)
 
     def drop(self, request: Request) -> None:
         """The request's KV moved to blocks that a later batch writes (a swap-in's copies run
@@ -95,11 +121,32 @@ class ScheduledSteps:
         kept = self.kept.get(request.lease_id)
         if kept is None:
             return
-        for index, (step_id, requests, counts) in enumerate(kept):
-            if any(r is request for r in requests):
-                pairs = [(r, c) for r, c in zip(requests, counts, strict=True) if r is not request]
-                kept[index] = (step_id, [r for r, _ in pairs], [c for _, c in pairs])
+        for step in kept:
+            if any(r is request for r in step.requests):
+                pairs = [(r, c) for r, c in zip(step.requests, step.counts, strict=True)
+                         if r is not request]
+                step.requests, step.counts = [r for r, _ in pairs], [c for _, c in pairs]
+
+    def aborted(self, request: Request) -> None:
+        """The request is aborted: a kept step that scheduled it may have been refused by the
+        executor, so the CPU-tier entries that step was to write are dropped when it is
+        committed (their blocks stay reserved until then: the step may still be running).
+        Every lease's steps are looked at: a call without a lease may step any request."""
+        for steps in self.kept.values():
+            for step in steps:
+                if step.tier is not None and any(r is request for r in step.requests):
+                    step.tier.tainted = True
 
     def forget(self, lease_id: str | None) -> None:
-        self.kept.pop(lease_id, None)
+        for step in self.kept.pop(lease_id, ()):
+            self._settle(step.tier, ran=False)
         self.newest.pop(lease_id, None)
+
+    def unsettled(self) -> list[TierOps]:
+        """The kept steps' CPU-tier work (for the invariants)."""
+        return [s.tier for steps in self.kept.values() for s in steps if s.tier is not None]
+
+    def _settle(self, tier: TierOps | None, ran: bool) -> None:
+        if tier is not None:
+            assert self.cpu is not None, "CPU-tier work without a CPU tier"
+            self.cpu.settle(tier, ran)

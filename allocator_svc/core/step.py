@@ -156,7 +156,7 @@ def run_step(
         if not _run_plain_decodes(pool, decodes, decode_requests, result):
             items = decodes.as_items() + items
         elif not items:  # the common step: served
-            pool.scheduled.record(lease_id, step_id, decode_requests)
+            _finish(pool, lease_id, step_id, decode_requests, result)
             return result
         else:
             scheduled.extend(decode_requests)
@@ -242,8 +242,24 @@ def run_step(
             quota.add(admitted)
         if grant.num_scheduled:
             scheduled.append(admitted)
-    pool.scheduled.record(lease_id, step_id, scheduled)
+    _finish(pool, lease_id, step_id, scheduled, result)
     return result
+
+
+def _finish(pool: Pool, lease_id: str | None, step_id: int, scheduled: list[Request],
+            result: StepResult) -> None:
+    """Keep what the step granted for its commit, with the CPU-tier copies of the cached
+    blocks it evicted (swap-outs: the executor applies them before anything else)."""
+    ended = pool.cpu.end_step()
+    if ended is None:  # most steps
+        pool.scheduled.record(lease_id, step_id, scheduled)
+        return
+    copies, tier = ended
+    if copies:
+        result.swap_out.extend(copies)
+    if tier is not None and step_id and not scheduled:
+        tier.tainted = True  # nothing of it can be aborted: never trusted
+    pool.scheduled.record(lease_id, step_id, scheduled, tier)
 
 
 def _run_plain_decodes(
@@ -360,4 +376,4 @@ def _admit(pool: Pool, item: StepItem, lease_id: str | None, result: StepResult)
     prompt = list(item.prompt_token_ids)
     request = Request(item.request_id, lease_id, pool.root(item.cache_salt), prompt, len(prompt),
                       tenant=item.tenant)
-    return pool.admit(request, item.num_tokens, resumed=item.resumed)
+    return pool.admit(request, item.num_tokens, result.swap_in, resumed=item.resumed)

@@ -38,6 +38,11 @@ def check_pool_config(config: PoolConfig, limits: Limits) -> None:
             f"num_cpu_blocks={config.num_cpu_blocks} is out of range: "
             f"0..{limits.max_cpu_blocks_per_pool}"
         )
+    if config.num_cpu_cache_blocks > config.num_cpu_blocks:
+        raise InvalidArgument(
+            f"num_cpu_cache_blocks={config.num_cpu_cache_blocks} is more than the pool's "
+            f"num_cpu_blocks={config.num_cpu_blocks}: the CPU tier lives in its CPU blocks"
+        )
 
 
 def check_length(name: str, value: str, limit: int) -> None:

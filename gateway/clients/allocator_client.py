@@ -38,6 +38,7 @@ class PoolSpec:
     enable_prefix_caching: bool
     executor_address: str = ""  # where the allocator may confirm the instance id
     num_shards: int = 1  # the allocator shards this gateway splits pools across
+    num_cpu_cache_blocks: int = 0  # the executor's CPU tier (of num_cpu_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +151,7 @@ class AllocatorClient(InternalChannel):
                     enable_prefix_caching=spec.enable_prefix_caching,
                     executor_address=spec.executor_address,
                     num_shards=spec.num_shards,
+                    num_cpu_cache_blocks=spec.num_cpu_cache_blocks,
                 ),
                 metadata=self.auth_metadata,
                 timeout=self.timeout_s,

@@ -42,6 +42,7 @@ class ExecutorDescription:
     # before the previous one returns.
     uses_sampled_tokens: bool = False
     pool_name: str = ""  # its stable pool name ("": name the pool by the address)
+    num_cpu_cache_blocks: int = 0  # of num_cpu_blocks, the prefix cache's CPU tier
 
 
 def _copies(copies: Sequence[BlockCopy]) -> list[pb.BlockCopy]:
@@ -138,6 +139,7 @@ class ExecutorClient(InternalChannel):
             max_num_seqs=r.max_num_seqs,
             uses_sampled_tokens=r.uses_sampled_tokens,
             pool_name=r.pool_name[:256],
+            num_cpu_cache_blocks=r.num_cpu_cache_blocks,
         )
 
     async def execute(

@@ -51,6 +51,7 @@ class PoolLink:
                 enable_prefix_caching=self.enable_prefix_caching,
                 executor_address=self.executor.address,
                 num_shards=self.num_shards,
+                num_cpu_cache_blocks=d.num_cpu_cache_blocks,
             )
         )
         # Requests admitted from now on join the current lease.

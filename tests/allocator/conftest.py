@@ -73,12 +73,14 @@ def decode(request_id: str, token: int) -> StepItem:
 
 
 def make_harness(
-    num_blocks: int = 8, block_size: int = 4, num_cpu_blocks: int = 0, caching: bool = True
+    num_blocks: int = 8, block_size: int = 4, num_cpu_blocks: int = 0, caching: bool = True,
+    num_cpu_cache_blocks: int = 0,
 ) -> Harness:
     now = [0.0]
     allocator = Allocator(Limits(max_batch_items=64), clock=lambda: now[0])
     pool, _ = allocator.register_pool(
-        PoolConfig("pool-a", num_blocks, block_size, num_cpu_blocks, "fp", "inst-1", caching)
+        PoolConfig("pool-a", num_blocks, block_size, num_cpu_blocks, "fp", "inst-1", caching,
+                   num_cpu_cache_blocks)
     )
     return Harness(allocator, pool, now=now)
 

@@ -11,8 +11,11 @@ from allocator_svc.core.pool import Pool
 def free_all_and_check_no_leak(allocator: Allocator, pool: Pool, request_ids: Iterable[str],
                                num_blocks: int, num_cpu_blocks: int,
                                lease_id: str | None = None) -> None:
-    """Once every request is freed, every block is free again, GPU and CPU."""
+    """Once every request is freed, every block is free again, GPU and CPU (a CPU block
+    either free or a CPU-tier entry, which no request holds)."""
     allocator.free("p", pool.epoch, [], sorted(request_ids), lease_id)
     allocator.check_invariants()
     assert pool.blocks.num_free == num_blocks
-    assert len(pool.free_cpu_block_ids) == num_cpu_blocks
+    assert pool.cpu.num_free + len(pool.cpu.entries) == num_cpu_blocks, (
+        pool.cpu.free_ids, [(e.cpu_block_id, e.written) for e in pool.cpu.entries.values()],
+        [(r.request_id, r.cpu_block_ids) for r in pool.requests.values()])

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-cpu-blocks", type=int, default=None,
                    help="swap space in blocks (default: the recorded pool's; with swap and "
                    "none recorded: as many as --num-blocks)")
+    p.add_argument("--num-cpu-cache-blocks", type=int, default=None,
+                   help="the prefix cache's CPU tier in blocks, beside the swap space "
+                   "(default: the recorded pool's; 0: no tier)")
     p.add_argument("--max-num-seqs", type=_positive, default=256)
     p.add_argument("--max-num-batched-tokens", type=_positive, default=2048)
     p.add_argument("--async-depth", type=int, choices=(1, 2), default=2,
@@ -102,12 +105,16 @@ def configs(trace: PoolTrace, args: argparse.Namespace) -> list[ReplayConfig]:
         for size in args.num_blocks:
             num_blocks = (size if isinstance(size, int) else
                           max(1, round(size * shape.num_blocks * shape.block_size / block_size)))
-            cpu = args.num_cpu_blocks
+            tier = args.num_cpu_cache_blocks
+            if tier is None:
+                tier = shape.num_cpu_cache_blocks
+            cpu = args.num_cpu_blocks  # swap space: the recorded CPU blocks but the tier's
             if cpu is None:
-                cpu = shape.num_cpu_blocks or (num_blocks if mode == "swap" else 0)
-            out.append(ReplayConfig(num_blocks, block_size, mode, cpu, shape.prefix_caching,
-                                    args.max_num_seqs, args.max_num_batched_tokens, step,
-                                    args.async_depth))
+                cpu = (shape.num_cpu_blocks - shape.num_cpu_cache_blocks
+                       or (num_blocks if mode == "swap" else 0))
+            out.append(ReplayConfig(num_blocks, block_size, mode, cpu + tier,
+                                    shape.prefix_caching, args.max_num_seqs,
+                                    args.max_num_batched_tokens, step, args.async_depth, tier))
     return out
 
 
@@ -118,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--step-ms must be > 0")
     if args.num_cpu_blocks is not None and args.num_cpu_blocks < 0:
         parser.error("--num-cpu-blocks must be >= 0")
+    if args.num_cpu_cache_blocks is not None and args.num_cpu_cache_blocks < 0:
+        parser.error("--num-cpu-cache-blocks must be >= 0")
     try:
         recording = read_recording(args.recording)
     except RecordingError as exc:

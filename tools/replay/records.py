@@ -25,6 +25,7 @@ class PoolShape:
     block_size: int
     num_cpu_blocks: int
     prefix_caching: bool
+    num_cpu_cache_blocks: int = 0  # of num_cpu_blocks, the prefix cache's CPU tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +105,14 @@ def check_pool(record: dict[str, Any], fail: Fail) -> PoolShape:
         if value < low:
             what = "a positive integer" if low else "an integer >= 0"
             raise fail(f"pool record: {key} must be {what}, got {value}")
+    tier = record.get("num_cpu_cache_blocks", 0)
+    if not isinstance(tier, int) or isinstance(tier, bool) or not 0 <= tier <= record[
+            "num_cpu_blocks"]:
+        raise fail(f"pool record: num_cpu_cache_blocks must be an integer in [0, "
+                   f"num_cpu_blocks={record['num_cpu_blocks']}], got {tier!r:.60}")
     return PoolShape(need(record, "pool", str, fail), record["num_blocks"],
                      record["block_size"], record["num_cpu_blocks"],
-                     need(record, "prefix_caching", bool, fail))
+                     need(record, "prefix_caching", bool, fail), tier)
 
 
 def check_end(entry: Any, token_ids: bool, block_size: int, fail: Fail) -> list[Any]:

@@ -57,6 +57,7 @@ class ReplayConfig:
     max_num_batched_tokens: int = 2048
     step_time: StepTime = StepTime(0.02)
     async_depth: int = 2  # the gateway's --async-depth: 2 plans a step on top of the last
+    num_cpu_cache_blocks: int = 0  # of num_cpu_blocks, the prefix cache's CPU tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +125,7 @@ class _Run:
         try:
             pool, _ = self.allocator.register_pool(PoolConfig(
                 POOL_ID, config.num_blocks, config.block_size, config.num_cpu_blocks,
-                "replay", "replay", config.prefix_caching))
+                "replay", "replay", config.prefix_caching, config.num_cpu_cache_blocks))
         except ServiceError as exc:
             raise ReplayError(f"the allocator refuses this pool: {exc}") from exc
         self.pool, self.epoch = pool, pool.epoch
