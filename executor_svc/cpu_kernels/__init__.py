@@ -1,12 +1,14 @@
 """The executor's C++ CPU kernels (csrc/), compiled once by torch's extension builder.
 
-- paged_decode.cpp: decode attention over the paged cache, read in place (attention/cpu_backend.py);
-- fused_ops.cpp: RMSNorm and SiLU-times-up in one pass each (fused_layers.py);
+- paged_decode.cpp: decode attention over the paged cache, read in place
+  (attention/cpu_backend.py);
+- fused_ops.cpp: RMSNorm, silu(gate) * up and rotary q/k in one pass each (fused_layers.py);
 - bindings.cpp: the Python module that exposes them.
 
 `make setup` builds them (`python -m executor_svc.cpu_kernels`) into
-build/cpu_kernels/; an executor then loads the built library in milliseconds (torch rebuilds
-only when a source or a flag changed). They are compiled for the machine that builds them
+build/cpu_kernels/<digest>/, named by a digest of their sources and flags: two checkouts that
+share a build directory never rebuild or load each other's library. An executor then loads
+the built library in milliseconds. They are compiled for the machine that builds them
 (-march=native unless PAGEDKV_KERNEL_MARCH says otherwise): a build directory is never shared
 between machines of different kinds.
 Where no compiler is at hand the kernels are unavailable and the executor falls back to the
@@ -15,6 +17,7 @@ torch reference path, with a WARNING that says so.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from functools import lru_cache
@@ -34,9 +37,18 @@ BUILD_DIR = REPO_ROOT / "build" / "cpu_kernels"
 # sums; the kernel produces no infinities or NaNs for it to mishandle (scores are finite and
 # the softmax subtracts the row's max first).
 # PAGEDKV_KERNEL_MARCH picks another target, e.g. x86-64-v3 for an image that runs elsewhere.
-CFLAGS = ["-O3", f"-march={os.environ.get('PAGEDKV_KERNEL_MARCH', 'native')}", "-ffast-math",
-          "-fopenmp"]
-LDFLAGS = ["-lm", "-fopenmp"]
+CFLAGS = ("-O3", f"-march={os.environ.get('PAGEDKV_KERNEL_MARCH', 'native')}", "-ffast-math",
+          "-fopenmp")
+LDFLAGS = ("-lm", "-fopenmp")
+
+
+def source_digest() -> str:
+    """12 hex digits of the sources, the header and the flags: the build's directory name."""
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(" ".join((*CFLAGS, *LDFLAGS)).encode())
+    return digest.hexdigest()[:12]
 
 
 @lru_cache(maxsize=1)
@@ -49,13 +61,14 @@ def load() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load as build
 
-        BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        build_dir = BUILD_DIR / source_digest()
+        build_dir.mkdir(parents=True, exist_ok=True)
         return build(
             name="pagedkv_cpu_kernels",
             sources=[str(s) for s in SOURCES],
-            build_directory=str(BUILD_DIR),
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
+            build_directory=str(build_dir),
+            extra_cflags=list(CFLAGS),  # copies: torch's builder appends to the lists it gets
+            extra_ldflags=list(LDFLAGS),
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path

@@ -4,6 +4,8 @@ equal to transformers' generate) is in test_runner.py, test_cpu_backend.py and t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from executor_svc.cpu_kernels import load
+from executor_svc.cpu_kernels import BUILD_DIR, load, source_digest
 from executor_svc.fused_layers import (
     FusedRMSNorm,
     FusedRotaryAttention,
@@ -146,3 +148,9 @@ def test_a_fused_model_refuses_another_attention_and_an_unfused_one_switches() -
         torch.testing.assert_close(
             plain(torch.tensor([[1, 2, 3]])).logits, reference(torch.tensor([[1, 2, 3]])).logits
         )
+
+
+def test_the_kernels_load_from_a_build_directory_named_by_their_sources(kernel) -> None:  # type: ignore[no-untyped-def]
+    digest = source_digest()
+    assert len(digest) == 12 and digest == source_digest()
+    assert Path(kernel.__file__).parent == BUILD_DIR / digest
