@@ -9,16 +9,18 @@ Alpaca): short instructions, each output as long as an Alpaca-like length drawn 
 bench/workloads.py, fixed by `ignore_eos` (the trace's lengths, as the paper replays them).
 One search at a time, over gRPC (use_beam_search, beam_width, n 1).
 
-Two counts, both exact:
-- shared: at every step of a search, the distinct blocks of its running beams' tables (what
-  the pool holds for it: prompt blocks, and the common prefix of the beams' outputs, are held
-  once; a fork copies only the partial last block);
+Two counts, both exact, from the allocator's own allocation recording
+(`--record-allocations`: one line per Step, with the requests it scheduled and the pool's
+blocks in use after it):
+- shared: at every step of a search, the pool's blocks in use after its Step. One search runs
+  at a time, alone in the pool, so these are the distinct blocks of its running beams' tables
+  (the prompt's blocks, and the common prefix of the beams' outputs, are held once; a fork
+  copies only the partial last block; a pruned beam is freed before the next Step schedules);
 - unshared: the same beams, each holding its own copy of every block of its table (the same
-  search without sharing: sum over beams of ceil(tokens / block_size)).
-The gateway counts both at each step from the block tables the allocator granted, and logs
-them when the search ends (`beam_search_finished`); this script reads them from its log. As
-a cross-check it samples the allocator's own `num_used_blocks` (GetStats) every few
-milliseconds during each search: its peak also counts blocks between a prune and its Free.
+  search without sharing): at step k every beam has computed the prompt and k - 1 generated
+  tokens, so beams x ceil((prompt + k - 1) / block_size).
+Each search's Steps start with the one that admits its first beam; the script checks that
+nothing else was admitted, deferred or preempted meanwhile.
 
 Saving = 1 - (block-steps shared) / (block-steps unshared), over all of a width's searches;
 also per search (mean) and at the peak.
@@ -30,8 +32,9 @@ import argparse
 import json
 import statistics
 import sys
-import threading
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +46,12 @@ from bench.common import markdown_table, write_results
 from bench.load import stack
 from bench.workloads import ALPACA, sample_lengths
 from common.model_dirs import DEFAULT_MODEL, ModelDir
-from pagedkv.allocator.v1 import allocator_pb2 as apb
-from pagedkv.allocator.v1 import allocator_pb2_grpc as apb_grpc
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
 from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
-from tools.launch import Stack
 
 SEED = 0
 BLOCK_SIZE = 16
 PAPER = {"model": "OPT-13B", "trace": "Alpaca", "saving": "37.6-55.2% at beam widths 2-6"}
-SAMPLE_EVERY_S = 0.01
 # Alpaca-style instructions (written for this benchmark), sent as plain text: 18.8 tokens on
 # average with SmolLM2's tokenizer, as the paper's Alpaca inputs (19).
 INSTRUCTIONS = [
@@ -78,30 +77,53 @@ INSTRUCTIONS = [
 ]
 
 
-class UsedBlocks:
-    """The allocator's num_used_blocks for the pool, sampled on a thread of its own."""
+@dataclass(frozen=True, slots=True)
+class SearchSteps:
+    """One search's Steps at the allocator: its prompt's length and, per Step, the requests it
+    scheduled (the running beams) and the pool's blocks in use after it."""
 
-    def __init__(self, running: Stack) -> None:
-        self.channel = running.internal_auth.channel(running.allocator_addr)
-        self.stub = apb_grpc.AllocatorServiceStub(self.channel)
-        self.samples: list[int] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
+    num_prompt_tokens: int
+    rows: tuple[int, ...]
+    used: tuple[int, ...]
 
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            pools = self.stub.GetStats(apb.GetStatsRequest(), timeout=10).pools
-            self.samples.append(sum(p.num_used_blocks for p in pools))
-            time.sleep(SAMPLE_EVERY_S)
+    def unshared(self, block_size: int) -> list[int]:
+        """Per step, the blocks of the beams' tables summed (at step k, k - 1 generated)."""
+        return [rows * -(-(self.num_prompt_tokens + k) // block_size)
+                for k, rows in enumerate(self.rows)]
 
-    def __enter__(self) -> UsedBlocks:
-        self.thread.start()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.channel.close()
+def recorded_searches(path: Path) -> list[SearchSteps]:
+    """The recording's Steps, split into searches, in order: each starts with the Step that
+    admits its first beam. One search at a time and a pool that holds it, or the counts are
+    not one search's: checked."""
+    searches: list[SearchSteps] = []
+    prompt: int | None = None
+    rows: list[int] = []
+    used: list[int] = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("k") != "step":
+            continue  # the header, Free, Fork
+        assert not record.get("pre") and not record.get("wait"), f"room was short: {record}"
+        admitted = record.get("admit", [])
+        if admitted:
+            assert len(admitted) == 1, f"two searches at once: {record}"
+            if prompt is not None:
+                searches.append(SearchSteps(prompt, tuple(rows), tuple(used)))
+            prompt, rows, used = admitted[0][1], [], []
+        assert prompt is not None, f"a Step before any admission: {record}"
+        rows.append(record["rows"])
+        used.append(record["used"])
+    if prompt is not None:
+        searches.append(SearchSteps(prompt, tuple(rows), tuple(used)))
+    return searches
+
+
+def tally(steps: SearchSteps, block_size: int) -> dict[str, int]:
+    unshared = steps.unshared(block_size)
+    return {"num_steps": len(steps.used), "peak_blocks": max(steps.used),
+            "peak_blocks_unshared": max(unshared), "sum_blocks": sum(steps.used),
+            "sum_blocks_unshared": sum(unshared)}
 
 
 def search(stub: gpb_grpc.GatewayServiceStub, text: str, width: int, max_tokens: int
@@ -113,14 +135,6 @@ def search(stub: gpb_grpc.GatewayServiceStub, text: str, width: int, max_tokens:
     completion = response.completions[0]
     return (completion.usage.prompt_tokens, list(completion.token_ids),
             time.perf_counter() - start)
-
-
-def finished_events(log_path: Path) -> list[dict[str, Any]]:
-    events = []
-    for line in log_path.read_text().splitlines():
-        if '"beam_search_finished"' in line:
-            events.append(json.loads(line))
-    return events
 
 
 def summarize(width: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -138,8 +152,6 @@ def summarize(width: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_blocks_max": max(r["peak_blocks"] for r in runs),
         "peak_blocks_unshared_max": max(r["peak_blocks_unshared"] for r in runs),
         "peak_saving_mean": statistics.mean(peak),
-        "allocator_peak_used_blocks_max": max(r["allocator_peak_used"] for r in runs),
-        "allocator_mean_used_blocks": statistics.mean(r["allocator_mean_used"] for r in runs),
     }
 
 
@@ -154,43 +166,40 @@ def main(argv: list[str] | None = None) -> int:
     texts = INSTRUCTIONS[: 6 if args.quick else len(INSTRUCTIONS)]
     lengths = [r.output_len for r in sample_lengths(ALPACA, len(texts), 512, seed=SEED)]
     load_format = "auto" if ModelDir.inspect(args.model).weight_files else "dummy"
-    gateway_args = ("--log-json", "--max-beam-width", str(max(widths)))
+    gateway_args = ("--max-beam-width", str(max(widths)))
+    recording = Path(tempfile.mkdtemp(prefix="pagedkv-beam-search-")) / "allocations.jsonl"
     runs: dict[int, list[dict[str, Any]]] = {}
     with stack(args.model, seed=SEED, load_format=load_format, gateway_args=gateway_args,
-               executor_args=("--block-size", str(BLOCK_SIZE))) as running:
-        log_path = Path(running.spec.log_dir or ".") / "gateway.log"
+               executor_args=("--block-size", str(BLOCK_SIZE)),
+               allocator_args=("--record-allocations", str(recording))) as running:
         with grpc.insecure_channel(running.gateway_addr) as channel:
             stub = gpb_grpc.GatewayServiceStub(channel)
             search(stub, "Warm up.", 2, 4)
             bar = tqdm(total=len(widths) * len(texts), desc="beam search", file=sys.stderr)
             for width in widths:
                 for text, max_tokens in zip(texts, lengths, strict=True):
-                    seen = len(finished_events(log_path))
-                    with UsedBlocks(running) as used:
-                        num_prompt, tokens, seconds = search(stub, text, width, max_tokens)
-                    time.sleep(0.2)  # the log line is written after the last response
-                    event = finished_events(log_path)[seen]
+                    num_prompt, tokens, seconds = search(stub, text, width, max_tokens)
                     runs.setdefault(width, []).append({
                         "text": text, "prompt_tokens": num_prompt, "max_tokens": max_tokens,
-                        "num_tokens": len(tokens),
-                        "seconds": seconds, **{k: event[k] for k in (
-                            "num_steps", "peak_blocks", "peak_blocks_unshared", "sum_blocks",
-                            "sum_blocks_unshared")},
-                        "allocator_peak_used": max(used.samples, default=0),
-                        "allocator_mean_used": statistics.mean(used.samples or [0]),
-                        "allocator_samples": len(used.samples),
+                        "num_tokens": len(tokens), "seconds": seconds,
                     })
                     bar.update(1)
             bar.close()
+    # The stack has stopped: the recording is complete. The first search is the warm-up.
+    searches = recorded_searches(recording)[1:]
+    ordered = [run for width in widths for run in runs[width]]
+    assert len(searches) == len(ordered), f"{len(searches)} searches recorded, {len(ordered)} run"
+    for run, steps in zip(ordered, searches, strict=True):
+        assert steps.num_prompt_tokens == run["prompt_tokens"], "searches out of order"
+        run.update(tally(steps, BLOCK_SIZE))
     rows = [summarize(width, runs[width]) for width in widths]
     table = markdown_table(
         ["beam width", "searches", "mean blocks shared", "mean blocks unshared", "saving",
-         "per search", "peak shared / unshared (max)", "allocator peak used"],
+         "per search", "peak shared / unshared (max)"],
         [[r["beam_width"], r["searches"], f"{r['mean_blocks']:.1f}",
           f"{r['mean_blocks_unshared']:.1f}", f"{r['saving']:.1%}",
           f"{r['saving_per_search_min']:.1%}-{r['saving_per_search_max']:.1%}",
-          f"{r['peak_blocks_max']} / {r['peak_blocks_unshared_max']}",
-          r["allocator_peak_used_blocks_max"]] for r in rows])
+          f"{r['peak_blocks_max']} / {r['peak_blocks_unshared_max']}"] for r in rows])
     print(table)
     print(f"paper ({PAPER['model']}, {PAPER['trace']}): {PAPER['saving']}")
     path = write_results("beam_search", {

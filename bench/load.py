@@ -118,7 +118,7 @@ def pool_stats(running: Stack) -> list[Any]:
 def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[str] = (),
           seed: int = 0, log_dir: str | None = None, step_log: str | None = None,
           load_format: str = "dummy", gateway_tree: str | None = None,
-          num_executors: int = 1):
+          num_executors: int = 1, allocator_args: Sequence[str] = ()):
     """The real three services as subprocesses on free ports; stopped on exit.
 
     Dummy weights (seeded) by default, as the presets' baselines rebuild them; `auto` for a
@@ -132,7 +132,7 @@ def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[
     """
     spec = StackSpec(
         model=model, allocator_port=0, executor_port=0, gateway_port=0,
-        num_executors=num_executors,
+        num_executors=num_executors, allocator_args=tuple(allocator_args),
         executor_args=("--load-format", load_format, "--seed", str(seed), *executor_args),
         gateway_args=tuple(gateway_args),
         log_dir=log_dir or tempfile.mkdtemp(prefix="pagedkv-bench-"),

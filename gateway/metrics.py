@@ -6,8 +6,10 @@ a `model_name` label; `pagedkv_*` for our own. Three kinds of source:
   latencies, token counts, outcomes, prefix-cache queries and hits (counted once, at the
   request's first admission, and only with prefix caching on);
 - per step, observed on the engine's thread (`observe_step`): the step's phases;
-- the engines' state (queues, KV blocks held, preemptions, health), read on the engine's
-  loop at scrape time (`EngineSnapshot`), never from another thread mid-step.
+- the engines' state (queues, preemptions, health), read on the engine's loop at scrape
+  time (`EngineSnapshot`), never from another thread mid-step; with each pool's blocks in
+  use as its allocator last reported them (pool-wide: every gateway's requests and pinned
+  prefixes; cached free blocks count as free, as in vLLM's `kv_cache_usage_perc`).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class EngineSnapshot:
     healthy: bool
     num_running: int  # requests with a running or swapped sequence
     num_waiting: int  # requests with only waiting sequences
-    num_blocks_used: int  # distinct blocks in this gateway's block tables
+    num_blocks_used: int  # the pool's, as its allocator last reported (0: not yet)
     num_blocks: int
     num_preemptions: int
 
@@ -67,13 +69,12 @@ def snapshot(engine: object) -> EngineSnapshot:
     running = {s.request for s in (*scheduler.running, *scheduler.swapped)
                if s.status is not SeqStatus.FINISHED}
     waiting = {s.request for s in scheduler.waiting if not s.is_finished} - running
-    blocks: set[int] = set()
-    for seq in scheduler.running:
-        blocks.update(seq.block_table)
+    num_blocks, num_free = engine.description.num_blocks, engine.num_free_blocks
     return EngineSnapshot(
         pool_id=engine.pool_id, healthy=engine.healthy, num_running=len(running),
-        num_waiting=len(waiting), num_blocks_used=len(blocks),
-        num_blocks=engine.description.num_blocks, num_preemptions=scheduler.num_preemptions,
+        num_waiting=len(waiting),
+        num_blocks_used=0 if num_free is None else num_blocks - num_free,
+        num_blocks=num_blocks, num_preemptions=scheduler.num_preemptions,
     )
 
 
@@ -93,8 +94,8 @@ class EngineCollector(Collector):
              sum(e.num_running for e in engines)),
             ("vllm:num_requests_waiting", "Requests waiting for admission",
              sum(e.num_waiting for e in engines)),
-            ("vllm:kv_cache_usage_perc", "Fraction of KV blocks held by this gateway's requests "
-             "(1 = full)", _usage(engines)),
+            ("vllm:kv_cache_usage_perc", "Fraction of the executors' KV blocks in use by any "
+             "request or pin, as the allocator last reported (1 = full)", _usage(engines)),
             ("pagedkv_executors_healthy", "Executors this gateway can route to",
              sum(e.healthy for e in engines)),
         ):
@@ -105,8 +106,9 @@ class EngineCollector(Collector):
                                           "swap) of running requests", labels=names)
         preemptions.add_metric(label, sum(e.num_preemptions for e in engines))
         yield preemptions
-        pool_blocks = GaugeMetricFamily("pagedkv_pool_blocks_used", "KV blocks held by this "
-                                        "gateway's requests, per pool", labels=[*names, "pool_id"])
+        pool_blocks = GaugeMetricFamily("pagedkv_pool_blocks_used", "KV blocks in use by any "
+                                        "request or pin, per pool, as the allocator last "
+                                        "reported", labels=[*names, "pool_id"])
         for e in engines:
             pool_blocks.add_metric([self.model_name, e.pool_id], e.num_blocks_used)
         yield pool_blocks

@@ -123,6 +123,7 @@ def _outcome(response: pb.StepResponse) -> StepOutcome:
         appended=dict(
             zip(response.appended_request_ids, response.appended_block_ids, strict=True)
         ),
+        num_free_blocks=response.num_free_blocks,
     )
 
 
@@ -226,9 +227,10 @@ class AllocatorClient(InternalChannel):
         request_ids: Sequence[str],
         lease_id: str,
         commit_through_step_id: int = 0,
-    ) -> None:
+    ) -> int:
+        """The pool's free blocks once applied."""
         with translated():
-            await self.stub.Free(
+            response = await self.stub.Free(
                 pb.FreeRequest(
                     pool_id=pool_id,
                     epoch=epoch,
@@ -240,18 +242,21 @@ class AllocatorClient(InternalChannel):
                 metadata=self._about(request_ids),
                 timeout=self.timeout_s,
             )
+        return int(response.num_free_blocks)
 
     async def abort(
         self, pool_id: str, epoch: int, request_ids: Sequence[str], lease_id: str
-    ) -> None:
+    ) -> int:
+        """The pool's free blocks once applied."""
         with translated():
-            await self.stub.Abort(
+            response = await self.stub.Abort(
                 pb.AbortRequest(
                     pool_id=pool_id, epoch=epoch, request_ids=request_ids, lease_id=lease_id
                 ),
                 metadata=self._about(request_ids),
                 timeout=self.timeout_s,
             )
+        return int(response.num_free_blocks)
 
     async def fork(
         self,

@@ -91,12 +91,13 @@ class PoolLink:
 
     async def free(
         self, commits: Sequence[Commit], request_ids: Sequence[str], commit_through_step_id: int
-    ) -> None:
-        await self.allocator.free(self.pool_id, self.epoch, commits, request_ids,
-                                  self.lease_id, commit_through_step_id)
+    ) -> int:
+        """The pool's free blocks once applied (as `abort`'s)."""
+        return await self.allocator.free(self.pool_id, self.epoch, commits, request_ids,
+                                         self.lease_id, commit_through_step_id)
 
-    async def abort(self, request_ids: Sequence[str]) -> None:
-        await self.allocator.abort(self.pool_id, self.epoch, request_ids, self.lease_id)
+    async def abort(self, request_ids: Sequence[str]) -> int:
+        return await self.allocator.abort(self.pool_id, self.epoch, request_ids, self.lease_id)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         await self.executor.release(request_ids, timeout=self.execute_timeout_s)

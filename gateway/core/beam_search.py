@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -95,36 +95,12 @@ class Selection(Generic[H]):
 
 
 @dataclass(slots=True)
-class BlockTally:
-    """The KV blocks a search's running beams hold, once per step: shared (the distinct blocks
-    of their tables: what the pool holds) and unshared (each beam its own copy of every
-    block of its table: the same search without sharing)."""
-
-    num_steps: int = 0
-    peak_shared: int = 0
-    peak_unshared: int = 0
-    sum_shared: int = 0
-    sum_unshared: int = 0
-
-    def add(self, tables: Iterable[Sequence[int]]) -> None:
-        tables = list(tables)
-        shared = len(set().union(*tables)) if tables else 0
-        unshared = sum(len(t) for t in tables)
-        self.num_steps += 1
-        self.peak_shared = max(self.peak_shared, shared)
-        self.peak_unshared = max(self.peak_unshared, unshared)
-        self.sum_shared += shared
-        self.sum_unshared += unshared
-
-
-@dataclass(slots=True)
 class BeamSearch(Generic[H]):
     config: BeamConfig
     running: list[Beam[H]]  # best first
     finished: list[Hypothesis] = field(default_factory=list)  # best first, <= beam_width
     num_generated: int = 0  # tokens each running beam has generated
     done: bool = False
-    blocks: BlockTally = field(default_factory=BlockTally)  # the engine's count, per step
 
     @classmethod
     def start(cls, config: BeamConfig, handle: H) -> BeamSearch[H]:

@@ -149,11 +149,13 @@ class Sequence:
     num_in_flight: int = 0
     samples_in_flight: bool = False
     allocator_pending: bool = False
-    # NOTE: a copy of the allocator's table for it. Read by a forked child's first Execute,
-    # which sends the whole table (only the Fork response carries it: the child's first
-    # grant may be empty), by the blocks-used gauges (metrics.py: distinct blocks of this
-    # gateway's tables) and by beam search's shared/unshared tally (bench/beam_search.py).
-    block_table: list[int] = field(default_factory=list)
+    # NOTE: no copy of the block table is kept: the allocator's grants go straight to the
+    # executor. A sequence new at the executor needs its whole table, and every grant that
+    # starts one carries it from index 0 (admission, swap-in), except a forked child's: the
+    # Fork response carries its table, and its first grant changes one block (a copy-on-write
+    # or an appended block) or is absent (it writes in place). So a forked child keeps the
+    # Fork's table until its first Execute has carried it (scheduler.py: _first_table).
+    fork_table: tuple[int, ...] | None = None
     num_preemptions: int = 0
     seed_offset: int = 0
     finish_reason: FinishReason | None = None
@@ -259,7 +261,7 @@ class Sequence:
         self.allocator_pending = False
         self.num_in_flight = 0
         self.samples_in_flight = False
-        self.block_table.clear()
+        self.fork_table = None
         self.num_preemptions += 1
         self.beam_candidates = None  # computed again, with the rest
 

@@ -290,12 +290,12 @@ class Scheduler:
             delta = grant.delta if grant is not None else None
             appended = appended_blocks.get(request_id)
             if appended is not None:
-                assert len(seq.block_table) * block_size == seq.num_computed_tokens, (
+                # The allocator appends at a block boundary: its table covers exactly the
+                # computed tokens.
+                assert seq.num_computed_tokens % block_size == 0, (
                     f"{seq.seq_id}: a block appended to a table that does not end at a boundary"
                 )
-                delta = TableDelta(len(seq.block_table), (appended,))
-            if delta is not None:
-                delta.apply(seq.block_table)
+                delta = TableDelta(seq.num_computed_tokens // block_size, (appended,))
             num = (
                 grant.num_scheduled_tokens
                 if grant is not None
@@ -361,7 +361,7 @@ class Scheduler:
                 self.running.remove(seq)
             if preemption.swapped:
                 seq.status = SeqStatus.SWAPPED
-                seq.block_table.clear()
+                seq.fork_table = None  # its swap-in grant carries the whole table
                 self.swapped.append(seq)
                 swapped_out.append(seq)
                 continue
@@ -583,7 +583,8 @@ class Scheduler:
             child.num_computed_tokens = parent.num_computed_tokens
             if keep_parent:
                 child.output_token_ids = list(parent.output_token_ids)
-            table.apply(child.block_table)
+            assert table.start_index == 0, f"{child.seq_id}: a Fork table not from index 0"
+            child.fork_table = table.block_ids
         position = self.running.index(parent)
         self.running[position + 1 : position + 1] = children
         if not keep_parent:
@@ -699,8 +700,23 @@ def _seq_work(seq: Sequence, start: int, num: int, delta: TableDelta | None) -> 
         request_id=seq.seq_id,
         token_ids=(0,) if unsampled else tuple(seq.token_slice(start, start + num)),
         start_position=start,
-        delta=TableDelta(0, tuple(seq.block_table)) if first else delta,
+        delta=_first_table(seq, delta) if first else delta,
         sample=not seq.is_prefill_parent and start + num == seq.num_tokens,
         sampling=seq.exec_sampling() if first else None,
         use_sampled_token=unsampled,
     )
+
+
+def _first_table(seq: Sequence, delta: TableDelta | None) -> TableDelta:
+    """The whole table of a sequence new at the executor: a forked child's from the Fork
+    response, with this step's change applied; any other's first grant starts at 0."""
+    if seq.fork_table is None:
+        assert delta is not None and delta.start_index == 0, (
+            f"{seq.seq_id}: new at the executor without its whole table"
+        )
+        return delta
+    table = list(seq.fork_table)
+    seq.fork_table = None  # handed over: later grants are changes to the executor's copy
+    if delta is not None:
+        delta.apply(table)
+    return TableDelta(0, tuple(table))

@@ -104,6 +104,8 @@ class StepOutcome:
     # request id -> the one block appended to its table (a decode entering a new block, one
     # token scheduled at its next position); such requests have no entry in `grants`.
     appended: dict[str, int] = field(default_factory=dict)
+    # The pool's free blocks once the step was applied (None: not reported).
+    num_free_blocks: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

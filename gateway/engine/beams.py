@@ -57,7 +57,6 @@ async def advance(engine: EngineState, landed: list[Sequence]) -> None:
         candidates = [b.beam_candidates or () for b in beams]
         for beam in beams:
             beam.beam_candidates = None
-        search.blocks.add(b.block_table for b in beams)
         selection = search.select(candidates, _Namer(engine, {b.seq_id for b in beams}))
         await _apply(engine, request, search, selection)
 
@@ -142,11 +141,6 @@ def _emit_results(engine: EngineState, request: Request, hypotheses: list[Hypoth
         )))
     engine.deliver()
     assert request.beam_search is not None
-    tally = request.beam_search.blocks
-    # What sharing saved (bench/beam_search.py reads these): the running beams' distinct
-    # blocks against their table lengths, per step.
     log.info("beam_search_finished", num_hypotheses=len(hypotheses),
              best_score=hypotheses[0].score if hypotheses else None,
-             num_steps=tally.num_steps, peak_blocks=tally.peak_shared,
-             peak_blocks_unshared=tally.peak_unshared, sum_blocks=tally.sum_shared,
-             sum_blocks_unshared=tally.sum_unshared)
+             num_steps=request.beam_search.num_generated)

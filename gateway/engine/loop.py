@@ -241,6 +241,8 @@ class Engine(EngineState):
             return None
         self.last_step_ms = (time.perf_counter() - sent) * 1e3
         self.allocator_down_since = None
+        if outcome.num_free_blocks is not None:
+            self.num_free_blocks = outcome.num_free_blocks
         return outcome
 
     def _apply_cancellations(self) -> None:

@@ -54,13 +54,13 @@ async def flush_housekeeping(engine: EngineState, plan: ScheduledStep) -> None:
     call = plan.call
     try:
         if call.abort_request_ids:
-            await engine.link.abort(call.abort_request_ids)
+            engine.num_free_blocks = await engine.link.abort(call.abort_request_ids)
             # Applied: whatever fails next must not send them again.
             plan = ScheduledStep(call=replace(call, abort_request_ids=()), seqs=plan.seqs,
                                  late=plan.late)
         if call.commits or call.free_request_ids or call.commit_through_step_id:
-            await engine.link.free(call.commits, call.free_request_ids,
-                                   call.commit_through_step_id)
+            engine.num_free_blocks = await engine.link.free(
+                call.commits, call.free_request_ids, call.commit_through_step_id)
     except CallFailed as exc:
         log.warning("allocator_free_failed", pool_id=engine.pool_id, code=exc.status)
         if isinstance(exc, recovery.STALE_POOL):

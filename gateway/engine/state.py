@@ -59,6 +59,10 @@ class EngineState:
         default_factory=lambda: itertools.count(secrets.randbits(62) + 1)
     )
     last_step_ms: float = 0.0  # the latest Step's round trip
+    # The pool's free blocks (every caller's requests and pins hold the others) as the
+    # allocator's latest Step, or an idle engine's Free or Abort, reported: the pool-usage
+    # gauges (metrics.py). None before the first.
+    num_free_blocks: int | None = None
     last_schedule_ms: float = 0.0  # the scheduler's share of the latest step
     last_landed: float | None = None  # when the last step that landed a batch ended (stats)
     stepping: bool = False

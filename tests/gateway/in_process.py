@@ -119,18 +119,21 @@ class CorePool:
 
     def free(
         self, commits: Sequence[Commit], request_ids: Sequence[str], commit_through_step_id: int
-    ) -> None:
+    ) -> int:
+        """The pool's free blocks once applied, as the Free response says (so does abort)."""
         try:
             self.allocator.free(POOL_ID, self.epoch, _commits(commits), list(request_ids), None,
                                 commit_through_step_id)
         except ServiceError as exc:
             raise rpc_error(exc) from exc
+        return self.pool.blocks.num_free
 
-    def abort(self, request_ids: Sequence[str]) -> None:
+    def abort(self, request_ids: Sequence[str]) -> int:
         try:
             self.allocator.abort(POOL_ID, self.epoch, list(request_ids))
         except ServiceError as exc:
             raise rpc_error(exc) from exc
+        return self.pool.blocks.num_free
 
     def fork(self, parent_id: str, child_ids: Sequence[str]) -> list[TableDelta]:
         try:

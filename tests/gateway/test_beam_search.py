@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.core.beam_search import BeamConfig, BeamSearch, BlockTally, EarlyStopping, f32
+from gateway.core.beam_search import BeamConfig, BeamSearch, EarlyStopping, f32
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 
@@ -141,16 +141,6 @@ def test_ties_go_to_the_lower_beam_then_the_lower_token():
     search = BeamSearch.start(config(width=2, n=2), "a")
     search.select([[(5, -1.0), (6, -1.0), (7, -2.0), (8, -2.0)]], lambda p: "b")
     assert [b.token_ids for b in search.running] == [[5], [6]]
-
-
-def test_block_tally_counts_distinct_blocks_against_each_beams_own_copies():
-    # Three beams sharing blocks 0 and 1: 5 distinct blocks held, 8 without sharing; then one
-    # beam of two blocks. Peaks and sums per step.
-    tally = BlockTally()
-    tally.add([[0, 1, 2], [0, 1, 3], [0, 4]])
-    tally.add([[0, 1]])
-    assert (tally.num_steps, tally.peak_shared, tally.peak_unshared) == (2, 5, 8)
-    assert (tally.sum_shared, tally.sum_unshared) == (7, 10)
 
 
 # Parity with transformers, on the tiny-llama preset's dummy weights (tests/e2e/e2e_stack.py).

@@ -24,6 +24,7 @@ from gateway.core.step import Commit, ExecuteCall, ExecuteResult, StepCall, Step
 from gateway.engine import recovery
 from gateway.engine.loop import Engine
 from gateway.engine.router import initial_sequences
+from gateway.metrics import EngineCollector, snapshot
 from gateway.text.tokenizer import Tokenizer
 
 BLOCK = 4
@@ -77,11 +78,11 @@ class FakeLink:
 
     async def free(
         self, commits: tuple[Commit, ...], request_ids: tuple[str, ...], commit_through: int
-    ) -> None:
-        self.pool.free(commits, request_ids, commit_through)
+    ) -> int:
+        return self.pool.free(commits, request_ids, commit_through)
 
-    async def abort(self, request_ids: tuple[str, ...]) -> None:
-        self.pool.abort(request_ids)
+    async def abort(self, request_ids: tuple[str, ...]) -> int:
+        return self.pool.abort(request_ids)
 
     async def fork(self, parent_id: str, child_ids: list[str], request_id: str) -> list[TableDelta]:
         return self.pool.fork(parent_id, child_ids)
@@ -169,6 +170,39 @@ def test_engine_streams_reference_tokens_and_frees_everything(
         assert deltas[-1].finish_reason is FinishReason.LENGTH
         assert deltas[-1].usage is not None and deltas[-1].usage.completion_tokens == 10
     assert link.pool.all_free() and not link.model.held
+
+
+@DEPTHS
+def test_engine_pool_usage_gauges_read_the_allocators_count(tokenizer: Tokenizer, depth: int):
+    # The blocks-used gauges are the pool's own count, as the allocator's latest answer said
+    # (every request's blocks, this gateway's or not): mid-run the same as the pool's; once
+    # idle (the last Free went out) zero, and the usage fraction with it.
+    eng, link = engine(tokenizer, num_blocks=32, depth=depth)
+    link.description = SimpleNamespace(uses_sampled_tokens=True, num_blocks=32)
+    assert snapshot(eng).num_blocks_used == 0  # nothing reported yet
+    submit(eng, "a", [5] * 9, max_tokens=6)
+    submit(eng, "n2", [7] * 6, max_tokens=6, n=2)
+    collector = EngineCollector("m")
+
+    async def scenario() -> list[int]:
+        seen = []
+        for _ in range(4):
+            await eng.step()
+            pool = link.pool.pool
+            seen.append(snapshot(eng).num_blocks_used)
+            # (At depth 2 a batch may be in flight: its Step was the latest answer.)
+            assert seen[-1] == pool.config.num_blocks - pool.blocks.num_free
+        await run_until_idle(eng)
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert min(seen) > 0
+    collector.engines = [snapshot(eng)]
+    values = {(m.name, tuple(s.labels.values())): s.value
+              for m in collector.collect() for s in m.samples}
+    assert values[("vllm:kv_cache_usage_perc", ("m",))] == 0.0
+    assert values[("pagedkv_pool_blocks_used", ("m", "pool-0"))] == 0
+    assert link.pool.all_free()
 
 
 @pytest.mark.parametrize("num_cpu_blocks", [0, 16])

@@ -15,12 +15,13 @@ from in_process import CorePool, FakeModel
 from test_engine import BLOCK, drain, engine, run_until_idle
 from test_engine import tokenizer as tokenizer  # the module-scoped fixture
 
+from bench.beam_search import SearchSteps, tally
 from common.errors import Unavailable
 from gateway.api.sampling import SamplingOptions
 from gateway.clients.call_failures import failure
 from gateway.core.beam_search import BeamConfig, BeamSearch, EarlyStopping
 from gateway.core.request_state import FinishReason, Request
-from gateway.core.step import ExecuteCall, ExecuteResult, Sampled
+from gateway.core.step import ExecuteCall, ExecuteResult, Sampled, StepCall, StepOutcome
 from gateway.engine.loop import Engine
 from gateway.engine.router import initial_sequences
 from gateway.text.tokenizer import Tokenizer
@@ -126,12 +127,49 @@ def test_beam_search_through_the_engine_equals_the_direct_search(
     for req, prompt, config in zip(reqs, prompts, configs, strict=True):
         expected = reference(model, prompt, config)
         assert completions(req) == dict(enumerate(expected))
-        search = req.beam_search
-        assert search is not None and search.blocks.num_steps == search.num_generated
-        assert search.blocks.sum_shared < search.blocks.sum_unshared  # the prompt, shared
     assert [t for d in drain(plain) for t in d.token_ids] == model.reference([4] * 7, 10)
     assert eng.link.pool.all_free() and not model.held  # type: ignore[attr-defined]
     assert eng.link.pool.pool.num_cow_copies > 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("depth", [2, 1])
+def test_a_lone_search_holds_per_step_what_the_beam_benchmark_counts(
+    tokenizer: Tokenizer, depth: int
+):
+    # Width 3, a 6-token prompt, 10 steps, alone in the pool: after each of its Steps the
+    # pool's blocks in use are the distinct blocks of its beams' tables, and the Step's rows
+    # times the blocks of prompt + (k - 1) tokens are their tables' lengths summed: the two
+    # counts bench/beam_search.py reads from the allocator's recording. Sharing saves blocks.
+    eng, model = beam_engine(tokenizer, num_blocks=64, depth=depth)
+    link = eng.link
+    pool = link.pool.pool  # type: ignore[attr-defined]
+    rows: list[int] = []
+    used: list[int] = []
+    distinct: list[int] = []
+    lengths: list[int] = []
+    original = link.step
+
+    async def step(call: StepCall) -> StepOutcome:
+        outcome = await original(call)
+        tables = [r.blocks for r in pool.requests.values()]
+        rows.append(len(call.decode_request_ids) + len(call.pending_decode_request_ids)
+                    + len(call.items))
+        used.append(pool.config.num_blocks - pool.blocks.num_free)
+        distinct.append(len({b.block_id for t in tables for b in t}))
+        lengths.append(sum(len(t) for t in tables))
+        return outcome
+
+    link.step = step  # type: ignore[method-assign]
+    prompt = [5, 9, 11, 3, 4, 6]
+    config = BeamConfig(3, 1, 10, frozenset())  # no stop token: all 10 steps
+    req = submit_beams(eng, "lone", prompt, config)
+    asyncio.run(run_until_idle(eng))
+    assert completions(req) == dict(enumerate(reference(model, prompt, config)))
+    steps = SearchSteps(len(prompt), tuple(rows), tuple(used))
+    assert list(steps.used) == distinct and steps.unshared(BLOCK) == lengths
+    assert tally(steps, BLOCK)["num_steps"] == 10 and rows[0] == 1 and max(rows) == 3
+    assert tally(steps, BLOCK)["sum_blocks"] < tally(steps, BLOCK)["sum_blocks_unshared"]
+    assert pool.num_cow_copies > 0 and link.pool.all_free()  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("num_cpu_blocks", [0, 32])

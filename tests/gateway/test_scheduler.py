@@ -253,7 +253,7 @@ def test_scheduler_preempted_request_rejoins_queue_front_and_is_released():
     batch = sched.apply_outcome(plan, outcome)
     assert batch.call.release_request_ids == ("a",)
     assert list(sched.waiting) == [a] and a.status is SeqStatus.WAITING
-    assert a.num_computed_tokens == 0 and a.block_table == [] and not a.known_to_executor
+    assert a.num_computed_tokens == 0 and not a.known_to_executor
     plan = sched.schedule()
     assert plan is not None
     new = [i for i in plan.call.items if i.is_new]
@@ -310,13 +310,111 @@ def test_scheduler_fork_replaces_parent_with_children_sharing_its_table():
     assert plan.call.decode_token_ids == (10, 10, 10)
     assert plan.call.free_request_ids == ("r-prefill",)
     assert children[1].exec_sampling().seed is None
-    # Writing position 5 into the shared partial block 1: copy-on-write for all but the last.
-    batch = sched.apply_outcome(plan, pool.step(plan.call))
-    assert [c.block_table for c in children] == [[0, 2], [0, 3], [0, 1]]
+    # Writing position 5 into the shared partial block 1: copy-on-write for all but the last,
+    # which then holds block 1 alone and writes in place (no grant at all). Each child's first
+    # Execute carries its whole table: the Fork's, with the copy in place.
+    outcome = pool.step(plan.call)
+    assert "r-2" not in outcome.grants and "r-2" not in outcome.appended
+    batch = sched.apply_outcome(plan, outcome)
+    assert [(w.request_id, w.delta) for w in batch.call.seqs] == [
+        ("r-0", TableDelta(0, (0, 2))), ("r-1", TableDelta(0, (0, 3))),
+        ("r-2", TableDelta(0, (0, 1)))]
+    assert all(c.fork_table is None for c in children)  # handed over
     assert [(c.src_block_id, c.dst_block_id) for c in batch.call.copies] == [(1, 2), (1, 3)]
     sampled = sched.apply_result(batch, model.execute(batch.call))
     expected = model.reference([5, 6, 7, 8, 9, 10], 1)
     assert [(s.seq_id, t) for s, t in sampled] == [(c.seq_id, expected[0]) for c in children]
+
+
+def fork_after_prefill(sched: Scheduler, pool: CorePool, model: FakeModel, req: Request
+                       ) -> list[Sequence]:
+    """An n > 1 request's prefill parent computed, then forked into its children."""
+    (parent,) = add(sched, req)
+    plan = sched.schedule()
+    assert plan is not None
+    batch = sched.apply_outcome(plan, pool.step(plan.call))
+    sched.apply_result(batch, model.execute(batch.call))
+    children = [Sequence(seq_id=f"{req.request_id}-{i}", request=req, index=i, seed_offset=i)
+                for i in range(req.sampling.n)]
+    sched.fork(parent, children, pool.fork(parent.seq_id, [c.seq_id for c in children]))
+    return children
+
+
+def test_scheduler_forked_child_at_a_block_boundary_sends_the_fork_table_and_its_new_block():
+    # n=2, prompt of 9: the parent computes 8 tokens (two full blocks, 0 and 1); each child's
+    # first decode enters a new block (the allocator's compact "appended" form, no grant).
+    # Its first Execute carries the Fork's table with that block appended.
+    sched = scheduler()
+    pool, model = CorePool(64, BLOCK), FakeModel(BLOCK)
+    children = fork_after_prefill(sched, pool, model, request("r", list(range(5, 14)), n=2))
+    plan = sched.schedule()
+    assert plan is not None
+    outcome = pool.step(plan.call)
+    assert outcome.appended == {"r-0": 2, "r-1": 3} and not outcome.grants
+    batch = sched.apply_outcome(plan, outcome)
+    assert [(w.request_id, w.start_position, w.delta) for w in batch.call.seqs] == [
+        ("r-0", 8, TableDelta(0, (0, 1, 2))), ("r-1", 8, TableDelta(0, (0, 1, 3)))]
+    expected = model.reference(list(range(5, 14)), 1)
+    sampled = sched.apply_result(batch, model.execute(batch.call))
+    assert [(s.seq_id, t) for s, t in sampled] == [(c.seq_id, expected[0]) for c in children]
+    # Later grants are changes to the executor's copy: plain decodes, no table sent.
+    plan = sched.schedule()
+    assert plan is not None
+    batch = sched.apply_outcome(plan, pool.step(plan.call))
+    assert batch.call.decode_request_ids == ("r-0", "r-1") and not batch.call.seqs
+
+
+def test_scheduler_beam_child_of_a_parent_that_copied_first_writes_in_place():
+    # A beam forked after its first step goes on beside its child (keep_parent), ahead of it
+    # in the next step: the parent copies the shared partial block 1 -> 2, so the child holds
+    # block 1 alone and writes in place with no grant; its first Execute still carries its
+    # whole table (the Fork's).
+    sched = scheduler()
+    pool, model = CorePool(64, BLOCK), FakeModel(BLOCK)
+    prompt = [5, 6, 7, 8, 9, 10]
+    req = request("b", prompt, max_tokens=4)
+    (beam,) = add(sched, req)
+    beam.is_beam = True  # its tokens are appended by hand, as a search picks them
+    plan = sched.schedule()
+    assert plan is not None
+    batch = sched.apply_outcome(plan, pool.step(plan.call))
+    ((_, first),) = sched.apply_result(batch, model.execute(batch.call))
+    child = Sequence(seq_id="b-1", request=req, index=1, is_beam=True)
+    sched.fork(beam, [child], pool.fork(beam.seq_id, [child.seq_id]), keep_parent=True)
+    beam.beam_candidates = None
+    beam.output_token_ids.append(first)
+    child.output_token_ids.append(42)
+    plan = sched.schedule()
+    assert plan is not None and plan.call.decode_request_ids == ("b", "b-1")
+    outcome = pool.step(plan.call)
+    assert outcome.grants["b"].delta == TableDelta(1, (2,))
+    assert "b-1" not in outcome.grants and "b-1" not in outcome.appended
+    batch = sched.apply_outcome(plan, outcome)
+    assert [(w.request_id, w.start_position, w.delta) for w in batch.call.seqs] == [
+        ("b", 6, TableDelta(1, (2,))), ("b-1", 6, TableDelta(0, (0, 1)))]
+    assert [(c.src_block_id, c.dst_block_id) for c in batch.call.copies] == [(1, 2)]
+    assert sched.apply_result(batch, model.execute(batch.call)) == [
+        (beam, model.next_token([*prompt, first])), (child, model.next_token([*prompt, 42]))]
+
+
+def test_scheduler_forked_child_swapped_out_before_its_first_execute_gets_the_swap_in_table():
+    # The allocator swaps a child out in its first step: the Fork's table is stale (the blocks
+    # went to CPU), and the swap-in grant carries the whole new table instead.
+    sched = scheduler()
+    sched.swap = True
+    pool, model = CorePool(64, BLOCK), FakeModel(BLOCK)
+    children = fork_after_prefill(sched, pool, model, request("r", [5, 6, 7, 8, 9, 10], n=2))
+    plan = sched.schedule()
+    assert plan is not None
+    sched.apply_outcome(plan, StepOutcome(preempted=(Preemption("r-1", swapped=True),),
+                                          appended={}, grants={}))
+    assert children[1].status is SeqStatus.SWAPPED and children[1].fork_table is None
+    plan = sched.schedule()
+    assert plan is not None
+    grant = Grant("r-1", TableDelta(0, (7, 8)), 0, 1, 5)
+    batch = sched.apply_outcome(plan, StepOutcome(grants={"r-1": grant}))
+    work = next(w for w in batch.call.seqs if w.request_id == "r-1")
+    assert work.delta == TableDelta(0, (7, 8)) and work.sampling is not None
 
 
 @settings(max_examples=25, deadline=None)
@@ -423,7 +521,7 @@ def test_scheduler_swapped_request_sends_its_token_once():
     assert plan is not None
     grant = Grant("a", TableDelta(0, (9,)), 0, 1, 3)
     batch = sched.apply_outcome(plan, StepOutcome(grants={"a": grant}))
-    assert a.status is SeqStatus.RUNNING and a.block_table == [9]
+    assert a.status is SeqStatus.RUNNING
     (work,) = batch.call.seqs
     assert work.start_position == 3 and work.token_ids == (a.output_token_ids[0],)
     assert work.delta == TableDelta(0, (9,)) and work.sampling is None
