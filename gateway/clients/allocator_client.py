@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from common.credentials import InternalAuth
 from gateway.clients.call_failures import translated
-from gateway.clients.channel import InternalChannel
+from common.channel import InternalChannel
 from gateway.core.step import (
     BlockCopy,
     Commit,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from common.credentials import InternalAuth
 from gateway.clients.call_failures import Rejected, translated
-from gateway.clients.channel import InternalChannel
+from common.channel import InternalChannel
 from gateway.core.step import (
     BlockCopy,
     ExecSampling,
