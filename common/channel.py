@@ -1,4 +1,5 @@
-"""A gateway's channel to an internal service: its options, the credential every call
+"""A client's channel to an internal service (the gateway's to the allocator and executors,
+an executor's to another executor's ExportKV): its options, the credential every call
 carries, and the request id a call about one request names."""
 
 from __future__ import annotations

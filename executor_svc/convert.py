@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from common.errors import InvalidArgument
+from executor_svc.kv_transfer import KVLayout
 from executor_svc.runner_api import ExecutorInfo
 from executor_svc.step import (
     BlockCopy,
@@ -140,4 +143,14 @@ def info_to_proto(info: ExecutorInfo) -> pb.DescribeResponse:
         max_num_batched_tokens=info.max_num_batched_tokens,
         max_num_seqs=info.max_num_seqs,
         uses_sampled_tokens=True,
+        role=info.role,
+        kv_layout=layout_to_proto(info.kv_layout) if info.kv_layout is not None else None,
     )
+
+
+def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
+    return pb.KVLayout(**dataclasses.asdict(layout))
+
+
+def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
+    return KVLayout(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(KVLayout)})

@@ -20,7 +20,9 @@ import torch
 
 from executor_svc.attention import AttentionBackend, SeqSpan, StepMetadata, make_backend
 from executor_svc.held_requests import HeldRequests
+from executor_svc.kv_blocks import TorchKVBlocks
 from executor_svc.kv_cache import KVCache, KVCacheSpec
+from executor_svc.kv_transfer import TORCH_FORMAT, KVBlockStore, KVLayout
 from executor_svc.logits_processor import LogitsProcessor
 from executor_svc.memory import count_blocks, forward_once
 from executor_svc.model_loader import LoadedModel, dtype_name, load_model
@@ -55,9 +57,11 @@ class ModelRunner(HeldRequests):
         idle_release_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         num_cpu_cache_blocks: int = 0,
+        role: str = "both",
     ) -> None:
         self.loaded = loaded
         self.cache = cache
+        self.kv_blocks: KVBlockStore = TorchKVBlocks(cache)
         self.backend = backend
         self.limits = limits
         self.sampler = Sampler(seed, loaded.device)
@@ -78,6 +82,8 @@ class ModelRunner(HeldRequests):
             max_num_batched_tokens=limits.max_num_batched_tokens,
             max_num_seqs=limits.max_num_seqs,
             num_cpu_cache_blocks=num_cpu_cache_blocks,
+            role=role,
+            kv_layout=kv_layout(cache.spec, loaded.fingerprint),
         )
 
     def execute(self, step: StepRequest) -> StepResult:
@@ -184,6 +190,20 @@ class ModelRunner(HeldRequests):
         )
 
 
+def kv_layout(spec: KVCacheSpec, model_fingerprint: str) -> KVLayout:
+    """What one block is on the wire (kv_blocks.py): Describe's kv_layout."""
+    return KVLayout(
+        model_fingerprint=model_fingerprint,
+        block_size=spec.block_size,
+        dtype=dtype_name(spec.dtype),
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        bytes_per_block=spec.bytes_per_block,
+        format=TORCH_FORMAT,
+    )
+
+
 def build_runner(settings: ExecutorSettings) -> ModelRunner:
     """Load the model, size and allocate the KV cache, pick the backend."""
     loaded = load_model(
@@ -226,4 +246,4 @@ def build_runner(settings: ExecutorSettings) -> ModelRunner:
     )
     return ModelRunner(loaded, cache, backend, limits, settings.seed,
                        idle_release_s=settings.idle_release_s,
-                       num_cpu_cache_blocks=num_cpu_cache_blocks)
+                       num_cpu_cache_blocks=num_cpu_cache_blocks, role=settings.role)

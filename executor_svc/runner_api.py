@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from executor_svc.kv_transfer import KVBlockStore, KVLayout
 from executor_svc.plan import RequestState
 from executor_svc.step import StepRequest, StepResult
 
@@ -34,6 +35,8 @@ class ExecutorInfo:
     max_num_batched_tokens: int
     max_num_seqs: int
     num_cpu_cache_blocks: int = 0  # of num_cpu_blocks, the prefix cache's CPU tier
+    role: str = "both"  # --role: which work a gateway gives it (prefill, decode, both)
+    kv_layout: KVLayout | None = None  # what ImportKV / ExportKV move (None: neither works)
 
 
 class StepRunner(Protocol):
@@ -44,6 +47,7 @@ class StepRunner(Protocol):
     idle_release_s: float  # 0: never drop idle requests
     next_idle_check: float  # on `clock`: when a step next looks for idle requests
     clock: Callable[[], float]
+    kv_blocks: KVBlockStore  # read and written by KV hand-off (ImportKV, ExportKV)
 
     def execute(self, step: StepRequest) -> StepResult: ...
 

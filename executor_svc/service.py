@@ -12,6 +12,9 @@ reach common.interceptor, which maps them to their status codes.
 A request's lifecycle is logged here, each line naming it (`seq_id` on the wire, the
 client's `request_id`: common.interceptor.client_request_id): started (its first step),
 released, idle-released. Steps record their metrics (StepMetrics) from the StepResult.
+
+ImportKV and ExportKV (KV hand-off between executors) are kv_handoff.py's: they run beside
+the steps, not in the compute thread's queue.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -30,11 +33,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from common.credentials import InternalAuth
 from common.errors import FailedPrecondition, InvalidArgument
 from common.interceptor import client_request_id
 from common.server import Registration
 from executor_svc import convert
 from executor_svc.compute_thread import compute_thread
+from executor_svc.kv_handoff import HandOffMetrics, KVHandOff
 from executor_svc.runner_api import StepRunner
 from executor_svc.step import SequenceWork, StepRequest, StepResult
 from executor_svc.step_order import ORDER_WAIT_S, StepOrder
@@ -81,6 +86,7 @@ class StepMetrics:
                            "Requests dropped: released by the caller, or idle too long",
                            ["reason"], registry=registry)
         self.released, self.idle_released = released.labels("released"), released.labels("idle")
+        self.handoff = HandOffMetrics(registry)
         registry.register(_RunnerCollector(runner))
 
     def observe(self, num_seqs: int, result: StepResult) -> None:
@@ -135,13 +141,20 @@ def _ids(seq_id: str) -> dict[str, str]:
 
 class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     def __init__(self, runner: StepRunner, worker: ThreadPoolExecutor | None = None,
-                 metrics: StepMetrics | None = None, pool_name: str = "") -> None:
+                 metrics: StepMetrics | None = None, pool_name: str = "",
+                 auth: InternalAuth | None = None) -> None:
+        """`auth`: the credentials this executor serves with, which it also presents to
+        the executors it imports KV from."""
         self._runner = runner
         self._pool_name = pool_name
         # One thread: the runner is not thread-safe, and its queue keeps the order.
         self._worker = worker or compute_thread()
         self._order = StepOrder()
         self._metrics = metrics
+        self._handoff = KVHandOff(runner, auth, metrics.handoff if metrics else None)
+
+    async def close(self) -> None:
+        await self._handoff.close()
 
     async def Describe(  # noqa: N802 - gRPC method name
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
@@ -181,6 +194,17 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         released = await self._in_worker(self._release, tuple(request.request_ids))
         self._log_released(released)
         return pb.ReleaseResponse(num_released=len(released))
+
+    async def ImportKV(  # noqa: N802
+        self, request: pb.ImportKVRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ImportKVResponse:
+        return await self._handoff.import_kv(request, context)
+
+    async def ExportKV(  # noqa: N802
+        self, request: pb.ExportKVRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KVBlock]:
+        async for block in self._handoff.export(request):
+            yield block
 
     # In the worker: the runner's state is read there, between steps.
     def _execute(self, step: StepRequest) -> _Executed:
@@ -239,8 +263,10 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
 
 
 def registration(runner: StepRunner, worker: ThreadPoolExecutor | None = None,
-                 metrics: StepMetrics | None = None, pool_name: str = "") -> Registration:
+                 metrics: StepMetrics | None = None, pool_name: str = "",
+                 auth: InternalAuth | None = None) -> Registration:
     """`worker`: the thread that built `runner` (compute_thread.py); None: a new one.
-    `metrics`: where steps are recorded (None: nowhere). `pool_name`: what Describe reports."""
-    servicer = ExecutorServicer(runner, worker, metrics, pool_name)
+    `metrics`: where steps are recorded (None: nowhere). `pool_name`: what Describe reports.
+    `auth`: the credentials it serves with (ImportKV calls its sources with them)."""
+    servicer = ExecutorServicer(runner, worker, metrics, pool_name, auth)
     return (servicer, SERVICE_NAME)

@@ -36,6 +36,9 @@ class ServingSettings(Protocol):
     def pool_name(self) -> str: ...
 
     @property
+    def role(self) -> str: ...
+
+    @property
     def auth(self) -> InternalAuth: ...
 
     @property
@@ -60,14 +63,16 @@ def certificate_names(settings: ServingSettings) -> dict[str, frozenset[str]] | 
     gateways = split_names(settings.tls_gateway_names)
     if settings.auth.tls is None or not gateways:
         return None
-    return {"Execute": gateways, "Release": gateways,
+    # ImportKV is a gateway's call too; ExportKV's callers are other executors (any
+    # certificate of the CA).
+    return {"Execute": gateways, "Release": gateways, "ImportKV": gateways,
             "Describe": gateways | split_names(settings.tls_allocator_names)}
 
 
 async def serve_runner(settings: ServingSettings, runner: StepRunner,
                        worker: ThreadPoolExecutor | None, **started: Any) -> None:
     """Serve `runner` until SIGTERM/SIGINT; `started`: more fields for the start-up line."""
-    from executor_svc.service import StepMetrics, registration
+    from executor_svc.service import SERVICE_NAME, ExecutorServicer, StepMetrics
 
     step_metrics = rpc_metrics = metrics_server = None
     if settings.metrics.enabled:
@@ -75,9 +80,9 @@ async def serve_runner(settings: ServingSettings, runner: StepRunner,
         step_metrics, rpc_metrics = StepMetrics(registry, runner), RpcMetrics(registry)
         metrics_server = start_metrics_server(registry, settings.host, settings.metrics)
     auth = settings.auth
+    servicer = ExecutorServicer(runner, worker, step_metrics, settings.pool_name, auth)
     server = await start_server(
-        [registration(runner, worker, step_metrics, settings.pool_name)], settings.host,
-        settings.port,
+        [(servicer, SERVICE_NAME)], settings.host, settings.port,
         authenticator=internal_authenticator(auth), credentials=auth.server_credentials(),
         rpc_metrics=rpc_metrics, certificate_names=certificate_names(settings),
     )
@@ -90,7 +95,7 @@ async def serve_runner(settings: ServingSettings, runner: StepRunner,
             write_port_file(settings.port_file, server.port)
         log.info("server_started", host=settings.host, port=server.port,
                  metrics_port=metrics_server.port if metrics_server else None,
-                 model=info.model_name, num_blocks=info.num_blocks,
+                 model=info.model_name, num_blocks=info.num_blocks, role=info.role,
                  instance_id=info.instance_id,
                  auth="mutual-tls" if auth.tls else "token" if auth.token else "none (--insecure)",
                  **started)
@@ -98,5 +103,6 @@ async def serve_runner(settings: ServingSettings, runner: StepRunner,
     try:
         await run_until_signal(server, on_ready=ready)
     finally:
+        await servicer.close()  # its channels to the executors it imported KV from
         if metrics_server is not None:
             metrics_server.close()

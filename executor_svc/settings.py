@@ -29,6 +29,8 @@ DEFAULT_PORT = 50053
 # given up with a warning when taken (common.metrics).
 DEFAULT_METRICS_PORT = 9093
 BACKENDS = ("auto", "cpu", "torch", "flashinfer")
+# Which work a gateway gives an executor (Describe's role): prompts, decodes, or both.
+ROLES = ("prefill", "decode", "both")
 DEFAULT_MODEL = str(EMBEDDED_MODEL)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -52,6 +54,7 @@ class ExecutorSettings:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     pool_name: str = ""  # Describe's stable pool name ("": callers use the address)
+    role: str = "both"  # Describe's role: prefill, decode or both (KV hand-off between them)
     port_file: str | None = None  # the bound port is written here once serving (port 0)
     model: str = DEFAULT_MODEL
     # auto: the directory's safetensors (a config-only preset: dummy, with a WARNING);
@@ -139,6 +142,7 @@ class ExecutorSettings:
             (self.max_num_seqs > 0, "--max-num-seqs must be positive"),
             (self.idle_release_s >= 0, "--idle-release-s must be >= 0 (0: never)"),
             pool_name_check(self.pool_name),
+            role_check(self.role),
             (
                 self.max_model_len is None or self.max_model_len > 0,
                 "--max-model-len must be positive (or unset for the model's own limit)",
@@ -172,6 +176,17 @@ def pool_name_check(name: str) -> tuple[bool, str]:
     return ok, "--pool-name must be at most 256 printable ASCII characters"
 
 
+def role_check(role: str) -> tuple[bool, str]:
+    return role in ROLES, f"--role must be one of {', '.join(ROLES)} (got {role!r})"
+
+
+def add_role_flag(p: argparse.ArgumentParser, default: str) -> None:
+    # No argparse choices: a bad value is one line naming the flag (validate), as --dtype.
+    add_flag(p, "--role", default=default,
+             help="which work a gateway gives this executor: prefill (prompts, then the "
+             "request is handed off), decode (handed-off requests) or both")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m executor_svc",
@@ -184,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--pool-name", default=d.pool_name,
              help="a stable name for this executor's KV pool at the allocator (a StatefulSet "
              "pod's name), reported by Describe; empty: callers use the address")
+    add_role_flag(p, d.role)
     add_metrics_flags(p, DEFAULT_METRICS_PORT)
     add_flag(p, "--model", default=d.model, help="model directory (config.json, safetensors)")
     add_flag(p, "--load-format", default=d.load_format, choices=["auto", "dummy"], help="weights")

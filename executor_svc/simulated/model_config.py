@@ -26,6 +26,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int
     fingerprint: str
+    # The KV shape a real executor of this config would have (Describe's kv_layout);
+    # 0 where the config does not say.
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -70,10 +75,16 @@ def read_model_config(model: str, simulated_model: str) -> ModelConfig:
     identity = json.dumps({"config": config, "token_model": TOKEN_MODEL_VERSION,
                            "root": ROOT_DIGEST}, sort_keys=True, default=str)
     digest = hashlib.sha256(identity.encode()).hexdigest()
+    heads = int(config.get("num_attention_heads") or 0)
+    head_dim = config.get("head_dim") or (int(config.get("hidden_size") or 0) // heads
+                                          if heads else 0)
     return ModelConfig(
         name=name,
         vocab_size=vocab_size,
         eos_token_ids=eos,
         max_position_embeddings=limit,
         fingerprint=f"simulated:{simulated_model}:{name}:{digest}",
+        num_layers=int(config.get("num_hidden_layers") or 0),
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
     )

@@ -92,6 +92,10 @@ class Profile:
     def num_cpu_blocks(self, block_size: int) -> int:
         return int(4 * 2**30 // (self.model.kv_bytes_per_token * block_size))
 
+    def transfer_ms(self, num_blocks: int, block_size: int) -> float:
+        """A KV hand-off's blocks between two executors' GPUs (ImportKV), over the link."""
+        return 1e3 * num_blocks * block_size * self.model.kv_bytes_per_token / KV_LINK_BYTES_S
+
     def step_ms(self, shape: StepShape, block_size: int) -> float:
         if not shape.num_tokens and not shape.num_swapped_blocks:
             return 0.0  # releases and copies only: no forward pass
@@ -102,6 +106,10 @@ class Profile:
                        + self.ms_per_context_token * shape.num_context_tokens)
         return forward + 1e3 * swap_bytes / self.gpu.host_link_bytes_s
 
+
+# KV moved between executors (hand-off): one 400 Gb/s RDMA NIC, as prefill and decode
+# executors on different nodes would have; GPUs of one node (NVLink) are ~10x faster.
+KV_LINK_BYTES_S = 50 * GB
 
 A100 = Gpu("a100-sxm-80gb", 80 * GB, 2.039e12, 312e12, 32 * GB)
 H100 = Gpu("h100-sxm-80gb", 80 * GB, 3.35e12, 989e12, 64 * GB)

@@ -22,13 +22,14 @@ from collections.abc import Callable
 import structlog
 
 from executor_svc.held_requests import HeldRequests
+from executor_svc.kv_transfer import SIMULATED_FORMAT, KVBlockStore, KVLayout
 from executor_svc.plan import Limits, PlannedSeq, plan_step
 from executor_svc.runner_api import ExecutorInfo
 from executor_svc.settings import SettingsError
 from executor_svc.simulated.model_config import read_model_config
 from executor_svc.simulated.profiles import PROFILES, Profile, StepShape
 from executor_svc.simulated.settings import SimulatedSettings
-from executor_svc.simulated.slot_cache import SlotCache
+from executor_svc.simulated.slot_cache import SlotBlocks, SlotCache
 from executor_svc.simulated.token_model import ROOT_DIGEST, TokenModel, extend
 from executor_svc.step import SampledToken, StepRequest, StepResult, Timings
 
@@ -53,6 +54,11 @@ class SimulatedRunner(HeldRequests):
         self.time_scale = time_scale
         self.tokens = TokenModel(info.vocab_size, frozenset(info.eos_token_ids))
         self.cache = SlotCache(limits.num_blocks, limits.num_cpu_blocks, limits.block_size)
+        block_size = limits.block_size
+        self.kv_blocks: KVBlockStore = SlotBlocks(
+            self.cache,
+            (lambda n: profile.transfer_ms(n, block_size) / 1e3 * time_scale) if time_scale
+            else None)
         self.sleep = sleep
         super().__init__(idle_release_s, clock)
 
@@ -140,6 +146,14 @@ def build_simulated_runner(settings: SimulatedSettings) -> SimulatedRunner:
         vocab_size=model.vocab_size,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
+        role=settings.role,
+        kv_layout=KVLayout(
+            model_fingerprint=model.fingerprint, block_size=block_size,
+            dtype=profile.model.dtype, num_layers=model.num_layers,
+            num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+            bytes_per_block=8 * block_size,  # one uint64 digest a slot
+            format=SIMULATED_FORMAT,
+        ),
     )
     return SimulatedRunner(info, limits, profile, settings.time_scale,
                            idle_release_s=settings.idle_release_s)

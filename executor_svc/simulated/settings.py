@@ -22,7 +22,9 @@ from executor_svc.settings import (
     DEFAULT_MODEL,
     DEFAULT_PORT,
     SettingsError,
+    add_role_flag,
     pool_name_check,
+    role_check,
     settings_from_args,
 )
 from executor_svc.simulated.profiles import DEFAULT_PROFILE, PROFILES
@@ -34,6 +36,7 @@ class SimulatedSettings:
     port: int = DEFAULT_PORT
     port_file: str | None = None
     pool_name: str = ""
+    role: str = "both"  # Describe's role: prefill, decode or both
     model: str = DEFAULT_MODEL  # config.json (+ generation_config.json) only
     simulate_profile: str = DEFAULT_PROFILE
     time_scale: float = 1.0  # modelled step times x this; 0: no sleeping (tests)
@@ -70,6 +73,7 @@ class SimulatedSettings:
              "--max-model-len must be positive (or unset for the model's own limit)"),
             (self.idle_release_s >= 0, "--idle-release-s must be >= 0 (0: never)"),
             pool_name_check(self.pool_name),
+            role_check(self.role),
         ]
         problem = self.metrics.problem(self.port)
         checks.append((problem is None, problem or ""))
@@ -91,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--port-file", default=None, help="write the bound port here once serving")
     add_flag(p, "--pool-name", default=d.pool_name,
              help="a stable name for this executor's KV pool, reported by Describe")
+    add_role_flag(p, d.role)
     add_metrics_flags(p, DEFAULT_METRICS_PORT)
     add_flag(p, "--model", default=d.model,
              help="model directory whose config.json gives vocabulary, EOS ids and length "

@@ -8,8 +8,10 @@ never written holds 0, as the real cache holds zeros.
 
 from __future__ import annotations
 
+import sys
+import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from executor_svc.step import BlockCopy
 
@@ -49,3 +51,35 @@ def _move(src: array[int], dst: array[int], copies: tuple[BlockCopy, ...],
               for c in copies]
     for copy, block in zip(copies, blocks, strict=True):
         dst[copy.dst_block_id * block_size:(copy.dst_block_id + 1) * block_size] = block
+
+
+class SlotBlocks:
+    """The device blocks as bytes, for KV hand-off (layout format simulated-slot-digest-v1):
+    a block's block_size digests, little-endian uint64 each. Array slices are atomic under
+    the GIL, and the blocks moved belong to no running step (kv_blocks.py says why)."""
+
+    def __init__(self, cache: SlotCache, write_s: Callable[[int], float] | None = None) -> None:
+        self.cache = cache
+        # The modelled time to move n blocks between two executors (None: none), slept by
+        # each write: a hand-off costs what the real KV would over the link.
+        self.write_s = write_s
+
+    def read(self, block_ids: Sequence[int]) -> list[bytes]:
+        size, device, out = self.cache.block_size, self.cache.device, []
+        for block_id in block_ids:
+            block = device[block_id * size:(block_id + 1) * size]
+            if sys.byteorder != "little":
+                block.byteswap()
+            out.append(block.tobytes())
+        return out
+
+    def write(self, block_ids: Sequence[int], data: Sequence[bytes]) -> None:
+        if self.write_s is not None:
+            time.sleep(self.write_s(len(block_ids)))  # (the transfer thread's: no step waits)
+        size, device = self.cache.block_size, self.cache.device
+        for block_id, raw in zip(block_ids, data, strict=True):
+            block = array("Q")
+            block.frombytes(raw)
+            if sys.byteorder != "little":
+                block.byteswap()
+            device[block_id * size:(block_id + 1) * size] = block

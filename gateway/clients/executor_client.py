@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.channel import InternalChannel
 from common.credentials import InternalAuth
 from gateway.clients.call_failures import Rejected, translated
-from common.channel import InternalChannel
 from gateway.core.step import (
     BlockCopy,
     ExecSampling,
@@ -21,6 +21,30 @@ from gateway.core.step import (
 )
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What one block of an executor's KV is (Describe's kv_layout): KV moves between two
+    executors only when their layouts are equal."""
+
+    model_fingerprint: str
+    block_size: int
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    bytes_per_block: int
+    format: str
+
+
+@dataclass(frozen=True, slots=True)
+class KVImport:
+    """What an ImportKV moved."""
+
+    num_blocks: int
+    num_bytes: int
+    elapsed_ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +67,16 @@ class ExecutorDescription:
     uses_sampled_tokens: bool = False
     pool_name: str = ""  # its stable pool name ("": name the pool by the address)
     num_cpu_cache_blocks: int = 0  # of num_cpu_blocks, the prefix cache's CPU tier
+    role: str = "both"  # "prefill", "decode" or "both" (an executor that says none: both)
+    kv_layout: KVLayout | None = None  # None: it reports none (moves no KV)
+
+
+def _layout(r: pb.DescribeResponse) -> KVLayout | None:
+    if not r.HasField("kv_layout"):
+        return None
+    k = r.kv_layout
+    return KVLayout(k.model_fingerprint, k.block_size, k.dtype, k.num_layers, k.num_kv_heads,
+                    k.head_dim, k.bytes_per_block, k.format)
 
 
 def _copies(copies: Sequence[BlockCopy]) -> list[pb.BlockCopy]:
@@ -140,6 +174,8 @@ class ExecutorClient(InternalChannel):
             uses_sampled_tokens=r.uses_sampled_tokens,
             pool_name=r.pool_name[:256],
             num_cpu_cache_blocks=r.num_cpu_cache_blocks,
+            role=r.role or "both",
+            kv_layout=_layout(r),
         )
 
     async def execute(
@@ -202,6 +238,23 @@ class ExecutorClient(InternalChannel):
             executor_ms=timings.total_ms,
             num_tokens=response.num_tokens,
         )
+
+    async def import_kv(
+        self, source_address: str, request_id: str, first_block_index: int,
+        block_ids: Sequence[int], num_tokens: int, timeout: float | None = None,
+    ) -> KVImport:
+        """Have this executor pull `request_id`'s KV from the executor at `source_address`:
+        table indices `first_block_index` on (those before are here already) into
+        `block_ids`, the blocks of its first `num_tokens` tokens. On failure the blocks may
+        hold partial data (the proto's ImportKVResponse)."""
+        request = pb.ImportKVRequest(
+            source_address=source_address, request_id=request_id,
+            first_block_index=first_block_index, block_ids=block_ids, num_tokens=num_tokens,
+        )
+        with translated():
+            r = await self.stub.ImportKV(request, metadata=self._about([request_id]),
+                                         timeout=timeout)
+        return KVImport(num_blocks=r.num_blocks, num_bytes=r.num_bytes, elapsed_ms=r.elapsed_ms)
 
     async def release(self, request_ids: Sequence[str], timeout: float | None = None) -> None:
         with translated():

@@ -3,6 +3,11 @@
     make conformance EXECUTOR_ADDR=host:port      # an executor you run (yours or ours)
     pytest -q tests/conformance                   # no address: starts ours as a subprocess
 
+KV hand-off (ImportKV from one executor to another, test_executor_handoff.py) needs a second
+executor of the same model, block size and layout: `--executor-addr-2 host:port` (or
+EXECUTOR_ADDR_2); with one address only, the cases that move a request between two
+executors skip, saying so. Without any address the suite starts a second one of ours.
+
 Calls carry `authorization: Bearer $PAGEDKV_INTERNAL_TOKEN` when that variable is set (an
 executor must refuse callers without it: test_executor_auth.py); the local executor gets a
 generated token.
@@ -51,6 +56,8 @@ STARTUP_TIMEOUT_S = 120.0
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("conformance", "executor conformance suite")
     group.addoption("--executor-addr", default="", help="host:port of the executor under test")
+    group.addoption("--executor-addr-2", default="",
+                    help="host:port of a second executor like it (KV hand-off cases)")
     group.addoption("--reference-model", default="", help="model directory for the reference")
     group.addoption("--reference-seed", type=int, default=0, help="seed of dummy weights")
 
@@ -78,6 +85,7 @@ class Executor:
     channel: grpc.Channel
     info: pb.DescribeResponse
     blocks: Blocks
+    address: str = ""  # host:port, as the suite (and another executor) reaches it
     tables: dict[str, list[int]] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=dict)
 
@@ -185,16 +193,56 @@ def executor_addr(
 
 
 @pytest.fixture(scope="session")
-def executor(executor_addr: str, internal_auth: InternalAuth) -> Iterator[Executor]:
-    channel = internal_auth.channel(executor_addr)
+def second_executor_addr(
+    pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory,
+    internal_auth: InternalAuth,
+) -> Iterator[str]:
+    """A second executor of the same model and layout, for KV hand-off: given, or (when the
+    suite started the first one) another of ours; with one address given, the cases skip."""
+    addr = pytestconfig.getoption("executor_addr_2") or os.environ.get("EXECUTOR_ADDR_2", "")
+    if addr:
+        yield addr
+        return
+    if pytestconfig.getoption("executor_addr") or os.environ.get("EXECUTOR_ADDR", ""):
+        pytest.skip(
+            "KV hand-off between two executors needs a second one of the same model, block "
+            "size and KV layout: pass --executor-addr-2 host:port (or EXECUTOR_ADDR_2); only "
+            "one address was given"
+        )
+    workdir = tmp_path_factory.mktemp("executor-2")
+    log_path, port_file = workdir / "executor.log", workdir / "port"
+    process = _start_local_executor(log_path, port_file, internal_auth.token)
+    port = _wait_for_port(process, port_file, log_path)
+    yield f"127.0.0.1:{port}"
+    process.terminate()
+    assert process.wait(timeout=30) == 0, log_path.read_text()[-3000:]
+
+
+def _connect(addr: str, auth: InternalAuth, seed: int = 0) -> Executor:
+    """`seed`: the order blocks are handed out in (the second executor's differs, so that a
+    block id never means the same block on both)."""
+    channel = auth.channel(addr)
     grpc.channel_ready_future(channel).result(timeout=30)
     stub = pb_grpc.ExecutorServiceStub(channel)
     info = stub.Describe(pb.DescribeRequest(), timeout=30)
     free = list(range(info.num_blocks))
-    random.Random(0).shuffle(free)
+    random.Random(seed).shuffle(free)
     blocks = Blocks(free=free, free_cpu=list(range(info.num_cpu_blocks)))
-    yield Executor(stub=stub, channel=channel, info=info, blocks=blocks)
-    channel.close()
+    return Executor(stub=stub, channel=channel, info=info, blocks=blocks, address=addr)
+
+
+@pytest.fixture(scope="session")
+def executor(executor_addr: str, internal_auth: InternalAuth) -> Iterator[Executor]:
+    connected = _connect(executor_addr, internal_auth)
+    yield connected
+    connected.channel.close()
+
+
+@pytest.fixture(scope="session")
+def second_executor(second_executor_addr: str, internal_auth: InternalAuth) -> Iterator[Executor]:
+    connected = _connect(second_executor_addr, internal_auth, seed=1)
+    yield connected
+    connected.channel.close()
 
 
 @dataclass(frozen=True, slots=True)

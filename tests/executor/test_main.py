@@ -26,6 +26,16 @@ def test_main_rejects_bad_settings_with_a_remedy() -> None:
     assert "--model '/nonexistent' is not a directory" in result.stderr
 
 
+def test_main_rejects_a_bad_role_in_one_line() -> None:
+    # Either executor: exit 2, one line naming --role and its choices.
+    for module in ("executor_svc", "executor_svc.simulated"):
+        command = [sys.executable, "-m", module, "--role", "sideways", "--insecure"]
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2
+        assert result.stderr.splitlines() == [
+            f"{module}: --role must be one of prefill, decode, both (got 'sideways')"]
+
+
 def test_main_refuses_to_start_without_internal_credentials() -> None:
     # Closed by default: no token, no TLS and no explicit --insecure is a usage error.
     env = {k: v for k, v in os.environ.items() if k != "PAGEDKV_INTERNAL_TOKEN"}

@@ -47,12 +47,27 @@ def test_settings_environment_sets_default_and_flag_wins(monkeypatch: pytest.Mon
         (["--idle-release-s", "-1"], "--idle-release-s must be >= 0"),
         (["--pool-name", "p" * 257], "--pool-name must be at most 256 printable ASCII"),
         (["--pool-name", "bad\nname"], "--pool-name must be at most 256 printable ASCII"),
+        (["--role", "sideways"], "--role must be one of prefill, decode, both"),
     ],
 )
 def test_settings_rejects_bad_values_with_a_remedy(argv: list[str], message: str) -> None:
     # Each bad value names its flag and what would work.
     with pytest.raises(SettingsError, match=message):
         parse_settings(argv)
+
+
+def test_settings_role_defaults_to_both_and_takes_its_env_var(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --role (PAGEDKV_ROLE): both unless told prefill or decode; a bad env value is refused
+    # like a bad flag, naming --role.
+    assert parse_settings([]).role == "both"
+    assert parse_settings(["--role", "prefill"]).role == "prefill"
+    monkeypatch.setenv("PAGEDKV_ROLE", "decode")
+    assert parse_settings([]).role == "decode"
+    monkeypatch.setenv("PAGEDKV_ROLE", "Decode")
+    with pytest.raises(SettingsError, match="--role must be one of prefill, decode, both"):
+        parse_settings([])
 
 
 def test_settings_parse_bytes_understands_units() -> None:
