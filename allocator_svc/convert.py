@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from allocator_svc.core.events import CacheEvent, EventKind
+from allocator_svc.core.hand_off import HandOff
 from allocator_svc.core.hashing import hash_profile
 from allocator_svc.core.pins import PinStatus
 from allocator_svc.core.pool import Pool, PoolConfig
@@ -179,6 +180,30 @@ def swap_copies(copies: list[BlockCopy]) -> list[pb.BlockCopy]:
 
 def child_table(child: Request) -> pb.BlockTableDelta:
     return pb.BlockTableDelta(start_index=0, block_ids=[b.block_id for b in child.blocks])
+
+
+def hand_off(msg: pb.ReserveHandOffRequest, lease_id: str) -> HandOff:
+    return HandOff(
+        msg.pool_id,
+        msg.epoch,
+        lease_id,
+        msg.request_id,
+        list(msg.token_ids),
+        msg.num_prompt_tokens,
+        msg.cache_salt,
+        msg.tenant,
+        msg.source_model_fingerprint,
+        msg.source_block_size,
+        msg.source_pool_id,
+    )
+
+
+def hand_off_response(request: Request, num_free_blocks: int) -> pb.ReserveHandOffResponse:
+    return pb.ReserveHandOffResponse(
+        table=child_table(request),  # start_index 0: the whole table
+        num_cached_tokens=request.num_cached_tokens,
+        num_free_blocks=num_free_blocks,
+    )
 
 
 def pool_stats(pool: Pool) -> pb.PoolStats:

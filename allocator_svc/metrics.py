@@ -82,6 +82,14 @@ _POOL_COUNTERS: PoolReadings = {
     "pagedkv_allocator_resumed_prefix_cache_hits": (
         "Of those, tokens served from the prefix cache",
         lambda p: p.num_resumed_prefix_hits),
+    # Hand-offs' lookups, apart from the prompts' (core/hand_off.py).
+    "pagedkv_allocator_handoffs": ("Requests reserved for a KV hand-off from another pool",
+                                   lambda p: p.num_hand_offs),
+    "pagedkv_allocator_handoff_tokens": ("Tokens handed off into the pool",
+                                         lambda p: p.num_hand_off_tokens),
+    "pagedkv_allocator_handoff_cached_tokens": (
+        "Of those, tokens the pool had cached on the device (their KV is not moved)",
+        lambda p: p.num_hand_off_cached_tokens),
 }
 
 

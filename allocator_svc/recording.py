@@ -30,6 +30,10 @@ Records, by kind:
 - free: a Free or Abort call: end.
 - fork: a Fork: parent, num_tokens (the parent's), children.
 - swap_out: a SwapOut call: id.
+- handoff: a ReserveHandOff call (a request whose KV another pool computed joins this one):
+  id, num_tokens (handed off: prompt and generated), prompt (of them), cached (tokens this
+  pool had cached). Written only when one happens, so a recording without hand-offs reads as
+  before.
 - expire: leases expired: ids (their requests, freed by the allocator).
 - stop: the recording ends: reason (shutdown, max_bytes, error), live (the requests still
   held, each [pool, end]).
@@ -192,6 +196,12 @@ class Recorder:
             f'{{"k":"fork","t":{self._now()},"pool":{self._pool(pool_id)},'
             f'"parent":{_quote(parent.request_id)},"num_tokens":{len(parent.token_ids)},'
             f'"children":[{",".join(map(_quote, child_ids))}]}}\n'))
+
+    def handed_off(self, pool_id: str, request: Request) -> None:
+        self._safely(lambda: (
+            f'{{"k":"handoff","t":{self._now()},"pool":{self._pool(pool_id)},'
+            f'"id":{_quote(request.request_id)},"num_tokens":{len(request.token_ids)},'
+            f'"prompt":{request.num_prompt_tokens},"cached":{request.num_cached_tokens}}}\n'))
 
     def swapped_out(self, pool_id: str, request_id: str) -> None:
         self._safely(lambda: (

@@ -2,10 +2,10 @@
 `request_id` (the client's part of it: common.interceptor.client_request_id).
 
 A Step carries a whole batch and binds no one request's id, so these lines name theirs.
-Lifecycle events that are rare (preempted, swapped, aborted, forked, expired) are INFO; the
-ones every request has, and per-step detail (admitted, blocks allocated, deferred, freed),
-are DEBUG and cost nothing unless debug logging is on: the level is checked once per call,
-not per request. No line is logged per token.
+Lifecycle events that are rare (preempted, swapped, aborted, forked, handed off, expired) are
+INFO; the ones every request has, and per-step detail (admitted, blocks allocated, deferred,
+freed), are DEBUG and cost nothing unless debug logging is on: the level is checked once per
+call, not per request. No line is logged per token.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 import structlog
 
+from allocator_svc.core.request import Request
 from allocator_svc.core.step import StepCall, StepResult
 from common.interceptor import client_request_id
 
@@ -73,6 +74,12 @@ def aborted(pool_id: str, seq_ids: Iterable[str]) -> None:
 
 def forked(pool_id: str, parent_id: str, child_ids: list[str]) -> None:
     log.info("request_forked", pool_id=pool_id, child_seq_ids=child_ids, **_ids(parent_id))
+
+
+def handed_off(pool_id: str, request: Request) -> None:
+    log.info("request_handed_off", pool_id=pool_id, num_tokens=len(request.token_ids),
+             num_cached_tokens=request.num_cached_tokens,
+             block_ids=[b.block_id for b in request.blocks], **_ids(request.request_id))
 
 
 def swapped_out(pool_id: str, seq_id: str, num_blocks: int) -> None:

@@ -181,6 +181,17 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
             self.recorder.swapped_out(request.pool_id, request.request_id)
         return pb.SwapOutResponse(swap_out=convert.swap_copies(copies))
 
+    async def ReserveHandOff(
+        self, request: pb.ReserveHandOffRequest, context: Ctx
+    ) -> pb.ReserveHandOffResponse:
+        call = convert.hand_off(request, _require_lease(request.lease_id, "ReserveHandOff"))
+        reserved = self.allocator.reserve_hand_off(call)
+        pool = self.allocator.pools[request.pool_id]
+        request_log.handed_off(request.pool_id, reserved)
+        if self.recorder is not None:
+            self.recorder.handed_off(request.pool_id, reserved)
+        return convert.hand_off_response(reserved, pool.blocks.num_free)
+
     async def MatchPrefix(
         self, request: pb.MatchPrefixRequest, context: Ctx
     ) -> pb.MatchPrefixResponse:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from itertools import chain
 
 from allocator_svc.core.cpu_blocks import CpuEntry
+from allocator_svc.core.hand_off import HandOff, check_hand_off, reserve
 from allocator_svc.core.leases import Lease, LeaseTable
 from allocator_svc.core.limits import Limits
 from allocator_svc.core.pins import Pin, PinStatus, pin_budget
@@ -249,6 +250,23 @@ class Allocator:
             )
         pool.num_preemptions += 1
         return copies
+
+    def reserve_hand_off(self, call: HandOff) -> Request:
+        """Reserve, in the target pool, a request whose KV another pool's executor holds
+        (hand_off.py); the caller moves the KV, then commits (or aborts) it."""
+        pool = self.pool(call.pool_id, call.epoch)
+        self._check_owner(pool, [call.request_id], call.lease_id)
+        source = self.pools.get(call.source_pool_id) if call.source_pool_id else None
+        check_hand_off(pool, call, source, self.limits)
+        request = reserve(pool, call)
+        if request is None:
+            raise ResourceExhausted(
+                f"pool {call.pool_id!r} has {pool.blocks.num_free} free blocks, too few for "
+                f"the hand-off of {call.request_id!r} ({len(call.token_ids)} tokens, "
+                f"{pool.blocks_for(len(call.token_ids))} blocks less its cached prefix): retry "
+                "once requests finish, or hand off to another pool"
+            )
+        return request
 
     def match_prefix(
         self, token_ids: list[int], cache_salt: str, pool_ids: Iterable[str]

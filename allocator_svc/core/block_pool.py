@@ -45,14 +45,16 @@ class BlockPool:
     def num_free(self) -> int:
         return self.free_queue.num_blocks
 
-    def allocate(self, num_blocks: int) -> list[Block] | None:
-        """Take `num_blocks` fresh blocks (ref_count 1), evicting cached ones; None if short."""
+    def allocate(self, num_blocks: int, to_tier: bool = True) -> list[Block] | None:
+        """Take `num_blocks` fresh blocks (ref_count 1), evicting cached ones; None if short.
+        `to_tier` False: the evicted blocks are not offered to the CPU tier (a call with no
+        step to carry the copy, as a hand-off's reservation)."""
         if num_blocks > self.free_queue.num_blocks:
             return None
         taken = self.free_queue.popleft_n(num_blocks)
         evicted = [block for block in taken if block.block_hash is not None]
         if evicted:
-            self._evict(evicted)
+            self._evict(evicted, self.cpu_tier if to_tier else None)
         for block in taken:
             block.ref_count = 1
         return taken
@@ -177,8 +179,8 @@ class BlockPool:
         self.num_pinned += len(blocks)
         self.events.pin_run(True, hashes, [b.block_id for b in blocks])
 
-    def _evict(self, blocks: list[Block]) -> None:
-        cached, by_key, tier = self.cached, self.by_key, self.cpu_tier
+    def _evict(self, blocks: list[Block], tier: CpuBlocks | None) -> None:
+        cached, by_key = self.cached, self.by_key
         hashes = []
         for block in blocks:
             block_hash, key = block.block_hash, block.chain_key

@@ -2,8 +2,8 @@
 
 Every operation on a request lives here, so the ways a block table changes are on one page:
 admit (with prefix lookup in both tiers), allocate (with copy-on-write), commit, free, fork,
-swap out/in. Operations that can fall short return None and change nothing; callers validate
-arguments.
+swap out/in (and a hand-off's reservation: hand_off.py). Operations that can fall short
+return None and change nothing; callers validate arguments.
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ class Pool:
         self.num_cow_copies = 0  # copy-on-write copies planned (a forked child's shared block)
         self.num_swap_outs = self.num_swapped_out_blocks = 0  # requests, blocks moved to CPU
         self.num_swap_ins = self.num_swapped_in_blocks = 0  # and back
+        # Hand-offs reserved (hand_off.py), their tokens and those found cached: counted
+        # apart from the prompts' lookups, whose hit rate they would distort.
+        self.num_hand_offs = self.num_hand_off_tokens = self.num_hand_off_cached_tokens = 0
         self._roots: dict[str, bytes] = {}  # cache_salt -> chain root
         self.hash_block = BlockHasher(config.block_size)
         # Per lease, what its steps granted and no call has committed yet (scheduled_steps.py).
@@ -90,18 +93,19 @@ class Pool:
         return self.hash_block.chain_with_keys(self.root(cache_salt), token_ids, num_blocks)[0]
 
     def match_prefix(
-        self, root: bytes, token_ids: list[int]
+        self, root: bytes, token_ids: list[int], hand_off: bool = False
     ) -> tuple[list[Block | CpuEntry], list[bytes]]:
         """Longest run of cached full blocks, each on the device or else in the CPU tier,
-        capped so the last token is always computed."""
+        capped so the last token is always computed. `hand_off`: every token is computed
+        already, so every full block may hit, on the device only (hand_off.py)."""
         hits: list[Block | CpuEntry] = []
         hashes: list[bytes] = []
         if not self.config.enable_prefix_caching:
             return hits, hashes
-        num_blocks = (len(token_ids) - 1) // self.block_size
+        num_blocks = (len(token_ids) - (0 if hand_off else 1)) // self.block_size
         packed = pack_tokens(token_ids[: num_blocks * self.block_size])
         stride, by_key, parent = 4 * self.block_size, self.blocks.by_key, root
-        tier = self.cpu if self.cpu.capacity else None
+        tier = self.cpu if self.cpu.capacity and not hand_off else None
         for start in range(0, len(packed), stride):
             # Indexed by the hash input: a cached block's hash is read, not recomputed.
             key = parent + packed[start : start + stride]

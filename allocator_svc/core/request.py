@@ -24,6 +24,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of leading full blocks
     cpu_block_ids: list[int] | None = None  # the table while swapped out
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    # (a hand-off's reservation: its leading tokens the pool had cached, hand_off.py)
     num_cpu_cached_tokens: int = 0  # of which copied back from the CPU tier
     num_preemptions: int = 0  # swap preemptions survived (recompute ones end the request)
     tenant: str = ""  # whose block quota its blocks count against ("": none)

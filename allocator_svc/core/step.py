@@ -346,9 +346,15 @@ class TenantQuota:
     def admits(self, item: StepItem) -> bool:
         if not item.tenant or item.prompt_token_ids is None:  # no tenant, or swapped back
             return True
-        held = self._held().get(item.tenant, 0)
-        need = self.pool.blocks_for(len(item.prompt_token_ids))
-        return held == 0 or held + need <= self.limit
+        return self.fits(item.tenant, self.pool.blocks_for(len(item.prompt_token_ids)))
+
+    def fits(self, tenant: str, num_blocks: int) -> bool:
+        """The tenant may start a request of `num_blocks` (also a hand-off's reservation)."""
+        held = self.held_by(tenant)
+        return held == 0 or held + num_blocks <= self.limit
+
+    def held_by(self, tenant: str) -> int:
+        return self._held().get(tenant, 0)
 
     def add(self, request: Request) -> None:
         if self.held is not None and request.tenant:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.channel import InternalChannel
 from common.credentials import InternalAuth
 from gateway.clients.call_failures import translated
-from common.channel import InternalChannel
 from gateway.core.step import (
     BlockCopy,
     Commit,
@@ -47,6 +47,15 @@ class PrefixMatch:
     num_cached_tokens: int
     num_free_blocks: int
     num_running_requests: int
+
+
+@dataclass(frozen=True, slots=True)
+class HandOffReservation:
+    """A request reserved in the target pool for a KV hand-off (ReserveHandOff)."""
+
+    block_ids: tuple[int, ...]  # its whole table
+    num_cached_tokens: int  # leading tokens the pool had cached: their KV is not moved
+    num_free_blocks: int  # the pool's, once reserved
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,8 +226,9 @@ class AllocatorClient(InternalChannel):
             return _outcome(await self.stub.Step(request, metadata=self.auth_metadata,
                                                  timeout=self.timeout_s))
 
-    # lease_id on Free, Abort and Fork: the allocator refuses (PERMISSION_DENIED) to touch a
-    # request of another lease, e.g. another gateway's request that happens to share an id.
+    # lease_id on Free, Abort, Fork and ReserveHandOff: the allocator refuses
+    # (PERMISSION_DENIED) to touch a request of another lease, e.g. another gateway's request
+    # that happens to share an id.
     async def free(
         self,
         pool_id: str,
@@ -280,6 +290,45 @@ class AllocatorClient(InternalChannel):
                 timeout=self.timeout_s,
             )
         return [TableDelta(t.start_index, tuple(t.block_ids)) for t in response.child_tables]
+
+    async def reserve_hand_off(
+        self,
+        pool_id: str,
+        epoch: int,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_prompt_tokens: int,
+        cache_salt: str,
+        tenant: str,
+        source_model_fingerprint: str,
+        source_block_size: int,
+        source_pool_id: str,
+        client_request_id: str,
+        lease_id: str,
+    ) -> HandOffReservation:
+        """Reserve `request_id` (its KV, of `token_ids`, held by the source's executor) in
+        the target pool `pool_id`, joining `lease_id`. Commit it once the KV has moved, or
+        abort it. Not idempotent: a second call for the id is ALREADY_EXISTS."""
+        with translated():
+            response = await self.stub.ReserveHandOff(
+                pb.ReserveHandOffRequest(
+                    pool_id=pool_id,
+                    epoch=epoch,
+                    lease_id=lease_id,
+                    request_id=request_id,
+                    token_ids=token_ids,
+                    num_prompt_tokens=num_prompt_tokens,
+                    cache_salt=cache_salt,
+                    tenant=tenant,
+                    source_model_fingerprint=source_model_fingerprint,
+                    source_block_size=source_block_size,
+                    source_pool_id=source_pool_id,
+                ),
+                metadata=self._about([client_request_id]),
+                timeout=self.timeout_s,
+            )
+        return HandOffReservation(tuple(response.table.block_ids), response.num_cached_tokens,
+                                  response.num_free_blocks)
 
     async def match_prefix(
         self,

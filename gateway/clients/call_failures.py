@@ -4,7 +4,8 @@ The clients (allocator_client.py, executor_client.py) turn every gRPC error into
 (`translated`); past them nothing branches on a status code. The allocator's statuses say:
 
     Lost      no answer: unreachable, or past its deadline. Whether the call was applied is
-              unknown (Step, Free and Fork are not idempotent: never resend them).
+              unknown (Step, Free, Fork and ReserveHandOff are not idempotent: never resend
+              them; a reservation that may have landed is aborted).
     Unknown   something the call named is not known there: our pool, our lease (it expired,
               or the allocator restarted), or a request (gone already).
     Stale     the pool moved on: a new epoch (re-registered, or reset by a new executor), or

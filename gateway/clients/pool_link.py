@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from gateway.clients.allocator_client import AllocatorClient, PoolSpec
-from gateway.clients.executor_client import ExecutorClient, ExecutorDescription
+from gateway.clients.allocator_client import AllocatorClient, HandOffReservation, PoolSpec
+from gateway.clients.executor_client import ExecutorClient, ExecutorDescription, KVImport
 from gateway.clients.lease import Lease
 from gateway.core.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome, TableDelta
 
@@ -107,3 +107,32 @@ class PoolLink:
     ) -> list[TableDelta]:
         return await self.allocator.fork(self.pool_id, self.epoch, parent_id, child_ids,
                                          request_id, self.lease_id)
+
+    async def reserve_hand_off(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_prompt_tokens: int,
+        cache_salt: str,
+        tenant: str,
+        source_model_fingerprint: str,
+        source_block_size: int,
+        source_pool_id: str,
+        client_request_id: str,
+    ) -> HandOffReservation:
+        """Reserve, in this (the target) pool, a request whose KV another pool's executor
+        holds; it joins our lease. Commit it once the KV has moved here, or abort it."""
+        return await self.allocator.reserve_hand_off(
+            self.pool_id, self.epoch, request_id, token_ids, num_prompt_tokens, cache_salt,
+            tenant, source_model_fingerprint, source_block_size, source_pool_id,
+            client_request_id, self.lease_id)
+
+    async def import_kv(
+        self, source: PoolLink, request_id: str, first_block_index: int,
+        block_ids: Sequence[int], num_tokens: int, timeout_s: float | None,
+    ) -> KVImport:
+        """This executor pulls a request's KV from `source`'s executor into `block_ids`
+        (table indices from `first_block_index` on: those before are cached here)."""
+        return await self.executor.import_kv(source.executor.address, request_id,
+                                             first_block_index, block_ids, num_tokens,
+                                             timeout=timeout_s)

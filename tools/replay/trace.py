@@ -4,9 +4,11 @@ arrival order, and what the recorded pool did with them (the format: allocator_s
 A request's arrival is the first Step that named it (admitted, or deferred the first time);
 its prompt, the token count at that first admission; its length, the token count when it was
 freed (prompt and appended tokens: what its KV covered); its prefix, the chain hashes of its
-full blocks then. Readmissions after a preemption, a pool reset or an allocator restart (a new
-segment) continue the same request. A request whose end the recording never saw (cut by a
-crash, a lease expired, preempted and never readmitted) is left out, and counted.
+full blocks then. A request handed off into the pool from another (ReserveHandOff) arrives at
+its reservation, every token it brought its prompt. Readmissions after a preemption, a pool
+reset or an allocator restart (a new segment) continue the same request. A request whose end
+the recording never saw (cut by a crash, a lease expired, preempted and never readmitted) is
+left out, and counted.
 
 Errors: a recording that cannot be read raises RecordingError naming the line and what is
 wrong, and nothing is replayed (a line cut short by a crash: lines.py).
@@ -63,6 +65,7 @@ class _Pool:
     num_hits: int = 0
     num_preemptions: int = 0
     num_swaps: int = 0
+    num_hand_offs: int = 0  # requests handed off into it (replayed as prompts)
     swap: bool = False
     last_step: tuple[float, int, int] | None = None  # the last busy step: t, rows, tokens
     gaps: list[tuple[int, int, float]] = field(default_factory=list)  # rows, tokens, gap
@@ -199,6 +202,23 @@ class _Reader:
             parent.children.append(child)
             pool.live[child_id] = child
 
+    def on_handoff(self, record: dict[str, Any], t: float) -> None:
+        """A request handed off into the pool from another: replayed as a prompt of every
+        token it brought (the replay has no other pool to move KV from)."""
+        pool = self.pool(record, t)
+        request_id = need(record, "id", str, self.fail)
+        num_tokens = need(record, "num_tokens", int, self.fail)
+        if num_tokens < 1:
+            raise self.fail(f"handoff record: num_tokens must be >= 1, got {num_tokens}")
+        for key in ("prompt", "cached"):
+            if not 0 <= need(record, key, int, self.fail) <= num_tokens:
+                raise self.fail(f"handoff record: {key} must be in [0, num_tokens="
+                                f"{num_tokens}], got {record[key]}")
+        pool.num_hand_offs += 1
+        node = _Node(request_id, t, num_tokens)
+        pool.live[request_id] = node
+        pool.nodes.append(node)
+
     def on_swap_out(self, record: dict[str, Any], t: float) -> None:
         pool = self.pool(record, t)
         need(record, "id", str, self.fail)
@@ -256,6 +276,11 @@ class _Reader:
     def recording(self) -> Recording:
         traces = {}
         for pool_id, pool in self.pools.items():
+            if pool.num_hand_offs:
+                self.warnings.append(
+                    f"pool {pool_id!r}: {pool.num_hand_offs} request(s) handed off into it "
+                    "from another pool are replayed as prompts of the tokens they brought "
+                    "(computed here, not moved)")
             requests, unfinished = [], 0
             for node in pool.nodes:
                 request = _request(node, pool.shape.block_size)
@@ -277,7 +302,7 @@ class _Reader:
 _HANDLERS = {
     "pool": _Reader.on_pool, "step": _Reader.on_step, "free": _Reader.on_free,
     "fork": _Reader.on_fork, "swap_out": _Reader.on_swap_out, "expire": _Reader.on_expire,
-    "stop": _Reader.on_stop,
+    "stop": _Reader.on_stop, "handoff": _Reader.on_handoff,
 }
 
 
