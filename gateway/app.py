@@ -28,6 +28,7 @@ from gateway.clients.shards import AllocatorShards
 from gateway.core.batch import Budget
 from gateway.core.finish_rules import FinishRules
 from gateway.core.scheduler import Scheduler
+from gateway.engine.hand_off import HandOffs
 from gateway.engine.host import EngineHost
 from gateway.engine.loop import Engine
 from gateway.engine.membership import Membership
@@ -186,8 +187,12 @@ async def build_engines(
     finish_rules = FinishRules(eos_token_ids=frozenset(eos), max_model_len=limits.max_model_len)
     router = Router(engines=[], allocator=shards, max_waiting=settings.max_waiting,
                     policy=settings.routing, kv_events_lag_s=settings.kv_events_lag_s)
+    hand_offs = HandOffs(lambda: list(router.engines),
+                         rebalance_min_gap=settings.rebalance_min_gap,
+                         import_timeout_s=settings.execute_timeout_s,
+                         observe=metrics.observe_hand_off)
     fleet = Fleet(settings=settings, shards=shards, finish_rules=finish_rules,
-                  router=router, metrics=metrics,
+                  router=router, metrics=metrics, hand_offs=hand_offs,
                   model_fingerprint=descriptions[0].model_fingerprint)
     for client, description in zip(clients, descriptions, strict=True):
         router.add(await fleet.engine(client, description))
@@ -244,6 +249,7 @@ class Fleet:
     router: Router
     metrics: GatewayMetrics
     model_fingerprint: str
+    hand_offs: HandOffs | None = None
 
     async def engine(self, client: ExecutorClient, description: ExecutorDescription) -> Engine:
         settings = self.settings
@@ -277,6 +283,7 @@ class Fleet:
                             observe=self.metrics.observe_step),
             async_depth=settings.async_depth,
             allocator_retry_s=settings.allocator_retry_s,
+            mover=self.hand_offs,
         )
         shard.lease.on_acquired.append(engine.wakeup.set)
         return engine

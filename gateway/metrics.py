@@ -170,6 +170,19 @@ class GatewayMetrics:
             buckets=STEP_PHASE_BUCKETS, registry=self.registry)
         self._phases = {phase: self.step_phase.labels(model_name, phase)
                         for phase in ("allocate", "execute", "control_plane")}
+        self.hand_offs = counter(
+            "pagedkv_hand_offs", "Requests handed to another executor with their KV, by "
+            "outcome: moved, refused (no target, or it said no), failed, gone (ended meanwhile)",
+            ("outcome",))
+        self.hand_off_time = histogram("pagedkv_hand_off_seconds",
+                                       "A hand-off that moved: reservation and KV transfer",
+                                       STEP_PHASE_BUCKETS)
+
+    def observe_hand_off(self, outcome: str, seconds: float) -> None:
+        """Engine thread, once per hand-off attempt."""
+        self.hand_offs.labels(self.model_name, outcome).inc()
+        if outcome == "moved":
+            self.hand_off_time.labels(self.model_name).observe(seconds)
 
     def observe_step(self, step: StepRecord) -> None:
         """Engine thread, once per landed batch."""

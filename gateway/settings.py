@@ -76,6 +76,7 @@ class GatewaySettings:
     routing: str = "exact"
     kv_events_lag_s: float = 1.0
     max_beam_width: int = 8
+    rebalance_min_gap: int = 0
 
     def __post_init__(self) -> None:
         if not self.allocator_addrs:
@@ -125,6 +126,8 @@ class GatewaySettings:
         if not 1 <= self.max_beam_width <= MAX_BEAM_WIDTH:
             raise ValueError(f"--max-beam-width must be in [1, {MAX_BEAM_WIDTH}] (each beam "
                              "needs its 2 x width best next tokens; executors return 20)")
+        if self.rebalance_min_gap < 0:
+            raise ValueError("--rebalance-min-gap must be >= 0 (sequences; 0: no rebalancing)")
         if self.max_prompt_bytes < 1:
             raise ValueError("--max-prompt-bytes must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -206,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag(parser, "--max-waiting", type=int, default=1024, help="bounded waiting queue")
     add_flag(parser, "--max-n", type=int, default=16, help="largest n (completions per request)")
+    add_flag(
+        parser, "--rebalance-min-gap", type=int, default=0,
+        help="move running requests, with their KV, from an executor holding at least this "
+        "many more than another of the same --role to that one (0: no rebalancing)",
+    )
     add_flag(parser, "--max-beam-width", type=int, default=8,
              help="widest beam search (use_beam_search) a request may ask for")
     add_flag(parser, "--lease-ttl-ms", type=int, default=10000, help="allocator lease ttl")
@@ -337,6 +345,7 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             routing=args.routing,
             kv_events_lag_s=args.kv_events_lag_s,
             max_beam_width=args.max_beam_width,
+            rebalance_min_gap=args.rebalance_min_gap,
         )
     except ValueError as exc:
         raise SystemExit(f"gateway: {exc}") from exc

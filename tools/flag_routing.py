@@ -26,6 +26,7 @@ MANAGED_FLAGS = {
                         "(--num-executors)",
     "--pool-name": "two executors must never share a pool: the launcher names them itself "
                    "(pool-0, pool-1, ... with --allocator-shards)",
+    "--role": "use --prefill-executors N: the first N executors prefill, the others decode",
     "--num-shards": "use --allocator-shards: each shard gets its own index",
     "--shard-index": "use --allocator-shards: each shard gets its own index",
     "--tls-cert": "use --tls-dir (make certs): each service gets a certificate of its own",

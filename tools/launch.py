@@ -58,6 +58,9 @@ class StackError(RuntimeError):
 class StackSpec:
     model: str = str(DEFAULT_MODEL)
     num_executors: int = 1
+    # Disaggregated prefill and decode: the first this many executors get --role prefill,
+    # the others --role decode (0: every executor --role both, or as executor_args say).
+    num_prefill_executors: int = 0
     # Allocator processes the pools are split across (common/sharding.py: by pool id).
     allocator_shards: int = 1
     # The executors' module: the real one, or `executor_svc.simulated` (no model: a step
@@ -194,8 +197,11 @@ class Stack:
                 # Sharded, a pool's shard follows from its id: a name, not a port that
                 # changes from run to run.
                 pool_name = ("--pool-name", f"pool-{i}") if spec.allocator_shards > 1 else ()
+                role: tuple[str, ...] = ()
+                if spec.num_prefill_executors:
+                    role = ("--role", "prefill" if i < spec.num_prefill_executors else "decode")
                 self._start(f"executor-{i}", spec.executor_module, port,
-                            ("--host", spec.host, "--model", spec.model, *pool_name,
+                            ("--host", spec.host, "--model", spec.model, *pool_name, *role,
                              *self._tls_args("executor"), *spec.executor_args),
                             ports=self._metrics_port("executor", spec.executor_metrics_port, i))
             for service in self.services:
@@ -450,6 +456,10 @@ def parse_spec(argv: list[str] | None = None) -> StackSpec:
     add_flag(p, "--model", default=str(DEFAULT_MODEL),
              help="model directory (safetensors + tokenizer) or a preset under models/")
     add_flag(p, "--num-executors", type=int, default=1, help="executors (one KV pool each)")
+    add_flag(p, "--prefill-executors", type=int, default=0,
+             help="disaggregated prefill and decode: the first N executors compute prompts "
+                  "(--role prefill) and hand each request, with its KV, to the others "
+                  "(--role decode); 0: every executor does both")
     add_flag(p, "--host", default=HOST,
              help="interface every service binds (0.0.0.0: all of them)")
     add_flag(p, "--gateway-port", type=int, default=50051, help="gateway port (gRPC)")
@@ -476,6 +486,9 @@ def parse_spec(argv: list[str] | None = None) -> StackSpec:
     args, extra = p.parse_known_args(argv)
     if not 1 <= args.allocator_shards <= MAX_SHARDS:
         p.error(f"--allocator-shards must be in 1..{MAX_SHARDS}")
+    if not 0 <= args.prefill_executors < max(args.num_executors, 1):
+        p.error("--prefill-executors must be >= 0 and leave at least one decode executor: "
+                f"got {args.prefill_executors} of --num-executors {args.num_executors}")
     try:
         routed = route_flags(extra, service_flags())
     except UsageError as exc:
@@ -485,6 +498,7 @@ def parse_spec(argv: list[str] | None = None) -> StackSpec:
         p.error(problem)
     return StackSpec(
         model=_model_dir(args.model), num_executors=args.num_executors,
+        num_prefill_executors=args.prefill_executors,
         allocator_shards=args.allocator_shards, host=args.host,
         gateway_port=args.gateway_port, allocator_port=args.allocator_port,
         executor_port=args.executor_port, http_port=args.http_port,

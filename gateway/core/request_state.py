@@ -30,6 +30,8 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
+    # Computed and idle, waiting for its hand-off to another executor (engine/hand_off.py).
+    PARKED = "parked"
     FINISHED = "finished"
 
 
@@ -169,6 +171,8 @@ class Sequence:
     # A beam the allocator pushed out or did not admit for lack of room, until admitted: its
     # siblings must not hold blocks meanwhile (Scheduler.set_aside_landed_beams).
     waits_for_room: bool = False
+    # A move to another executor was refused or found no target: it finishes where it is.
+    stays: bool = False
 
     @property
     def token_ids(self) -> list[int]:

@@ -26,6 +26,12 @@ requests in a step that preempted; a recompute preemption sends the sequence bac
 queue front (prompt + generated tokens), a swap keeps it aside for swap-in. A row whose token
 is a placeholder (depth 2: its value is in flight) goes with use_sampled_token.
 
+Hand-off (engine/hand_off.py): while its `move_quota` lasts (a prefill executor's engine with
+a decode executor to hand to, one draining, or one rebalancing), planning parks each running
+sequence once it is computed and idle (its prompt done, its last token sampled and landed)
+instead of scheduling its next token; the engine moves parked sequences to another engine
+(`detach` here, `adopt` there) or gives them back (`unpark`).
+
 The scheduler also owns the lifecycle of sequences (add, finish, abort, fork, evict).
 Commits, frees, aborts and executor releases accumulate in `pending` and ride on the next
 calls.
@@ -61,6 +67,10 @@ class Scheduler:
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)
     swapped: list[Sequence] = field(default_factory=list)
+    # Computed and idle, held at the allocator and executor, waiting for their hand-off.
+    parked: list[Sequence] = field(default_factory=list)
+    # How many more sequences to park once computed and idle (module docstring; 0: none).
+    move_quota: int = 0
     pending: Pending = field(default_factory=Pending)
     num_preemptions: int = 0
     num_advanced: int = 0  # batches advanced and not landed: their placeholders are out
@@ -72,6 +82,8 @@ class Scheduler:
     # allocator defers while other tenants' wait behind them. Cleared when one of the
     # tenant's sequences ends (its blocks come back).
     quota_blocked: set[str] = field(default_factory=set)
+    # Parked since the engine last asked (take_newly_parked): their hand-offs start.
+    newly_parked: list[Sequence] = field(default_factory=list)
     clock: Callable[[], float] = time.monotonic
 
     def add(self, seq: Sequence, front: bool = False) -> None:
@@ -95,10 +107,12 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return sum(
-            1 for q in (self.waiting, self.running, self.swapped) for s in q if not s.is_finished
+            1 for q in (self.waiting, self.running, self.swapped, self.parked) for s in q
+            if not s.is_finished
         )
 
     def has_work(self) -> bool:
+        """Something to schedule (parked sequences wait for their hand-off, not a step)."""
         return bool(self.waiting or self.running or self.swapped)
 
     def _running_per_tenant(self) -> dict[str, set[Request]]:
@@ -110,7 +124,7 @@ class Scheduler:
         return running
 
     def sequences(self) -> list[Sequence]:
-        return [s for q in (self.running, self.swapped, self.waiting) for s in q]
+        return [s for q in (self.running, self.swapped, self.parked, self.waiting) for s in q]
 
     # One step.
     def schedule(self, in_flight: bool = False) -> ScheduledStep | None:
@@ -142,6 +156,7 @@ class Scheduler:
         late: list[Sequence] = []
         items: list[StepItem] = []
         seqs: dict[str, Sequence] = {}
+        leaving = self._park_leavers() if self.move_quota else ()
         for seq in [*self.running, *self.swapped]:
             known = seq.num_allocator_tokens  # tokens whose values the allocator holds
             if seq.allocator_pending and seq.known_to_allocator:
@@ -150,6 +165,8 @@ class Scheduler:
             if seqs_left == 0 or tokens_left == 0:
                 continue
             ahead = seq.num_in_flight
+            if leaving and seq in leaving:
+                continue  # parked once it lands: no decode planned on top of it
             if ahead and seq.samples_in_flight:
                 # A beam's next token is its search's pick, once the batch lands (depth 1).
                 if not _samples_its_last(seq) and not seq.is_beam:
@@ -463,6 +480,72 @@ class Scheduler:
             if s.is_prefill_parent and s.num_uncomputed_tokens == 0 and not s.is_finished
         ]
 
+    # Hand-off.
+
+    def _park_leavers(self) -> set[Sequence]:
+        """Choose up to the quota of running sequences to move, the newest first, among those
+        computed and idle (parked now) and those whose next token is being sampled (returned:
+        no decode is planned on top of them, and they are parked once it lands)."""
+        idle: list[Sequence] = []
+        sampling: set[Sequence] = set()
+        quota = self.move_quota
+        for seq in reversed(self.running):
+            if len(idle) + len(sampling) == quota:
+                break
+            if not _movable(seq):
+                continue
+            if seq.num_in_flight:
+                if seq.samples_in_flight:
+                    sampling.add(seq)
+            elif not seq.num_placeholders and seq.num_uncomputed_tokens == 1:
+                idle.append(seq)
+        if idle:
+            parked = set(idle)
+            self.running = [s for s in self.running if s not in parked]
+            for seq in idle:
+                seq.status = SeqStatus.PARKED
+            self.parked.extend(idle)
+            self.newly_parked.extend(idle)
+        return sampling
+
+    def take_newly_parked(self) -> list[Sequence]:
+        parked, self.newly_parked = self.newly_parked, []
+        return parked
+
+    def unpark(self, seq: Sequence) -> None:
+        """Its move did not happen: it runs here again, and stays (never parked again)."""
+        seq.stays = True
+        if seq in self.parked:
+            self.parked.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self.running.sort(key=_priority_level)
+
+    def detach(self, seq: Sequence) -> None:
+        """Its KV now lives on another executor: free it at this allocator, committed (its
+        blocks stay in this pool's prefix cache), and release it at this executor."""
+        self.parked.remove(seq)
+        if seq.known_to_allocator:
+            self.pending.commits[seq.seq_id] = seq.num_computed_tokens
+            self.pending.free_ids.append(seq.seq_id)
+            seq.known_to_allocator = False
+        self.release(seq)
+
+    def adopt(self, seq: Sequence, block_ids: tuple[int, ...]) -> None:
+        """A sequence moved here: the allocator holds it with its computed tokens in
+        `block_ids` (ReserveHandOff), whose KV has just been written (ImportKV), so its next
+        Step commits them; the executor learns it, as a forked child, from its first Execute
+        (sampling params, its whole table)."""
+        seq.status = SeqStatus.RUNNING
+        seq.known_to_allocator = True
+        seq.known_to_executor = False
+        seq.allocator_pending = False
+        seq.num_allocator_tokens = seq.num_computed_tokens
+        seq.fork_table = block_ids
+        self.pending.commits[seq.seq_id] = seq.num_computed_tokens
+        self.running.append(seq)
+        self.running.sort(key=_priority_level)
+
     # Lifecycle.
     def _note_quota_deferrals(self, step: ScheduledStep, deferred: AbstractSet[str]) -> None:
         """A new item deferred while one after it was admitted was deferred by its tenant's
@@ -559,7 +642,7 @@ class Scheduler:
         if seq.known_to_allocator:
             pending.abort_ids.append(seq.seq_id)
         self.release(seq)
-        for queue in (self.running, self.swapped, self.waiting):
+        for queue in (self.running, self.swapped, self.parked, self.waiting):
             if seq in queue:
                 queue.remove(seq)
         seq.reset_for_recompute()
@@ -603,6 +686,8 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
+        self.parked.clear()
+        self.newly_parked.clear()
         self.pending = Pending(release_ids=releases)
         return seqs
 
@@ -613,6 +698,8 @@ class Scheduler:
             self.waiting = deque(s for s in self.waiting if not s.is_finished)
         if any(s.is_finished for s in self.swapped):
             self.swapped = [s for s in self.swapped if not s.is_finished]
+        if any(s.is_finished for s in self.parked):
+            self.parked = [s for s in self.parked if not s.is_finished]
 
 
 def _priority_level(seq: Sequence) -> int:
@@ -627,6 +714,15 @@ def _logprob(result: ExecuteResult, row: int, num_decodes: int, seq_id: str, tok
         return TokenLogprob(token, result.decode_logprobs[row], top)
     sampled = next(t for t in result.tokens if t.request_id == seq_id)
     return TokenLogprob(token, sampled.logprob, sampled.top_logprobs)
+
+
+def _movable(seq: Sequence) -> bool:
+    """A sequence that may be handed off once idle: it has sampled (a prompt is computed where
+    it arrived); not a beam (a search's beams stay in one pool), nor one whose move failed."""
+    return (
+        not seq.stays and not seq.is_beam and not seq.is_prefill_parent
+        and (bool(seq.output_token_ids) or seq.samples_in_flight)
+    )
 
 
 def _samples_its_last(seq: Sequence) -> bool:

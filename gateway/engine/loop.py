@@ -59,17 +59,9 @@ class Engine(EngineState):
 
     @property
     def busy(self) -> bool:
-        """Work left, or a step under way (its calls, a final Free among them, still out)."""
-        return self.stepping or self._has_work()
-
-    @property
-    def load(self) -> int:
-        return self.scheduler.num_unfinished
-
-    @property
-    def num_admitted(self) -> int:
-        """Its sequences the allocator holds: what this gateway adds to the pool's count."""
-        return len(self.scheduler.running) + len(self.scheduler.swapped)
+        """Work left, or a step under way (its calls, a final Free among them, still out), or
+        sequences parked for a hand-off."""
+        return self.stepping or self._has_work() or bool(self.scheduler.parked)
 
     # The loop.
 
@@ -133,7 +125,12 @@ class Engine(EngineState):
                 return True
         started = time.perf_counter()
         overlapped = bool(self.in_flight)
-        plan = self.plan = self.scheduler.schedule(overlapped)
+        scheduler = self.scheduler
+        scheduler.move_quota = self.mover.quota(self) if self.mover is not None else 0
+        plan = self.plan = scheduler.schedule(overlapped)
+        if scheduler.newly_parked:
+            assert self.mover is not None, "parked with no mover"
+            self.mover.start(self, scheduler.take_newly_parked())
         self.last_schedule_ms = (time.perf_counter() - started) * 1e3
         if plan is None or not plan.call.has_items():
             await landing.settle(self)  # nothing to overlap with the batch executing

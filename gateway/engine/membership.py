@@ -73,10 +73,14 @@ class Membership:
         self.last_problem = problem
 
     async def drain(self, engine: Engine) -> None:
-        """No new requests; stop once its own are done (or its executor is gone, whose
-        requests the engine has already moved to the others)."""
+        """No new requests; its own move to the others (hand_off.py) or finish here; stop
+        once none is left (or its executor is gone, whose requests the engine has already
+        moved to the others)."""
         engine.draining = True
-        log.info("executor_leaving", pool_id=engine.pool_id, num_requests=engine.load)
+        moved = self.router.move_waiting(engine)  # running ones move as they become idle
+        engine.wakeup.set()
+        log.info("executor_leaving", pool_id=engine.pool_id, num_requests=engine.load,
+                 num_waiting_moved=moved)
         while engine.healthy and engine.busy:
             await asyncio.sleep(DRAIN_POLL_S)
         task = self.tasks.pop(engine, None)

@@ -67,8 +67,10 @@ class Router:
             self.kv_index = KvEventIndex(self.kv_events_lag_s)
 
     def healthy(self) -> list[Engine]:
-        """The engines new requests may go to: healthy, and not leaving."""
-        return [e for e in self.engines if e.healthy and not e.draining]
+        """The engines new requests may go to: healthy, not leaving, and not decode ones
+        (--role) while a prefill or both one is up."""
+        up = [e for e in self.engines if e.healthy and not e.draining]
+        return [e for e in up if e.description.role != "decode"] or up
 
     def add(self, engine: Engine) -> None:
         # A new list, never one changed in place: the API's thread reads it (health, info).
@@ -153,14 +155,33 @@ class Router:
         return max(engines, key=lambda e: (allocator_up(e), cached.get(e.pool_id, 0), -load(e)))
 
     def _next_in_turn(self) -> Engine:
-        """The first healthy engine, not leaving, from where the last pick left off."""
-        engines = self.engines
+        """The first engine new requests may go to, from where the last pick left off."""
+        engines, allowed = self.engines, set(self.healthy())
         for step in range(len(engines)):
             index = (self.turn + step) % len(engines)
-            if engines[index].healthy and not engines[index].draining:
+            if engines[index] in allowed:
                 self.turn = index + 1
                 return engines[index]
         raise Unavailable(NO_EXECUTOR)
+
+    def move_waiting(self, source: Engine) -> int:
+        """A leaving engine's requests that hold nothing there yet (every sequence waiting,
+        none admitted) join the others' queues; returns how many sequences moved."""
+        engines = [e for e in self.healthy() if e is not source]
+        if not engines:
+            return 0
+        scheduler = source.scheduler
+        holding = {s.request for s in (*scheduler.running, *scheduler.swapped,
+                                       *scheduler.parked)}
+        movable = [s for s in scheduler.waiting
+                   if s.request not in holding and not s.known_to_allocator]
+        targets: dict[Request, Engine] = {}
+        for seq in movable:
+            scheduler.waiting.remove(seq)
+            target = targets.get(seq.request) or min(engines, key=lambda e: e.load)
+            targets[seq.request] = target
+            target.submit(seq, front=True)
+        return len(movable)
 
     def requeue(self, seqs: list[Sequence]) -> None:
         """Sequences of a lost executor: recompute them on the least loaded healthy one, a

@@ -13,7 +13,7 @@ import secrets
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from common.errors import ServiceError
 from gateway.clients.executor_client import ExecutorDescription
@@ -23,6 +23,14 @@ from gateway.core.finish_rules import FinishRules
 from gateway.core.request_state import CompletionDelta, Request, Sequence, emit_all
 from gateway.core.scheduler import Scheduler
 from gateway.engine.step_stats import StepStats
+
+
+class Mover(Protocol):
+    """Moves sequences to other engines (engine/hand_off.py)."""
+
+    def quota(self, engine: EngineState) -> int: ...
+
+    def start(self, source: EngineState, seqs: list[Sequence]) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -66,8 +74,11 @@ class EngineState:
     last_schedule_ms: float = 0.0  # the scheduler's share of the latest step
     last_landed: float | None = None  # when the last step that landed a batch ended (stats)
     stepping: bool = False
-    # Its executor left discovery: no new requests; it is stopped once its own are done.
+    # Its executor left discovery: no new requests; its own move to other executors (when
+    # any can take them) or finish here, then it is stopped.
     draining: bool = False
+    # Hands its parked sequences to other engines (None: a lone engine, nothing moves).
+    mover: Mover | None = None
 
 
     @property
@@ -77,6 +88,16 @@ class EngineState:
     @property
     def description(self) -> ExecutorDescription:
         return self.link.description
+
+    @property
+    def load(self) -> int:
+        return self.scheduler.num_unfinished
+
+    @property
+    def num_admitted(self) -> int:
+        """Its sequences the allocator holds: what this gateway adds to the pool's count."""
+        s = self.scheduler
+        return len(s.running) + len(s.swapped) + len(s.parked)
 
     @property
     def depth(self) -> int:

@@ -14,7 +14,7 @@ EVERYONE = frozenset({"*"})
 EXPECTED_PATHS = {
     ("gateway", 50051): EVERYONE, ("gateway", 8000): EVERYONE,
     ("allocator", 50052): {"gateway"}, ("allocator", 9092): {"prometheus"},
-    ("executor", 50053): {"gateway", "allocator"}, ("executor", 9093): {"prometheus"},
+    ("executor", 50053): {"gateway", "allocator", "executor"}, ("executor", 9093): {"prometheus"},
 }
 
 
@@ -64,6 +64,7 @@ def test_network_policies_allow_exactly_the_intended_paths(rendered: Rendered) -
     ("gateway", "allocator", 50052, True),
     ("executor", "allocator", 50052, False),  # an executor cannot reach the allocator
     ("allocator", "executor", 50053, True),  # Describe, to confirm a pool reset
+    ("executor", "executor", 50053, True),  # ExportKV, for a KV hand-off
     ("outside-the-cluster", "executor", 50053, False),
     ("gateway-lookalike-elsewhere", "executor", 50053, False),  # another namespace
     ("outside-the-cluster", "gateway", 8000, True),

@@ -125,6 +125,10 @@ def test_launch_from_another_directory_forwards_service_flags_and_prints_address
     (["--pool-name", "p"], "--pool-name is set by the launcher"),
     (["--allocator-shards", "0"], "--allocator-shards must be in 1..256"),
     (["--block-size", "many"], "executor: argument --block-size: invalid int value"),
+    (["--role", "decode"], "--role is set by the launcher: use --prefill-executors"),
+    (["--prefill-executors", "1"], "--prefill-executors must be >= 0 and leave at least one "
+                                   "decode executor: got 1 of --num-executors 1"),
+    (["--num-executors", "3", "--prefill-executors", "-1"], "--prefill-executors must be >= 0"),
 ])
 def test_launch_flag_no_service_takes_is_a_usage_error(flags: list[str], message: str,
                                                        tmp_path: Path):

@@ -68,6 +68,7 @@ class FakeEngine:
     draining: bool = False
     closed: bool = False
     link: SimpleNamespace = field(init=False)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         async def close() -> None:
@@ -90,6 +91,11 @@ class FakeEngine:
 @dataclass
 class FakeRouter:
     engines: list[FakeEngine] = field(default_factory=list)
+    moved_waiting_from: list[FakeEngine] = field(default_factory=list)
+
+    def move_waiting(self, engine: FakeEngine) -> int:
+        self.moved_waiting_from.append(engine)
+        return 0
 
     def add(self, engine: FakeEngine) -> None:
         self.engines = [*self.engines, engine]
@@ -132,6 +138,7 @@ def test_membership_follows_joins_and_drains_leavers(tmp_path: Path):
         await membership.refresh()
         await asyncio.sleep(0.3)
         assert b.draining and b in router.engines and not b.closed  # its requests finish
+        assert router.moved_waiting_from == [b]  # (or move: the router's, tested apart)
         b.busy = False
         await asyncio.sleep(0.3)
         assert [e.address for e in router.engines] == ["a:1"] and b.closed

@@ -42,7 +42,8 @@ class FakeLink:
     crash_at: str = ""
     crash_when: Callable[[Any], bool] = lambda call: True
     # What the engine reads of the executor's Describe: FakeModel uses its sampled tokens.
-    description: Any = field(default_factory=lambda: SimpleNamespace(uses_sampled_tokens=True))
+    description: Any = field(
+        default_factory=lambda: SimpleNamespace(uses_sampled_tokens=True, role="both"))
     executor_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     lease_renewed: bool = False
@@ -178,7 +179,7 @@ def test_engine_pool_usage_gauges_read_the_allocators_count(tokenizer: Tokenizer
     # (every request's blocks, this gateway's or not): mid-run the same as the pool's; once
     # idle (the last Free went out) zero, and the usage fraction with it.
     eng, link = engine(tokenizer, num_blocks=32, depth=depth)
-    link.description = SimpleNamespace(uses_sampled_tokens=True, num_blocks=32)
+    link.description = SimpleNamespace(uses_sampled_tokens=True, num_blocks=32, role="both")
     assert snapshot(eng).num_blocks_used == 0  # nothing reported yet
     submit(eng, "a", [5] * 9, max_tokens=6)
     submit(eng, "n2", [7] * 6, max_tokens=6, n=2)

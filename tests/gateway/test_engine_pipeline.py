@@ -369,7 +369,7 @@ def test_an_execute_goes_out_before_the_previous_returns_if_the_executor_fills_t
     # one before is still executing, its rows standing for the tokens that one samples; with
     # one that does not (Describe), one Execute at a time. The same tokens either way.
     eng, link = engine(tokenizer, num_blocks=64, tokens=64)
-    link.description = SimpleNamespace(uses_sampled_tokens=uses_sampled_tokens)
+    link.description = SimpleNamespace(uses_sampled_tokens=uses_sampled_tokens, role="both")
     reqs = [submit(eng, f"r{i}", [5 + i] * (4 + i), max_tokens=6) for i in range(3)]
     slow_executor(link, until_next=uses_sampled_tokens)
     launches = record_launches(link)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +19,9 @@ from gateway.engine.router import Router, initial_sequences
 @dataclass
 class FakeScheduler:
     waiting: deque[Sequence] = field(default_factory=deque)
+    running: list[Sequence] = field(default_factory=list)
+    swapped: list[Sequence] = field(default_factory=list)
+    parked: list[Sequence] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -30,6 +34,7 @@ class FakeEngine:
     allocator_down_since: float | None = None  # its last Step did not reach the allocator
     scheduler: FakeScheduler = field(default_factory=FakeScheduler)
     cancelled: int = 0
+    description: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(role="both"))
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
         self.scheduler.waiting.append(seq)
@@ -224,3 +229,40 @@ def test_a_lost_executors_sequences_move_with_their_request():
                                    for s in e.scheduler.waiting if s.request is req}
                   for req in (first, second)}
     assert by_request == {"r1": {"b"}, "r2": {"c"}}
+
+
+def role(name: str, role_name: str, **kwargs: object) -> FakeEngine:
+    engine = FakeEngine(name, **kwargs)  # type: ignore[arg-type]
+    engine.description = SimpleNamespace(role=role_name)
+    return engine
+
+
+def test_new_requests_go_to_prefill_executors_not_decode_ones():
+    # A decode executor (--role decode) gets requests only by hand-off, however idle it is
+    # and whatever it has cached; with round-robin too.
+    prefill, decode = role("p", "prefill", load=9), role("d", "decode")
+    assert asyncio.run(router([decode, prefill], {"d": 64}).route(request())) is prefill
+    turns = Router(engines=[decode, prefill], allocator=FakeAllocator({}),  # type: ignore[arg-type]
+                   max_waiting=8, policy="round-robin")
+    assert [asyncio.run(turns.route(request())) for _ in range(3)] == [prefill] * 3
+
+
+def test_decode_executors_take_new_requests_when_nothing_else_is_up():
+    prefill, decode = role("p", "prefill", healthy=False), role("d", "decode")
+    assert asyncio.run(router([prefill, decode]).route(request())) is decode
+
+
+def test_a_leaving_engines_waiting_requests_move_unless_they_hold_blocks_there():
+    # Request r1 waits with nothing admitted: it moves, to the least loaded engine. Request
+    # r2 has a sequence running there (n = 2): its waiting one stays with it.
+    leaving = FakeEngine("a", draining=True)
+    busy, idle = FakeEngine("b", load=4), FakeEngine("c", load=1)
+    r1, r2 = request("r1"), request("r2", n=2)
+    lone = initial_sequences(r1)[0]
+    running, waiting = Sequence("r2-0", r2, 0), Sequence("r2-1", r2, 1)
+    leaving.scheduler.waiting.extend([lone, waiting])
+    leaving.scheduler.running.append(running)
+    routing = router([leaving, busy, idle])
+    assert routing.move_waiting(leaving) == 1  # type: ignore[arg-type]
+    assert list(leaving.scheduler.waiting) == [waiting]
+    assert list(idle.scheduler.waiting) == [lone] and not busy.scheduler.waiting

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
@@ -36,6 +37,7 @@ class FakeEngine:
     num_admitted: int = 0
     allocator_down_since: float | None = None
     scheduler: FakeScheduler = field(default_factory=FakeScheduler)
+    description: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(role="both"))
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
         self.scheduler.waiting.append(seq)

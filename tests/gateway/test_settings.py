@@ -42,6 +42,7 @@ def test_defaults_are_sensible():
         (["--executor-dns", "executor"], "--executor-dns"),
         (["--executor-dns", "e:1", "--executor-addrs-file", "f"], "give one of them"),
         (["--discovery-interval-s", "0"], "--discovery-interval-s"),
+        (["--rebalance-min-gap", "-1"], "--rebalance-min-gap must be >= 0"),
         (["--allocator-addr", " , "], "--allocator-addr is empty"),
         (["--allocator-addr", "a:1,b"], "--allocator-addr 'b': expected host:port"),
         (["--allocator-addr", "a:1,b:2,a:1"], "lists a shard twice"),
