@@ -17,23 +17,10 @@ from typing import Protocol
 import grpc
 
 from common.errors import FailedPrecondition, InvalidArgument, ServiceError
+from common.kv_layout import KVLayout
 
 TORCH_FORMAT = "torch-kv-v1"  # kv[:, :, block_id]: [layers, 2 (key, value), block_size, Hkv, D]
 SIMULATED_FORMAT = "simulated-slot-digest-v1"  # one little-endian uint64 digest per slot
-
-
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """What one block of KV is, byte for byte (the proto's KVLayout), fields in its order."""
-
-    model_fingerprint: str
-    block_size: int
-    dtype: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    bytes_per_block: int
-    format: str
 
 
 class KVBlockStore(Protocol):

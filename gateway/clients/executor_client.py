@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from common.channel import InternalChannel
 from common.credentials import InternalAuth
+from common.kv_layout import KVLayout
 from gateway.clients.call_failures import Rejected, translated
 from gateway.core.step import (
     BlockCopy,
@@ -21,21 +22,6 @@ from gateway.core.step import (
 )
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
-
-
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """What one block of an executor's KV is (Describe's kv_layout): KV moves between two
-    executors only when their layouts are equal."""
-
-    model_fingerprint: str
-    block_size: int
-    dtype: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    bytes_per_block: int
-    format: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,13 @@ class Clients:
             time.sleep(0.1)
 
 
+def wait_for(condition: Callable[[], object], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 def sampling(max_tokens: int, **kwargs: Any) -> gpb.SamplingParams:
     kwargs.setdefault("temperature", 0.0)
     return gpb.SamplingParams(max_tokens=max_tokens, **kwargs)

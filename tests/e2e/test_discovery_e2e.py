@@ -4,20 +4,12 @@ subprocesses; every stream ends with transformers' tokens and every block comes 
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
-from e2e_stack import MODEL, Clients, generate, prompts, reference_greedy, sampling
+from e2e_stack import MODEL, Clients, generate, prompts, reference_greedy, sampling, wait_for
 
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
 from tools.launch import Stack, StackSpec
-
-
-def _wait_for(condition, what: str, timeout_s: float = 30.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def test_executors_join_and_leave_a_running_gateway_under_load(tmp_path: Path):
@@ -52,15 +44,16 @@ def test_executors_join_and_leave_a_running_gateway_under_load(tmp_path: Path):
             thread.start()
         # A second executor joins mid-load; requests sent from then on use both.
         listed.write_text(f"{first}\n{second}  # joined\n")
-        _wait_for(lambda: executors() == sorted([first, second]), "the second executor")
+        wait_for(lambda: executors() == sorted([first, second]), "the second executor")
         late = [threading.Thread(target=run, args=(p,)) for p in batch[8:]]
         for thread in late:
             thread.start()
-        _wait_for(lambda: all(p.num_requests or p.num_prefix_queries
+        wait_for(lambda: all(p.num_requests or p.num_prefix_queries
                               for p in clients.pools()), "requests on both pools")  # type: ignore[union-attr]
-        # Then it leaves while it still runs some: they finish there; no new ones go to it.
+        # Then it leaves while it still runs some: they move to the first (a KV hand-off, or
+        # they finish there if they cannot); no new ones go to it.
         listed.write_text(f"{first}\n")
-        _wait_for(lambda: executors() == [first], "the second executor to drain and leave",
+        wait_for(lambda: executors() == [first], "the second executor to drain and leave",
                   timeout_s=120)
         for thread in [*threads, *late]:
             thread.join(180)

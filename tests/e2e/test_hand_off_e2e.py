@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from e2e_stack import (
     reference_model,
     sampling,
     start_stack,
+    wait_for,
 )
 from transformers import GenerationConfig
 
@@ -89,13 +89,6 @@ def test_a_moved_request_keeps_its_penalties_and_n(split: tuple[Clients, str, St
     clients.wait_all_blocks_back()
 
 
-def _wait_for(condition, what: str, timeout_s: float = 30.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_a_leaving_executor_hands_its_running_requests_over(tmp_path: Path):
     # Requests run on executor B alone; A joins, then B leaves discovery: B's requests move,
     # KV and all, to A and finish there (the same tokens), and B leaves at once instead of
@@ -133,11 +126,11 @@ def test_a_leaving_executor_hands_its_running_requests_over(tmp_path: Path):
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batch))]
         for thread in threads:
             thread.start()
-        _wait_for(lambda: all(streamed), "every request streaming on the leaving executor")
+        wait_for(lambda: all(streamed), "every request streaming on the leaving executor")
         listed.write_text(f"{leaving}\n{staying}\n")
-        _wait_for(lambda: executors() == sorted([staying, leaving]), "the other executor")
+        wait_for(lambda: executors() == sorted([staying, leaving]), "the other executor")
         listed.write_text(f"{staying}\n")
-        _wait_for(lambda: executors() == [staying], "the leaving executor to hand over")
+        wait_for(lambda: executors() == [staying], "the leaving executor to hand over")
         for thread in threads:
             thread.join(300)
         for index, prompt in enumerate(batch):
