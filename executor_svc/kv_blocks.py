@@ -2,9 +2,10 @@
 `kv[:, :, block_id]`, [layers, 2 (key, value), block_size, Hkv, D], contiguous, its raw
 bytes (bfloat16 through a uint8 view).
 
-Called in the transfer thread while steps run in the compute thread. The blocks it reads
-belong to a parked request no step writes (ExportKV) and the blocks it writes are reserved
-for an import no step touches (ImportKV), so it races with nothing a step uses.
+`read` runs in the transfer thread while steps run in the compute thread: the blocks it
+reads belong to a parked request no step writes (ExportKV). `write` runs in the compute
+thread, between steps, in Execute order (ImportKV): the blocks it writes were reserved after
+the Step that freed them, whose Execute may still write or copy them.
 
 NOTE: on CPU it goes through a numpy view of the cache, no torch op: a torch op in a second
 thread gives OpenMP a second thread team, and every step slows down (compute_thread.py). On
@@ -29,6 +30,9 @@ class TorchKVBlocks:
         # [L, 2, num_blocks, block_size, Hkv, D * element size]: the cache's own memory
         self._host = cache.kv.view(torch.uint8).numpy() if on_cpu else None
         self._stream = None if on_cpu else torch.cuda.Stream(cache.kv.device)
+
+    def transfer_s(self, num_blocks: int) -> float:
+        return 0.0  # the real transfer is its own time
 
     def read(self, block_ids: Sequence[int]) -> list[bytes]:
         if self._host is not None:

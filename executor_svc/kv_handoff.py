@@ -1,10 +1,15 @@
 """KV hand-off, the servicer's part: ExportKV streams a held request's blocks, ImportKV pulls
 them from another executor's ExportKV into reserved blocks (the checks: kv_transfer.py).
 
-Blocks are read and written in a transfer thread of their own (kv_blocks.py says why that is
-safe): never on the event loop, so health checks and Describe keep answering, and never in
-the compute thread, so a hand-off neither waits behind a step nor holds one up. At most
-TRANSFER_BATCH_BYTES of blocks are in memory per call, whatever the request's length.
+Blocks are read in a transfer thread of their own (kv_blocks.py says why that is safe):
+never on the event loop, so health checks and Describe keep answering, and never in the
+compute thread, so an export neither waits behind a step nor holds one up. They are written
+in the compute thread, queued like Executes, after the one the import names
+(`previous_step_id`): the target's allocator may have reserved blocks that an Execute sent
+before still writes or copies (a request freed, preempted or swapped out by the Step before
+the reservation), and a write queued behind it lands after it. A write a cancelled import had
+queued still lands before any Execute that arrives later. At most TRANSFER_BATCH_BYTES of
+blocks are in memory per call, whatever the request's length.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from executor_svc.kv_transfer import (
     export_block_ids,
 )
 from executor_svc.runner_api import StepRunner
+from executor_svc.step_order import ORDER_WAIT_S, StepOrder
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -42,6 +48,7 @@ T = TypeVar("T")
 log = structlog.get_logger(__name__)
 # Blocks read or written per hop to the transfer thread: bounded memory, few hops.
 TRANSFER_BATCH_BYTES = 4 * 2**20
+MAX_SOURCES = 64  # channels to source executors kept open
 
 
 class HandOffMetrics:
@@ -89,13 +96,20 @@ def _ids(seq_id: str) -> dict[str, str]:
 
 class KVHandOff:
     def __init__(self, runner: StepRunner, auth: InternalAuth | None = None,
-                 metrics: HandOffMetrics | None = None) -> None:
+                 metrics: HandOffMetrics | None = None,
+                 in_worker: Callable[..., asyncio.Future[Any]] | None = None,
+                 order: StepOrder | None = None) -> None:
+        """`in_worker` queues a call in the compute thread, behind the Executes queued
+        before it; `order` says which Executes have been queued (service.py's own)."""
         self._runner = runner
+        self._in_worker = in_worker
+        self._order = order or StepOrder()
         self._auth = auth or InternalAuth()  # ours: the source asks for the same
         self._metrics = metrics
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-kv")
-        # One channel per source, kept: a fleet has a bounded number of executors.
+        # One channel per source, least recently used first.
         self._sources: dict[str, tuple[InternalChannel, pb_grpc.ExecutorServiceStub]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def _layout(self) -> KVLayout:
         layout = self._runner.info.kv_layout
@@ -142,6 +156,12 @@ class KVHandOff:
                           request.first_block_index, tuple(request.block_ids),
                           request.num_tokens)
         check_import(plan, layout.block_size, self._runner.info.num_blocks)
+        previous = request.previous_step_id
+        if not await self._order.after(previous):
+            raise FailedPrecondition(
+                f"previous_step_id {previous}: no such Execute reached this executor within "
+                f"{ORDER_WAIT_S:g} s; the reserved blocks may still be written by it, so "
+                "nothing is imported")
         try:
             await self._pull(plan, layout, context.time_remaining())
         except grpc.aio.AioRpcError as exc:
@@ -175,24 +195,44 @@ class KVHandOff:
                 receiver.check(block.block_index, block.data, block.crc32)
                 pending.append(block.data)
                 if len(pending) == size:
+                    await self._modelled_transfer(len(pending))
                     await self._write(plan, receiver.received - len(pending), pending)
                     pending = []
             receiver.finish()
+            await self._modelled_transfer(len(pending))
             await self._write(plan, receiver.received - len(pending), pending)
         finally:
             call.cancel()  # a no-op once it has ended; stops the source's stream otherwise
 
+    async def _modelled_transfer(self, num_blocks: int) -> None:
+        delay = self._runner.kv_blocks.transfer_s(num_blocks)
+        if delay > 0:
+            await asyncio.sleep(delay)
+
     async def _write(self, plan: ImportPlan, first: int, blocks: list[bytes]) -> None:
-        """Write `blocks` into block_ids[first:], in the transfer thread."""
-        if blocks:
-            await self._in_thread(self._runner.kv_blocks.write,
-                                  plan.block_ids[first:first + len(blocks)], blocks)
+        """Write `blocks` into block_ids[first:], in Execute order (the module docstring)."""
+        if not blocks:
+            return
+        ids = plan.block_ids[first:first + len(blocks)]
+        if self._in_worker is not None:
+            await self._in_worker(self._runner.kv_blocks.write, ids, blocks)
+        else:  # (no compute thread: a runner driven directly, in tests)
+            await self._in_thread(self._runner.kv_blocks.write, ids, blocks)
 
     def _source(self, address: str) -> tuple[InternalChannel, pb_grpc.ExecutorServiceStub]:
-        if address not in self._sources:
+        """A channel per source, the most recent MAX_SOURCES kept (pod addresses change)."""
+        found = self._sources.pop(address, None)
+        if found is None:
             channel = InternalChannel(address, self._auth)
-            self._sources[address] = (channel, pb_grpc.ExecutorServiceStub(channel.channel))
-        return self._sources[address]
+            found = (channel, pb_grpc.ExecutorServiceStub(channel.channel))
+            if len(self._sources) >= MAX_SOURCES:
+                oldest = next(iter(self._sources))
+                stale, _ = self._sources.pop(oldest)
+                task = asyncio.get_running_loop().create_task(stale.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+        self._sources[address] = found  # (last: the most recently used)
+        return found
 
     async def close(self) -> None:
         for channel, _ in self._sources.values():

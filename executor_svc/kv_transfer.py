@@ -24,12 +24,18 @@ SIMULATED_FORMAT = "simulated-slot-digest-v1"  # one little-endian uint64 digest
 
 
 class KVBlockStore(Protocol):
-    """A runner's KV blocks as bytes. Called from the transfer thread, while steps run in the
-    compute thread on other blocks: implementations must not touch anything a step uses."""
+    """A runner's KV blocks as bytes. `read` is called from the transfer thread while steps
+    run in the compute thread (it reads a parked request's blocks, which no step writes);
+    `write` from the compute thread, between steps, in Execute order."""
 
     def read(self, block_ids: Sequence[int]) -> list[bytes]: ...
 
     def write(self, block_ids: Sequence[int], data: Sequence[bytes]) -> None: ...
+
+    def transfer_s(self, num_blocks: int) -> float:
+        """Extra seconds moving `num_blocks` takes beyond the real transfer: 0 for a real
+        cache, the modelled network time for the simulated executor."""
+        ...
 
 
 def crc32(data: bytes) -> int:

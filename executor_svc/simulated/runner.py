@@ -58,7 +58,7 @@ class SimulatedRunner(HeldRequests):
         self.kv_blocks: KVBlockStore = SlotBlocks(
             self.cache,
             (lambda n: profile.transfer_ms(n, block_size) / 1e3 * time_scale) if time_scale
-            else None)
+            else None)  # (slept by an import before it writes: not in the compute thread)
         self.sleep = sleep
         super().__init__(idle_release_s, clock)
 

@@ -9,7 +9,6 @@ never written holds 0, as the real cache holds zeros.
 from __future__ import annotations
 
 import sys
-import time
 from array import array
 from collections.abc import Callable, Sequence
 
@@ -58,11 +57,15 @@ class SlotBlocks:
     a block's block_size digests, little-endian uint64 each. Array slices are atomic under
     the GIL, and the blocks moved belong to no running step (kv_blocks.py says why)."""
 
-    def __init__(self, cache: SlotCache, write_s: Callable[[int], float] | None = None) -> None:
+    def __init__(self, cache: SlotCache, transfer_s: Callable[[int], float] | None = None
+                 ) -> None:
         self.cache = cache
-        # The modelled time to move n blocks between two executors (None: none), slept by
-        # each write: a hand-off costs what the real KV would over the link.
-        self.write_s = write_s
+        # The modelled time to move n blocks between two executors (None: none), which an
+        # import sleeps before writing them: a hand-off costs what the real KV would.
+        self._transfer_s = transfer_s
+
+    def transfer_s(self, num_blocks: int) -> float:
+        return self._transfer_s(num_blocks) if self._transfer_s is not None else 0.0
 
     def read(self, block_ids: Sequence[int]) -> list[bytes]:
         size, device, out = self.cache.block_size, self.cache.device, []
@@ -74,8 +77,6 @@ class SlotBlocks:
         return out
 
     def write(self, block_ids: Sequence[int], data: Sequence[bytes]) -> None:
-        if self.write_s is not None:
-            time.sleep(self.write_s(len(block_ids)))  # (the transfer thread's: no step waits)
         size, device = self.cache.block_size, self.cache.device
         for block_id, raw in zip(block_ids, data, strict=True):
             block = array("Q")

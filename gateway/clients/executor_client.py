@@ -228,6 +228,7 @@ class ExecutorClient(InternalChannel):
     async def import_kv(
         self, source_address: str, request_id: str, first_block_index: int,
         block_ids: Sequence[int], num_tokens: int, timeout: float | None = None,
+        previous_step_id: int = 0,
     ) -> KVImport:
         """Have this executor pull `request_id`'s KV from the executor at `source_address`:
         table indices `first_block_index` on (those before are here already) into
@@ -236,6 +237,7 @@ class ExecutorClient(InternalChannel):
         request = pb.ImportKVRequest(
             source_address=source_address, request_id=request_id,
             first_block_index=first_block_index, block_ids=block_ids, num_tokens=num_tokens,
+            previous_step_id=previous_step_id,
         )
         with translated():
             r = await self.stub.ImportKV(request, metadata=self._about([request_id]),

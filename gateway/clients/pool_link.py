@@ -130,9 +130,12 @@ class PoolLink:
     async def import_kv(
         self, source: PoolLink, request_id: str, first_block_index: int,
         block_ids: Sequence[int], num_tokens: int, timeout_s: float | None,
+        previous_step_id: int = 0,
     ) -> KVImport:
         """This executor pulls a request's KV from `source`'s executor into `block_ids`
-        (table indices from `first_block_index` on: those before are cached here)."""
+        (table indices from `first_block_index` on: those before are cached here), writing
+        them after its Execute `previous_step_id` (0: none out)."""
         return await self.executor.import_kv(source.executor.address, request_id,
                                              first_block_index, block_ids, num_tokens,
-                                             timeout=timeout_s)
+                                             timeout=timeout_s,
+                                             previous_step_id=previous_step_id)

@@ -116,9 +116,9 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def _running_per_tenant(self) -> dict[str, set[Request]]:
-        """Each tenant's requests with a running or swapped sequence."""
+        """Each tenant's requests with a running, swapped or parked sequence."""
         running: dict[str, set[Request]] = {}
-        for seq in (*self.running, *self.swapped):
+        for seq in (*self.running, *self.swapped, *self.parked):
             if seq.request.tenant:
                 running.setdefault(seq.request.tenant, set()).add(seq.request)
         return running

@@ -8,17 +8,24 @@ What it is for:
 - rebalancing (--rebalance-min-gap): an engine running many more sequences than another of
   the same role gives it some of its own, the newest first (each at most once).
 
-A move, all on the engine loop (engine/host.py), for one sequence that the source's scheduler
-has parked (computed and idle: scheduler.py):
-1. the target's allocator reserves it (ReserveHandOff): its computed tokens, the target's
-   cached prefix of them shared, fresh blocks for the rest;
-2. the target executor pulls the KV of those fresh blocks from the source executor, block by
-   block with a checksum (ImportKV, which calls the source's ExportKV);
-3. the source frees it, committed (its blocks stay in the source's prefix cache), and releases
-   it; the target adopts it: its next Step commits the moved blocks, its next Execute
-   introduces it to the executor as a forked child is introduced (its whole table).
+A move, for one sequence that the source's scheduler has parked (computed and idle:
+scheduler.py), in three parts, each on the engine loop (engine/host.py):
+1. the source's step, right after planning, picks the target and queues the move there;
+2. the target's next step, before it plans: its allocator reserves the sequence
+   (ReserveHandOff: its computed tokens, the target's cached prefix of them shared, fresh
+   blocks for the rest), and the target executor is asked to pull the KV of those fresh
+   blocks from the source executor (ImportKV, block by block with a checksum, a task). The
+   import names the target's last Execute (previous_step_id): the reserved blocks may have
+   been freed by a Step whose Execute still writes or copies them, and the executor writes
+   the moved KV after it. The reservation is made between the target's own steps, so every
+   Step before it has its Execute out;
+3. a later step of the target's, once the KV is in: the source frees the sequence, committed
+   (its blocks stay in the source's prefix cache), and releases it; the target adopts it
+   (its next Step commits the moved blocks, its next Execute introduces it to the executor
+   as a forked child is introduced: its whole table).
 If anything fails on the way, the reservation is aborted and the sequence runs on where it is
-(and is never parked again). One cancelled, stopped or evicted meanwhile is not adopted.
+(and is never parked again). One cancelled, stopped, evicted or parked afresh meanwhile is not
+adopted; nor is one whose target started leaving, restarted or lost its lease.
 """
 
 from __future__ import annotations
@@ -31,14 +38,33 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from gateway.clients.allocator_client import HandOffReservation
 from gateway.clients.call_failures import CallFailed, Lost
-from gateway.clients.executor_client import ExecutorDescription
+from gateway.clients.executor_client import ExecutorDescription, KVImport
 from gateway.core.request_state import SeqStatus, Sequence
 from gateway.engine.state import EngineState
 
 log = structlog.get_logger(__name__)
 
 EVERY = 1 << 30  # a move quota: every sequence that becomes idle
+
+
+@dataclass(eq=False, slots=True)
+class Move:
+    source: EngineState
+    target: EngineState
+    seq: Sequence
+    started: float
+    # The sequence as parked: one evicted and parked again since is another move's.
+    parked_as: tuple[int, int]
+    reserved: HandOffReservation | None = None
+    # The target's lease generation and pool epoch the reservation was made under.
+    under: tuple[int, int] = (0, 0)
+    imported: asyncio.Task[KVImport] | None = None
+
+
+def _parked_as(seq: Sequence) -> tuple[int, int]:
+    return seq.num_preemptions, seq.num_computed_tokens
 
 
 @dataclass(slots=True)
@@ -48,14 +74,14 @@ class HandOffs:
     # this many more than that one (0: off).
     rebalance_min_gap: int = 0
     import_timeout_s: float = 60.0
-    max_concurrent: int = 8  # moves under way at once (each streams KV between executors)
-    # Called once per finished attempt: (outcome, seconds) for the metrics.
+    # Called once per move: (outcome, seconds since it was parked) for the metrics.
     observe: Callable[[str, float], None] = lambda outcome, seconds: None
+    # Moves queued for their target's next step, and those whose KV is on its way, by target.
+    incoming: dict[str, list[Move]] = field(default_factory=dict)
+    importing: dict[str, list[Move]] = field(default_factory=dict)
     # Moves under way, by source and by target: a rebalance counts them as done.
     leaving: dict[str, int] = field(default_factory=dict)
     arriving: dict[str, int] = field(default_factory=dict)
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    slots: asyncio.Semaphore | None = None
 
     # Which sequences leave an engine.
 
@@ -81,8 +107,7 @@ class HandOffs:
 
     def targets(self, source: EngineState) -> list[EngineState]:
         """Engines that can take `source`'s sequences, the best first: up and staying, the
-        same KV (block size and model), never a prefill one; decode ones first, then the
-        least loaded."""
+        same KV layout, never a prefill one; decode ones first, then the least loaded."""
         mine = source.description
         found = [
             e for e in self.engines()
@@ -92,52 +117,59 @@ class HandOffs:
         found.sort(key=lambda e: (e.description.role != "decode", self._count(e)))
         return found
 
-    # Moving them.
+    # The source's part.
 
     def start(self, source: EngineState, seqs: list[Sequence]) -> None:
-        loop = asyncio.get_running_loop()
+        """Parked by `source`'s plan just now: each goes to the best target's queue."""
+        now = time.perf_counter()
         for seq in seqs:
-            self.leaving[source.pool_id] = self.leaving.get(source.pool_id, 0) + 1
-            task = loop.create_task(self._move(source, seq))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-
-    async def _move(self, source: EngineState, seq: Sequence) -> None:
-        started = time.perf_counter()
-        outcome = "failed"
-        try:
-            outcome = await self._try(source, seq)
-        except Exception:  # noqa: BLE001 - a bug must not strand the sequence
-            log.exception("hand_off_failed", seq_id=seq.seq_id, pool_id=source.pool_id)
-        finally:
-            self.leaving[source.pool_id] -= 1
-            if outcome != "moved" and _still_parked(source, seq):
+            targets = self.targets(source)
+            if not targets:  # (the targets went away since the quota was given)
                 source.scheduler.unpark(seq)
-                source.wakeup.set()
-            self.observe(outcome, time.perf_counter() - started)
+                self.observe("refused", 0.0)
+                continue
+            target = targets[0]
+            self.incoming.setdefault(target.pool_id, []).append(
+                Move(source, target, seq, now, _parked_as(seq)))
+            _add(self.leaving, source.pool_id, 1)
+            _add(self.arriving, target.pool_id, 1)
+            target.wakeup.set()
 
-    async def _try(self, source: EngineState, seq: Sequence) -> str:
-        """One attempt; its outcome: moved, refused (the target said no), failed, or gone
-        (the sequence ended or moved on meanwhile)."""
-        targets = self.targets(source)
-        if not targets:
-            return "refused"
-        target = targets[0]
-        if self.slots is None:
-            self.slots = asyncio.Semaphore(self.max_concurrent)
-        self.arriving[target.pool_id] = self.arriving.get(target.pool_id, 0) + 1
-        try:
-            async with self.slots:
-                return await self._to(source, target, seq)
-        finally:
-            self.arriving[target.pool_id] -= 1
+    # The target's part, at the start of each of its steps.
 
-    async def _to(self, source: EngineState, target: EngineState, seq: Sequence) -> str:
-        link, mine = target.link, source.description
+    def has_work(self, target: EngineState) -> bool:
+        """Something for the target's next step: moves to reserve, or KV that has arrived."""
+        pool_id = target.pool_id
+        return bool(self.incoming.get(pool_id)) or any(
+            m.imported is not None and m.imported.done()
+            for m in self.importing.get(pool_id, ()))
+
+    def holds(self, engine: EngineState) -> bool:
+        """Moves to `engine` not finished: it must not stop (drain) before they are."""
+        return bool(self.incoming.get(engine.pool_id) or self.importing.get(engine.pool_id))
+
+    async def receive(self, target: EngineState) -> None:
+        """Adopt the sequences whose KV has arrived, then reserve the new ones and start
+        their imports. Called between the target's steps (no Step of its own is out)."""
+        pool_id = target.pool_id
+        importing = self.importing.get(pool_id, [])
+        arrived = [m for m in importing if m.imported is not None and m.imported.done()]
+        if arrived:
+            self.importing[pool_id] = [m for m in importing if m not in arrived]
+            for move in arrived:
+                self._finish(move)
+        new = self.incoming.pop(pool_id, [])
+        if new:
+            await asyncio.gather(*(self._reserve(move) for move in new))
+
+    async def _reserve(self, move: Move) -> None:
+        source, target, seq = move.source, move.target, move.seq
+        if self._gone(move) is not None or target.draining or not target.healthy:
+            self._end(move, self._gone(move) or "refused")
+            return
+        request, mine = seq.request, source.description
         num_tokens = seq.num_computed_tokens
-        request = seq.request
-        generation = link.lease_generation
-        bound = {"seq_id": seq.seq_id, "source": source.pool_id, "target": target.pool_id}
+        link = target.link
         try:
             reserved = await link.reserve_hand_off(
                 seq.seq_id, seq.token_slice(0, num_tokens), len(request.prompt_token_ids),
@@ -148,57 +180,77 @@ class HandOffs:
             if isinstance(exc, Lost):  # it may have landed: the target aborts it
                 target.orphan_ids.add(seq.seq_id)
                 target.wakeup.set()
-            log.info("hand_off_refused", code=exc.status, detail=exc.details, **bound)
-            return "refused"
-        if not _still_parked(source, seq):
-            await _undo(target, seq)
-            return "gone"
+            log.info("hand_off_refused", code=exc.status, detail=exc.details, **_names(move))
+            self._end(move, "refused")
+            return
+        move.reserved, move.under = reserved, (link.lease_generation, link.epoch)
         first = reserved.num_cached_tokens // mine.block_size
-        try:
-            moved = await link.import_kv(source.link, seq.seq_id, first,
-                                         reserved.block_ids[first:], num_tokens,
-                                         self.import_timeout_s)
-        except CallFailed as exc:
-            await _undo(target, seq)
-            if not _still_parked(source, seq):  # released at the source meanwhile
-                return "gone"
-            log.warning("hand_off_import_failed", code=exc.status, detail=exc.details, **bound)
-            return "failed"
-        if (not _still_parked(source, seq) or not target.healthy
-                or link.lease_generation != generation):
-            await _undo(target, seq)
-            return "gone"
+        # Every Execute sent before this reservation has this one's step id or a lower one.
+        previous = target.in_flight[-1].step_id if target.in_flight else 0
+        move.imported = asyncio.get_running_loop().create_task(link.import_kv(
+            source.link, seq.seq_id, first, reserved.block_ids[first:], num_tokens,
+            self.import_timeout_s, previous))
+        move.imported.add_done_callback(lambda _: target.wakeup.set())
+        self.importing.setdefault(target.pool_id, []).append(move)
+
+    def _finish(self, move: Move) -> None:
+        """Its import has ended: adopt the sequence, or undo the reservation."""
+        source, target, seq = move.source, move.target, move.seq
+        assert move.imported is not None and move.reserved is not None
+        failure = move.imported.exception()
+        gone = self._gone(move)
+        unfit = (not target.healthy or target.draining
+                 or (target.link.lease_generation, target.link.epoch) != move.under)
+        if failure is not None or gone is not None or unfit:
+            target.orphan_ids.add(seq.seq_id)  # the reservation: aborted before its next Step
+            if failure is not None and gone is None:
+                log.warning("hand_off_import_failed", error=str(failure), **_names(move))
+            self._end(move, gone or ("failed" if failure is not None else "refused"))
+            return
+        moved = move.imported.result()
         rebalanced = not source.draining and source.description.role != "prefill"
         source.scheduler.detach(seq)
         source.wakeup.set()
-        target.scheduler.adopt(seq, tuple(reserved.block_ids))
+        target.scheduler.adopt(seq, move.reserved.block_ids)
         # A rebalanced sequence moves once: when the other engine empties first, its own
         # sequences must not come straight back.
         seq.stays = rebalanced
-        target.wakeup.set()
-        log.info("hand_off_done", num_tokens=num_tokens,
-                 num_cached_tokens=reserved.num_cached_tokens, num_blocks=moved.num_blocks,
-                 num_bytes=moved.num_bytes, import_ms=round(moved.elapsed_ms, 2), **bound)
-        return "moved"
+        log.info("hand_off_done", num_tokens=seq.num_computed_tokens,
+                 num_cached_tokens=move.reserved.num_cached_tokens,
+                 num_blocks=moved.num_blocks, num_bytes=moved.num_bytes,
+                 import_ms=round(moved.elapsed_ms, 2), **_names(move))
+        self._end(move, "moved")
+
+    def _gone(self, move: Move) -> str | None:
+        """'gone' when the sequence is no longer the one parked for this move: cancelled or
+        stopped (the source applies that), evicted, finished, or parked afresh since."""
+        seq = move.seq
+        if (seq.status is not SeqStatus.PARKED or seq not in move.source.scheduler.parked
+                or _parked_as(seq) != move.parked_as):
+            return "gone"
+        if seq.request.cancelled or seq.index in seq.request.stopped:
+            return "gone"
+        return None
+
+    def _end(self, move: Move, outcome: str) -> None:
+        source, seq = move.source, move.seq
+        _add(self.leaving, source.pool_id, -1)
+        _add(self.arriving, move.target.pool_id, -1)
+        if outcome in ("refused", "failed") and self._gone(move) is None:
+            source.scheduler.unpark(seq)  # it runs on where it is
+            source.wakeup.set()
+        self.observe(outcome, time.perf_counter() - move.started)
+
+
+def _add(counts: dict[str, int], pool_id: str, n: int) -> None:
+    counts[pool_id] = counts.get(pool_id, 0) + n
+
+
+def _names(move: Move) -> dict[str, str]:
+    return {"seq_id": move.seq.seq_id, "source": move.source.pool_id,
+            "target": move.target.pool_id}
 
 
 def _same_kv(a: ExecutorDescription, b: ExecutorDescription) -> bool:
-    """Their KV blocks are alike, byte for byte, as far as their descriptions say."""
-    if a.kv_layout is not None and b.kv_layout is not None:
-        return a.kv_layout == b.kv_layout
-    return a.block_size == b.block_size and a.model_fingerprint == b.model_fingerprint
-
-
-def _still_parked(source: EngineState, seq: Sequence) -> bool:
-    """Not cancelled, stopped, evicted or finished since it was parked."""
-    return seq.status is SeqStatus.PARKED and seq in source.scheduler.parked
-
-
-async def _undo(target: EngineState, seq: Sequence) -> None:
-    """Abort the reservation; if the allocator cannot be told now, the target's engine
-    aborts it before its next Step (an orphan)."""
-    try:
-        await target.link.abort([seq.seq_id])
-    except CallFailed:
-        target.orphan_ids.add(seq.seq_id)
-        target.wakeup.set()
+    """Their KV blocks are alike, byte for byte: both report a layout, and the same one."""
+    return a.kv_layout is not None and a.kv_layout == b.kv_layout

@@ -60,8 +60,9 @@ class Engine(EngineState):
     @property
     def busy(self) -> bool:
         """Work left, or a step under way (its calls, a final Free among them, still out), or
-        sequences parked for a hand-off."""
-        return self.stepping or self._has_work() or bool(self.scheduler.parked)
+        a hand-off from or to it not finished."""
+        return (self.stepping or self._has_work() or bool(self.scheduler.parked)
+                or (self.mover is not None and self.mover.holds(self)))
 
     # The loop.
 
@@ -74,22 +75,28 @@ class Engine(EngineState):
                     log.exception("engine_reconnect_failed", pool_id=self.pool_id)
                 continue
             if not self._has_work():
-                if self.link.lease_renewed:
+                if self.link.lease_renewed and not self.scheduler.parked:
                     await recovery.register_again(self)  # (registering takes the renewal)
+                    continue
+                if self.link.lease_renewed:  # the allocator forgot the parked ones: a step
+                    await self._step_once()   # takes the renewal and starts them over
                     continue
                 self.wakeup.clear()
                 self.last_landed = None
                 await self.wakeup.wait()
                 continue
-            try:
-                progressed = await self.step()
-            except Exception:  # noqa: BLE001 - a bug must not kill the loop and hang clients
-                log.exception("engine_step_failed", pool_id=self.pool_id)
-                self.abandon_in_flight()
-                recovery.step_crashed(self, self.plan, self.batch)
-                progressed = True
+            progressed = await self._step_once()
             # Yield to the RPC handlers; back off a little when nothing could be scheduled.
             await asyncio.sleep(0 if progressed else 0.005)
+
+    async def _step_once(self) -> bool:
+        try:
+            return await self.step()
+        except Exception:  # noqa: BLE001 - a bug must not kill the loop and hang clients
+            log.exception("engine_step_failed", pool_id=self.pool_id)
+            self.abandon_in_flight()
+            recovery.step_crashed(self, self.plan, self.batch)
+            return True
 
     async def step(self) -> bool:
         """One scheduling step; False when nothing could run (all deferred)."""
@@ -123,6 +130,10 @@ class Engine(EngineState):
             await landing.settle(self)
             if not self.healthy:
                 return True
+        if self.mover is not None and self.healthy:
+            # Sequences moving here: adopted once their KV is in, reserved when new (between
+            # this engine's own Steps: hand_off.py says why).
+            await self.mover.receive(self)
         started = time.perf_counter()
         overlapped = bool(self.in_flight)
         scheduler = self.scheduler
@@ -216,7 +227,7 @@ class Engine(EngineState):
             self.scheduler.has_work() or pending.has_allocator_work()
             or (bool(pending.release_ids) and not self.releases_refused)
             or self.has_cancellations or bool(self.orphan_ids) or bool(self.outbox)
-            or bool(self.in_flight)
+            or bool(self.in_flight) or (self.mover is not None and self.mover.has_work(self))
         )
 
     async def _allocator_step(

@@ -26,11 +26,17 @@ from gateway.engine.step_stats import StepStats
 
 
 class Mover(Protocol):
-    """Moves sequences to other engines (engine/hand_off.py)."""
+    """Moves sequences between engines (engine/hand_off.py)."""
 
     def quota(self, engine: EngineState) -> int: ...
 
     def start(self, source: EngineState, seqs: list[Sequence]) -> None: ...
+
+    def has_work(self, target: EngineState) -> bool: ...
+
+    def holds(self, engine: EngineState) -> bool: ...
+
+    async def receive(self, target: EngineState) -> None: ...
 
 
 @dataclass(slots=True, eq=False)

@@ -126,6 +126,10 @@ def test_import_refuses_bad_input_and_an_unreachable_source(executor: Executor) 
         for call in bad:
             assert _status(call)[0] == grpc.StatusCode.INVALID_ARGUMENT
         assert _status(imp())[0] == grpc.StatusCode.UNAVAILABLE
+        # An import to be written after an Execute that never reached this executor: the
+        # reserved blocks may still be that Execute's, so nothing is imported.
+        code, details = _status(imp(previous_step_id=2**62 + 12345))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "previous_step_id" in details
     finally:
         executor.blocks.free.extend(ids)
     tokens = _prompt(executor.info.vocab_size, 5, seed=3)

@@ -4,7 +4,9 @@ block by block, and the target continues the request as the source and the token
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -107,3 +109,56 @@ def test_simulated_handoff_refuses_another_layout(
         other.close()
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "block_size" in (info.value.details() or "")
+
+
+def test_an_import_writes_after_the_execute_it_names(
+    pair: tuple[Served, Served, SimulatedRunner]
+) -> None:
+    # The target's allocator freed block `freed` (swapped its request out) in the Step before
+    # the reservation that hands that block to an import; the Execute carrying the swap-out
+    # copy is still queued behind a slow one. Naming that Execute (previous_step_id), the
+    # import's write lands after the copy: the CPU block holds the swapped request's KV, the
+    # device block the imported one's.
+    a, _, _ = pair
+    slow = _runner(time_scale=40.0)  # a step sleeps 40 x its modelled time: ~0.6 s
+    t = serve_runner(slow)
+    try:
+        source, target = Gateway.of(a, list(range(NUM_BLOCKS // 2))), Gateway.of(
+            t, list(range(NUM_BLOCKS)))
+        target.step("swapped", list(range(3, 19)), new=True)  # 16 tokens: one full block
+        (freed,) = target.tables["swapped"]
+        kept = list(slow.cache.device[freed * 16:(freed + 1) * 16])
+        source.step("moved", list(range(100, 116)), new=True)
+        pool = ThreadPoolExecutor(2)
+        busy = pool.submit(target.stub.Execute, pb.ExecuteRequest(  # slow: a 64-token prefill
+            seqs=[pb.SequenceWork(request_id="other", token_ids=list(range(5, 69)),
+                                  start_position=0, sample=True,
+                                  sampling=pb.SamplingParams(),
+                                  delta=pb.BlockTableDelta(block_ids=target.take(4)))],
+            step_id=11), timeout=60)
+        copy = pool.submit(target.stub.Execute, pb.ExecuteRequest(
+            swap_out=[pb.BlockCopy(src_block_id=freed, dst_block_id=0)], step_id=12,
+            previous_step_id=11), timeout=60)
+        time.sleep(0.1)  # both queued: the import arrives while the copy waits
+        target.stub.ImportKV(pb.ImportKVRequest(
+            source_address=a.address, request_id="moved", block_ids=[freed], num_tokens=16,
+            previous_step_id=12), timeout=60)
+        busy.result(60), copy.result(60)
+        pool.shutdown()
+        assert list(slow.cache.host[0:16]) == kept  # swapped out before the import wrote
+        assert list(slow.cache.device[freed * 16:(freed + 1) * 16]) != kept
+    finally:
+        t.close()
+
+
+def test_an_import_naming_an_execute_that_never_comes_is_refused(
+    pair: tuple[Served, Served, SimulatedRunner]
+) -> None:
+    a, b, _ = pair
+    Gateway.of(a, list(range(NUM_BLOCKS // 2))).step("orphaned", list(range(3, 20)), new=True)
+    with pytest.raises(grpc.RpcError) as info:
+        b.stub.ImportKV(pb.ImportKVRequest(
+            source_address=a.address, request_id="orphaned", block_ids=[40, 41], num_tokens=17,
+            previous_step_id=987654321), timeout=30)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "previous_step_id 987654321" in (info.value.details() or "")

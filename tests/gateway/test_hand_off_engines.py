@@ -43,13 +43,33 @@ class HandLink(FakeLink):
 
     lease_generation: int = 0
     import_gate: asyncio.Event | None = None  # set: imports wait for it
+    compute_gate: asyncio.Event | None = None  # set: Executes wait for it (a long step)
     import_error: grpc.StatusCode | None = None
     calls: list[ExecuteCall] = field(default_factory=list)
     num_imports: int = 0
+    launched: list[int] = field(default_factory=list)  # Execute step ids, as sent
+    returned: set[int] = field(default_factory=set)  # and as they returned
+    # Per import: the Execute it names (previous_step_id) and those sent and not returned.
+    imports: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    async def execute(self, call: ExecuteCall, step_id: int = 0,
+                      previous_step_id: int = 0) -> ExecuteResult:
+        self.launched.append(step_id)
+        try:
+            return await super().execute(call, step_id, previous_step_id)
+        finally:
+            self.returned.add(step_id)
 
     async def compute(self, call: ExecuteCall) -> ExecuteResult:
         self.calls.append(call)
+        if self.compute_gate is not None:
+            await self.compute_gate.wait()
         return await super().compute(call)
+
+    def take_lease_renewal(self) -> bool:
+        taken = super().take_lease_renewal()
+        self.lease_renewed = self.renewals > 0
+        return taken
 
     async def reserve_hand_off(
         self, request_id: str, token_ids: Any, num_prompt_tokens: int, cache_salt: str,
@@ -68,7 +88,10 @@ class HandLink(FakeLink):
                                   request.num_cached_tokens, core.pool.blocks.num_free)
 
     async def import_kv(self, source: HandLink, request_id: str, first_block_index: int,
-                        block_ids: Any, num_tokens: int, timeout_s: float | None) -> Imported:
+                        block_ids: Any, num_tokens: int, timeout_s: float | None,
+                        previous_step_id: int = 0) -> Imported:
+        self.imports.append(
+            (previous_step_id, [i for i in self.launched if i not in self.returned]))
         if self.import_gate is not None:
             await self.import_gate.wait()
         if self.import_error is not None:
@@ -77,15 +100,16 @@ class HandLink(FakeLink):
         if held is None:
             raise failure(grpc.StatusCode.NOT_FOUND, f"source: {request_id} is not held")
         assert held.num_tokens >= num_tokens, "KV asked for beyond what the source computed"
-        for index, block_id in enumerate(block_ids, start=first_block_index):
-            self.model.gpu[block_id] = list(source.model._block(held.table[index]))
+        async with self.executor_lock:  # written in Execute order, as the executor does
+            for index, block_id in enumerate(block_ids, start=first_block_index):
+                self.model.gpu[block_id] = list(source.model._block(held.table[index]))
         self.num_imports += 1
         return Imported(len(block_ids), len(block_ids) * BLOCK, 0.1)
 
 
 def description(role: str) -> SimpleNamespace:
-    return SimpleNamespace(uses_sampled_tokens=True, role=role, block_size=BLOCK, kv_layout=None,
-                           model_fingerprint="fake-model")
+    return SimpleNamespace(uses_sampled_tokens=True, role=role, block_size=BLOCK,
+                           model_fingerprint="fake-model", kv_layout=("fake-kv", BLOCK))
 
 
 @dataclass
@@ -96,6 +120,7 @@ class Pair:
     b: HandLink
     mover: HandOffs
     outcomes: list[str] = field(default_factory=list)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)  # the engines' loops
 
 
 def pair(roles: tuple[str, str] = ("prefill", "decode"), depth: int = 2,
@@ -119,23 +144,24 @@ def pair(roles: tuple[str, str] = ("prefill", "decode"), depth: int = 2,
 
 
 async def run_both(p: Pair, until: Any = None, timeout_s: float = 20.0) -> None:
-    """Both engines' loops until neither has work left and no hand-off is under way (or
-    `until()` holds)."""
-    tasks = [asyncio.create_task(e.run()) for e in (p.source, p.target)]
+    """Run both engines' loops (started once, never cancelled mid-step) until `until()`
+    holds, and leave them running; or, with no `until`, until neither has work left nor a
+    hand-off under way, and stop them there (idle)."""
+    if not p.tasks:
+        p.tasks = [asyncio.create_task(e.run()) for e in (p.source, p.target)]
     deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            await asyncio.sleep(0.002)
-            if until is not None and until():
-                return
-            if until is None and not p.mover.tasks and not any(
-                    e.busy for e in (p.source, p.target)):
-                return
-            assert time.monotonic() < deadline, "the engines never went idle"
-    finally:
-        for task in tasks:
+    while not (until() if until is not None else not any(
+            e.busy for e in (p.source, p.target))):
+        for task in p.tasks:
+            if task.done():
+                task.result()  # (a loop never ends: show why it did)
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.002)
+    if until is None:
+        for task in p.tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*p.tasks, return_exceptions=True)
+        p.tasks = []
 
 
 def tokens_of(req: Request) -> dict[int, list[int]]:
@@ -164,6 +190,12 @@ def test_prefill_engine_hands_every_request_to_the_decode_engine(depth: int):
     for req in reqs:
         assert tokens_of(req) == {0: p.a.model.reference(req.prompt_token_ids, 9)}
     assert p.outcomes == ["moved"] * len(reqs)
+    # Each import names an Execute the target sent, at least as late as every one still out
+    # when its blocks were reserved (at depth 1 none is out then: it names none).
+    assert len(p.b.imports) == len(reqs)
+    for previous, out in p.b.imports:
+        assert all(step_id <= previous for step_id in out)
+        assert previous == 0 if depth == 1 else previous in (0, *p.b.launched)
     # The prefill executor computed prompts only: no decode row ever, one sample each.
     assert not any(call.decode_request_ids for call in p.a.calls)
     assert sum(s.sample for call in p.a.calls for s in call.seqs) == len(reqs)
@@ -260,7 +292,7 @@ def test_a_request_cancelled_during_its_move_is_not_adopted():
     req = submit(p.source, "r", [5] * 6, max_tokens=6)
 
     async def scenario() -> None:
-        await run_both(p, until=lambda: p.mover.tasks and p.a.pool.pool.requests)
+        await run_both(p, until=lambda: p.mover.importing.get("pool-b"))
         # The move waits in its import: cancel, let the source abort it, then let it finish.
         req.cancelled = True
         p.source.cancel()
@@ -329,4 +361,120 @@ def test_a_reservation_whose_answer_is_lost_is_aborted_at_the_target():
     asyncio.run(run_both(p))
     assert tokens_of(req) == {0: p.a.model.reference([5] * 6, 6)}
     assert p.outcomes == ["refused"]
+    assert_all_back(p)
+
+
+def test_a_cancel_the_target_applied_before_the_kv_arrived_still_stops_the_move():
+    # Router.cancel flags the request and wakes every engine; the target applies (and
+    # clears) its flag at once, while the source is in a long step (another request's
+    # prefill). When the KV then arrives the move must not go on: the cancelled request
+    # would decode at the target, unseen by anyone.
+    p = pair()
+    p.b.import_gate = asyncio.Event()
+    req = submit(p.source, "r", [5] * 6, max_tokens=200)
+
+    async def scenario() -> Request:
+        await run_both(p, until=lambda: p.mover.importing.get("pool-b"))
+        p.a.compute_gate = asyncio.Event()
+        long = submit(p.source, "long", [9] * 7, max_tokens=3)
+        # Stuck landing that prefill: stepping, its batch taken out of in_flight to await.
+        await run_both(p, until=lambda: p.source.stepping and not p.source.in_flight and any(
+            w.request_id == "long" for w in p.a.calls[-1].seqs))
+        req.cancelled = True
+        p.source.cancel()
+        p.target.cancel()
+        await run_both(p, until=lambda: not p.target.has_cancellations)
+        assert p.source.has_cancellations  # still in its step
+        assert p.b.import_gate is not None
+        p.b.import_gate.set()
+        await run_both(p, until=lambda: p.outcomes)
+        p.a.compute_gate.set()
+        await run_both(p)
+        return long
+
+    long = asyncio.run(scenario())
+    assert p.outcomes == ["gone", "moved"]  # r's move, then long's
+    assert "r" not in {rid for c in p.b.calls for rid in c.decode_request_ids}
+    assert not any(s.request_id == "r" for c in p.b.calls for s in c.seqs)
+    assert tokens_of(long) == {0: p.a.model.reference([9] * 7, 3)}
+    assert_all_back(p)
+
+
+def test_a_target_that_starts_leaving_mid_move_adopts_nothing_and_waits_for_it():
+    # The target leaves discovery while the KV is on its way: it stays busy (its drain waits)
+    # until the move is settled, which undoes the reservation; the request decodes at the
+    # source instead, with the same tokens.
+    p = pair()
+    p.b.import_gate = asyncio.Event()
+    req = submit(p.source, "r", [5] * 6, max_tokens=8)
+
+    async def scenario() -> None:
+        await run_both(p, until=lambda: p.mover.importing.get("pool-b"))
+        p.target.draining = True
+        assert p.target.busy  # a drain would wait
+        assert p.b.import_gate is not None
+        p.b.import_gate.set()
+        await run_both(p)
+
+    asyncio.run(scenario())
+    assert tokens_of(req) == {0: p.a.model.reference([5] * 6, 8)}
+    assert p.outcomes == ["refused"] and not p.target.busy
+    assert_all_back(p)
+
+
+def test_a_source_whose_allocator_forgot_its_parked_request_starts_it_over():
+    # The source's lease is renewed (its allocator restarted: a fresh pool) while its only
+    # sequence is parked and its KV on the way. The idle source still takes the renewal as a
+    # step (eviction, readmission), so the old move finds the sequence parked afresh and is
+    # dropped. The sequence, computed again, parks again; its second reservation meets the
+    # first (not yet aborted: ALREADY_EXISTS), so it decodes at the source, with the same
+    # tokens, and nothing stays held anywhere.
+    p = pair()
+    p.b.import_gate = asyncio.Event()
+    req = submit(p.source, "r", [5] * 6, max_tokens=8)
+
+    async def scenario() -> None:
+        await run_both(p, until=lambda: p.mover.importing.get("pool-b"))
+        p.a.pool = CorePool(64, BLOCK)  # the allocator forgot everything
+        p.a.renewals, p.a.lease_renewed = 1, True
+        p.source.wakeup.set()
+        await run_both(p, until=lambda: p.outcomes == ["refused"])
+        assert p.b.import_gate is not None
+        p.b.import_gate.set()
+        await run_both(p)
+
+    asyncio.run(scenario())
+    assert tokens_of(req) == {0: p.a.model.reference([5] * 6, 8)}
+    assert p.outcomes == ["refused", "gone"]
+    assert_all_back(p)
+
+
+def test_an_import_names_the_execute_the_target_still_has_out():
+    # The target is decoding (each Execute takes a few ms) when later requests' blocks are
+    # reserved there: each import names the target's newest Execute, so the executor writes
+    # the moved KV after every Execute sent before the reservation (which may still write
+    # blocks the reservation took: freed by the Step before it).
+    p = pair()
+    compute = p.b.compute
+
+    async def slow(call: ExecuteCall) -> ExecuteResult:
+        await asyncio.sleep(0.005)
+        return await compute(call)
+
+    p.b.compute = slow  # type: ignore[method-assign]
+    first = submit(p.source, "first", [5] * 6, max_tokens=40)
+
+    async def scenario() -> list[Request]:
+        await run_both(p, until=lambda: p.target.in_flight)
+        later = [submit(p.source, f"later{i}", [6 + i] * 5, max_tokens=6) for i in range(3)]
+        await run_both(p)
+        return later
+
+    later = asyncio.run(scenario())
+    for req in (first, *later):
+        assert tokens_of(req) == {0: p.a.model.reference(req.prompt_token_ids,
+                                                         req.sampling.max_tokens)}
+    assert any(out for _, out in p.b.imports), "no import met an Execute out: nothing tested"
+    for previous, out in p.b.imports:
+        assert all(step_id <= previous for step_id in out)
     assert_all_back(p)
