@@ -116,5 +116,5 @@ def model_info(response: pb.GetModelInfoResponse) -> ModelInfo:
         model_name=response.model_name, max_model_len=response.max_model_len,
         vocab_size=response.vocab_size, eos_token_ids=tuple(response.eos_token_ids),
         executors=tuple(ExecutorInfo(e.address, e.pool_id, e.num_blocks, e.block_size,
-                                     e.backend, e.device, e.healthy)
+                                     e.backend, e.device, e.healthy, e.role or "both")
                         for e in response.executors))

@@ -69,6 +69,7 @@ class ExecutorInfo:
     backend: str
     device: str
     healthy: bool
+    role: str = "both"  # "prefill", "decode" or "both" (a gateway that says none: both)
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,7 +97,7 @@ def _executor_info(engine: Engine) -> pb.ExecutorInfo:
     d = engine.description
     return pb.ExecutorInfo(address=engine.link.executor.address, pool_id=engine.pool_id,
                            num_blocks=d.num_blocks, block_size=d.block_size, backend=d.backend,
-                           device=d.device, healthy=engine.healthy)
+                           device=d.device, healthy=engine.healthy, role=d.role)
 
 
 class GatewayServicer(pb_grpc.GatewayServiceServicer):

@@ -247,8 +247,8 @@ def _add(counts: dict[str, int], pool_id: str, n: int) -> None:
 
 
 def _names(move: Move) -> dict[str, str]:
-    return {"seq_id": move.seq.seq_id, "source": move.source.pool_id,
-            "target": move.target.pool_id}
+    return {"request_id": move.seq.request.request_id, "seq_id": move.seq.seq_id,
+            "source": move.source.pool_id, "target": move.target.pool_id}
 
 
 def _same_kv(a: ExecutorDescription, b: ExecutorDescription) -> bool:

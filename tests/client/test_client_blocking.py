@@ -79,6 +79,7 @@ def test_client_tokenize_and_model_info(client: Client):
     assert info.model_name and info.vocab_size == 512 and info.eos_token_ids == (2,)
     (executor,) = info.executors
     assert executor.block_size == 16 and executor.num_blocks == 256 and executor.healthy
+    assert executor.role == "both"  # (the executor's --role default)
 
 
 def test_client_errors_are_typed_and_sampling_fields_pass_through(client: Client):

@@ -65,6 +65,8 @@ def test_prefill_and_decode_executors_keep_every_output(split: tuple[Clients, st
     assert hand_offs(base).get("moved", 0.0) - before == len(batch)
     pools = {p.pool_id: p for p in clients.wait_all_blocks_back()}
     prefill, decode = stack.executor_addrs()
+    info = clients.gateway.GetModelInfo(gpb.GetModelInfoRequest(), timeout=10)
+    assert {e.address: e.role for e in info.executors} == {prefill: "prefill", decode: "decode"}
     # The decode pool looked up no prompt (it admitted nothing); the prefill pool did.
     assert pools[prefill].num_prefix_queries > 0 and pools[decode].num_prefix_queries == 0
 
