@@ -122,7 +122,7 @@ def test_a_leaving_executor_hands_its_running_requests_over(tmp_path: Path):
                 streamed[index] = n
             done = generate(clients.gateway, gpb.GenerateRequest(  # type: ignore[union-attr]
                 token_ids=gpb.TokenIds(ids=batch[index]),
-                sampling=sampling(600, ignore_eos=True)), on_tokens=seen, timeout=300)
+                sampling=sampling(400, ignore_eos=True)), on_tokens=seen, timeout=300)
             results[index] = done[0].token_ids
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batch))]
@@ -136,7 +136,7 @@ def test_a_leaving_executor_hands_its_running_requests_over(tmp_path: Path):
         for thread in threads:
             thread.join(300)
         for index, prompt in enumerate(batch):
-            assert tuple(results[index]) == reference_greedy(tuple(prompt), 600, ignore_eos=True)
+            assert tuple(results[index]) == reference_greedy(tuple(prompt), 400, ignore_eos=True)
         assert hand_offs(base).get("moved", 0.0) == len(batch)  # each was running there
         clients.wait_all_blocks_back()
     finally:
