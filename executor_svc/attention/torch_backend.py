@@ -105,7 +105,10 @@ class PrefillSpan:
     query_len: int
     context_len: int
     block_index: torch.Tensor  # [num_blocks] long: the blocks of the prefix and the span
-    mask: torch.Tensor  # [query_len, context_len] bool, bottom-right aligned causal
+    # [query_len, context_len] additive, in the model's dtype (0 attend, -inf not):
+    # bottom-right aligned causal. SDPA converts a bool mask on every call (5% of the call
+    # on CPU, 208 queries over 2,048 keys).
+    mask: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,17 +251,21 @@ def _decode_batch(
     )
 
 
-def _prefill_span(span: SeqSpan, block_size: int, device: torch.device) -> PrefillSpan:
+def _prefill_span(
+    span: SeqSpan, block_size: int, dtype: torch.dtype, device: torch.device
+) -> PrefillSpan:
     """A span after a cached prefix: its queries attend over the prefix's blocks too."""
     num_blocks = -(-span.context_len // block_size)
     rows = torch.arange(span.query_len, device=device)[:, None]  # [Q, 1]
     cols = torch.arange(span.context_len, device=device)[None, :]  # [1, K]
+    future = cols > rows + span.start_position  # [Q, K] past the bottom-right diagonal
     return PrefillSpan(
         query_start=span.query_start,
         query_len=span.query_len,
         context_len=span.context_len,
         block_index=torch.tensor(span.block_ids[:num_blocks], dtype=torch.long, device=device),
-        mask=cols <= rows + span.start_position,  # [Q, K] bottom-right aligned causal
+        mask=torch.zeros(future.shape, dtype=dtype, device=device).masked_fill_(
+            future, float("-inf")),
     )
 
 
@@ -327,7 +334,8 @@ class TorchBackend:
             decode=self.plan_decode(decode, metadata.block_size, cache) if decode else None,
             fresh_prefills=_fresh_prefill_groups(fresh, cache.device),
             prefill_spans=[
-                _prefill_span(s, metadata.block_size, cache.device) for s in after_prefix
+                _prefill_span(s, metadata.block_size, cache.spec.dtype, cache.device)
+                for s in after_prefix
             ],
         )
 
