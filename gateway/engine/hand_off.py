@@ -19,10 +19,10 @@ scheduler.py), in three parts, each on the engine loop (engine/host.py):
    been freed by a Step whose Execute still writes or copies them, and the executor writes
    the moved KV after it. The reservation is made between the target's own steps, so every
    Step before it has its Execute out;
-3. a later step of the target's, once the KV is in: the source frees the sequence, committed
-   (its blocks stay in the source's prefix cache), and releases it; the target adopts it
-   (its next Step commits the moved blocks, its next Execute introduces it to the executor
-   as a forked child is introduced: its whole table).
+3. as soon as the KV is in (the import's callback, between two awaits of the engines' steps):
+   the source frees the sequence, committed (its blocks stay in the source's prefix cache),
+   and releases it; the target adopts it (its next Step commits the moved blocks, its next
+   Execute introduces it to the executor as a forked child is introduced: its whole table).
 If anything fails on the way, the reservation is aborted and the sequence runs on where it is
 (and is never parked again). One cancelled, stopped, evicted or parked afresh meanwhile is not
 adopted; nor is one whose target started leaving, restarted or lost its lease.
@@ -138,27 +138,17 @@ class HandOffs:
     # The target's part, at the start of each of its steps.
 
     def has_work(self, target: EngineState) -> bool:
-        """Something for the target's next step: moves to reserve, or KV that has arrived."""
-        pool_id = target.pool_id
-        return bool(self.incoming.get(pool_id)) or any(
-            m.imported is not None and m.imported.done()
-            for m in self.importing.get(pool_id, ()))
+        """Something for the target's next step: moves to reserve."""
+        return bool(self.incoming.get(target.pool_id))
 
     def holds(self, engine: EngineState) -> bool:
         """Moves to `engine` not finished: it must not stop (drain) before they are."""
         return bool(self.incoming.get(engine.pool_id) or self.importing.get(engine.pool_id))
 
     async def receive(self, target: EngineState) -> None:
-        """Adopt the sequences whose KV has arrived, then reserve the new ones and start
-        their imports. Called between the target's steps (no Step of its own is out)."""
-        pool_id = target.pool_id
-        importing = self.importing.get(pool_id, [])
-        arrived = [m for m in importing if m.imported is not None and m.imported.done()]
-        if arrived:
-            self.importing[pool_id] = [m for m in importing if m not in arrived]
-            for move in arrived:
-                self._finish(move)
-        new = self.incoming.pop(pool_id, [])
+        """Reserve the new moves and start their imports. Called between the target's
+        steps (no Step of its own is out)."""
+        new = self.incoming.pop(target.pool_id, [])
         if new:
             await asyncio.gather(*(self._reserve(move) for move in new))
 
@@ -190,14 +180,24 @@ class HandOffs:
         move.imported = asyncio.get_running_loop().create_task(link.import_kv(
             source.link, seq.seq_id, first, reserved.block_ids[first:], num_tokens,
             self.import_timeout_s, previous))
-        move.imported.add_done_callback(lambda _: target.wakeup.set())
         self.importing.setdefault(target.pool_id, []).append(move)
+        move.imported.add_done_callback(lambda _: self._arrived(move))
+
+    def _arrived(self, move: Move) -> None:
+        """The import ended (a callback on the engine loop, between any two awaits of the
+        engines' steps, so no step is half-applied): adopt or undo at once, rather than at
+        the target's next step."""
+        self.importing[move.target.pool_id].remove(move)
+        self._finish(move)
+        move.source.wakeup.set()
+        move.target.wakeup.set()
 
     def _finish(self, move: Move) -> None:
         """Its import has ended: adopt the sequence, or undo the reservation."""
         source, target, seq = move.source, move.target, move.seq
         assert move.imported is not None and move.reserved is not None
-        failure = move.imported.exception()
+        failure: BaseException | None = (
+            asyncio.CancelledError() if move.imported.cancelled() else move.imported.exception())
         gone = self._gone(move)
         unfit = (not target.healthy or target.draining
                  or (target.link.lease_generation, target.link.epoch) != move.under)
