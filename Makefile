@@ -52,7 +52,8 @@ test: protos
 	$(PY) -m pytest -q
 
 conformance: protos
-	$(PY) -m pytest -q tests/conformance --executor-addr=$(EXECUTOR_ADDR)
+	$(PY) -m pytest -q tests/conformance --executor-addr=$(EXECUTOR_ADDR) \
+		$(if $(EXECUTOR_ADDR_2),--executor-addr-2=$(EXECUTOR_ADDR_2))
 
 run: protos $(if $(TLS),certs)
 	$(PY) -m tools.launch $(if $(TLS),--tls-dir certs)

@@ -95,15 +95,14 @@ def _ids(seq_id: str) -> dict[str, str]:
 
 
 class KVHandOff:
-    def __init__(self, runner: StepRunner, auth: InternalAuth | None = None,
-                 metrics: HandOffMetrics | None = None,
-                 in_worker: Callable[..., asyncio.Future[Any]] | None = None,
-                 order: StepOrder | None = None) -> None:
+    def __init__(self, runner: StepRunner, in_worker: Callable[..., asyncio.Future[Any]],
+                 order: StepOrder, auth: InternalAuth | None = None,
+                 metrics: HandOffMetrics | None = None) -> None:
         """`in_worker` queues a call in the compute thread, behind the Executes queued
         before it; `order` says which Executes have been queued (service.py's own)."""
         self._runner = runner
         self._in_worker = in_worker
-        self._order = order or StepOrder()
+        self._order = order
         self._auth = auth or InternalAuth()  # ours: the source asks for the same
         self._metrics = metrics
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-kv")
@@ -214,10 +213,7 @@ class KVHandOff:
         if not blocks:
             return
         ids = plan.block_ids[first:first + len(blocks)]
-        if self._in_worker is not None:
-            await self._in_worker(self._runner.kv_blocks.write, ids, blocks)
-        else:  # (no compute thread: a runner driven directly, in tests)
-            await self._in_thread(self._runner.kv_blocks.write, ids, blocks)
+        await self._in_worker(self._runner.kv_blocks.write, ids, blocks)
 
     def _source(self, address: str) -> tuple[InternalChannel, pb_grpc.ExecutorServiceStub]:
         """A channel per source, the most recent MAX_SOURCES kept (pod addresses change)."""

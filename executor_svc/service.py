@@ -151,8 +151,8 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self._worker = worker or compute_thread()
         self._order = StepOrder()
         self._metrics = metrics
-        self._handoff = KVHandOff(runner, auth, metrics.handoff if metrics else None,
-                                  in_worker=self._in_worker, order=self._order)
+        self._handoff = KVHandOff(runner, self._in_worker, self._order, auth,
+                                  metrics.handoff if metrics else None)
 
     async def close(self) -> None:
         await self._handoff.close()

@@ -525,11 +525,7 @@ class Scheduler:
         """Its KV now lives on another executor: free it at this allocator, committed (its
         blocks stay in this pool's prefix cache), and release it at this executor."""
         self.parked.remove(seq)
-        if seq.known_to_allocator:
-            self.pending.commits[seq.seq_id] = seq.num_computed_tokens
-            self.pending.free_ids.append(seq.seq_id)
-            seq.known_to_allocator = False
-        self.release(seq)
+        self._free_committed(seq)
 
     def adopt(self, seq: Sequence, block_ids: tuple[int, ...]) -> None:
         """A sequence moved here: the allocator holds it with its computed tokens in
@@ -570,6 +566,11 @@ class Scheduler:
             return
         self.quota_blocked.discard(seq.request.tenant)
         seq.status = SeqStatus.FINISHED
+        self._free_committed(seq)
+
+    def _free_committed(self, seq: Sequence) -> None:
+        """Free it at the allocator, committed at what it computed (its full blocks enter
+        the prefix cache), and release it at the executor."""
         if seq.known_to_allocator:
             self.pending.commits[seq.seq_id] = seq.num_computed_tokens
             self.pending.free_ids.append(seq.seq_id)
@@ -610,10 +611,7 @@ class Scheduler:
         landed = [s for s in beams
                   if s.status is SeqStatus.RUNNING and s.beam_candidates is not None]
         for seq in landed:
-            if seq.known_to_allocator:
-                self.pending.commits[seq.seq_id] = seq.num_computed_tokens
-                self.pending.free_ids.append(seq.seq_id)
-            self.release(seq)
+            self._free_committed(seq)
             self.running.remove(seq)
             seq.reset_for_recompute()
         if anchor is None:  # (it joins the queue front next, or waits swapped out)

@@ -86,14 +86,17 @@ class HandOffs:
     # Which sequences leave an engine.
 
     def quota(self, engine: EngineState) -> int:
-        """How many more of `engine`'s idle sequences to park this step (0: none)."""
+        """How many more of `engine`'s idle sequences to park this step (0: none). Asked
+        every step: an engine that neither leaves, prefills only nor rebalances answers
+        without looking at the others."""
+        leaves = engine.draining or engine.description.role == "prefill"
+        if not leaves and not self.rebalance_min_gap:
+            return 0
         targets = self.targets(engine)
         if not targets:
             return 0
-        if engine.draining or engine.description.role == "prefill":
+        if leaves:
             return EVERY
-        if not self.rebalance_min_gap:
-            return 0
         peers = [t for t in targets if t.description.role == engine.description.role]
         if not peers:
             return 0
@@ -154,8 +157,9 @@ class HandOffs:
 
     async def _reserve(self, move: Move) -> None:
         source, target, seq = move.source, move.target, move.seq
-        if self._gone(move) is not None or target.draining or not target.healthy:
-            self._end(move, self._gone(move) or "refused")
+        gone = self._gone(move)
+        if gone is not None or target.draining or not target.healthy:
+            self._end(move, gone or "refused")
             return
         request, mine = seq.request, source.description
         num_tokens = seq.num_computed_tokens

@@ -206,8 +206,9 @@ def second_executor_addr(
     if pytestconfig.getoption("executor_addr") or os.environ.get("EXECUTOR_ADDR", ""):
         pytest.skip(
             "KV hand-off between two executors needs a second one of the same model, block "
-            "size and KV layout: pass --executor-addr-2 host:port (or EXECUTOR_ADDR_2); only "
-            "one address was given"
+            "size and KV layout, and only one address was given: run `make conformance "
+            "EXECUTOR_ADDR=host:port EXECUTOR_ADDR_2=host:port` (or pytest's "
+            "--executor-addr-2)"
         )
     workdir = tmp_path_factory.mktemp("executor-2")
     log_path, port_file = workdir / "executor.log", workdir / "port"
