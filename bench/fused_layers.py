@@ -1,14 +1,19 @@
-"""The executor's step with and without its fused CPU layers, in one process, interleaved.
+"""The executor's step against the same runner without its CPU speed-ups, in one process,
+interleaved.
 
-    .venv/bin/python -m bench.fused_layers [--repeats 3] [--model DIR]
+    .venv/bin/python -m bench.fused_layers [--repeats 3] [--model DIR] [--baseline plain]
+    .venv/bin/python -m bench.fused_layers --baseline unpacked
 
 Two runners on the same model (default: the embedded SmolLM2-135M, fp32, two threads, glibc
-malloc tuned as the executor tunes it): one as the executor builds it, one with
-`fused_layers.fuse_layers` disabled and every prompt attended in its own SDPA call (the
-backend's grouping of fresh prompts switched off). Per repeat, in alternating order: one
-prefill step of 16 prompts x 128 tokens, and decode steps of 1, 16 and 64 sequences at 160
-tokens of context (four steps each, after their prefill). Medians and the fused/plain ratio;
-the tokens sampled by both runners are compared.
+malloc tuned as the executor tunes it): one as the executor builds it, and a baseline:
+  plain     transformers' modules (`fused_layers.fuse_layers` off), float32 linear layers on
+            F.linear (`packed_linear.pack_linears` off) and every prompt attended in its own
+            SDPA call (the backend's grouping of fresh prompts switched off);
+  unpacked  the executor's runner with float32 linear layers on F.linear (no MKL packing).
+Per repeat, in alternating order: one prefill step of 16 prompts x 128 tokens, and decode
+steps of 1, 4, 16 and 64 sequences at 160 tokens of context (four steps each, after their
+prefill). Medians and the executor/baseline ratio; the tokens sampled by both runners are
+compared. Writes bench/results/fused_layers.json (plain) or packed_linears.json (unpacked).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from executor_svc.step import (  # noqa: E402
 )
 
 DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
-DECODE_BATCHES = (1, 16, 64)
+DECODE_BATCHES = (1, 4, 16, 64)
 CONTEXT, DECODE_STEPS = 160, 4
 PREFILL_PROMPTS, PREFILL_LEN = 16, 128
 
@@ -57,18 +62,21 @@ def plain_prompts(plain: bool) -> Iterator[None]:
         torch_backend.FRESH_PAD_FACTOR, torch_backend.FRESH_PAD_ALLOWANCE_TOKENS = saved
 
 
-def build(model: str, fused: bool) -> ModelRunner:
+def build(model: str, fused: bool = True, packed: bool = True) -> ModelRunner:
+    """The executor's runner; without `fused`, transformers' modules; without `packed`, float32
+    linear layers on F.linear."""
     settings = ExecutorSettings(
         model=model, seed=0, kv_cache_memory=2**30, swap_space=0.0, max_num_batched_tokens=2048
     ).validate()
-    if fused:
-        return build_runner(settings)
-    real = model_loader.fuse_layers
-    model_loader.fuse_layers = lambda model, kernel: 0  # type: ignore[assignment]
+    real_fuse, real_pack = model_loader.fuse_layers, model_loader.pack_linears
+    if not fused:
+        model_loader.fuse_layers = lambda model, kernel: 0  # type: ignore[assignment]
+    if not packed:  # bfloat16 keeps its oneDNN packing: only float32 layers are compared
+        model_loader.pack_linears = lambda model, kernels: real_pack(model, None)  # type: ignore[assignment]
     try:
         return build_runner(settings)
     finally:
-        model_loader.fuse_layers = real
+        model_loader.fuse_layers, model_loader.pack_linears = real_fuse, real_pack
 
 
 def _prompts(seed: int, count: int, length: int, vocab: int) -> list[tuple[int, ...]]:
@@ -119,19 +127,25 @@ def decode_seconds(runner: ModelRunner, seed: int, batch: int) -> tuple[float, l
     return elapsed, tokens
 
 
+BASELINES = {"plain": dict(fused=False, packed=False), "unpacked": dict(fused=True, packed=False)}
+RESULTS = {"plain": "fused_layers", "unpacked": "packed_linears"}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.fused_layers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--baseline", choices=sorted(BASELINES), default="plain")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    runners = {"fused": build(args.model, True), "plain": build(args.model, False)}
+    base = args.baseline
+    runners = {"executor": build(args.model), base: build(args.model, **BASELINES[base])}
     times: dict[tuple[str, str], list[float]] = {}
     agree = total = 0
     for rep in range(args.repeats):
-        order = ("fused", "plain") if rep % 2 == 0 else ("plain", "fused")
+        order = ("executor", base) if rep % 2 == 0 else (base, "executor")
         sampled: dict[str, list[int]] = {}
         for name in order:
             with plain_prompts(name == "plain"):
@@ -143,20 +157,20 @@ def main() -> int:
                     seconds, tokens = decode_seconds(runners[name], rep * 10 + batch, batch)
                     times.setdefault((f"decode {batch}", name), []).append(seconds)
                     sampled[name] += tokens
-        pairs = list(zip(sampled["fused"], sampled["plain"], strict=True))
+        pairs = list(zip(sampled["executor"], sampled[base], strict=True))
         agree += sum(a == b for a, b in pairs)
         total += len(pairs)
     rows = []
     for step in ["prefill 16x128", *(f"decode {b}" for b in DECODE_BATCHES)]:
-        fused = statistics.median(times[(step, "fused")]) * 1e3
-        plain = statistics.median(times[(step, "plain")]) * 1e3
-        rows.append({"step": step, "fused_ms": round(fused, 1), "plain_ms": round(plain, 1),
-                     "fused/plain": round(fused / plain, 3)})
+        ours = statistics.median(times[(step, "executor")]) * 1e3
+        theirs = statistics.median(times[(step, base)]) * 1e3
+        rows.append({"step": step, "executor_ms": round(ours, 1), f"{base}_ms": round(theirs, 1),
+                     f"executor/{base}": round(ours / theirs, 3)})
     print(markdown_table(list(rows[0]), [list(row.values()) for row in rows]))
     print(f"sampled tokens equal: {agree}/{total}")
-    path = write_results("fused_layers", {
+    path = write_results(RESULTS[base], {
         "model": args.model, "threads": args.threads, "repeats": args.repeats,
-        "rows": rows, "tokens_equal": agree, "tokens_compared": total,
+        "baseline": base, "rows": rows, "tokens_equal": agree, "tokens_compared": total,
         "samples_ms": {f"{k[0]} / {k[1]}": [round(v * 1e3, 2) for v in vs]
                        for k, vs in times.items()},
     })

@@ -213,8 +213,8 @@ def load_model(
     fused = 0
     if device.type == "cpu":
         speed_up_lm_head(model)  # float32
-        pack_linears(model)  # bfloat16
         kernels = load_cpu_kernels() if fused_layers else None  # None (logged): not built
+        pack_linears(model, kernels)  # bfloat16; float32 with the kernels
         if kernels is not None:
             fused = fuse_layers(model, kernels)
     loaded = LoadedModel(

@@ -1,23 +1,31 @@
-"""Linear layers on CPU through oneDNN, on a weight laid out ("packed") once at load.
+"""Linear layers on CPU on a weight laid out ("packed") once at load for the matmul library.
 
-torch's CPU `F.linear` re-lays its weight out for the matmul library on every call. oneDNN's
-`_linear_pointwise` on a weight reordered once (`_reorder_linear_weight`, the ops inductor's
-freezing pass uses) skips that. Whether it pays depends on the dtype and on the rows, measured
-on this project's CPU (two threads, SmolLM2-135M's shapes, us a call, F.linear / packed):
+torch's CPU `F.linear` re-lays its weight out for the matmul library on every call (in a
+profile of a float32 decode step, MKL's weight copy `sgemm_scopy` took 12% of the executor's
+time). A weight packed once skips that:
+- float32: MKL's packed GEMM (`cblas_sgemm_pack` / `cblas_sgemm_compute`, through the CPU
+  kernels: cpu_kernels/csrc/packed_gemm.cpp) for 2 to MKL_PACKED_MAX_ROWS rows;
+- bfloat16: oneDNN's `_linear_pointwise` on a weight reordered once (`_reorder_linear_weight`,
+  the ops inductor's freezing pass uses) up to ONEDNN_PACKED_MAX_ROWS rows.
 
-    rows     float32 576->1536    bfloat16 576->1536    bfloat16 576->576
-    1          36 / 28 (cached)       67 / 28               42 / 22
-    16        170 / 109              73 / 31               40 / 22
-    64        404 / 352             114 / 67               56 / 35
-    512      2458 / 2357            377 / 333             148 / 225
+Measured on this project's CPU (two threads, SmolLM2-135M's seven shapes in each of 30 layers
+cycled, so that weights come from DRAM as in the model; ms for all 210, F.linear / packed):
 
-In the model, weights come from DRAM: in float32 packing gained nothing on a whole step
-(decode and prefill within 1%, so only the lm_head is packed: lm_head.py), in bfloat16 a decode
-step ran 14-23% faster (1, 16 and 64 sequences) with the same tokens. Above PACKED_MAX_ROWS
-(prefill) F.linear is kept: packed, some shapes were slower there.
+    rows       1      4      16     64     256     512    1,024   2,048
+    MKL      16.4   26.7    37.4   58.6   177    285     545    1,123
+    packed   17.5   22.2    30.1   49.3   160    282     554    1,182
+
+In the model that is a float32 decode step 17-20% faster at 4-64 sequences with the same
+tokens (`python -m bench.fused_layers --baseline unpacked`); prefill chunks (more rows) keep
+F.linear. oneDNN's packing, tried first for float32, gained nothing on a whole step; in
+bfloat16 it ran a decode step 14-23% faster (1, 16 and 64 sequences) with the same tokens.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Protocol
 
 import structlog
 import torch
@@ -26,10 +34,39 @@ from transformers import PreTrainedModel
 
 log = structlog.get_logger(__name__)
 
-PACK_FOR_ROWS = 64  # the row count oneDNN lays the weight out for (16..256 measure the same)
-PACKED_MAX_ROWS = 128  # bfloat16: more rows than this (prefill) take F.linear
+ONEDNN_PACK_FOR_ROWS = 64  # the row count oneDNN lays the weight out for (16..256 the same)
+ONEDNN_PACKED_MAX_ROWS = 128  # bfloat16: more rows than this (prefill) take F.linear
+MKL_PACKED_MIN_ROWS = 2  # one row: F.linear was as fast (above), and batch-1 stays bit-equal
+MKL_PACKED_MAX_ROWS = 512  # float32: more rows (prefill chunks) take F.linear
 # The packed product's agreement with F.linear, checked once per weight at load.
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+class PackedWeight(Protocol):
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in] -> x @ weight^T + bias [..., out]."""
+
+
+@dataclass(frozen=True)
+class OneDnnWeight:
+    packed: torch.Tensor  # oneDNN's layout
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+@dataclass(frozen=True)
+class MklWeight:
+    packed: torch.Tensor  # MKL's layout, bytes; never copied (it must stay at its address)
+    out_features: int
+    kernels: ModuleType
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = self.kernels.mkl_packed_linear(rows, self.packed, self.out_features)
+        if bias is not None:
+            out.add_(bias)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 class PackedLinear(torch.nn.Module):
@@ -41,7 +78,7 @@ class PackedLinear(torch.nn.Module):
     """
 
     def __init__(
-        self, linear: torch.nn.Linear, packed: torch.Tensor, min_rows: int,
+        self, linear: torch.nn.Linear, packed: PackedWeight, min_rows: int,
         max_rows: int | None,
     ) -> None:
         super().__init__()
@@ -49,7 +86,7 @@ class PackedLinear(torch.nn.Module):
         self.out_features = linear.out_features
         self.weight = linear.weight  # [out, in] (a view of another layout, maybe)
         self.bias = linear.bias
-        self.packed = packed  # oneDNN layout; a plain attribute: never saved or loaded
+        self.packed = packed  # a plain attribute: never saved or loaded
         self.min_rows = min_rows
         self.max_rows = max_rows
 
@@ -57,39 +94,62 @@ class PackedLinear(torch.nn.Module):
         rows = x.numel() // self.in_features
         if rows < self.min_rows or (self.max_rows is not None and rows > self.max_rows):
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self.packed.linear(x, self.bias)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+def _agrees(packed: PackedWeight, weight: torch.Tensor) -> bool:
+    probe = torch.randn(4, weight.shape[1], dtype=weight.dtype)
+    tolerance = _TOLERANCE.get(weight.dtype, 1e-4)
+    got, expected = packed.linear(probe, None), F.linear(probe, weight)
+    if torch.allclose(got.float(), expected.float(), rtol=tolerance, atol=tolerance):
+        return True
+    log.warning("linear_not_packed", reason="packed product disagrees with F.linear")
+    return False
+
+
+def pack_weight(weight: torch.Tensor) -> OneDnnWeight | None:
     """oneDNN's packed copy of a [out, in] weight, or None where torch cannot make one."""
     if not torch.backends.mkldnn.is_available():
         return None
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
-        probe = torch.randn(4, weight.shape[1], dtype=weight.dtype)
-        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        packed = OneDnnWeight(torch.ops.mkldnn._reorder_linear_weight(weight,
+                                                                     ONEDNN_PACK_FOR_ROWS))
+        return packed if _agrees(packed, weight) else None
     except (AttributeError, RuntimeError) as exc:  # an op missing from this torch build
         log.warning("linear_not_packed", reason=str(exc)[:200])
         return None
-    tolerance = _TOLERANCE.get(weight.dtype, 1e-4)
-    expected = F.linear(probe, weight)
-    if not torch.allclose(got.float(), expected.float(), rtol=tolerance, atol=tolerance):
-        log.warning("linear_not_packed", reason="packed product disagrees with F.linear")
+
+
+def mkl_pack_weight(weight: torch.Tensor, kernels: ModuleType) -> MklWeight | None:
+    """MKL's packed copy of a float32 [out, in] weight, or None where torch's build lacks it."""
+    if not kernels.mkl_packed_gemm_available():
         return None
-    return packed
+    packed = MklWeight(kernels.mkl_pack_weight(weight.detach()), weight.shape[0], kernels)
+    return packed if _agrees(packed, weight) else None
 
 
-def pack_linears(model: PreTrainedModel) -> int:
-    """bfloat16 on CPU: every nn.Linear becomes a PackedLinear for decode-sized inputs.
-    Returns how many were packed (0 for other dtypes)."""
+def pack_linears(model: PreTrainedModel, kernels: ModuleType | None) -> int:
+    """On CPU, every nn.Linear becomes a PackedLinear for decode-sized inputs: bfloat16
+    through oneDNN; float32 through MKL when the CPU kernels are built (`kernels`) and torch's
+    build has it. Returns how many were packed (0 otherwise, logged when MKL is missing)."""
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is not torch.nn.Linear or child.weight.dtype != torch.bfloat16:
+            if type(child) is not torch.nn.Linear:
+                continue  # the lm_head is a PackedLinear already (lm_head.py)
+            if child.weight.dtype == torch.bfloat16:
+                packed: PackedWeight | None = pack_weight(child.weight)
+                rows: tuple[int, int] = (1, ONEDNN_PACKED_MAX_ROWS)
+            elif child.weight.dtype == torch.float32 and kernels is not None:
+                packed = mkl_pack_weight(child.weight, kernels)
+                rows = (MKL_PACKED_MIN_ROWS, MKL_PACKED_MAX_ROWS)
+                if packed is None and replaced == 0:
+                    log.info("linears_not_packed", reason="torch's build has no MKL "
+                             "packed GEMM; float32 linear layers keep F.linear")
+            else:
                 continue
-            packed = pack_weight(child.weight)
             if packed is None:
                 return replaced
-            setattr(module, name, PackedLinear(child, packed, 1, PACKED_MAX_ROWS))
+            setattr(module, name, PackedLinear(child, packed, *rows))
             replaced += 1
     return replaced

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from executor_svc.lm_head import PACKED_MIN_ROWS, speed_up_lm_head
-from executor_svc.packed_linear import PACKED_MAX_ROWS, PackedLinear, pack_linears
+from executor_svc.packed_linear import PackedLinear
 
 from .oracle import MODELS
 
@@ -55,36 +55,3 @@ def test_lm_head_tied_gets_its_own_packed_copy_and_the_embedding_is_kept() -> No
     for rows in (1, 16):
         hidden = torch.randn(1, rows, embed.embedding_dim)  # [1, S, H]
         torch.testing.assert_close(model.lm_head(hidden), linear(hidden), rtol=1e-5, atol=1e-5)
-
-
-def test_bfloat16_linears_are_packed_for_decode_rows_and_agree_with_linear() -> None:
-    # bfloat16: every linear layer (the head included) gets a packed copy used up to
-    # PACKED_MAX_ROWS rows; more rows take F.linear itself. Parameters are unchanged.
-    model = _model(tied=False).to(torch.bfloat16)
-    plain = {name: module for name, module in model.named_modules()
-             if isinstance(module, torch.nn.Linear)}
-    expected_state = {k: v.clone() for k, v in model.state_dict().items()}
-    replaced = pack_linears(model)
-    if not torch.backends.mkldnn.is_available():
-        assert replaced == 0
-        return
-    packed = dict(model.named_modules())
-    assert replaced == len(plain) and all(isinstance(packed[n], PackedLinear) for n in plain)
-    state = model.state_dict()
-    assert list(state) == list(expected_state)
-    assert all(torch.equal(state[k], v) for k, v in expected_state.items())
-    for name, linear in plain.items():
-        for rows in (1, 16, PACKED_MAX_ROWS):
-            x = torch.randn(1, rows, linear.in_features, dtype=torch.bfloat16)
-            got, want = packed[name](x).float(), linear(x).float()
-            # Both accumulate in float32 and round once to bf16: one bf16 step apart at most.
-            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-        x = torch.randn(1, PACKED_MAX_ROWS + 1, linear.in_features, dtype=torch.bfloat16)
-        assert torch.equal(packed[name](x), linear(x))  # prefill rows: F.linear itself
-
-
-def test_float32_linears_are_left_to_f_linear() -> None:
-    # float32: packing gained nothing on a whole step, so only the head is packed.
-    model = _model(tied=False)
-    assert pack_linears(model) == 0
-    assert not any(isinstance(m, PackedLinear) for m in model.modules())

@@ -8,4 +8,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "weight * (x * rsqrt(mean(x^2) + eps)) over each row, as LlamaRMSNorm (float32 or bfloat16)");
   m.def("rotary_", &rotary_, "rotary position embedding of q and k, in place (float32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, row by row (float32)");
+  m.def("mkl_packed_gemm_available", &mkl_packed_gemm_available,
+        "whether torch's build exports MKL's packed GEMM");
+  m.def("mkl_pack_weight", &mkl_pack_weight, "a [out, in] float32 weight packed for MKL once");
+  m.def("mkl_packed_linear", &mkl_packed_linear, "x [M, in] @ weight^T from its packed copy");
 }

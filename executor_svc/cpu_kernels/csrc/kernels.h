@@ -12,3 +12,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+
+// packed_gemm.cpp
+bool mkl_packed_gemm_available();
+torch::Tensor mkl_pack_weight(torch::Tensor weight);
+torch::Tensor mkl_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);

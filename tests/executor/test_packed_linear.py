@@ -1,0 +1,140 @@
+"""Linear layers on weights packed once at load (packed_linear.py, cpu_kernels/csrc/
+packed_gemm.cpp) against nn.Linear. Whole-model parity (packed linears inside the executor,
+greedy tokens equal to transformers' generate at every batch size) is in test_runner.py,
+test_cpu_backend.py and tests/e2e."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from executor_svc.cpu_kernels import load
+from executor_svc.packed_linear import (
+    MKL_PACKED_MAX_ROWS,
+    MKL_PACKED_MIN_ROWS,
+    ONEDNN_PACKED_MAX_ROWS,
+    PackedLinear,
+    mkl_pack_weight,
+    pack_linears,
+)
+
+from .oracle import MODELS
+
+
+@pytest.fixture(scope="module")
+def kernel():  # type: ignore[no-untyped-def]
+    module = load()
+    assert module is not None, "the C++ kernels did not build: run `make setup` (see its log)"
+    return module
+
+
+def _model(dtype: torch.dtype = torch.float32, preset: str = "tiny-llama") -> torch.nn.Module:
+    config = AutoConfig.from_pretrained(MODELS / preset)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear)}
+
+
+def test_mkl_packed_gemm_is_found_in_torch_x86_builds(kernel) -> None:  # type: ignore[no-untyped-def]
+    # torch's x86 CPU wheels link MKL and export its CBLAS; elsewhere it is reported missing
+    # (and float32 layers keep F.linear), never a failed load.
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert kernel.mkl_packed_gemm_available()
+    else:
+        assert kernel.mkl_pack_weight is not None  # the binding exists either way
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 64, 511, 2048])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1536, 576), (192, 576), (576, 1536),
+                                                             (7, 5)])
+def test_mkl_packed_linear_matches_f_linear_at_any_row_count(kernel, rows, out_features,  # type: ignore[no-untyped-def]
+                                                             in_features) -> None:
+    if not kernel.mkl_packed_gemm_available():
+        pytest.skip("torch's build exports no MKL (not an x86 build): nothing is packed")
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    packed = mkl_pack_weight(weight, kernel)
+    assert packed is not None
+    x = torch.randn(rows, in_features, generator=gen)
+    # Same products, summed in another order: float rounding only.
+    torch.testing.assert_close(packed.linear(x, None), torch.nn.functional.linear(x, weight),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_mkl_packed_linear_refuses_bad_input(kernel) -> None:  # type: ignore[no-untyped-def]
+    if not kernel.mkl_packed_gemm_available():
+        pytest.skip("torch's build exports no MKL (not an x86 build): nothing is packed")
+    packed = kernel.mkl_pack_weight(torch.randn(64, 32))
+    with pytest.raises(RuntimeError, match="2-D float32"):
+        kernel.mkl_packed_linear(torch.randn(4, 32, dtype=torch.bfloat16), packed, 64)
+    with pytest.raises(RuntimeError, match="too small"):
+        kernel.mkl_packed_linear(torch.randn(4, 4096), packed, 4096)
+    with pytest.raises(RuntimeError, match="float32 CPU weight"):
+        kernel.mkl_pack_weight(torch.randn(64, 32, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
+def test_float32_linears_are_packed_for_mkl_and_agree_with_linear(kernel, preset: str) -> None:  # type: ignore[no-untyped-def]
+    # Every linear layer (Qwen2's q/k/v with their bias) gets an MKL-packed copy used for
+    # MKL_PACKED_MIN_ROWS..MKL_PACKED_MAX_ROWS rows; fewer or more take F.linear itself.
+    # Parameters are unchanged.
+    if not kernel.mkl_packed_gemm_available():
+        pytest.skip("torch's build exports no MKL (not an x86 build): nothing is packed")
+    model = _model(preset=preset)
+    plain = _linears(model)
+    assert any(linear.bias is not None for linear in plain.values()) == (preset == "tiny-qwen2")
+    expected_state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert pack_linears(model, kernel) == len(plain)
+    packed = dict(model.named_modules())
+    assert all(isinstance(packed[n], PackedLinear) for n in plain)
+    state = model.state_dict()
+    assert list(state) == list(expected_state)
+    assert all(torch.equal(state[k], v) for k, v in expected_state.items())
+    for name, linear in plain.items():
+        for rows in (MKL_PACKED_MIN_ROWS, 16, MKL_PACKED_MAX_ROWS):
+            x = torch.randn(1, rows, linear.in_features)  # the model's [1, T, H]
+            torch.testing.assert_close(packed[name](x), linear(x), rtol=1e-5, atol=1e-4)
+        for rows in (MKL_PACKED_MIN_ROWS - 1, MKL_PACKED_MAX_ROWS + 1):  # F.linear itself
+            x = torch.randn(1, rows, linear.in_features)
+            assert torch.equal(packed[name](x), linear(x))
+
+
+def test_float32_linears_keep_f_linear_without_the_kernels() -> None:
+    # A reference model (no CPU kernels) keeps transformers' layers.
+    model = _model()
+    assert pack_linears(model, None) == 0
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def test_bfloat16_linears_are_packed_for_decode_rows_and_agree_with_linear() -> None:
+    # bfloat16: every linear layer (the head included) gets a oneDNN-packed copy used up to
+    # ONEDNN_PACKED_MAX_ROWS rows; more rows take F.linear itself. Parameters are unchanged.
+    model = _model(torch.bfloat16)
+    plain = _linears(model)
+    expected_state = {k: v.clone() for k, v in model.state_dict().items()}
+    replaced = pack_linears(model, None)
+    if not torch.backends.mkldnn.is_available():
+        assert replaced == 0
+        return
+    packed = dict(model.named_modules())
+    assert replaced == len(plain) and all(isinstance(packed[n], PackedLinear) for n in plain)
+    state = model.state_dict()
+    assert list(state) == list(expected_state)
+    assert all(torch.equal(state[k], v) for k, v in expected_state.items())
+    for name, linear in plain.items():
+        for rows in (1, 16, ONEDNN_PACKED_MAX_ROWS):
+            x = torch.randn(1, rows, linear.in_features, dtype=torch.bfloat16)
+            got, want = packed[name](x).float(), linear(x).float()
+            # Both accumulate in float32 and round once to bf16: one bf16 step apart at most.
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        x = torch.randn(1, ONEDNN_PACKED_MAX_ROWS + 1, linear.in_features, dtype=torch.bfloat16)
+        assert torch.equal(packed[name](x), linear(x))  # prefill rows: F.linear itself
