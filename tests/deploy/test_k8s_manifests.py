@@ -369,8 +369,8 @@ def _bytes(quantity: str) -> int:
 
 def test_cpu_overlay_serves_the_embedded_model() -> None:
     # Two executors on the model baked into the image (WORKDIR /app), C++ kernels, with
-    # Guaranteed resources whose memory covers the KV cache, the swap blocks and the 1.2 GiB
-    # measured besides (weights, interpreter, a step's activations).
+    # Guaranteed resources whose memory covers the KV cache, the swap blocks and the 1.7 GiB
+    # measured besides (weights and their packed copies, interpreter, a step's activations).
     rendered = overlay("cpu")
     assert rendered.workload("executor")["spec"]["replicas"] == 2
     dockerfile = (REPO / "Dockerfile").read_text()
@@ -384,7 +384,7 @@ def test_cpu_overlay_serves_the_embedded_model() -> None:
     assert resources["requests"] == resources["limits"]
     kv_and_swap = parse_bytes(env["PAGEDKV_KV_CACHE_MEMORY"]) + float(
         env["PAGEDKV_SWAP_SPACE"]) * 2**30
-    assert _bytes(resources["limits"]["memory"]) >= kv_and_swap + 1.25 * 2**30
+    assert _bytes(resources["limits"]["memory"]) >= kv_and_swap + 1.75 * 2**30
 
 
 def test_sharded_overlay_is_the_cpu_overlay_with_two_shards() -> None:
