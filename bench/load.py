@@ -1,10 +1,11 @@
-"""Load generator for the gateway's public API (streaming Generate), closed and open loop.
+"""Load generator for the gateway's public API (streaming Generate, or unary Complete with
+`unary`), closed and open loop.
 
 Closed loop: `concurrency` clients, each sends its next request when the last one finished.
 Open loop: request i is sent at its `arrival_s` whatever the system's state (Poisson arrivals
 come from `poisson_arrivals`). Every request is greedy, `ignore_eos`, `max_tokens` = its own
 output length, so it stops at exactly that length. Times are recorded when the client sees
-each streamed response.
+each streamed response (unary: first and last token both at the reply).
 """
 
 from __future__ import annotations
@@ -67,8 +68,27 @@ async def _one(stub: gpb_grpc.GatewayServiceStub, r: BenchRequest, res: RequestR
         res.error = f"{len(res.tokens)} tokens, expected {r.output_len}"
 
 
+async def _one_unary(stub: gpb_grpc.GatewayServiceStub, r: BenchRequest, res: RequestResult,
+                     origin: float, salt: str, timeout_s: float) -> None:
+    res.sent_s = time.perf_counter() - origin
+    streamed = _request(r, salt)
+    request = gpb.CompleteRequest(token_ids=streamed.token_ids, sampling=streamed.sampling,
+                                  cache_salt=salt)
+    try:
+        reply = await stub.Complete(request, timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        res.ok = False
+        res.error = f"{exc.code().name}: {exc.details()}"
+        return
+    res.first_s = res.last_s = time.perf_counter() - origin
+    res.tokens = list(reply.completions[0].token_ids)
+    if len(res.tokens) != r.output_len:
+        res.ok = False
+        res.error = f"{len(res.tokens)} tokens, expected {r.output_len}"
+
+
 async def _run(address: str, requests: Sequence[BenchRequest], concurrency: int | None,
-               open_loop: bool, salt: str, timeout_s: float, progress: Any
+               open_loop: bool, salt: str, timeout_s: float, progress: Any, unary: bool = False
                ) -> tuple[list[RequestResult], float]:
     results = [RequestResult() for _ in requests]
     options = [("grpc.max_receive_message_length", 64 << 20)]
@@ -77,7 +97,8 @@ async def _run(address: str, requests: Sequence[BenchRequest], concurrency: int 
         origin = time.perf_counter()
 
         async def tracked(i: int) -> None:
-            await _one(stub, requests[i], results[i], origin, salt, timeout_s)
+            await (_one_unary if unary else _one)(stub, requests[i], results[i], origin, salt,
+                                                  timeout_s)
             if progress is not None:
                 progress.update(1)
 
@@ -102,10 +123,10 @@ async def _run(address: str, requests: Sequence[BenchRequest], concurrency: int 
 
 def run_load(address: str, requests: Sequence[BenchRequest], concurrency: int | None = None,
              open_loop: bool = False, salt: str = "", timeout_s: float = 900.0,
-             progress: Any = None) -> tuple[list[RequestResult], float]:
+             progress: Any = None, unary: bool = False) -> tuple[list[RequestResult], float]:
     """Results in request order and the wall time of the whole run."""
     return asyncio.run(_run(address, requests, concurrency, open_loop, salt, timeout_s,
-                            progress))
+                            progress, unary))
 
 
 def pool_stats(running: Stack) -> list[Any]:

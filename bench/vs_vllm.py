@@ -11,16 +11,18 @@ same for both systems, so no repeat is served from the other's prefix cache):
          median 48, sigma 0.6, clipped to 8..256
   equal  128 prompt tokens -> 64 new for every request
 
-Throughput (interleaved: the systems alternate which goes first in each repeat; medians),
-for each dtype in --dtypes (float32, the default of both; bfloat16, an option of both):
+Throughput (interleaved: each system goes first in turn, one repeat each; medians), for each
+dtype in --dtypes (float32, the default of both; bfloat16, an option of both):
   vllm     vLLM CPU's offline `LLM.generate` on all 64 requests, in its own virtualenv, in
            its best configuration measured here: OpenMP threads bound to both cores
            (VLLM_CPU_OMP_THREADS_BIND=0-1; its default binding keeps one core for its engine
            process and ran 0.57x as fast on the equal workload), tcmalloc and Intel OpenMP
            preloaded (its docs' advice; 1.05x here).
   pagedkv  `make run`'s stack (gateway + allocator + executor as subprocesses, defaults;
-           `--dtype bfloat16` on the executor for the bf16 rows) with 64 concurrent streaming
-           gRPC clients in this process.
+           `--dtype bfloat16` on the executor for the bf16 rows) with 64 concurrent gRPC
+           calls from this process: unary `Complete` (each output whole at its end, as
+           `LLM.generate` returns them), and, as `pagedkv_stream`, streaming `Generate` (one
+           message per request and step: CPU the executor's two threads lose, ~5% here).
 Output tok/s = all output tokens / wall time. Agreement = requests whose first 16 tokens
 (and whose whole output) are identical between the two engines.
 
@@ -64,7 +66,10 @@ DONE_MARKER = "PAGEDKV_VLLM_DONE"
 VOCAB, FIRST_ID = 49152, 17
 AGREEMENT_PREFIX = 16
 REQUESTS_PER_RUN = 64
-SYSTEMS = ("vllm", "pagedkv")
+SYSTEMS = ("vllm", "pagedkv")  # latency: both streaming
+# Throughput: pagedkv's unary Complete (each whole output at once, as LLM.generate returns
+# them) and its streaming Generate (one message per request and step besides).
+THROUGHPUT_SYSTEMS = ("vllm", "pagedkv", "pagedkv_stream")
 # Libraries vLLM's CPU docs ask to preload; used where this machine has them.
 PRELOAD_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -222,8 +227,8 @@ def throughput(workloads: dict[str, Callable[[int, int], list[BenchRequest]]], r
                vllm: VllmOffline, gateway_addr: str, dtype: str) -> list[dict[str, Any]]:
     rows = []
     for name, make_requests in workloads.items():
-        rates: dict[str, list[float]] = {s: [] for s in SYSTEMS}
-        outputs: dict[str, list[list[int]]] = {s: [] for s in SYSTEMS}
+        rates: dict[str, list[float]] = {s: [] for s in THROUGHPUT_SYSTEMS}
+        outputs: dict[str, list[list[int]]] = {s: [] for s in THROUGHPUT_SYSTEMS}
         prompt_tokens = output_tokens = 0
         for rep in range(repeats):
             # Fresh prompts every repeat (the same for both systems): with the first repeat's
@@ -231,14 +236,18 @@ def throughput(workloads: dict[str, Callable[[int, int], list[BenchRequest]]], r
             requests = make_requests(REQUESTS_PER_RUN, rep)
             prompt_tokens += sum(len(r.prompt) for r in requests)
             output_tokens += sum(r.output_len for r in requests)
-            order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
+            turn = rep % len(THROUGHPUT_SYSTEMS)  # each system first in turn
+            order = THROUGHPUT_SYSTEMS[turn:] + THROUGHPUT_SYSTEMS[:turn]
             for system in order:
                 print(f"[vs_vllm] {dtype} {name} rep {rep + 1}/{repeats}: {system}",
                       file=sys.stderr, flush=True)
                 if system == "vllm":
                     outs, wall = vllm.generate(requests)
                 else:
-                    results, wall = run_load(gateway_addr, requests, concurrency=len(requests))
+                    # Both pagedkv runs serve the same prompts: a salt of their own keeps
+                    # the second from hitting the first's prefix cache.
+                    results, wall = run_load(gateway_addr, requests, concurrency=len(requests),
+                                             unary=system == "pagedkv", salt=f"{system}-{rep}")
                     failed = [r.error for r in results if not r.ok]
                     if failed:
                         raise RuntimeError(f"pagedkv: {len(failed)} failed, e.g. {failed[0]}")
@@ -254,11 +263,14 @@ def throughput(workloads: dict[str, Callable[[int, int], list[BenchRequest]]], r
             "output_tokens": output_tokens // repeats,
             "tok_per_s": medians, "samples": rates,
             "ratio": medians["pagedkv"] / medians["vllm"],
+            "ratio_stream": medians["pagedkv_stream"] / medians["vllm"],
             "agreement": agreement(outputs["vllm"], outputs["pagedkv"]),
+            "stream_equals_unary": outputs["pagedkv_stream"] == outputs["pagedkv"],
         })
         print(f"[vs_vllm] {dtype} {name}: vllm {medians['vllm']:.0f} tok/s, pagedkv "
-              f"{medians['pagedkv']:.0f} tok/s ({rows[-1]['ratio']:.2f}x)", file=sys.stderr,
-              flush=True)
+              f"{medians['pagedkv']:.0f} tok/s ({rows[-1]['ratio']:.2f}x), streamed "
+              f"{medians['pagedkv_stream']:.0f} ({rows[-1]['ratio_stream']:.2f}x)",
+              file=sys.stderr, flush=True)
     return rows
 
 
@@ -282,10 +294,12 @@ def latency(levels: list[tuple[int, int]], gateway_addr: str, vllm_url: str
 def render(rows: list[dict[str, Any]], latency_rows: list[dict[str, Any]]) -> str:
     out = ["### Throughput: 64 requests at once, SmolLM2-135M-Instruct, CPU", "",
            markdown_table(
-               ["workload", "dtype", "vLLM CPU tok/s", "pagedkv tok/s", "pagedkv / vLLM",
+               ["workload", "dtype", "vLLM CPU tok/s", "pagedkv tok/s (Complete)",
+                "pagedkv / vLLM", "pagedkv tok/s (Generate, streamed)", "streamed / vLLM",
                 "first 16 tokens agree", "whole outputs agree"],
                [[r["workload"], r["dtype"], f"{r['tok_per_s']['vllm']:.0f}",
                  f"{r['tok_per_s']['pagedkv']:.0f}", f"{r['ratio']:.2f}x",
+                 f"{r['tok_per_s']['pagedkv_stream']:.0f}", f"{r['ratio_stream']:.2f}x",
                  f"{r['agreement']['prefix16']}/{r['agreement']['requests']}",
                  f"{r['agreement']['full']}/{r['agreement']['requests']}"] for r in rows]), ""]
     if latency_rows:
@@ -310,10 +324,11 @@ def plot(rows: list[dict[str, Any]], latency_rows: list[dict[str, Any]], path: P
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     names = [f"{r['workload']}\n{r['dtype']}" for r in rows]
-    for k, system in enumerate(SYSTEMS):
-        axes[0].bar([i + 0.4 * k for i in range(len(rows))],
-                    [r["tok_per_s"][system] for r in rows], width=0.4, label=system)
-    axes[0].set_xticks([i + 0.2 for i in range(len(rows))], names)
+    width = 0.8 / len(THROUGHPUT_SYSTEMS)
+    for k, system in enumerate(THROUGHPUT_SYSTEMS):
+        axes[0].bar([i + width * k for i in range(len(rows))],
+                    [r["tok_per_s"][system] for r in rows], width=width, label=system)
+    axes[0].set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], names)
     axes[0].set_title("output tokens/s (64 requests)")
     axes[0].legend()
     for system in SYSTEMS:
