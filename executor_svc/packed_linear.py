@@ -11,11 +11,11 @@ time). A weight packed once skips that:
 Measured on this project's CPU (two threads, SmolLM2-135M's seven shapes in each of 30 layers
 cycled, so that weights come from DRAM as in the model; ms for all 210, F.linear / packed):
 
-    rows       1      4      16     64     256     512    1,024   2,048
-    MKL      16.4   26.7    37.4   58.6   177    285     545    1,123
-    packed   17.5   22.2    30.1   49.3   160    282     554    1,182
+    rows          1      4      16     64     256     512    1,024   2,048
+    F.linear    16.4   26.7    37.4   58.6   177    285     545    1,123
+    MKL packed  17.5   22.2    30.1   49.3   160    282     554    1,182
 
-In the model that is a float32 decode step 17-20% faster at 4-64 sequences with the same
+In the model a float32 decode step takes 13-15% less time at 4-64 sequences, with the same
 tokens (`python -m bench.fused_layers --baseline unpacked`); prefill chunks (more rows) keep
 F.linear. oneDNN's packing, tried first for float32, gained nothing on a whole step; in
 bfloat16 it ran a decode step 14-23% faster (1, 16 and 64 sequences) with the same tokens.
