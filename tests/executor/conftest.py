@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 
 from executor_svc.runner import ModelRunner, build_runner
 
-from .oracle import make_settings
+from .oracle import built_kernels, make_settings
 
 
 @pytest.fixture
@@ -22,3 +23,9 @@ def make_runner() -> Callable[..., ModelRunner]:
 @pytest.fixture
 def tiny_runner(make_runner: Callable[..., ModelRunner]) -> ModelRunner:
     return make_runner("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def kernel() -> ModuleType:
+    """The C++ CPU kernels (fails where they did not build)."""
+    return built_kernels()

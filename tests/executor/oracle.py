@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -25,6 +26,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from executor_svc.cpu_kernels import load as load_cpu_kernels
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import new_generator
 from executor_svc.settings import ExecutorSettings
@@ -208,3 +210,11 @@ class Driver:
     def _collect(self, step: StepRequest, outputs: dict[str, list[int]]) -> None:
         for token in self.runner.execute(step).tokens:
             outputs[token.request_id].append(token.token_id)
+
+
+def built_kernels() -> ModuleType:
+    """The executor's C++ CPU kernels. A test fails, never skips, where they did not build:
+    `make setup` builds them on every machine this project supports."""
+    module = load_cpu_kernels()
+    assert module is not None, "the C++ kernels did not build: run `make setup` (see its log)"
+    return module

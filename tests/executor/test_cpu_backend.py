@@ -10,17 +10,16 @@ import torch
 from executor_svc.attention.cpu_backend import CpuBackend
 from executor_svc.attention.metadata import SeqSpan
 from executor_svc.attention.torch_backend import TorchBackend
-from executor_svc.cpu_kernels import load
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.runner import ModelRunner
 
-from .oracle import Driver, random_prompts, reference_generate, reference_model
-
-
-def _kernel():  # type: ignore[no-untyped-def]
-    kernel = load()
-    assert kernel is not None, "the C++ kernels did not build: run `make setup` (see its log)"
-    return kernel
+from .oracle import (
+    Driver,
+    built_kernels,
+    random_prompts,
+    reference_generate,
+    reference_model,
+)
 
 
 def _decode_both(
@@ -41,7 +40,7 @@ def _decode_both(
         start += count
     q = torch.randn(len(lengths), num_kv_heads * group, head_dim, generator=gen).to(dtype)
     outs = []
-    for backend in (TorchBackend(), CpuBackend(_kernel())):
+    for backend in (TorchBackend(), CpuBackend(built_kernels())):
         out = torch.full_like(q, float("nan"))
         decode = backend.plan_decode(spans, block_size, cache)
         decode.run(cache.layer_kv(0), q, out, head_dim**-0.5)

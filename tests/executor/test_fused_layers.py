@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from executor_svc.cpu_kernels import BUILD_DIR, load, source_digest
+from executor_svc.cpu_kernels import BUILD_DIR, source_digest
 from executor_svc.fused_layers import (
     FusedRMSNorm,
     FusedRotaryAttention,
@@ -25,13 +25,6 @@ from executor_svc.model_loader import load_model
 from executor_svc.runner import build_runner
 
 from .oracle import MODELS, make_settings, reference_model
-
-
-@pytest.fixture(scope="module")
-def kernel():  # type: ignore[no-untyped-def]
-    module = load()
-    assert module is not None, "the C++ kernels did not build: run `make setup` (see its log)"
-    return module
 
 
 def _generator(seed: int) -> torch.Generator:

@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from executor_svc.cpu_kernels import load
 from executor_svc.packed_linear import (
     MKL_PACKED_MAX_ROWS,
     MKL_PACKED_MIN_ROWS,
@@ -23,12 +22,18 @@ from executor_svc.packed_linear import (
 
 from .oracle import MODELS
 
+X86 = platform.machine() in ("x86_64", "AMD64")
 
-@pytest.fixture(scope="module")
-def kernel():  # type: ignore[no-untyped-def]
-    module = load()
-    assert module is not None, "the C++ kernels did not build: run `make setup` (see its log)"
-    return module
+
+@pytest.fixture
+def mkl_kernel(kernel):  # type: ignore[no-untyped-def]
+    """The kernels with MKL's packed GEMM: required on x86-64, where torch's CPU builds carry
+    MKL (its absence fails); elsewhere torch has no MKL and float32 layers keep F.linear."""
+    if not X86:
+        pytest.skip("needs an x86-64 CPU (torch's builds carry MKL only there): run "
+                    "`.venv/bin/python -m pytest tests/executor/test_packed_linear.py` on one")
+    assert kernel.mkl_packed_gemm_available(), "torch's x86 build exports no MKL CBLAS"
+    return kernel
 
 
 def _model(dtype: torch.dtype = torch.float32, preset: str = "tiny-llama") -> torch.nn.Module:
@@ -44,25 +49,14 @@ def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
             if isinstance(module, torch.nn.Linear)}
 
 
-def test_mkl_packed_gemm_is_found_in_torch_x86_builds(kernel) -> None:  # type: ignore[no-untyped-def]
-    # torch's x86 CPU wheels link MKL and export its CBLAS; elsewhere it is reported missing
-    # (and float32 layers keep F.linear), never a failed load.
-    if platform.machine() in ("x86_64", "AMD64"):
-        assert kernel.mkl_packed_gemm_available()
-    else:
-        assert kernel.mkl_pack_weight is not None  # the binding exists either way
-
-
 @pytest.mark.parametrize("rows", [1, 2, 3, 17, 64, 511, 2048])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1536, 576), (192, 576), (576, 1536),
                                                              (7, 5)])
-def test_mkl_packed_linear_matches_f_linear_at_any_row_count(kernel, rows, out_features,  # type: ignore[no-untyped-def]
+def test_mkl_packed_linear_matches_f_linear_at_any_row_count(mkl_kernel, rows, out_features,  # type: ignore[no-untyped-def]
                                                              in_features) -> None:
-    if not kernel.mkl_packed_gemm_available():
-        pytest.skip("torch's build exports no MKL (not an x86 build): nothing is packed")
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(out_features, in_features, generator=gen)
-    packed = mkl_pack_weight(weight, kernel)
+    packed = mkl_pack_weight(weight, mkl_kernel)
     assert packed is not None
     x = torch.randn(rows, in_features, generator=gen)
     # Same products, summed in another order: float rounding only.
@@ -70,9 +64,8 @@ def test_mkl_packed_linear_matches_f_linear_at_any_row_count(kernel, rows, out_f
                                rtol=1e-5, atol=1e-4)
 
 
-def test_mkl_packed_linear_refuses_bad_input(kernel) -> None:  # type: ignore[no-untyped-def]
-    if not kernel.mkl_packed_gemm_available():
-        pytest.skip("torch's build exports no MKL (not an x86 build): nothing is packed")
+def test_mkl_packed_linear_refuses_bad_input(mkl_kernel) -> None:  # type: ignore[no-untyped-def]
+    kernel = mkl_kernel
     packed = kernel.mkl_pack_weight(torch.randn(64, 32))
     with pytest.raises(RuntimeError, match="2-D float32"):
         kernel.mkl_packed_linear(torch.randn(4, 32, dtype=torch.bfloat16), packed, 64)
@@ -83,17 +76,15 @@ def test_mkl_packed_linear_refuses_bad_input(kernel) -> None:  # type: ignore[no
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
-def test_float32_linears_are_packed_for_mkl_and_agree_with_linear(kernel, preset: str) -> None:  # type: ignore[no-untyped-def]
+def test_float32_linears_are_packed_for_mkl_and_agree_with_linear(mkl_kernel, preset: str) -> None:  # type: ignore[no-untyped-def]
     # Every linear layer (Qwen2's q/k/v with their bias) gets an MKL-packed copy used for
     # MKL_PACKED_MIN_ROWS..MKL_PACKED_MAX_ROWS rows; fewer or more take F.linear itself.
     # Parameters are unchanged.
-    if not kernel.mkl_packed_gemm_available():
-        pytest.skip("torch's build exports no MKL (not an x86 build): nothing is packed")
     model = _model(preset=preset)
     plain = _linears(model)
     assert any(linear.bias is not None for linear in plain.values()) == (preset == "tiny-qwen2")
     expected_state = {k: v.clone() for k, v in model.state_dict().items()}
-    assert pack_linears(model, kernel) == len(plain)
+    assert pack_linears(model, mkl_kernel) == len(plain)
     packed = dict(model.named_modules())
     assert all(isinstance(packed[n], PackedLinear) for n in plain)
     state = model.state_dict()
