@@ -6,8 +6,9 @@ Per layer: the step's new K/V are written into their slots first; then
 - prompts with no cached prefix are grouped by similar length and each group runs as one
   causal SDPA call over their own new K/V, right-padded to the group's longest (padding is
   exact under a causal mask: a real query row never sees a later, padded key);
-- spans with a cached prefix (chunked prefill, prefix hits) run one SDPA call each, causal
-  with the bottom-right offset of that prefix.
+- spans with a cached prefix (chunked prefill, prefix hits) run one at a time: on CPU as two
+  unmasked flash-attention calls (over the prefix, and causal over the span's own keys)
+  merged by log-sum-exp; elsewhere as one SDPA call under a bottom-right aligned causal mask.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ FRESH_PAD_ALLOWANCE_TOKENS = 64
 # On CPU a group's gathered K and V stay under this size, so that SDPA reads them from the
 # cache the gather just wrote (one 18 MB group of 64 x 544 keys: 47 ms a step; 2 MB groups: 36).
 CPU_MAX_GROUP_BYTES = 2 * 2**20
+# Torch's CPU flash attention, which unlike SDPA returns each row's log-sum-exp (so two calls
+# over disjoint keys can be merged) and takes fewer query heads than key heads natively.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +104,10 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillSpan:
+class MaskedPrefillSpan:
+    """A span after a cached prefix, in one SDPA call over the prefix's and its own keys under
+    a bottom-right aligned causal mask (the reference, and the path off CPU)."""
+
     query_start: int
     query_len: int
     context_len: int
@@ -109,6 +116,81 @@ class PrefillSpan:
     # bottom-right aligned causal. SDPA converts a bool mask on every call (5% of the call
     # on CPU, 208 queries over 2,048 keys).
     mask: torch.Tensor
+
+    def run(
+        self, layer_kv: torch.Tensor, gather: GatherBuffer, q: torch.Tensor, new_k: torch.Tensor,
+        new_v: torch.Tensor, out: torch.Tensor, scaling: float,
+    ) -> None:
+        _, _, _, num_kv_heads, head_dim = layer_kv.shape
+        rows = slice(self.query_start, self.query_start + self.query_len)
+        kv = gather.gather(layer_kv, self.block_index)  # [2, n, S, Hkv, D]
+        kv = kv.view(2, -1, num_kv_heads, head_dim)[:, : self.context_len]  # [2, K, Hkv, D]
+        k, v = kv[0], kv[1]  # [K, Hkv, D]
+        o = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1).unsqueeze(0),  # [1, Hq, Q, D]
+            k.transpose(0, 1).unsqueeze(0),  # [1, Hkv, K, D]
+            v.transpose(0, 1).unsqueeze(0),  # [1, Hkv, K, D]
+            attn_mask=self.mask,
+            scale=scaling,
+            enable_gqa=True,
+        )  # [1, Hq, Q, D]
+        out[rows] = o[0].transpose(0, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPrefillSpan:
+    """A span after a cached prefix, on CPU: two flash-attention calls merged by their
+    log-sum-exp, neither with a mask.
+
+    - Over the prefix every query sees every key, so a KV head's query heads are just more
+      rows over the same keys: one call of [Hkv, G * Q] rows, each key read once per KV head.
+    - Over the span's own new K/V (from the step, not gathered) the causal mask is square, so
+      it is the kernel's own `is_causal`.
+    The merged rows equal one softmax over both (exact up to rounding); 208 queries after a
+    1,840-token prefix, SmolLM2's heads: 8.4 against 9.3 ms a layer on one thread.
+    """
+
+    query_start: int
+    query_len: int
+    prefix_len: int
+    prefix_blocks: torch.Tensor  # [num_blocks] long: the blocks that hold the prefix
+
+    def run(
+        self, layer_kv: torch.Tensor, gather: GatherBuffer, q: torch.Tensor, new_k: torch.Tensor,
+        new_v: torch.Tensor, out: torch.Tensor, scaling: float,
+    ) -> None:
+        _, _, _, num_kv_heads, head_dim = layer_kv.shape
+        rows = slice(self.query_start, self.query_start + self.query_len)
+        num_heads, query_len = q.shape[1], self.query_len
+        flash = _FLASH_CPU
+        assert flash is not None  # planned only where it exists
+        kv = gather.gather(layer_kv, self.prefix_blocks)  # [2, n, S, Hkv, D]
+        kv = kv.view(2, -1, num_kv_heads, head_dim)[:, : self.prefix_len]  # [2, P, Hkv, D]
+        qs = q[rows]  # [Q, Hq, D]
+        folded = qs.unflatten(1, (num_kv_heads, -1)).permute(1, 2, 0, 3)  # [Hkv, G, Q, D]
+        o_prefix, lse_prefix = flash(
+            folded.reshape(1, num_kv_heads, -1, head_dim),  # [1, Hkv, G * Q, D]
+            kv[0].transpose(0, 1).unsqueeze(0),  # [1, Hkv, P, D]
+            kv[1].transpose(0, 1).unsqueeze(0),
+            scale=scaling,
+        )
+        o_new, lse_new = flash(
+            qs.transpose(0, 1).unsqueeze(0),  # [1, Hq, Q, D]
+            new_k[rows].transpose(0, 1).unsqueeze(0),  # [1, Hkv, Q, D]: GQA in the kernel
+            new_v[rows].transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            scale=scaling,
+        )
+        # softmax over both key sets = the two partial outputs weighted by their shares of
+        # the total exp-sum: w_prefix = 1 / (1 + exp(lse_new - lse_prefix)).
+        weight = torch.sigmoid(lse_prefix.reshape(num_heads, query_len) - lse_new.reshape(
+            num_heads, query_len)).unsqueeze(-1)  # [Hq, Q, 1] float32
+        merged = torch.lerp(
+            o_new.reshape(num_heads, query_len, head_dim).float(),
+            o_prefix.reshape(num_heads, query_len, head_dim).float(),
+            weight,
+        )  # [Hq, Q, D]
+        out[rows] = merged.transpose(0, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,14 +334,22 @@ def _decode_batch(
 
 
 def _prefill_span(
-    span: SeqSpan, block_size: int, dtype: torch.dtype, device: torch.device
-) -> PrefillSpan:
+    span: SeqSpan, block_size: int, dtype: torch.dtype, device: torch.device, split: bool
+) -> MaskedPrefillSpan | SplitPrefillSpan:
     """A span after a cached prefix: its queries attend over the prefix's blocks too."""
+    if split:
+        prefix_blocks = -(-span.start_position // block_size)
+        return SplitPrefillSpan(
+            query_start=span.query_start,
+            query_len=span.query_len,
+            prefix_len=span.start_position,
+            prefix_blocks=torch.tensor(span.block_ids[:prefix_blocks], dtype=torch.long),
+        )
     num_blocks = -(-span.context_len // block_size)
     rows = torch.arange(span.query_len, device=device)[:, None]  # [Q, 1]
     cols = torch.arange(span.context_len, device=device)[None, :]  # [1, K]
     future = cols > rows + span.start_position  # [Q, K] past the bottom-right diagonal
-    return PrefillSpan(
+    return MaskedPrefillSpan(
         query_start=span.query_start,
         query_len=span.query_len,
         context_len=span.context_len,
@@ -276,7 +366,7 @@ class TorchStepAttention:
     slot_mapping: torch.Tensor  # [T] long
     decode: DecodeAttention | None
     fresh_prefills: list[FreshPrefillGroup]
-    prefill_spans: list[PrefillSpan]
+    prefill_spans: list[MaskedPrefillSpan | SplitPrefillSpan]
 
     def forward(
         self,
@@ -301,19 +391,7 @@ class TorchStepAttention:
         for group in self.fresh_prefills:
             group.run(q, new_k, new_v, out, scaling)
         for span in self.prefill_spans:
-            rows = slice(span.query_start, span.query_start + span.query_len)
-            kv = self.gather.gather(layer_kv, span.block_index)  # [2, n, S, Hkv, D]
-            kv = kv.view(2, -1, num_kv_heads, head_dim)[:, : span.context_len]  # [2, K, Hkv, D]
-            k, v = kv[0], kv[1]  # [K, Hkv, D]
-            o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1).unsqueeze(0),  # [1, Hq, Q, D]
-                k.transpose(0, 1).unsqueeze(0),  # [1, Hkv, K, D]
-                v.transpose(0, 1).unsqueeze(0),  # [1, Hkv, K, D]
-                attn_mask=span.mask,
-                scale=scaling,
-                enable_gqa=True,
-            )  # [1, Hq, Q, D]
-            out[rows] = o[0].transpose(0, 1)
+            span.run(layer_kv, self.gather, q, new_k, new_v, out, scaling)
         return out.unsqueeze(0)  # [1, T, Hq, D]
 
 
@@ -327,6 +405,7 @@ class TorchBackend:
         decode = [s for s in metadata.spans if s.query_len == 1]
         fresh = [s for s in metadata.spans if s.query_len > 1 and s.start_position == 0]
         after_prefix = [s for s in metadata.spans if s.query_len > 1 and s.start_position > 0]
+        split = cache.device.type == "cpu" and _FLASH_CPU is not None
         return TorchStepAttention(
             cache=cache,
             gather=self.gather,
@@ -334,7 +413,7 @@ class TorchBackend:
             decode=self.plan_decode(decode, metadata.block_size, cache) if decode else None,
             fresh_prefills=_fresh_prefill_groups(fresh, cache.device),
             prefill_spans=[
-                _prefill_span(s, metadata.block_size, cache.spec.dtype, cache.device)
+                _prefill_span(s, metadata.block_size, cache.spec.dtype, cache.device, split)
                 for s in after_prefix
             ],
         )

@@ -1,18 +1,23 @@
-"""The torch reference backend: decode grouping, a batch that splits into groups, and prompts
-without a cached prefix grouped into one causal call."""
+"""The torch reference backend: decode grouping, a batch that splits into groups, prompts
+without a cached prefix grouped into one causal call, and spans after a cached prefix."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from executor_svc.attention import SeqSpan
+from executor_svc.attention.gather_buffer import GatherBuffer
 from executor_svc.attention.torch_backend import (
+    MaskedPrefillSpan,
+    SplitPrefillSpan,
     _decode_batch,
     _fresh_group,
     _fresh_prefill_groups,
+    _prefill_span,
 )
 from executor_svc.runner import ModelRunner
 
@@ -116,3 +121,57 @@ def test_fresh_prompt_groups_equal_one_causal_call_per_prompt() -> None:
             v[rows].transpose(0, 1)[None], is_causal=True, scale=0.3, enable_gqa=True,
         )[0].transpose(0, 1)
         torch.testing.assert_close(got[rows], ref, rtol=1e-5, atol=1e-6)
+
+
+def _attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                         scale: float) -> torch.Tensor:
+    """Bottom-right causal GQA attention in float64, spelled out: q [Q, Hq, D], k/v [K, Hkv, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))  # [Hq, K, D]
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [Hq, Q, K]
+    future = torch.arange(k.shape[1])[None, :] > torch.arange(q.shape[0])[:, None] + start
+    probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+    return (probs @ v).transpose(0, 1)  # [Q, Hq, D]
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_spans_after_a_cached_prefix_equal_one_softmax_over_all_their_keys(
+    dtype: torch.dtype, tolerance: float
+) -> None:
+    # Three spans in one packed step after prefixes that end mid-block, on a block boundary
+    # and after one block; blocks scattered through the cache. Both span kinds (the split
+    # one CPU plans, the masked one other devices plan) against float64 attention over the
+    # same (rounded) inputs.
+    gen = torch.Generator().manual_seed(11)
+    block, heads, kv_heads, dim, scale = 4, 6, 2, 8, 0.35
+    layer_kv = torch.randn(2, 40, block, kv_heads, dim, generator=gen).to(dtype)
+    spans_spec = [(13, 5), (8, 7), (4, 2)]  # (cached prefix, new tokens)
+    total = sum(n for _, n in spans_spec) + 1  # one more packed row, not a span's
+    q = torch.randn(total, heads, dim, generator=gen).to(dtype)
+    new_k = torch.zeros(total, kv_heads, dim, dtype=dtype)
+    new_v = torch.zeros(total, kv_heads, dim, dtype=dtype)
+    free = torch.randperm(40, generator=gen).tolist()
+    row, spans, wants = 1, [], []
+    for prefix, new in spans_spec:
+        blocks = tuple(free.pop() for _ in range(-(-(prefix + new) // block)))
+        flat = layer_kv.view(2, -1, kv_heads, dim)
+        slots = torch.tensor([blocks[p // block] * block + p % block
+                              for p in range(prefix + new)])
+        k, v = flat[0, slots], flat[1, slots]  # the sequence's keys, cached and new
+        new_k[row:row + new], new_v[row:row + new] = k[prefix:], v[prefix:]
+        spans.append(SeqSpan(row, new, prefix + new, blocks))
+        wants.append((slice(row, row + new), _attention_reference(
+            q[row:row + new], k, v, prefix, scale)))
+        row += new
+    split = [_prefill_span(s, block, dtype, CPU, split=True) for s in spans]
+    masked = [_prefill_span(s, block, dtype, CPU, split=False) for s in spans]
+    assert all(isinstance(p, SplitPrefillSpan) for p in split)
+    assert all(isinstance(p, MaskedPrefillSpan) for p in masked)
+    for kind in (split, masked):
+        out = torch.full((total, heads, dim), 7.0, dtype=dtype)
+        for span in kind:
+            span.run(layer_kv, GatherBuffer(), q, new_k, new_v, out, scale)
+        for rows, want in wants:
+            torch.testing.assert_close(out[rows].double(), want, rtol=tolerance * 10,
+                                       atol=tolerance)
+        assert torch.equal(out[0], torch.full((heads, dim), 7.0, dtype=dtype))  # untouched
