@@ -103,6 +103,16 @@ class DecodeBatch:
         out.index_copy_(0, self.token_index, torch.cat(outs) if len(outs) > 1 else outs[0])
 
 
+def _gathered_keys(
+    layer_kv: torch.Tensor, gather: GatherBuffer, block_index: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `length` keys and values held by the indexed blocks: two [length, Hkv, D]."""
+    _, _, _, num_kv_heads, head_dim = layer_kv.shape
+    kv = gather.gather(layer_kv, block_index)  # [2, n, S, Hkv, D]
+    kv = kv.view(2, -1, num_kv_heads, head_dim)[:, :length]  # [2, length, Hkv, D]
+    return kv[0], kv[1]
+
+
 @dataclass(frozen=True, slots=True)
 class MaskedPrefillSpan:
     """A span after a cached prefix, in one SDPA call over the prefix's and its own keys under
@@ -121,11 +131,8 @@ class MaskedPrefillSpan:
         self, layer_kv: torch.Tensor, gather: GatherBuffer, q: torch.Tensor, new_k: torch.Tensor,
         new_v: torch.Tensor, out: torch.Tensor, scaling: float,
     ) -> None:
-        _, _, _, num_kv_heads, head_dim = layer_kv.shape
         rows = slice(self.query_start, self.query_start + self.query_len)
-        kv = gather.gather(layer_kv, self.block_index)  # [2, n, S, Hkv, D]
-        kv = kv.view(2, -1, num_kv_heads, head_dim)[:, : self.context_len]  # [2, K, Hkv, D]
-        k, v = kv[0], kv[1]  # [K, Hkv, D]
+        k, v = _gathered_keys(layer_kv, gather, self.block_index, self.context_len)  # [K, Hkv, D]
         o = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1).unsqueeze(0),  # [1, Hq, Q, D]
             k.transpose(0, 1).unsqueeze(0),  # [1, Hkv, K, D]
@@ -159,19 +166,18 @@ class SplitPrefillSpan:
         self, layer_kv: torch.Tensor, gather: GatherBuffer, q: torch.Tensor, new_k: torch.Tensor,
         new_v: torch.Tensor, out: torch.Tensor, scaling: float,
     ) -> None:
-        _, _, _, num_kv_heads, head_dim = layer_kv.shape
-        rows = slice(self.query_start, self.query_start + self.query_len)
-        num_heads, query_len = q.shape[1], self.query_len
         flash = _FLASH_CPU
         assert flash is not None  # planned only where it exists
-        kv = gather.gather(layer_kv, self.prefix_blocks)  # [2, n, S, Hkv, D]
-        kv = kv.view(2, -1, num_kv_heads, head_dim)[:, : self.prefix_len]  # [2, P, Hkv, D]
+        num_kv_heads, head_dim = layer_kv.shape[3:]
+        rows = slice(self.query_start, self.query_start + self.query_len)
+        num_heads, query_len = q.shape[1], self.query_len
+        k, v = _gathered_keys(layer_kv, gather, self.prefix_blocks, self.prefix_len)  # [P, Hkv, D]
         qs = q[rows]  # [Q, Hq, D]
         folded = qs.unflatten(1, (num_kv_heads, -1)).permute(1, 2, 0, 3)  # [Hkv, G, Q, D]
         o_prefix, lse_prefix = flash(
             folded.reshape(1, num_kv_heads, -1, head_dim),  # [1, Hkv, G * Q, D]
-            kv[0].transpose(0, 1).unsqueeze(0),  # [1, Hkv, P, D]
-            kv[1].transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),  # [1, Hkv, P, D]
+            v.transpose(0, 1).unsqueeze(0),
             scale=scaling,
         )
         o_new, lse_new = flash(
