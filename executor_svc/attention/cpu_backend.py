@@ -6,7 +6,8 @@ it: each cached K/V is read, written and read again, and neither step used the s
 kernel reads the blocks in place, once, one sequence per task on torch's threads: 1.3 ms a
 layer on one thread and 0.7 on two with the blocks in L3; inside the model, where each
 layer's K/V come from DRAM, about 2.3 and 1.3 (executor_svc/README.md).
-Prefill spans, chunked or not, take the reference path (SDPA does well on many query rows).
+Prefill spans, chunked or not, take the torch backend's path (its flash-attention calls do
+well on many query rows).
 """
 
 from __future__ import annotations
