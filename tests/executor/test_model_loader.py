@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import structlog
+import torch
+from transformers import AutoModelForCausalLM
 
 from common.model_dirs import DEFAULT_MODEL, PRESETS_DIR
 from executor_svc.model_loader import ModelLoadError, load_model
@@ -117,6 +119,25 @@ def test_loader_embedded_model_loads_real_weights() -> None:
     assert loaded.eos_token_ids == (2,)  # type: ignore[attr-defined]
     assert not [e for e in logs if e["event"] == "dummy_weights"]
     assert DEFAULT_MODEL.parent == PRESETS_DIR
+    if sys.platform.startswith("linux"):  # /proc/self/maps
+        # Mapped file pages are dropped under memory pressure and read from disk again by the
+        # next step: every parameter must live in the executor's own memory, where
+        # transformers' own load leaves them on the checkpoint's map.
+        weights = DEFAULT_MODEL / "model.safetensors"
+        params = list(loaded.model.parameters())  # type: ignore[attr-defined]
+        assert params and not _on_map(params, weights)
+        plain = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, local_files_only=True)
+        assert _on_map(list(plain.parameters()), weights)
+
+
+def _on_map(params: list[torch.nn.Parameter], path: Path) -> list[torch.nn.Parameter]:
+    """The parameters whose data lies in this process's memory mappings of `path`."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and Path(fields[5]) == path.resolve():
+            ranges.append(tuple(int(x, 16) for x in fields[0].split("-")))
+    return [p for p in params if any(lo <= p.data_ptr() < hi for lo, hi in ranges)]
 
 
 def test_main_exits_with_one_line_for_a_directory_that_cannot_serve(tmp_path: Path) -> None:
