@@ -19,9 +19,8 @@ def test_workload_loop_continues_every_request_like_generate(
     lengths, output_lens = [9, 30, 4, 17, 25, 11], [1, 6, 12, 3, 9, 5]
     prompts = random_prompts(runner.info.vocab_size, lengths, seed=5)
     requests = [BenchRequest(p, n) for p, n in zip(prompts, output_lens, strict=True)]
-    outputs, wall = vs_vllm_steps.run_workload(runner, requests)
+    outputs, _ = vs_vllm_steps.run_workload(runner, requests)
     model = reference_model(runner)
     assert outputs == [reference_generate(model, p, n)
                        for p, n in zip(prompts, output_lens, strict=True)]
-    assert wall > 0
     assert runner.requests == {}  # every finished request released

@@ -119,15 +119,15 @@ def test_loader_embedded_model_loads_real_weights() -> None:
     assert loaded.eos_token_ids == (2,)  # type: ignore[attr-defined]
     assert not [e for e in logs if e["event"] == "dummy_weights"]
     assert DEFAULT_MODEL.parent == PRESETS_DIR
-    if sys.platform.startswith("linux"):  # /proc/self/maps
-        # Mapped file pages are dropped under memory pressure and read from disk again by the
-        # next step: every parameter must live in the executor's own memory, where
-        # transformers' own load leaves them on the checkpoint's map.
-        weights = DEFAULT_MODEL / "model.safetensors"
-        params = list(loaded.model.parameters())  # type: ignore[attr-defined]
-        assert params and not _on_map(params, weights)
-        plain = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, local_files_only=True)
-        assert _on_map(list(plain.parameters()), weights)
+    # Mapped file pages are dropped under memory pressure and read from disk again by the
+    # next step: every parameter must live in the executor's own memory, where transformers'
+    # own load leaves them on the checkpoint's map (read from /proc/self/maps: Linux, where
+    # the executor runs).
+    weights = DEFAULT_MODEL / "model.safetensors"
+    params = list(loaded.model.parameters())  # type: ignore[attr-defined]
+    assert params and not _on_map(params, weights)
+    plain = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, local_files_only=True)
+    assert _on_map(list(plain.parameters()), weights)
 
 
 def _on_map(params: list[torch.nn.Parameter], path: Path) -> list[torch.nn.Parameter]:
