@@ -107,9 +107,20 @@ def _agrees(packed: PackedWeight, weight: torch.Tensor) -> bool:
     return False
 
 
+def onednn_packs_bfloat16() -> bool:
+    """Whether oneDNN has bfloat16 kernels on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT;
+    not on AVX2-only machines), as oneDNN itself says (it honours ONEDNN_MAX_CPU_ISA)."""
+    return (torch.backends.mkldnn.is_available()
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
 def pack_weight(weight: torch.Tensor) -> OneDnnWeight | None:
     """oneDNN's packed copy of a [out, in] weight, or None where torch cannot make one."""
     if not torch.backends.mkldnn.is_available():
+        return None
+    if weight.dtype == torch.bfloat16 and not onednn_packs_bfloat16():
+        log.info("linears_not_packed", reason="this CPU has no oneDNN bfloat16 kernels "
+                 "(AVX-512 BW/VL/DQ or AVX-NE-CONVERT); bfloat16 linear layers keep F.linear")
         return None
     try:
         packed = OneDnnWeight(torch.ops.mkldnn._reorder_linear_weight(weight,

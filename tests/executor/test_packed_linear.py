@@ -5,7 +5,11 @@ test_cpu_backend.py and tests/e2e."""
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,12 +21,14 @@ from executor_svc.packed_linear import (
     ONEDNN_PACKED_MAX_ROWS,
     PackedLinear,
     mkl_pack_weight,
+    onednn_packs_bfloat16,
     pack_linears,
 )
 
 from .oracle import MODELS
 
 X86 = platform.machine() in ("x86_64", "AMD64")
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -109,12 +115,14 @@ def test_float32_linears_keep_f_linear_without_the_kernels() -> None:
 def test_bfloat16_linears_are_packed_for_decode_rows_and_agree_with_linear() -> None:
     # bfloat16: every linear layer (the head included) gets a oneDNN-packed copy used up to
     # ONEDNN_PACKED_MAX_ROWS rows; more rows take F.linear itself. Parameters are unchanged.
+    # A CPU without oneDNN's bf16 kernels (AVX2 only) keeps every layer as it is.
     model = _model(torch.bfloat16)
     plain = _linears(model)
     expected_state = {k: v.clone() for k, v in model.state_dict().items()}
     replaced = pack_linears(model, None)
-    if not torch.backends.mkldnn.is_available():
+    if not onednn_packs_bfloat16():
         assert replaced == 0
+        assert not any(isinstance(m, PackedLinear) for m in model.modules())
         return
     packed = dict(model.named_modules())
     assert replaced == len(plain) and all(isinstance(packed[n], PackedLinear) for n in plain)
@@ -129,3 +137,32 @@ def test_bfloat16_linears_are_packed_for_decode_rows_and_agree_with_linear() -> 
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
         x = torch.randn(1, ONEDNN_PACKED_MAX_ROWS + 1, linear.in_features, dtype=torch.bfloat16)
         assert torch.equal(packed[name](x), linear(x))  # prefill rows: F.linear itself
+
+
+_AVX2_ONLY = """
+import sys, torch
+sys.path[:0] = sys.argv[1:]
+from tests.executor.test_packed_linear import _linears, _model
+from executor_svc.packed_linear import onednn_packs_bfloat16, pack_linears
+model = _model(torch.bfloat16)
+x = torch.randn(1, 4, model.config.hidden_size, dtype=torch.bfloat16)
+before = {n: l(x) for n, l in _linears(model).items() if l.in_features == x.shape[-1]}
+assert not onednn_packs_bfloat16()
+assert pack_linears(model, None) == 0
+after = dict(model.named_modules())
+assert all(torch.equal(after[n](x), y) for n, y in before.items())
+print("kept", len(before))
+"""
+
+
+def test_bfloat16_linears_fall_back_on_a_cpu_without_onednn_bf16() -> None:
+    # The AVX2-only machines' path, taken on any x86 CPU: oneDNN limited to AVX2 (it reads
+    # ONEDNN_MAX_CPU_ISA once, at its first use, hence a fresh interpreter).
+    if not X86:
+        pytest.skip("ONEDNN_MAX_CPU_ISA=AVX2 names an x86 instruction set")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", _AVX2_ONLY, str(REPO)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    last = done.stdout.splitlines()[-1].split()  # structlog's lines come before it
+    assert last[0] == "kept" and int(last[1]) > 0, done.stdout[-2000:]
