@@ -46,10 +46,12 @@ COPY tools ./tools
 COPY pagedkv_client ./pagedkv_client
 RUN python -m executor_svc.cpu_kernels
 
-# /run/pagedkv: where compose's credentials service writes the internal token (a named
-# volume mounted there starts with this directory's owner).
+# /run/pagedkv: where each service finds its own role's credentials, and /run/pagedkv/<role>
+# where compose's credentials service writes them (a named volume mounted there starts with
+# the directory's owner).
 RUN useradd --system --uid 10001 pagedkv && chown -R pagedkv build \
-    && mkdir -p /run/pagedkv && chown pagedkv /run/pagedkv
+    && mkdir -p /run/pagedkv/gateway /run/pagedkv/allocator /run/pagedkv/executor \
+    && chown -R pagedkv /run/pagedkv
 USER pagedkv
 
 EXPOSE 50051 50052 50053 8000 9092 9093

@@ -13,16 +13,15 @@ from allocator_svc.core.allocator import Allocator
 from allocator_svc.metrics import AllocatorCollector
 from allocator_svc.pool_resets import ResetVerifier
 from allocator_svc.recording import Recorder, RecordingOpenError, flush_periodically
-from allocator_svc.service import AllocatorServicer, sweep_leases
+from allocator_svc.service import METHOD_ROLES, AllocatorServicer, sweep_leases
 from allocator_svc.settings import AllocatorSettings, parse_settings
-from common.auth import internal_authenticator
+from common.auth import Access, certificate_roles, internal_authenticator
 from common.logging import configure_logging
 from common.metrics import MetricsPortError, RpcMetrics, service_registry, start_metrics_server
 from common.server import run_until_signal, start_server
 from pagedkv.allocator.v1 import allocator_pb2
 
 SERVICE_NAME = allocator_pb2.DESCRIPTOR.services_by_name["AllocatorService"].full_name
-_METHODS = [m.name for m in allocator_pb2.DESCRIPTOR.services_by_name["AllocatorService"].methods]
 
 
 async def serve(settings: AllocatorSettings) -> None:
@@ -46,9 +45,9 @@ async def serve(settings: AllocatorSettings) -> None:
         settings.host, settings.port,
         authenticator=internal_authenticator(auth), credentials=auth.server_credentials(),
         rpc_metrics=rpc_metrics,
-        # Under mutual TLS only gateways call the allocator.
-        certificate_names=(dict.fromkeys(_METHODS, settings.tls_gateway_names)
-                           if auth.tls is not None and settings.tls_gateway_names else None),
+        # Only gateways call the allocator (their tokens' role, or their certificates').
+        access=Access(METHOD_ROLES, certificate_roles(gateway=settings.tls_gateway_names)
+                      if auth.tls is not None and settings.tls_gateway_names else None),
     )
     sweeper = asyncio.create_task(
         sweep_leases(allocator, settings.lease_check_interval_s, recorder))
@@ -62,7 +61,7 @@ async def serve(settings: AllocatorSettings) -> None:
         log.info("server_started", host=settings.host, port=server.port,
                  metrics_port=metrics_server.port if metrics_server else None,
                  shard=f"{settings.shard_index}/{settings.num_shards}",
-                 auth="mutual-tls" if auth.tls else "token" if auth.token else "none (--insecure)")
+                 auth=auth.describe())
 
     async def stop_sweeper() -> None:
         sweeper.cancel()

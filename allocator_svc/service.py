@@ -5,7 +5,12 @@ RPC is applied atomically (single writer, no locks).
 
 Every call that changes a request names a lease: a request's blocks can be committed, freed,
 forked or aborted only under the lease that admitted it (the core checks ownership; the core
-itself still accepts lease-less calls, for its own tests and tools in process).
+itself still accepts lease-less calls, for its own tests and tools in process). A lease id is
+a capability: logs name a lease by its tag (common.credentials.lease_tag), never its id.
+
+Who may call: only gateways (`METHOD_ROLES`; an operator's tools, pins for one, present the
+gateway's credentials). Executors call nothing here: a Step then a Free with commits and no
+Execute would fill a tenant's prefix cache with blocks no model computed.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from allocator_svc.core.request import Request
 from allocator_svc.core.validation import check_pool_config
 from allocator_svc.pool_resets import ResetVerifier
 from allocator_svc.recording import Recorder
+from common.credentials import lease_tag
 from common.errors import FailedPrecondition, InvalidArgument, NotFound
 from common.sharding import shard_of
 from pagedkv.allocator.v1 import allocator_pb2 as pb
@@ -32,6 +38,11 @@ from pagedkv.allocator.v1 import allocator_pb2_grpc
 
 log = structlog.get_logger(__name__)
 Ctx: TypeAlias = grpc.aio.ServicerContext
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["AllocatorService"]
+# Every method, for gateways alone (common.auth.Access).
+METHOD_ROLES: dict[str, frozenset[str]] = {
+    m.name: frozenset({"gateway"}) for m in _SERVICE.methods}
 
 
 class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
@@ -258,7 +269,7 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
         if self.recorder is not None:
             self.recorder.expired(expired)
         lease = self.allocator.create_lease(request.ttl_ms / 1000 if request.ttl_ms else None)
-        log.info("lease_created", lease_id=lease.lease_id, ttl_s=lease.ttl_s)
+        log.info("lease_created", lease=lease_tag(lease.lease_id), ttl_s=lease.ttl_s)
         return pb.CreateLeaseResponse(lease_id=lease.lease_id, ttl_ms=round(lease.ttl_s * 1000))
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: Ctx) -> pb.KeepAliveResponse:

@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--grace-s", type=float, default=5.0, help="graceful-shutdown grace")
     add_flag(parser, "--tls-gateway-names", default="gateway",
              help="with mutual TLS: comma-separated certificate names (subject CN) that may "
-             "call the allocator (empty: any certificate of the CA)")
+             "call the allocator, as gateways (empty: any certificate of the CA)")
     add_flag(parser, "--verify-pool-resets", type=parse_bool, default=True,
              help="reset a live pool (a registration with a new executor instance id) only "
              "once the executor at the executor_address sent reports that id itself; false: "

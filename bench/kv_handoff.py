@@ -3,7 +3,7 @@ KV, block by block, from the executor that prefilled it.
 
     python -m bench.kv_handoff [--model smollm2|tiny|DIR] [--lengths 16,64,...] [--repeats 5]
 
-Two `python -m executor_svc` processes (the internal token between them, as deployed); the
+Two `python -m executor_svc` processes (role tokens between them, as deployed); the
 source prefills one request per length, the target imports its KV `--repeats` times into the
 same blocks (ExecutorClient.import_kv, the gateway's call). Reported per length, medians: the
 target's own elapsed_ms (from its ImportKV's start to the last block written), the caller's
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import markdown_table, median, write_results
-from common.credentials import INTERNAL_TOKEN_ENV, InternalAuth
+from common.credentials import InternalAuth, RoleTokens
 from gateway.clients.executor_client import ExecutorClient
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
@@ -44,7 +43,7 @@ def _model_dir(choice: str) -> Path:
     return path
 
 
-def _start(model: Path, workdir: Path, name: str, num_blocks: int, token: str
+def _start(model: Path, workdir: Path, name: str, num_blocks: int, tokens: RoleTokens
            ) -> tuple[subprocess.Popen[bytes], Path]:
     port_file, log_path = workdir / f"{name}.port", workdir / f"{name}.log"
     weights = "auto" if any(model.glob("*.safetensors")) else "dummy"
@@ -53,7 +52,7 @@ def _start(model: Path, workdir: Path, name: str, num_blocks: int, token: str
                "--port-file", str(port_file), "--metrics-port", "-1", "--log-level", "warning"]
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, INTERNAL_TOKEN_ENV: token})
+                                   env={**os.environ, **tokens.env("executor")})
     return process, port_file
 
 
@@ -93,11 +92,11 @@ async def _imports(target: str, source: str, rid: str, num_blocks: int, num_toke
 
 
 def run(model: Path, lengths: list[int], repeats: int) -> dict[str, Any]:
-    token = secrets.token_urlsafe(24)
-    auth = InternalAuth(token=token)
+    tokens = RoleTokens.new()
+    auth = tokens.auth("gateway")
     num_blocks = -(-max(lengths) // 16) + 8
     with tempfile.TemporaryDirectory() as tmp:
-        started = [_start(model, Path(tmp), name, num_blocks, token)
+        started = [_start(model, Path(tmp), name, num_blocks, tokens)
                    for name in ("source", "target")]
         try:
             source, target = (_wait(p, f) for p, f in started)

@@ -162,7 +162,7 @@ def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[
     if gateway_tree and not _has_internal_auth(gateway_tree):
         # A tree from before the internal credentials: its services run open, and so must
         # this tree's executor.
-        running.internal_token = ""
+        running.role_tokens = None
         spec = replace(spec, executor_args=(*spec.executor_args, "--insecure"))
         running.spec = spec
     if step_log is None:

@@ -4,8 +4,10 @@ are loaded in common.credentials).
 Internal services (allocator, executor) accept only authenticated callers:
 - mutual TLS: the server presents its certificate and requires one signed by the same CA
   from the caller (the TLS handshake itself refuses a stranger);
-- a shared internal token: callers send `authorization: Bearer <token>`, compared in
-  constant time; usable alone (plaintext, a private network) or on top of TLS.
+- role tokens (common.credentials): a caller sends `authorization: Bearer <its role's
+  token>`; the server knows only the tokens' SHA-256 digests, each naming a role, and takes
+  the caller's role from the one that matches; usable alone (plaintext, a private network) or
+  on top of TLS (both are then checked).
 
 The public gateway authenticates API keys the same way (one key per tenant): `Authenticator`
 is what the guarded handlers (common.interceptor) ask, once per call, with the caller's
@@ -13,9 +15,10 @@ is what the guarded handlers (common.interceptor) ask, once per call, with the c
 `caller()` (each gRPC call runs in its own task, so a context variable cannot leak).
 
 Under mutual TLS a certificate's subject name is its role (`make certs` names them allocator,
-executor, gateway): a service may limit each method to some names (`check_certificate_name`),
-so that only gateways execute steps on an executor, and only the allocator besides them asks
-an executor's Describe. With the token alone, every holder is any internal caller.
+executor, gateway; a service's --tls-*-names map more names to a role). Either way one table
+per service (`Access`: method -> roles) decides what a caller may do: only gateways step,
+free, abort, read events or execute, the allocator besides them asks an executor's Describe,
+executors only export KV to each other. A method the table does not name is refused to all.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from common.credentials import BEARER, InternalAuth
+from common.credentials import InternalAuth, token_digest
 from common.errors import PermissionDenied, ServiceError
 
 _caller: contextvars.ContextVar[str] = contextvars.ContextVar("pagedkv_caller", default="")
@@ -56,32 +59,43 @@ class Authenticator(Protocol):
 
 
 def internal_authenticator(auth: InternalAuth) -> Authenticator | None:
-    """The server side of the internal token (None: no token; TLS alone, or --insecure)."""
-    return TokenAuthenticator(auth.token) if auth.token else None
+    """The server side of the role tokens (None: no digests; TLS alone, or --insecure)."""
+    return RoleTokenAuthenticator(auth.callers) if auth.callers else None
 
 
 def bearer(authorization: str | None) -> str | None:
-    if authorization is None or not authorization.startswith(BEARER):
+    """The credential of an `authorization: Bearer <credential>` value; the scheme's name is
+    case-insensitive (RFC 7235: `bearer`, `BEARER` too)."""
+    if authorization is None:
         return None
-    return authorization[len(BEARER):].strip()
+    scheme, _, credential = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not credential.strip():
+        return None
+    return credential.strip()
 
 
 @dataclass(frozen=True, slots=True)
-class TokenAuthenticator:
-    """The internal token: one shared secret, one principal ('internal')."""
+class RoleTokenAuthenticator:
+    """Role tokens, known by their digests: the caller's principal is its token's role."""
 
-    token: str
+    callers: tuple[tuple[str, str], ...]  # (sha256 hex of a token, its role)
 
     def authenticate(self, authorization: str | None) -> str:
         sent = bearer(authorization)
         if sent is None:
             raise Unauthenticated(
                 "this internal service requires a credential: send metadata "
-                "'authorization: Bearer <internal token>' (or use mutual TLS)"
+                "'authorization: Bearer <your role's token>' (or use mutual TLS)"
             )
-        if not hmac.compare_digest(sent.encode(), self.token.encode()):
-            raise Unauthenticated("the internal token is not valid")
-        return "internal"
+        digest = token_digest(sent).encode()
+        role = ""
+        for known, name in self.callers:  # every one compared: no early exit
+            if hmac.compare_digest(digest, known.encode()):
+                role = name
+        if not role:
+            raise Unauthenticated("the role token is not valid here (not among the service's "
+                                  "--caller-digests-file)")
+        return role
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,15 +124,38 @@ def certificate_name(context: Any) -> str:
     return names[0].decode("utf-8", "replace") if names else ""
 
 
-def check_certificate_name(context: Any, method: str, allowed: AbstractSet[str]) -> None:
-    """Under mutual TLS, who may call what: the caller's certificate must name one of
-    `allowed` (every certificate of the CA is an internal caller; its name is its role)."""
-    name = certificate_name(context)
-    if name not in allowed:
-        raise PermissionDenied(
-            f"a certificate for {name[:64]!r} may not call {method}: only "
-            f"{', '.join(sorted(allowed))} (the service's --tls-*-names)"
-        )
+@dataclass(frozen=True, slots=True)
+class Access:
+    """Who may call what, one table for both kinds of principal: the role of a caller's token
+    and, under mutual TLS, the role its certificate's name maps to."""
+
+    roles: Mapping[str, AbstractSet[str]]  # method -> roles allowed (absent: nobody)
+    certificate_roles: Mapping[str, str] | None = None  # under mutual TLS: name -> role
+
+    def check(self, method: str, token_role: str | None, context: Any) -> None:
+        """Raises PermissionDenied unless every principal the call shows may call `method`
+        (`token_role`: None when the service takes no tokens)."""
+        allowed = self.roles.get(method, frozenset())
+        only = ", ".join(sorted(allowed)) or "no role"
+        if token_role is not None and token_role not in allowed:
+            raise PermissionDenied(
+                f"the {token_role} role's token may not call {method}: only {only} may")
+        if self.certificate_roles is not None:
+            name = certificate_name(context)
+            role = self.certificate_roles.get(name)
+            if role not in allowed:
+                raise PermissionDenied(
+                    f"a certificate for {name[:64]!r} (role {role or 'none'}) may not call "
+                    f"{method}: only {only} may (the service's --tls-*-names map names to "
+                    "roles)")
+
+
+def certificate_roles(**names_by_role: AbstractSet[str]) -> dict[str, str]:
+    """name -> role, from each role's certificate names."""
+    roles: dict[str, str] = {}
+    for role, names in names_by_role.items():
+        roles.update(dict.fromkeys(names, role))
+    return roles
 
 
 def split_names(value: str) -> frozenset[str]:

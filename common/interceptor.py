@@ -4,7 +4,9 @@ authenticates the caller, binds the request id and maps errors to statuses.
 - Requests arrive as bytes and are parsed here: undecodable bytes are INVALID_ARGUMENT (grpc's
   own deserializer answered UNKNOWN "Unexpected DecodeError").
 - With an Authenticator, a call without a valid credential is UNAUTHENTICATED before the
-  handler runs; the principal is available to the handler as `common.auth.caller()`.
+  handler runs; the principal is available to the handler as `common.auth.caller()`. With an
+  Access table (common.auth), a caller whose role may not call the method is
+  PERMISSION_DENIED before the handler runs.
 - Domain exceptions (common.errors) become their precise status with their message; anything
   else is a bug: logged with its traceback and returned as INTERNAL without the stack trace.
 - With RpcMetrics (common.metrics), each call's duration and status code are recorded: 1.6 us
@@ -26,8 +28,7 @@ import itertools
 import re
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from collections.abc import Set as AbstractSet
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -35,7 +36,7 @@ import structlog
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
-from common.auth import Authenticator, check_certificate_name, set_caller
+from common.auth import Access, Authenticator, set_caller
 from common.credentials import AUTHORIZATION_KEY
 from common.errors import InvalidArgument, ServiceError
 from common.metrics import MethodMetrics, RpcMetrics
@@ -69,14 +70,14 @@ _next_id = itertools.count(1)
 class _CallStart:
     """What every wrapped call does before its handler: metadata, credential, request."""
 
-    __slots__ = ("allowed_names", "authenticator", "method", "parse")
+    __slots__ = ("access", "authenticator", "method", "parse")
 
     def __init__(self, parse: Callable[[bytes], Any], authenticator: Authenticator | None,
-                 method: str = "", allowed_names: AbstractSet[str] | None = None):
+                 method: str = "", access: Access | None = None):
         self.parse = parse
         self.authenticator = authenticator
         self.method = method
-        self.allowed_names = allowed_names  # certificate names that may call it (None: any)
+        self.access = access  # who may call what (None: any authenticated caller)
 
     def __call__(self, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         request_id = authorization = None
@@ -90,10 +91,12 @@ class _CallStart:
         elif len(request_id) > MAX_REQUEST_ID_CHARS:
             request_id = request_id[:MAX_REQUEST_ID_CHARS] + "..."
         structlog.contextvars.bind_contextvars(request_id=request_id)
+        principal = None
         if self.authenticator is not None:
-            set_caller(self.authenticator.authenticate(authorization))
-        if self.allowed_names is not None:
-            check_certificate_name(context, self.method, self.allowed_names)
+            principal = self.authenticator.authenticate(authorization)
+            set_caller(principal)
+        if self.access is not None:
+            self.access.check(self.method, principal, context)
         try:
             return self.parse(raw)
         except DecodeError as exc:
@@ -188,19 +191,18 @@ def _serialize(message: Any) -> bytes:
 def guarded_handler(
     servicer: object, service_name: str, authenticator: Authenticator | None = None,
     metrics: RpcMetrics | None = None,
-    certificate_names: Mapping[str, AbstractSet[str]] | None = None,
+    access: Access | None = None,
 ) -> grpc.GenericRpcHandler:
     """The servicer's methods (named by the service's descriptor), each wrapped, as one
     handler to add to a server; with `metrics`, each call's duration and status recorded;
-    with `certificate_names`, the methods named there answer only callers whose certificate
-    bears one of their names (mutual TLS)."""
+    with `access`, each method answers only the roles its table names (a token's role from
+    `authenticator`, a certificate's under mutual TLS)."""
     service = descriptor_pool.Default().FindServiceByName(service_name)
     handlers = {}
     for method in service.methods:
         assert not method.client_streaming, f"{method.full_name}: client streaming is not wrapped"
         parse = message_factory.GetMessageClass(method.input_type).FromString
-        allowed = (certificate_names or {}).get(method.name)
-        start = _CallStart(parse, authenticator, method.name, allowed)
+        start = _CallStart(parse, authenticator, method.name, access)
         path = f"/{service.full_name}/{method.name}"
         fn = getattr(servicer, method.name)
         measure = None if metrics is None else metrics.method(service.full_name, method.name)

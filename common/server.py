@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +21,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.auth import Authenticator
+from common.auth import Access, Authenticator
 from common.interceptor import guarded_handler
 from common.metrics import RpcMetrics
 
@@ -61,13 +60,13 @@ async def start_server(
     registrations: Sequence[Registration], host: str, port: int, serving: bool = True,
     *, authenticator: Authenticator | None = None, credentials: Any = None,
     max_receive_bytes: int = MAX_MESSAGE_BYTES, rpc_metrics: RpcMetrics | None = None,
-    certificate_names: Mapping[str, AbstractSet[str]] | None = None,
+    access: Access | None = None,
 ) -> Server:
     """Build, bind and start the server; health says SERVING unless `serving` is False.
     `authenticator` checks every call of the registered services; `credentials`
     (grpc.ServerCredentials) serves TLS instead of plaintext; `rpc_metrics` records each
-    call's duration and status (health and reflection are not counted); `certificate_names`
-    limits methods to callers whose TLS certificate bears one of their names."""
+    call's duration and status (health and reflection are not counted); `access` limits each
+    method to the roles its table names (common.auth.Access)."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -77,7 +76,7 @@ async def start_server(
     )
     names = []
     for servicer, name in registrations:
-        handler = guarded_handler(servicer, name, authenticator, rpc_metrics, certificate_names)
+        handler = guarded_handler(servicer, name, authenticator, rpc_metrics, access)
         server.add_generic_rpc_handlers((handler,))
         names.append(name)
     health_servicer = health.aio.HealthServicer()

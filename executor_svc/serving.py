@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from common.auth import internal_authenticator, split_names
+from common.auth import Access, certificate_roles, internal_authenticator, split_names
 from common.credentials import InternalAuth
 from common.metrics import MetricsEndpoint, RpcMetrics, service_registry, start_metrics_server
 from common.server import run_until_signal, start_server
@@ -57,16 +57,28 @@ def write_port_file(path: str, port: int) -> None:
     tmp.replace(path)
 
 
-def certificate_names(settings: ServingSettings) -> dict[str, frozenset[str]] | None:
-    """Under mutual TLS: gateways run steps; the allocator may Describe too (None: no TLS, or
-    every certificate of the CA may call everything)."""
+# Who may call what (common.auth.Access; a token's role or a certificate's): gateways run
+# steps and start hand-offs; the allocator besides them asks Describe (a pool reset's check);
+# ExportKV's callers are the other executors, pulling KV for an ImportKV.
+METHOD_ROLES: dict[str, frozenset[str]] = {
+    "Describe": frozenset({"gateway", "allocator"}),
+    "Execute": frozenset({"gateway"}),
+    "Release": frozenset({"gateway"}),
+    "ImportKV": frozenset({"gateway"}),
+    "ExportKV": frozenset({"executor"}),
+}
+
+
+def access(settings: ServingSettings) -> Access:
+    """The method table; under mutual TLS, certificate names mapped to roles (no gateway
+    names: every certificate of the CA passes the TLS check, as before)."""
     gateways = split_names(settings.tls_gateway_names)
-    if settings.auth.tls is None or not gateways:
-        return None
-    # ImportKV is a gateway's call too; ExportKV's callers are other executors (any
-    # certificate of the CA).
-    return {"Execute": gateways, "Release": gateways, "ImportKV": gateways,
-            "Describe": gateways | split_names(settings.tls_allocator_names)}
+    names = None
+    if settings.auth.tls is not None and gateways:
+        names = certificate_roles(gateway=gateways,
+                                  allocator=split_names(settings.tls_allocator_names),
+                                  executor=frozenset({"executor"}))
+    return Access(METHOD_ROLES, names)
 
 
 async def serve_runner(settings: ServingSettings, runner: StepRunner,
@@ -84,7 +96,7 @@ async def serve_runner(settings: ServingSettings, runner: StepRunner,
     server = await start_server(
         [(servicer, SERVICE_NAME)], settings.host, settings.port,
         authenticator=internal_authenticator(auth), credentials=auth.server_credentials(),
-        rpc_metrics=rpc_metrics, certificate_names=certificate_names(settings),
+        rpc_metrics=rpc_metrics, access=access(settings),
     )
     info = runner.info
 
@@ -97,7 +109,7 @@ async def serve_runner(settings: ServingSettings, runner: StepRunner,
                  metrics_port=metrics_server.port if metrics_server else None,
                  model=info.model_name, num_blocks=info.num_blocks, role=info.role,
                  instance_id=info.instance_id,
-                 auth="mutual-tls" if auth.tls else "token" if auth.token else "none (--insecure)",
+                 auth=auth.describe(),
                  **started)
 
     try:

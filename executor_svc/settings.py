@@ -14,6 +14,7 @@ from typing import TypeVar
 
 from common.config import add_flag, parse_bool
 from common.credentials import (
+    AUTH_FLAG_NAMES,
     CredentialsError,
     InternalAuth,
     add_internal_auth_flags,
@@ -274,8 +275,7 @@ def settings_from_args(cls: Callable[..., S], args: argparse.Namespace) -> S:
         raise SettingsError(str(exc)) from exc
     metrics = metrics_endpoint(args)
     values = vars(args)
-    for name in ("internal_token_file", "tls_cert", "tls_key", "tls_ca", "insecure",
-                 "metrics_port", "metrics_port_file"):
+    for name in (*AUTH_FLAG_NAMES, "metrics_port", "metrics_port_file"):
         del values[name]
     values.pop("metrics_port_set", None)
     return cls(**values, auth=auth, metrics=metrics).validate()  # type: ignore[attr-defined]

@@ -282,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(
         parser, "--salt-secret-file", default="",
         help="the secret that derives each tenant's cache salt (every gateway on one "
-        "allocator must share it; unset: the internal token, else a random one per process)",
+        "allocator must share it; unset: derived from the gateways' role token, else a random "
+        "one per process)",
     )
     add_flag(parser, "--public-tls-cert", default="",
              help="serve the public port over TLS with this certificate (PEM; unset: "
@@ -298,7 +299,7 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        internal_auth = internal_auth_from_args(args)
+        internal_auth = internal_auth_from_args(args, serves=False)
     except CredentialsError as exc:
         parser.error(str(exc))
     addrs = split_addrs(args.executor_addrs)

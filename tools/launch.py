@@ -13,10 +13,11 @@ and the executors, `--log-level debug` all three; a flag no service takes is a u
 The services run in the launcher's working directory (relative paths in flags mean what they
 say there) with this checkout's packages first on their path, from wherever it is started.
 
-The internal services are closed: the launcher generates an internal token (or takes
-PAGEDKV_INTERNAL_TOKEN from its environment) and hands it to every child in that variable;
-with --tls-dir (the output of `make certs`) they also speak mutual TLS, each with its own
-certificate.
+The internal services are closed: the launcher generates one token per role (gateway,
+allocator, executor; common.credentials), hands each child only its own role's token and the
+digests of all three (PAGEDKV_ROLE_TOKEN, PAGEDKV_CALLER_DIGESTS), and writes them to its run
+directory (mode 0600) for an operator's tools; with --tls-dir (the output of `make certs`)
+they also speak mutual TLS, each with its own certificate.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -37,7 +37,14 @@ from pathlib import Path
 from typing import IO
 
 from common.config import add_flag
-from common.credentials import INTERNAL_TOKEN_ENV, InternalAuth, TlsFiles
+from common.credentials import (
+    CALLER_DIGESTS_ENV,
+    LEGACY_TOKEN_ENV,
+    ROLE_TOKEN_ENV,
+    InternalAuth,
+    RoleTokens,
+    TlsFiles,
+)
 from common.model_dirs import DEFAULT_MODEL, PRESETS_DIR
 from common.sharding import MAX_SHARDS
 from executor_svc.host_memory import available_host_bytes
@@ -92,6 +99,7 @@ class Service:
     argv: list[str]
     cwd: str | Path
     tree: Path | None = None  # another checkout the module comes from (None: this one)
+    role: str = "gateway"  # whose credentials it gets: gateway, allocator or executor
     address: str = ""  # host:port, once the port file says which
     exits: collections.deque[float] = field(default_factory=collections.deque)
     # Its HTTP endpoints (--http-port, --metrics-port): the files the launcher asked for the
@@ -105,16 +113,44 @@ class Stack:
     spec: StackSpec
     services: list[Service] = field(default_factory=list)
     run_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pagedkv-"))
-    internal_token: str = field(
-        default_factory=lambda: os.environ.get(INTERNAL_TOKEN_ENV) or secrets.token_urlsafe(32)
-    )
+    # One token per role (None: the children get none; a tree from before credentials).
+    role_tokens: RoleTokens | None = field(default_factory=RoleTokens.new)
     workdir: str = field(default_factory=os.getcwd)  # the children's working directory
 
     @property
     def internal_auth(self) -> InternalAuth:
-        """The credential the stack's internal services require (tests, tools); with TLS,
-        the gateway's certificate is the client's."""
-        return InternalAuth(token=self.internal_token, tls=self._tls_files("gateway"))
+        """A gateway's credentials, which the stack's allocator answers (tests, tools); with
+        TLS, the gateway's certificate is the client's."""
+        return self.role_auth("gateway")
+
+    def role_auth(self, role: str) -> InternalAuth:
+        """`role`'s credentials (its token and, with TLS, its certificate)."""
+        tls = self._tls_files(role)
+        if self.role_tokens is None:
+            return InternalAuth(tls=tls)
+        return self.role_tokens.auth(role, tls)
+
+    def write_credentials(self) -> Path | None:
+        """Each role's token in the run directory (0600), for an operator's tools."""
+        if self.role_tokens is None:
+            return None
+        folder = Path(self.run_dir) / "credentials"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        for role, token in self.role_tokens.tokens:
+            path = folder / f"{role}-token"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(token + "\n")
+        (folder / "caller-digests").write_text(self.role_tokens.digests)
+        return folder
+
+    def _child_env(self, role: str, path: list[str]) -> dict[str, str]:
+        """The launcher's environment, less any credential in it, plus `role`'s own."""
+        dropped = (LEGACY_TOKEN_ENV, ROLE_TOKEN_ENV, CALLER_DIGESTS_ENV)
+        env = {k: v for k, v in os.environ.items() if k not in dropped}
+        if self.role_tokens is not None:
+            env.update(self.role_tokens.env(role))
+        return {**env, "PYTHONPATH": os.pathsep.join(path)}
 
     def _tls_files(self, role: str) -> TlsFiles | None:
         tls_dir = self.spec.tls_dir
@@ -254,22 +290,22 @@ class Stack:
         argv += args
         log_path = os.path.join(self.spec.log_dir, f"{name}.log") if self.spec.log_dir else None
         run_in = tree or self.workdir
-        service = Service(name=name, process=self._spawn(argv, run_in, tree, log_path),
+        role = {"allocator_svc": "allocator", "gateway": "gateway"}.get(module, "executor")
+        service = Service(name=name, process=self._spawn(argv, run_in, tree, log_path, role),
                           port_file=port_file, log_path=log_path, argv=argv, cwd=run_in,
-                          tree=tree, http_port_files=http_port_files)
+                          tree=tree, role=role, http_port_files=http_port_files)
         self.services.append(service)
         return service
 
     def _spawn(self, argv: list[str], cwd: str | Path, tree: Path | None,
-               log_path: str | None) -> subprocess.Popen[bytes]:
+               log_path: str | None, role: str) -> subprocess.Popen[bytes]:
         """Run `argv` in `cwd`, importing from `tree` (None: this checkout, first on the path
         and, with `python -P`, never shadowed by the working directory's own folders)."""
         out: IO[bytes] | None = None
         if log_path:
             out = open(log_path, "ab")  # noqa: SIM115 - the child holds its own copy
         path = [str(tree or REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-        env = {**os.environ, INTERNAL_TOKEN_ENV: self.internal_token,
-               "PYTHONPATH": os.pathsep.join(path)}
+        env = self._child_env(role, path)
         try:
             return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
                                     cwd=cwd, env=env, start_new_session=True)
@@ -303,7 +339,8 @@ class Stack:
             service.address = ""
             service.http_ports = {}
             service.argv = argv
-            service.process = self._spawn(argv, service.cwd, service.tree, service.log_path)
+            service.process = self._spawn(argv, service.cwd, service.tree, service.log_path,
+                                          service.role)
             restarted.append(service)
         for service in restarted:
             try:
@@ -543,6 +580,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch: {exc}", file=sys.stderr)
         return 1
     print(usage_text(stack, gateway_model_name(stack)), flush=True)
+    credentials = stack.write_credentials()
+    if credentials is not None:
+        print(f"launch: role tokens in {credentials} (operator tools such as tools.pin take "
+              f"the gateway's: {ROLE_TOKEN_ENV}=$(cat {credentials}/gateway-token))",
+              file=sys.stderr, flush=True)
     failed = False
     while not stopping:
         time.sleep(0.2)

@@ -16,12 +16,12 @@ pinned, so the tail where the next message's tokens may merge is left out.
 Tenants do not share blocks: a prompt is pinned for one cache salt. `--cache-salt` is the salt
 the allocator sees (a single-tenant gateway passes the caller's salt unchanged; usually empty).
 Behind a gateway with API keys, `--tenant NAME` derives that tenant's salt as the gateway
-does, from `--salt-secret-file` (or, as the gateway, from the internal token when it has no
-such file), joined with `--cache-salt`.
+does, from `--salt-secret-file` (or, as the gateway, from the gateway's role token when it
+has no such file), joined with `--cache-salt`.
 
-The allocator takes the internal credentials, as every internal tool: PAGEDKV_INTERNAL_TOKEN
-(or --internal-token-file) and/or, under mutual TLS, a certificate the allocator lets call it
-(--tls-gateway-names there).
+The allocator answers gateways alone: an operator's tool presents the gateway's credentials,
+PAGEDKV_ROLE_TOKEN (or --role-token-file) holding the gateway's role token and/or, under
+mutual TLS, a certificate the allocator takes as a gateway's (--tls-gateway-names there).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def cache_salt(args: argparse.Namespace, auth: InternalAuth) -> str:
 
     if not args.salt_secret_file and not auth.token:
         raise UsageError("--tenant needs the gateways' salt secret: --salt-secret-file, or the "
-                         "internal token they derive it from when they have none")
+                         "gateway's role token they derive it from when they have none")
     tenancy = load_tenancy("", args.salt_secret_file, auth.token)
     # The derivation applies to a gateway with keys; which key maps to the tenant is moot here.
     keyed = dataclasses.replace(tenancy, tenants_by_key={"": args.tenant})
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace, auth: InternalAuth) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        auth = internal_auth_from_args(args)
+        auth = internal_auth_from_args(args, serves=False)
         lines = run(args, auth)
     except (UsageError, CredentialsError) as exc:
         print(f"error: {exc}", file=sys.stderr)

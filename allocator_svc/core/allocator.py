@@ -34,6 +34,7 @@ from allocator_svc.core.validation import (
     check_releases,
     check_token_ids,
 )
+from common.credentials import lease_tag
 from common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -347,14 +348,14 @@ class Allocator:
         lease = self.leases.keep_alive(lease_id, self.clock())
         if lease is None:
             self.expire_leases()
-            raise NotFound(f"lease {lease_id!r} is unknown or expired: create a new one")
+            raise NotFound(f"{lease_tag(lease_id)} is unknown or expired: create a new one")
         return lease
 
     def _live_lease(self, lease_id: str) -> Lease:
         lease = self.leases.get(lease_id, self.clock())
         if lease is None:
             self.expire_leases()
-            raise NotFound(f"lease {lease_id!r} is unknown or expired: create a new one")
+            raise NotFound(f"{lease_tag(lease_id)} is unknown or expired: create a new one")
         return lease
 
     def _check_owner(self, pool: Pool, request_ids: Iterable[str], lease_id: str | None) -> None:

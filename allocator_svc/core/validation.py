@@ -10,6 +10,7 @@ from allocator_svc.core.limits import Limits
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import Commit, Request
 from allocator_svc.core.step import Decodes, StepItem
+from common.credentials import lease_tag
 from common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -62,7 +63,8 @@ def check_owner(pool: Pool, request_ids: Iterable[str], lease_id: str | None) ->
         if request is not None and request.lease_id != lease_id:
             raise PermissionDenied(
                 f"request {request_id!r} in pool {pool.config.pool_id!r} belongs to another "
-                f"lease than {lease_id!r}: a client may touch only the requests it admitted"
+                f"lease than {lease_tag(lease_id)}: a client may touch only the requests it "
+                "admitted"
             )
 
 

@@ -75,15 +75,16 @@ def load_api_keys(path: str) -> dict[str, str]:
     return keys
 
 
-def load_tenancy(api_keys_file: str, salt_secret_file: str, internal_token: str) -> Tenancy:
+def load_tenancy(api_keys_file: str, salt_secret_file: str, gateway_token: str) -> Tenancy:
     """Every gateway on one allocator must derive the same salts (else a tenant's prefix
     cached through one gateway misses through another): the secret is a file they share,
-    else the internal token they share; a random one only for a lone gateway."""
+    else the gateways' role token (which no executor or allocator holds: they know only its
+    SHA-256, and the salt secret is not that); a random one only for a lone gateway."""
     keys = load_api_keys(api_keys_file) if api_keys_file else {}
     if salt_secret_file:
         secret = read_token(salt_secret_file, "--salt-secret-file").encode()
-    elif internal_token:
-        secret = b"pagedkv-tenant-salt:" + internal_token.encode()
+    elif gateway_token:
+        secret = b"pagedkv-tenant-salt:" + gateway_token.encode()
     else:
         secret = secrets.token_bytes(32)
     return Tenancy(tenants_by_key=keys, salt_secret=secret)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from common.credentials import lease_tag
 from gateway.clients.allocator_client import AllocatorClient
 from gateway.clients.call_failures import CallFailed, Unknown
 
@@ -34,7 +35,7 @@ class Lease:
         self.lease_id, granted_ms = await self.allocator.create_lease(self.ttl_ms)
         self.ttl_ms = granted_ms or self.ttl_ms
         self.generation += 1
-        log.info("lease_acquired", lease_id=self.lease_id, ttl_ms=self.ttl_ms)
+        log.info("lease_acquired", lease=lease_tag(self.lease_id), ttl_ms=self.ttl_ms)
         for callback in self.on_acquired:
             callback()
 
@@ -59,5 +60,5 @@ class Lease:
             try:
                 await self.allocator.keep_alive(self.lease_id)
             except Unknown:
-                log.warning("lease_lost", lease_id=self.lease_id)
+                log.warning("lease_lost", lease=lease_tag(self.lease_id))
                 await self.acquire()

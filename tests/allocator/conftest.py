@@ -17,7 +17,7 @@ from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import Commit
 from allocator_svc.core.step import PreemptionMode, StepCall, StepItem, StepResult
-from common.credentials import INTERNAL_TOKEN_ENV, InternalAuth
+from common.credentials import ROLES, RoleTokens
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
 
@@ -98,10 +98,15 @@ class ServerProcess:
     address: str
 
 
-# The internal token every test allocator requires (the services refuse to start without
-# credentials unless --insecure).
-INTERNAL_TOKEN = "test-internal-token-0123456789"
-AUTH = InternalAuth(token=INTERNAL_TOKEN)
+# The role tokens of the test allocators (the services refuse to start without credentials
+# unless --insecure): ALLOCATOR_ENV starts one; AUTH calls it as a gateway, EXECUTOR_AUTH as
+# an executor (which may call nothing there).
+# Fixed, not random: pytest imports this module twice (as conftest and as
+# tests.allocator.conftest), and both must hold the same tokens.
+ROLE_TOKENS = RoleTokens(tuple((role, f"{role}.test-token-0123456789") for role in ROLES))
+ALLOCATOR_ENV = ROLE_TOKENS.env("allocator")
+AUTH = ROLE_TOKENS.auth("gateway")
+EXECUTOR_AUTH = ROLE_TOKENS.auth("executor")
 
 
 def start_allocator(tmp_path, *flags: str) -> ServerProcess:
@@ -120,7 +125,7 @@ def start_allocator(tmp_path, *flags: str) -> ServerProcess:
             *flags,
         ],
         cwd=REPO_ROOT,
-        env={**os.environ, INTERNAL_TOKEN_ENV: INTERNAL_TOKEN},
+        env={**os.environ, **ALLOCATOR_ENV},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -20,10 +20,9 @@ from typing import Any
 import grpc
 import pytest
 
-from common.credentials import INTERNAL_TOKEN_ENV
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
-from tests.allocator.conftest import AUTH, INTERNAL_TOKEN, REPO_ROOT
+from tests.allocator.conftest import ALLOCATOR_ENV, AUTH, REPO_ROOT
 from tests.common.scrape import Samples, scrape
 
 SERVICE = "pagedkv.allocator.v1.AllocatorService"
@@ -64,7 +63,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             [sys.executable, "-m", "allocator_svc", "--port", "0", "--port-file",
              str(tmp / "port"), "--metrics-port", "0", "--metrics-port-file",
              str(tmp / "metrics.port"), "--log-json", "--log-level", "debug"],
-            cwd=REPO_ROOT, env={**os.environ, INTERNAL_TOKEN_ENV: INTERNAL_TOKEN},
+            cwd=REPO_ROOT, env={**os.environ, **ALLOCATOR_ENV},
             stdout=subprocess.DEVNULL, stderr=log_file)
     port = _wait_for(tmp / "port", process)
     metrics_port = _wait_for(tmp / "metrics.port", process)
@@ -226,7 +225,7 @@ def test_allocator_refuses_to_start_on_a_metrics_port_asked_for_and_taken(
         port = holder.getsockname()[1]
         result = subprocess.run(
             [sys.executable, "-m", "allocator_svc", "--port", "0", "--metrics-port", str(port)],
-            cwd=REPO_ROOT, env={**os.environ, INTERNAL_TOKEN_ENV: INTERNAL_TOKEN},
+            cwd=REPO_ROOT, env={**os.environ, **ALLOCATOR_ENV},
             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert f"cannot bind the metrics port 127.0.0.1:{port}" in result.stderr

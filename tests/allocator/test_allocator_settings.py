@@ -6,6 +6,12 @@ from __future__ import annotations
 import pytest
 
 from allocator_svc.settings import parse_settings
+from common.credentials import (
+    CALLER_DIGESTS_ENV,
+    LEGACY_TOKEN_ENV,
+    ROLE_TOKEN_ENV,
+    RoleTokens,
+)
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -34,13 +40,17 @@ def test_a_bad_flag_is_a_usage_error_naming_it(argv: list[str], message: str,
 def test_credentials_are_required_and_bounds_reach_the_limits(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.delenv("PAGEDKV_INTERNAL_TOKEN", raising=False)
+    for name in (ROLE_TOKEN_ENV, CALLER_DIGESTS_ENV, LEGACY_TOKEN_ENV):
+        monkeypatch.delenv(name, raising=False)
     with pytest.raises(SystemExit) as info:
         parse_settings([])
     assert info.value.code == 2 and "no internal credentials" in capsys.readouterr().err
-    monkeypatch.setenv("PAGEDKV_INTERNAL_TOKEN", "a-token-of-enough-characters")
+    tokens = RoleTokens.new()
+    for name, value in tokens.env("allocator").items():
+        monkeypatch.setenv(name, value)
     settings = parse_settings(["--max-blocks-per-tenant", "64", "--max-lease-ttl-ms", "60000"])
-    assert settings.auth.token == "a-token-of-enough-characters"
+    assert settings.auth.token == tokens.token("allocator")
+    assert {role for _, role in settings.auth.callers} == {"gateway", "allocator", "executor"}
     assert (settings.limits.max_blocks_per_tenant, settings.limits.max_lease_ttl_s) == (64, 60.0)
     assert settings.host == "127.0.0.1"
 
@@ -70,3 +80,32 @@ def test_pool_resets_are_verified_and_only_gateways_call_by_default() -> None:
     settings = parse_settings(["--insecure", "--verify-pool-resets", "false",
                                "--tls-gateway-names", "gw-a, gw-b"])
     assert not settings.verify_pool_resets and settings.tls_gateway_names == {"gw-a", "gw-b"}
+
+
+def test_the_shared_internal_token_is_refused_at_start_pointing_to_the_role_tokens(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
+    # Issue 30: one shared token made every holder every role; it is not mapped to any.
+    token = tmp_path / "internal-token"
+    token.write_text("a-token-of-enough-characters\n")
+    for argv, env in ((["--internal-token-file", str(token)], {}),
+                      ([], {LEGACY_TOKEN_ENV: "a-token-of-enough-characters"})):
+        for name, value in {**RoleTokens.new().env("allocator"), **env}.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(SystemExit) as info:
+            parse_settings(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and "the shared internal token is gone" in err, err
+        assert "--role-token-file" in err and "--caller-digests-file" in err
+        monkeypatch.delenv(LEGACY_TOKEN_ENV, raising=False)
+
+
+def test_a_server_without_caller_digests_or_tls_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its own token alone would leave the port open to every caller.
+    monkeypatch.delenv(CALLER_DIGESTS_ENV, raising=False)
+    monkeypatch.setenv(ROLE_TOKEN_ENV, RoleTokens.new().token("allocator"))
+    with pytest.raises(SystemExit) as info:
+        parse_settings([])
+    assert info.value.code == 2 and "would accept every caller" in capsys.readouterr().err

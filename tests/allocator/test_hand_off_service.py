@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
+from common.credentials import lease_tag
 from gateway.clients.allocator_client import AllocatorClient, HandOffReservation
 from gateway.clients.call_failures import Denied, Rejected, Stale, Unknown
 from gateway.clients.executor_client import ExecutorClient
@@ -107,7 +108,8 @@ def test_hand_off_service_refusals_have_their_status_and_change_nothing(stub):
         (code.INVALID_ARGUMENT, "source_block_size is required", {"source_block_size": 0}),
         (code.INVALID_ARGUMENT, "request_id has 257 characters", {"request_id": "r" * 257}),
         (code.NOT_FOUND, "unknown pool 'nope'", {"pool_id": "nope"}),
-        (code.NOT_FOUND, "lease 'lease-gone' is unknown or expired", {"lease_id": "lease-gone"}),
+        (code.NOT_FOUND, f"{lease_tag('lease-gone')} is unknown or expired",
+         {"lease_id": "lease-gone"}),
         (code.FAILED_PRECONDITION, f"is at epoch {pool.epoch}", {"epoch": pool.epoch - 1}),
         (code.FAILED_PRECONDITION, "model fingerprint 'llama', target pool "
          f"'{pool.pool_id}' has 'tiny'", {"source_model_fingerprint": "llama"}),

@@ -9,18 +9,19 @@ import itertools
 import grpc
 import pytest
 
-from allocator_svc.__main__ import _METHODS
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
 from allocator_svc.metrics import AllocatorCollector
-from common.credentials import INTERNAL_TOKEN_ENV, InternalAuth, TlsFiles
+from allocator_svc.service import METHOD_ROLES
+from common.credentials import ROLE_TOKEN_ENV, InternalAuth, TlsFiles
 from gateway.api.tenants import Tenancy
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
-from tests.allocator.conftest import INTERNAL_TOKEN, REPO_ROOT, start_allocator, stop_process
+from tests.allocator.conftest import REPO_ROOT, ROLE_TOKENS, start_allocator, stop_process
 from tools import pin as pin_tool
 from tools.make_certs import make_certs
 
+GATEWAY_TOKEN = ROLE_TOKENS.token("gateway")  # what an operator's tools present
 _ids = itertools.count()
 SYSTEM = list(range(1, 9))  # two blocks of 4
 CODES = grpc.StatusCode
@@ -185,11 +186,13 @@ def test_unpin_and_list_bad_input(stub):
     assert [p.pin_id for p in listed(stub, pool).pins] == [kept.pin_id]
 
 
-def test_every_allocator_method_is_restricted_under_mutual_tls():
-    # __main__ limits every method of the service to the gateway certificate names.
-    assert {"PinPrefix", "UnpinPrefix", "ListPins"} <= set(_METHODS)
-    assert set(_METHODS) == set(pb.DESCRIPTOR.services_by_name["AllocatorService"]
-                                .methods_by_name)
+def test_every_allocator_method_is_for_gateways_alone():
+    # The method table names every method of the service, each for the gateway role only
+    # (its tokens' and, under mutual TLS, its certificates').
+    assert {"PinPrefix", "UnpinPrefix", "ListPins"} <= set(METHOD_ROLES)
+    assert set(METHOD_ROLES) == set(pb.DESCRIPTOR.services_by_name["AllocatorService"]
+                                    .methods_by_name)
+    assert set(METHOD_ROLES.values()) == {frozenset({"gateway"})}
 
 
 def test_pin_metrics_per_pool():
@@ -206,8 +209,8 @@ def test_pin_metrics_per_pool():
 
 
 def test_pin_tool_pins_lists_and_unpins(stub, allocator_server, monkeypatch, capsys):
-    # python -m tools.pin with the internal token from the environment, as operators run it.
-    monkeypatch.setenv(INTERNAL_TOKEN_ENV, INTERNAL_TOKEN)
+    # python -m tools.pin with the gateway's token from the environment, as operators run it.
+    monkeypatch.setenv(ROLE_TOKEN_ENV, GATEWAY_TOKEN)
     pool = register(stub)
     base = ["--allocator-addr", allocator_server.address, "--pool", pool.pool_id]
     assert pin_tool.main([*base, "--token-ids", ",".join(map(str, SYSTEM)), "--name", "sp"]) == 0
@@ -240,7 +243,7 @@ def test_pin_tool_tokenizes_text_as_the_gateway_does(stub, allocator_server, mon
     # --text: the gateway's tokenizer for a text prompt (tiny-llama's); only full blocks.
     from gateway.text.tokenizer import Tokenizer
 
-    monkeypatch.setenv(INTERNAL_TOKEN_ENV, INTERNAL_TOKEN)
+    monkeypatch.setenv(ROLE_TOKEN_ENV, GATEWAY_TOKEN)
     model = str(REPO_ROOT / "models" / "tiny-llama")
     text = "You are a helpful assistant. Answer briefly and politely, in plain words."
     tokens = Tokenizer.load(model).encode(text)
@@ -270,21 +273,21 @@ def test_pin_tool_system_is_the_start_of_the_gateways_chat():
 def test_pin_tool_derives_a_tenants_salt_as_the_gateway_does(monkeypatch, tmp_path):
     secret = tmp_path / "salt-secret"
     secret.write_text("a-shared-salt-secret-0123456789")
-    monkeypatch.setenv(INTERNAL_TOKEN_ENV, INTERNAL_TOKEN)
+    monkeypatch.setenv(ROLE_TOKEN_ENV, GATEWAY_TOKEN)
     args = pin_tool.parse_args(["--pool", "p", "--token-ids", "1", "--tenant", "acme",
                                 "--cache-salt", "x", "--salt-secret-file", str(secret)])
     gateway = Tenancy({"key": "acme"}, secret.read_text().encode())
-    assert pin_tool.cache_salt(args, InternalAuth(token=INTERNAL_TOKEN)) == gateway.cache_salt(
+    assert pin_tool.cache_salt(args, InternalAuth(token=GATEWAY_TOKEN)) == gateway.cache_salt(
         "acme", "x")
     no_file = pin_tool.parse_args(["--pool", "p", "--token-ids", "1", "--tenant", "acme"])
-    from_token = Tenancy({"key": "acme"}, b"pagedkv-tenant-salt:" + INTERNAL_TOKEN.encode())
-    assert pin_tool.cache_salt(no_file, InternalAuth(token=INTERNAL_TOKEN)) == (
+    from_token = Tenancy({"key": "acme"}, b"pagedkv-tenant-salt:" + GATEWAY_TOKEN.encode())
+    assert pin_tool.cache_salt(no_file, InternalAuth(token=GATEWAY_TOKEN)) == (
         from_token.cache_salt("acme", ""))
 
 
 def test_pins_answer_only_gateway_certificates_under_mutual_tls(tmp_path, monkeypatch):
     # An executor's certificate may not pin; a gateway's (the operator's tool) may.
-    monkeypatch.setenv(INTERNAL_TOKEN_ENV, INTERNAL_TOKEN)
+    monkeypatch.setenv(ROLE_TOKEN_ENV, GATEWAY_TOKEN)
     certs = tmp_path / "certs"
     make_certs(certs, [])
     server = start_allocator(tmp_path, "--tls-cert", str(certs / "allocator.pem"),
@@ -292,9 +295,9 @@ def test_pins_answer_only_gateway_certificates_under_mutual_tls(tmp_path, monkey
                              "--tls-ca", str(certs / "ca.pem"), "--metrics-port", "-1")
     try:
         def as_role(role: str) -> InternalAuth:
-            return InternalAuth(token=INTERNAL_TOKEN, tls=TlsFiles(str(certs / f"{role}.pem"),
-                                             str(certs / f"{role}-key.pem"),
-                                             str(certs / "ca.pem")))
+            return ROLE_TOKENS.auth(role, TlsFiles(str(certs / f"{role}.pem"),
+                                                   str(certs / f"{role}-key.pem"),
+                                                   str(certs / "ca.pem")))
 
         with as_role("executor").channel(server.address) as channel:
             with pytest.raises(grpc.RpcError) as info:

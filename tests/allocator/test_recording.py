@@ -21,11 +21,10 @@ from allocator_svc.recording import HASH_PREFIX_BYTES, Recorder, RecordingSettin
 from allocator_svc.service import AllocatorServicer
 from allocator_svc.settings import parse_settings
 from common.block_hash import hash_chain, root_hash
-from common.credentials import INTERNAL_TOKEN_ENV
 from common.errors import NotFound
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
-from tests.allocator.conftest import AUTH, INTERNAL_TOKEN, REPO_ROOT, start_allocator, stop_process
+from tests.allocator.conftest import ALLOCATOR_ENV, AUTH, REPO_ROOT, start_allocator, stop_process
 from tools.replay.trace import read_recording
 
 BS = 4
@@ -219,7 +218,7 @@ def test_recording_an_unwritable_path_stops_the_start(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "allocator_svc", "--port", "0", "--metrics-port", "-1",
          "--record-allocations", str(path)],
-        cwd=REPO_ROOT, env={**os.environ, INTERNAL_TOKEN_ENV: INTERNAL_TOKEN},
+        cwd=REPO_ROOT, env={**os.environ, **ALLOCATOR_ENV},
         capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert f"--record-allocations {path}: cannot append to it" in done.stdout + done.stderr

@@ -13,7 +13,8 @@ import structlog
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.service import AllocatorServicer
-from common.auth import ApiKeyAuthenticator, TokenAuthenticator, caller
+from common.auth import ApiKeyAuthenticator, caller, internal_authenticator
+from common.credentials import RoleTokens
 from common.errors import NotFound
 from common.interceptor import REQUEST_ID_KEY, guarded_handler
 from common.server import start_server
@@ -96,18 +97,26 @@ def test_guarded_handler_refuses_an_unknown_service_name():
         guarded_handler(ProbingAllocator(), "pagedkv.allocator.v1.NoSuchService")
 
 
+TOKENS = RoleTokens.new()
+
+
 async def _authenticated_calls(servicer: ProbingAllocator) -> list[Any]:
-    """A server with the internal token and with API keys: who gets through, as whom."""
+    """A server with role tokens and with API keys: who gets through, as whom (the scheme's
+    name in any case: RFC 7235)."""
     keys = ApiKeyAuthenticator({"key-of-acme-0123456789": "acme"})
+    roles = internal_authenticator(TOKENS.auth("allocator"))
+    gateway, executor = TOKENS.token("gateway"), TOKENS.token("executor")
     outcomes: list[Any] = []
-    for authenticator in (TokenAuthenticator("the-internal-token-0123456789"), keys):
+    for authenticator in (roles, keys):
         server = await start_server([(servicer, SERVICE)], "127.0.0.1", 0,
                                     authenticator=authenticator)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
                 stub = allocator_pb2_grpc.AllocatorServiceStub(channel)
-                for sent in (None, "Bearer the-internal-token-0123456789",
-                             "Bearer key-of-acme-0123456789", "Bearer key-of-acme-012345678"):
+                for sent in (None, f"Bearer {gateway}", f"bearer {executor}",
+                             f"BEARER  {gateway} ", f"Basic {gateway}", f"Bearer {gateway}x",
+                             "Bearer key-of-acme-0123456789", "bearer key-of-acme-0123456789",
+                             "Bearer key-of-acme-012345678"):
                     metadata = (("authorization", sent),) if sent else None
                     try:
                         await stub.GetStats(pb.GetStatsRequest(pool_id="a"), metadata=metadata)
@@ -120,17 +129,19 @@ async def _authenticated_calls(servicer: ProbingAllocator) -> list[Any]:
 
 
 def test_an_authenticator_admits_only_its_credentials_and_names_the_caller():
+    # A role token's principal is its role; lower-case `bearer` is the same scheme.
     servicer = ProbingAllocator()
     outcomes = asyncio.run(_authenticated_calls(servicer))
     unauth = grpc.StatusCode.UNAUTHENTICATED
+    missing = (unauth, "this internal service requires a credential: send metadata "
+                       "'authorization: Bearer <your role's token>' (or use mutual TLS)")
+    invalid = (unauth, "the role token is not valid here (not among the service's "
+                       "--caller-digests-file)")
+    no_key = (unauth, "an API key is required: send 'authorization: Bearer <key>'")
+    bad_key = (unauth, "the API key is not valid")
     assert outcomes == [
-        (unauth, "this internal service requires a credential: send metadata "
-                 "'authorization: Bearer <internal token>' (or use mutual TLS)"),
-        ("ok", "internal"),
-        (unauth, "the internal token is not valid"),
-        (unauth, "the internal token is not valid"),
-        (unauth, "an API key is required: send 'authorization: Bearer <key>'"),
-        (unauth, "the API key is not valid"),
-        ("ok", "acme"),
-        (unauth, "the API key is not valid"),
+        missing, ("ok", "gateway"), ("ok", "executor"), ("ok", "gateway"), missing, invalid,
+        invalid, invalid, invalid,
+        no_key, bad_key, bad_key, bad_key, no_key, bad_key, ("ok", "acme"), ("ok", "acme"),
+        bad_key,
     ]

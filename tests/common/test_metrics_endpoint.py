@@ -14,7 +14,8 @@ import structlog
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.service import AllocatorServicer
-from common.auth import TokenAuthenticator
+from common.auth import internal_authenticator
+from common.credentials import RoleTokens
 from common.errors import NotFound
 from common.interceptor import client_request_id
 from common.metrics import (
@@ -31,7 +32,8 @@ from pagedkv.allocator.v1 import allocator_pb2_grpc
 from tests.common.scrape import scrape
 
 SERVICE = "pagedkv.allocator.v1.AllocatorService"
-TOKEN = "the-internal-token-0123456789"
+TOKENS = RoleTokens.new()
+TOKEN = TOKENS.token("gateway")
 
 
 def test_metrics_endpoint_binds_any_free_port_and_writes_the_port_file(tmp_path: Path) -> None:
@@ -113,7 +115,7 @@ async def _calls(pools: list[str], token: str | None) -> tuple[int, list[str]]:
     metrics = start_metrics_server(registry, "127.0.0.1", MetricsEndpoint(0))
     assert metrics is not None
     server = await start_server([(Probe(), SERVICE)], "127.0.0.1", 0,
-                                authenticator=TokenAuthenticator(TOKEN),
+                                authenticator=internal_authenticator(TOKENS.auth("allocator")),
                                 rpc_metrics=RpcMetrics(registry))
     codes = []
     try:

@@ -8,9 +8,11 @@ executor of the same model, block size and layout: `--executor-addr-2 host:port`
 EXECUTOR_ADDR_2); with one address only, the cases that move a request between two
 executors skip, saying so. Without any address the suite starts a second one of ours.
 
-Calls carry `authorization: Bearer $PAGEDKV_INTERNAL_TOKEN` when that variable is set (an
-executor must refuse callers without it: test_executor_auth.py); the local executor gets a
-generated token.
+The suite plays the gateway: its calls carry `authorization: Bearer $PAGEDKV_ROLE_TOKEN` (the
+gateway's role token) when that variable is set, and ExportKV, another executor's call, carries
+$PAGEDKV_EXECUTOR_TOKEN (unset: the same token). An executor must refuse callers without a
+credential, and one that tells roles apart refuses an executor's token for Execute
+(test_executor_auth.py). The local executors get a generated set of role tokens.
 
 Parity needs a local reference with the executor's weights: `--reference-model DIR` (default:
 models/<model_name from Describe>) loaded from safetensors, or with `--reference-seed N` the
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import os
 import random
-import secrets
 import subprocess
 import sys
 import time
@@ -42,7 +43,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from common.credentials import INTERNAL_TOKEN_ENV, InternalAuth
+from common.credentials import ROLE_TOKEN_ENV, InternalAuth, RoleTokens
 from executor_svc.model_loader import load_model
 from executor_svc.simulated.runner import SIMULATED_BACKEND
 from executor_svc.simulated.token_model import TokenModel, digest_of
@@ -51,6 +52,7 @@ from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 120.0
+EXECUTOR_TOKEN_ENV = "PAGEDKV_EXECUTOR_TOKEN"  # what ExportKV carries (unset: the gateway's)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -85,6 +87,8 @@ class Executor:
     channel: grpc.Channel
     info: pb.DescribeResponse
     blocks: Blocks
+    export_stub: pb_grpc.ExecutorServiceStub  # with another executor's credential (ExportKV)
+    export_channel: grpc.Channel
     address: str = ""  # host:port, as the suite (and another executor) reaches it
     tables: dict[str, list[int]] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=dict)
@@ -122,7 +126,7 @@ class Executor:
 
 
 def _start_local_executor(
-    log_path: Path, port_file: Path, token: str
+    log_path: Path, port_file: Path, env: dict[str, str]
 ) -> subprocess.Popen[bytes]:
     command = [
         sys.executable,
@@ -148,7 +152,7 @@ def _start_local_executor(
         "512",
         "--log-json",
     ]
-    env = {**os.environ, INTERNAL_TOKEN_ENV: token}
+    env = {**os.environ, **env}
     with log_path.open("wb") as log:
         return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env=env)
@@ -167,17 +171,37 @@ def _wait_for_port(process: subprocess.Popen[bytes], port_file: Path, log_path: 
 
 
 @pytest.fixture(scope="session")
-def internal_auth() -> InternalAuth:
-    """The credential the executor under test requires (none: an executor run without)."""
-    token = os.environ.get(INTERNAL_TOKEN_ENV, "")
-    remote = os.environ.get("EXECUTOR_ADDR", "")
-    return InternalAuth(token=token or ("" if remote else secrets.token_urlsafe(24)))
+def role_tokens() -> RoleTokens:
+    """The local executors' credentials (a remote one's come from the environment)."""
+    return RoleTokens.new()
+
+
+def _remote(pytestconfig: pytest.Config) -> bool:
+    return bool(pytestconfig.getoption("executor_addr") or os.environ.get("EXECUTOR_ADDR"))
+
+
+@pytest.fixture(scope="session")
+def internal_auth(pytestconfig: pytest.Config, role_tokens: RoleTokens) -> InternalAuth:
+    """The gateway's credential, which the executor under test requires (none: an executor
+    run without)."""
+    if _remote(pytestconfig):
+        return InternalAuth(token=os.environ.get(ROLE_TOKEN_ENV, ""))
+    return role_tokens.auth("gateway")
+
+
+@pytest.fixture(scope="session")
+def executor_auth(pytestconfig: pytest.Config, role_tokens: RoleTokens,
+                  internal_auth: InternalAuth) -> InternalAuth:
+    """Another executor's credential: what ExportKV's callers carry."""
+    if _remote(pytestconfig):
+        return InternalAuth(token=os.environ.get(EXECUTOR_TOKEN_ENV, "") or internal_auth.token)
+    return role_tokens.auth("executor")
 
 
 @pytest.fixture(scope="session")
 def executor_addr(
     pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory,
-    internal_auth: InternalAuth,
+    role_tokens: RoleTokens,
 ) -> Iterator[str]:
     addr = pytestconfig.getoption("executor_addr") or os.environ.get("EXECUTOR_ADDR", "")
     if addr:
@@ -185,7 +209,7 @@ def executor_addr(
         return
     workdir = tmp_path_factory.mktemp("executor")
     log_path, port_file = workdir / "executor.log", workdir / "port"
-    process = _start_local_executor(log_path, port_file, internal_auth.token)
+    process = _start_local_executor(log_path, port_file, role_tokens.env("executor"))
     port = _wait_for_port(process, port_file, log_path)
     yield f"127.0.0.1:{port}"
     process.terminate()
@@ -195,7 +219,7 @@ def executor_addr(
 @pytest.fixture(scope="session")
 def second_executor_addr(
     pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory,
-    internal_auth: InternalAuth,
+    role_tokens: RoleTokens,
 ) -> Iterator[str]:
     """A second executor of the same model and layout, for KV hand-off: given, or (when the
     suite started the first one) another of ours; with one address given, the cases skip."""
@@ -212,14 +236,14 @@ def second_executor_addr(
         )
     workdir = tmp_path_factory.mktemp("executor-2")
     log_path, port_file = workdir / "executor.log", workdir / "port"
-    process = _start_local_executor(log_path, port_file, internal_auth.token)
+    process = _start_local_executor(log_path, port_file, role_tokens.env("executor"))
     port = _wait_for_port(process, port_file, log_path)
     yield f"127.0.0.1:{port}"
     process.terminate()
     assert process.wait(timeout=30) == 0, log_path.read_text()[-3000:]
 
 
-def _connect(addr: str, auth: InternalAuth, seed: int = 0) -> Executor:
+def _connect(addr: str, auth: InternalAuth, exporter: InternalAuth, seed: int = 0) -> Executor:
     """`seed`: the order blocks are handed out in (the second executor's differs, so that a
     block id never means the same block on both)."""
     channel = auth.channel(addr)
@@ -229,21 +253,28 @@ def _connect(addr: str, auth: InternalAuth, seed: int = 0) -> Executor:
     free = list(range(info.num_blocks))
     random.Random(seed).shuffle(free)
     blocks = Blocks(free=free, free_cpu=list(range(info.num_cpu_blocks)))
-    return Executor(stub=stub, channel=channel, info=info, blocks=blocks, address=addr)
+    export_channel = exporter.channel(addr)
+    return Executor(stub=stub, channel=channel, info=info, blocks=blocks,
+                    export_stub=pb_grpc.ExecutorServiceStub(export_channel),
+                    export_channel=export_channel, address=addr)
 
 
 @pytest.fixture(scope="session")
-def executor(executor_addr: str, internal_auth: InternalAuth) -> Iterator[Executor]:
-    connected = _connect(executor_addr, internal_auth)
+def executor(executor_addr: str, internal_auth: InternalAuth,
+             executor_auth: InternalAuth) -> Iterator[Executor]:
+    connected = _connect(executor_addr, internal_auth, executor_auth)
     yield connected
     connected.channel.close()
+    connected.export_channel.close()
 
 
 @pytest.fixture(scope="session")
-def second_executor(second_executor_addr: str, internal_auth: InternalAuth) -> Iterator[Executor]:
-    connected = _connect(second_executor_addr, internal_auth, seed=1)
+def second_executor(second_executor_addr: str, internal_auth: InternalAuth,
+                    executor_auth: InternalAuth) -> Iterator[Executor]:
+    connected = _connect(second_executor_addr, internal_auth, executor_auth, seed=1)
     yield connected
     connected.channel.close()
+    connected.export_channel.close()
 
 
 @dataclass(frozen=True, slots=True)

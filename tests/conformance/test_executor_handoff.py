@@ -66,7 +66,7 @@ def test_export_streams_each_block_in_table_order_with_its_crc(executor: Executo
     layout, num_blocks = executor.info.kv_layout, _blocks_for(executor, 37)
     try:
         for first in (0, 1):
-            blocks = list(executor.stub.ExportKV(pb.ExportKVRequest(
+            blocks = list(executor.export_stub.ExportKV(pb.ExportKVRequest(
                 request_id=rid, first_block_index=first, num_blocks=num_blocks - first,
                 num_tokens=37, layout=layout), timeout=60))
             assert [b.block_index for b in blocks] == list(range(first, num_blocks))
@@ -88,7 +88,7 @@ def test_export_refuses_with_the_contract_statuses(executor: Executor) -> None:
         args: dict[str, Any] = {"request_id": rid, "num_blocks": n, "num_tokens": 20,
                                 "layout": layout, **fields}
         request = pb.ExportKVRequest(**args)
-        return lambda: executor.stub.ExportKV(request, timeout=30)
+        return lambda: executor.export_stub.ExportKV(request, timeout=30)
 
     other = pb.KVLayout()
     other.CopyFrom(layout)

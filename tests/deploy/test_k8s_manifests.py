@@ -20,13 +20,13 @@ import pytest
 
 from allocator_svc.settings import parse_settings as parse_allocator_settings
 from common.config import env_name
-from common.credentials import CredentialsError, load_internal_auth, read_token
+from common.credentials import CredentialsError, load_internal_auth, read_token, token_digest
 from common.sharding import shard_of
 from executor_svc.settings import parse_bytes
 from gateway.api.tenants import load_api_keys
 from tests.deploy.kube_objects import K8S_DIR, POD_INDEX, Rendered, labels_of, overlay, render
 from tests.deploy.network_policy import selects
-from tools.make_secret import make_secret
+from tools.make_secret import make_role_credentials, make_secret
 
 K8S_VERSION = "1.30"
 OVERLAYS = ("cpu", "gpu", "cpu-sharded")
@@ -34,7 +34,8 @@ REPO = K8S_DIR.parents[1]
 # Variables a container may set that are no flag: HOME (the root filesystem is read-only; it
 # points at /tmp) and torch's thread count.
 NON_FLAG_ENV = {"HOME", "OMP_NUM_THREADS"}
-SECRET_FILE_FLAGS = ("--internal-token-file", "--api-keys-file", "--salt-secret-file",
+SECRET_FILE_FLAGS = ("--role-token-file", "--caller-digests-file", "--api-keys-file",
+                     "--salt-secret-file",
                      "--tls-cert", "--tls-key", "--tls-ca", "--public-tls-cert",
                      "--public-tls-key")
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
@@ -152,12 +153,19 @@ def test_gateway_startup_probe_outlasts_its_connect_timeout(rendered: Rendered) 
 
 
 def test_secret_files_are_mounted_where_the_flags_point(rendered: Rendered) -> None:
-    # Every credential file a flag names is a key of a Secret mounted at that path; all three
-    # services hold the same internal token, and none runs --insecure.
-    token_secrets = set()
+    # Every credential file a flag names is a key of a Secret mounted at that path; each
+    # service holds its own role's token and no other's (three Secrets, one each), the
+    # allocator and executors the callers' digests, and none runs --insecure.
+    token_secrets = {}
     for container in rendered.containers():
         env = rendered.env(container)
-        assert env.get("PAGEDKV_INTERNAL_TOKEN_FILE") and "PAGEDKV_INSECURE" not in env
+        assert env.get("PAGEDKV_ROLE_TOKEN_FILE") and "PAGEDKV_INSECURE" not in env
+        assert "PAGEDKV_INTERNAL_TOKEN_FILE" not in env
+        assert bool(env.get("PAGEDKV_CALLER_DIGESTS_FILE")) == (container.service != "gateway")
+        mounted = {name for name in ("pagedkv-gateway-token", "pagedkv-allocator-token",
+                                     "pagedkv-executor-token")
+                   if any(name in str(v) for v in container.pod["volumes"])}
+        assert len(mounted) == 1, (container.service, mounted)
         for flag in SECRET_FILE_FLAGS:
             path = env.get(env_name(flag))
             if not path:
@@ -166,9 +174,11 @@ def test_secret_files_are_mounted_where_the_flags_point(rendered: Rendered) -> N
             assert found, f"{rendered.name}: {container.service} {flag} {path}: no Secret there"
             name, key = found
             assert key in rendered.secret_data(name)
-            if flag == "--internal-token-file":
-                token_secrets.add(name)
-    assert len(token_secrets) == 1
+            if flag == "--role-token-file":
+                token_secrets[container.workload["metadata"]["name"]] = name.rsplit("-", 1)[0]
+    assert sorted(token_secrets.values()) == ["pagedkv-allocator-token",
+                                              "pagedkv-executor-token", "pagedkv-gateway-token"]
+    assert all(name == f"pagedkv-{workload}-token" for workload, name in token_secrets.items())
 
 
 def test_gateways_replicated_with_shared_keys_and_salt(rendered: Rendered) -> None:
@@ -214,11 +224,12 @@ def test_allocator_pods_start_as_their_own_shard(rendered: Rendered, tmp_path: P
     # start.
     container = rendered.container("allocator")
     num_shards = container.workload["spec"]["replicas"]
-    token = tmp_path / "internal-token"
-    make_secret(token)
+    make_role_credentials(tmp_path)
+    files = {"PAGEDKV_ROLE_TOKEN_FILE": str(tmp_path / "allocator" / "role-token"),
+             "PAGEDKV_CALLER_DIGESTS_FILE": str(tmp_path / "allocator" / "caller-digests")}
     for ordinal in range(num_shards + 1):
         env = rendered.env(container, ordinal)
-        _use_pagedkv_env(monkeypatch, {**env, "PAGEDKV_INTERNAL_TOKEN_FILE": str(token)})
+        _use_pagedkv_env(monkeypatch, {**env, **files})
         if ordinal == num_shards:
             with pytest.raises(SystemExit):
                 parse_allocator_settings(container.spec.get("args", []))
@@ -295,12 +306,24 @@ def test_placeholder_secrets_are_refused_by_the_services(tmp_path: Path) -> None
     gateway = rendered.container("gateway")
     env = rendered.env(gateway)
     files = {}
-    for flag in ("--internal-token-file", "--api-keys-file", "--salt-secret-file"):
+    for flag in ("--role-token-file", "--api-keys-file", "--salt-secret-file"):
         name, key = rendered.secret_file(gateway, env[env_name(flag)]) or ("", "")
         files[flag] = tmp_path / key
         files[flag].write_bytes(rendered.secret_data(name)[key])
     with pytest.raises(CredentialsError, match="at least 16"):
-        load_internal_auth(str(files["--internal-token-file"]), "", "", "", False)
+        load_internal_auth(str(files["--role-token-file"]), "", "", "", False, serves=False)
+    for service in ("allocator", "executor"):
+        container = rendered.container(service)
+        path = rendered.env(container)["PAGEDKV_ROLE_TOKEN_FILE"]
+        name, key = rendered.secret_file(container, path) or ("", "")
+        (tmp_path / service).write_bytes(rendered.secret_data(name)[key])
+        with pytest.raises(CredentialsError, match="at least 16"):
+            load_internal_auth(str(tmp_path / service), "", "", "", False)
+        path = rendered.env(container)["PAGEDKV_CALLER_DIGESTS_FILE"]
+        name, key = rendered.secret_file(container, path) or ("", "")
+        (tmp_path / "digests").write_bytes(rendered.secret_data(name)[key])
+        with pytest.raises(CredentialsError, match="no digests"):
+            load_internal_auth("", "", "", "", False, str(tmp_path / "digests"))
     with pytest.raises(CredentialsError, match="no keys"):
         load_api_keys(str(files["--api-keys-file"]))
     with pytest.raises(CredentialsError, match="empty"):
@@ -310,7 +333,13 @@ def test_placeholder_secrets_are_refused_by_the_services(tmp_path: Path) -> None
 LOCAL_OVERLAY = """\
 resources: [{overlay}]
 secretGenerator:
-  - {{name: pagedkv-internal-token, behavior: replace, files: [internal-token]}}
+  - {{name: pagedkv-gateway-token, behavior: replace, files: [role-token=gateway/role-token]}}
+  - {{name: pagedkv-allocator-token, behavior: replace,
+     files: [role-token=allocator/role-token]}}
+  - {{name: pagedkv-executor-token, behavior: replace,
+     files: [role-token=executor/role-token]}}
+  - {{name: pagedkv-caller-digests, behavior: replace,
+     files: [caller-digests=allocator/caller-digests]}}
   - {{name: pagedkv-api-keys, behavior: replace, files: [api-keys]}}
   - {{name: pagedkv-salt-secret, behavior: replace, files: [salt-secret]}}
 """
@@ -320,20 +349,26 @@ secretGenerator:
 def test_local_overlay_replaces_every_placeholder(tmp_path: Path, base: str) -> None:
     # The README's recipe: generated secrets in an overlay of one's own over overlays/cpu
     # (or cpu-sharded); every pod then reads them, and the services accept them.
-    make_secret(tmp_path / "internal-token")
+    make_role_credentials(tmp_path)
     make_secret(tmp_path / "salt-secret")
     (tmp_path / "api-keys").write_text(f"{secrets.token_urlsafe(24)} team-a\n")
     target = os.path.relpath(K8S_DIR / "overlays" / base, tmp_path)
     (tmp_path / "kustomization.yaml").write_text(LOCAL_OVERLAY.format(overlay=target))
     rendered = Rendered("local", render(tmp_path))
-    assert len(rendered.of_kind("Secret")) == 3
+    assert len(rendered.of_kind("Secret")) == 6
     for container in rendered.containers():
-        env = rendered.env(container)
-        for flag in ("--internal-token-file", "--api-keys-file", "--salt-secret-file"):
+        env, role = rendered.env(container), container.workload["metadata"]["name"]
+        sources = {"--role-token-file": tmp_path / role / "role-token",
+                   "--caller-digests-file": tmp_path / "allocator" / "caller-digests",
+                   "--api-keys-file": tmp_path / "api-keys",
+                   "--salt-secret-file": tmp_path / "salt-secret"}
+        for flag, source in sources.items():
             if env_name(flag) in env:
                 name, key = rendered.secret_file(container, env[env_name(flag)]) or ("", "")
-                assert rendered.secret_data(name)[key] == (tmp_path / key).read_bytes()
-    assert load_internal_auth(str(tmp_path / "internal-token"), "", "", "", False).token
+                assert rendered.secret_data(name)[key] == source.read_bytes(), (role, flag)
+        auth = load_internal_auth(str(sources["--role-token-file"]), "", "", "", False,
+                                  str(sources["--caller-digests-file"]))
+        assert (token_digest(auth.token), role) in auth.callers
     assert load_api_keys(str(tmp_path / "api-keys"))
 
 

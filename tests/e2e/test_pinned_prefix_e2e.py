@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from e2e_stack import Clients, generate, prompts, reference_greedy, sampling, start_stack
 
-from common.credentials import INTERNAL_TOKEN_ENV
+from common.credentials import ROLE_TOKEN_ENV
 from pagedkv.allocator.v1 import allocator_pb2 as apb
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
 from tools import pin as pin_tool
@@ -41,7 +41,7 @@ def test_a_pinned_system_prompt_survives_eviction_pressure(tmp_path: Path,
                                        str(NUM_BLOCKS)))
     clients = Clients(stack)
     try:
-        monkeypatch.setenv(INTERNAL_TOKEN_ENV, stack.internal_token)
+        monkeypatch.setenv(ROLE_TOKEN_ENV, stack.internal_auth.token)  # the gateway's
         (pool,) = clients.pools()
         system = next(prompts(1, SYSTEM_TOKENS, seed=901))
         tool = ["--allocator-addr", stack.allocator_addr, "--pool", pool.pool_id]

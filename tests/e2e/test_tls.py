@@ -38,16 +38,17 @@ def test_a_stack_on_mutual_tls_serves_and_refuses_strangers(tmp_path: Path):
                 gpb_grpc.GatewayServiceStub(channel).Tokenize(gpb.TokenizeRequest(text="hi"),
                                                               timeout=5)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        # The stack's own credentials work (the gateway's certificate and the token)...
+        # The stack's own credentials work (the gateway's certificate and its token)...
         with stack.internal_auth.channel(stack.allocator_addr) as channel:
             pools = apb_grpc.AllocatorServiceStub(channel).GetStats(apb.GetStatsRequest()).pools
         assert len(pools) == 1
         # ... a plaintext caller, and one whose certificate another CA signed, get nothing
-        # (even with the right token).
+        # (even with the gateway's token).
         other = tmp_path / "other-ca"
+        gateway_token = stack.internal_auth.token
         strangers = [
-            InternalAuth(token=stack.internal_token),
-            InternalAuth(token=stack.internal_token,
+            InternalAuth(token=gateway_token),
+            InternalAuth(token=gateway_token,
                          tls=TlsFiles(str(other / "gateway.pem"), str(other / "gateway-key.pem"),
                                       str(tmp_path / "certs" / "ca.pem"))),
         ]
@@ -57,19 +58,28 @@ def test_a_stack_on_mutual_tls_serves_and_refuses_strangers(tmp_path: Path):
                     apb_grpc.AllocatorServiceStub(channel).GetStats(apb.GetStatsRequest(),
                                                                     timeout=5)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        # A certificate's name is its role: an executor's may not call the allocator; the
-        # allocator's may Describe an executor (to confirm a pool reset) but not run steps.
+        # A certificate's name is its role, and so is a token's: both must be allowed. An
+        # executor's certificate may not call the allocator, even with a gateway's token, nor
+        # an executor's token with a gateway's certificate; the allocator's may Describe an
+        # executor (to confirm a pool reset) but not run steps.
         certs = tmp_path / "certs"
 
-        def as_role(role: str) -> InternalAuth:
-            return InternalAuth(token=stack.internal_token, tls=TlsFiles(
+        def as_role(role: str, token_role: str = "") -> InternalAuth:
+            return InternalAuth(token=stack.role_auth(token_role or role).token, tls=TlsFiles(
                 str(certs / f"{role}.pem"), str(certs / f"{role}-key.pem"), str(certs / "ca.pem")))
 
-        with as_role("executor").channel(stack.allocator_addr) as channel:
-            with pytest.raises(grpc.RpcError) as err:
-                apb_grpc.AllocatorServiceStub(channel).GetStats(apb.GetStatsRequest(), timeout=5)
-        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert "'executor' may not call GetStats" in (err.value.details() or "")
+        for auth, message in (
+            (as_role("executor", "gateway"),
+             "a certificate for 'executor' (role none) may not call GetStats: only gateway may"),
+            (as_role("gateway", "executor"),
+             "the executor role's token may not call GetStats: only gateway may"),
+        ):
+            with auth.channel(stack.allocator_addr) as channel:
+                with pytest.raises(grpc.RpcError) as err:
+                    apb_grpc.AllocatorServiceStub(channel).GetStats(apb.GetStatsRequest(),
+                                                                    timeout=5)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert (err.value.details() or "").startswith(message), err.value.details()
         executor_addr = stack.executor_addrs()[0]
         with as_role("allocator").channel(executor_addr) as channel:
             stub = epb_grpc.ExecutorServiceStub(channel)

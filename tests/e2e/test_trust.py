@@ -1,5 +1,6 @@
 """Trust through the whole stack (real subprocesses): API keys and tenants at the public door,
-closed internal services, and bounded inputs that cannot stall or bloat the gateway."""
+closed internal services where the caller's role decides what it may call, and bounded inputs
+that cannot stall or bloat the gateway."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ from e2e_stack import (
 
 from common.credentials import with_metadata
 from gateway.api.tenants import Tenancy, load_tenancy
+from pagedkv.allocator.v1 import allocator_pb2 as apb
+from pagedkv.allocator.v1 import allocator_pb2_grpc as apb_grpc
+from pagedkv.executor.v1 import executor_pb2 as epb
+from pagedkv.executor.v1 import executor_pb2_grpc as epb_grpc
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
 from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
 
@@ -88,7 +93,7 @@ def test_prefix_hits_never_cross_tenants(clients: Clients):
     again = run(clients, request, KEY_A)
     assert first.usage.cached_prompt_tokens == 0 and again.usage.cached_prompt_tokens >= 32
     # Even A's own derived salt, sent by B as its salt, is joined under B's.
-    tenancy = load_tenancy("", "", clients.stack.internal_token)
+    tenancy = load_tenancy("", "", clients.stack.internal_auth.token)  # the gateway's
     a_salt = Tenancy({KEY_A: "tenant-a"}, tenancy.salt_secret).cache_salt("tenant-a", "")
     for salt in ("", "tenant-a", a_salt):
         salted = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(4),
@@ -108,6 +113,79 @@ def test_a_stranger_gets_nothing_from_the_internal_services(clients: Clients, se
         with pytest.raises(grpc.RpcError) as err:
             channel.unary_unary(method)(b"", timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_lower_case_bearer_is_the_same_scheme(clients: Clients):
+    # RFC 7235: the scheme's name is case-insensitive (`bearer` was refused).
+    request = gpb.TokenizeRequest(text="hi")
+    for scheme in ("bearer", "BEARER"):
+        reply = clients.gateway.Tokenize(request, metadata=(("authorization",
+                                                              f"{scheme} {KEY_A}"),), timeout=10)
+        assert list(reply.token_ids)
+
+
+def _denied(call: Any) -> str:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+    return str(err.value.details())
+
+
+def test_an_executors_credential_can_neither_poison_the_cache_nor_read_prompts(clients: Clients):
+    # Issue 30: an executor's token (every executor holds one) once stepped and freed with a
+    # commit and no Execute, filling a tenant's prefix cache with blocks no model computed,
+    # and read every tenant's prompts through GetEvents. Now every such call is refused, and
+    # an innocent request of that prompt gets no cached tokens and the reference's output.
+    stack = clients.stack
+    (pool,) = clients.pools()
+    prompt = next(prompts(1, 70, seed=421))
+    with stack.role_auth("executor").channel(stack.allocator_addr) as channel:
+        allocator = apb_grpc.AllocatorServiceStub(channel)
+        calls = {
+            "CreateLease": lambda: allocator.CreateLease(apb.CreateLeaseRequest(), timeout=10),
+            "Step": lambda: allocator.Step(apb.StepRequest(
+                pool_id=pool.pool_id, epoch=pool.epoch, lease_id="any", items=[apb.StepItem(
+                    request_id="poison", prompt_token_ids=prompt, num_tokens=len(prompt))]),
+                timeout=10),
+            "Free": lambda: allocator.Free(apb.FreeRequest(
+                pool_id=pool.pool_id, epoch=pool.epoch, lease_id="any", request_ids=["poison"],
+                commits=[apb.Commit(request_id="poison", num_computed_tokens=len(prompt))]),
+                timeout=10),
+            "Abort": lambda: allocator.Abort(apb.AbortRequest(
+                pool_id=pool.pool_id, epoch=pool.epoch, lease_id="any", request_ids=["x"]),
+                timeout=10),
+            "GetEvents": lambda: allocator.GetEvents(apb.GetEventsRequest(
+                pool_id=pool.pool_id), timeout=10),
+            "RegisterPool": lambda: allocator.RegisterPool(apb.RegisterPoolRequest(
+                pool_id="not-mine", num_blocks=16, block_size=16,
+                model_fingerprint="x", executor_instance_id="y"), timeout=10),
+        }
+        for method, call in calls.items():
+            assert _denied(call) == (
+                f"the executor role's token may not call {method}: only gateway may")
+    executor_addr = stack.executor_addrs()[0]
+    with stack.role_auth("executor").channel(executor_addr) as channel:
+        executor = epb_grpc.ExecutorServiceStub(channel)
+        assert _denied(lambda: executor.Execute(epb.ExecuteRequest(), timeout=10)) == (
+            "the executor role's token may not call Execute: only gateway may")
+    with stack.internal_auth.channel(executor_addr) as channel:  # the gateway's
+        assert epb_grpc.ExecutorServiceStub(channel).Describe(epb.DescribeRequest(),
+                                                              timeout=10).instance_id
+    request = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(4))
+    innocent = run(clients, request, KEY_A)
+    assert innocent.usage.cached_prompt_tokens == 0
+    assert tuple(innocent.token_ids) == reference_greedy(tuple(prompt), 4)
+
+
+def test_no_log_line_of_the_stack_names_a_lease_id(clients: Clients):
+    # A lease id is a capability (an Abort under it passes): the allocator's and gateway's
+    # logs name leases by tag.
+    log_dir = Path(str(clients.stack.spec.log_dir))
+    lines = [line for name in ("allocator.log", "gateway.log")
+             for line in (log_dir / name).read_text().splitlines()]
+    leased = [line for line in lines if "lease_created" in line or "lease_acquired" in line]
+    assert leased and all("lease=lease-" in line for line in leased), leased
+    assert not [line for line in lines if "lease_id=" in line or '"lease_id"' in line]
 
 
 def _rss_bytes(pid: int) -> int:

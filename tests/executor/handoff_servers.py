@@ -1,5 +1,5 @@
 """Helpers for the KV hand-off tests: executors served in process on loopback (port 0, the
-internal token required), a client that plays the gateway over gRPC, and a test-only source
+role tokens required), a client that plays the gateway over gRPC, and a test-only source
 whose ExportKV breaks the stream on purpose."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from common.auth import internal_authenticator
-from common.credentials import InternalAuth
+from common.auth import Access, internal_authenticator
+from common.credentials import InternalAuth, RoleTokens
 from common.server import Server, start_server
 from executor_svc.kv_transfer import crc32
 from executor_svc.runner_api import StepRunner
@@ -21,7 +21,11 @@ from executor_svc.service import SERVICE_NAME, ExecutorServicer, StepMetrics
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 
-AUTH = InternalAuth(token="handoff-test-token-0123456789")
+# The tests play the gateway (AUTH); the executors' servicers pull KV from each other with
+# the executor's token (EXECUTOR_AUTH).
+TOKENS = RoleTokens.new()
+AUTH = TOKENS.auth("gateway")
+EXECUTOR_AUTH = TOKENS.auth("executor")
 
 
 @dataclass(slots=True)
@@ -52,7 +56,10 @@ class Served:
         self.thread.join(timeout=10)
 
 
-def serve(servicer: object, auth: InternalAuth = AUTH) -> Served:
+def serve(servicer: object, auth: InternalAuth = AUTH, access: Access | None = None,
+          client: InternalAuth | None = None) -> Served:
+    """`access`: the method table (None: any role); `client`: the test's own credentials
+    (None: `auth`)."""
     loop = asyncio.new_event_loop()
     started: Future[Server] = Future()
 
@@ -60,18 +67,18 @@ def serve(servicer: object, auth: InternalAuth = AUTH) -> Served:
         asyncio.set_event_loop(loop)
         started.set_result(loop.run_until_complete(start_server(
             [(servicer, SERVICE_NAME)], "127.0.0.1", 0,
-            authenticator=internal_authenticator(auth))))
+            authenticator=internal_authenticator(auth), access=access)))
         loop.run_forever()
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     server = started.result(timeout=30)
-    channel = auth.channel(f"127.0.0.1:{server.port}")
+    channel = (client or auth).channel(f"127.0.0.1:{server.port}")
     return Served(servicer, server, loop, thread, channel, pb_grpc.ExecutorServiceStub(channel))
 
 
 def serve_runner(runner: StepRunner, metrics: StepMetrics | None = None) -> Served:
-    return serve(ExecutorServicer(runner, metrics=metrics, auth=AUTH))
+    return serve(ExecutorServicer(runner, metrics=metrics, auth=EXECUTOR_AUTH))
 
 
 @dataclass(slots=True)

@@ -15,10 +15,13 @@ import pytest
 from structlog.testing import capture_logs
 from transformers import PreTrainedModel
 
+from common.auth import Access
+from common.credentials import RoleTokens
 from common.metrics import service_registry
 from executor_svc.kv_transfer import crc32
 from executor_svc.runner import ModelRunner, build_runner
-from executor_svc.service import StepMetrics
+from executor_svc.service import ExecutorServicer, StepMetrics
+from executor_svc.serving import METHOD_ROLES
 from gateway.clients.call_failures import Lost, Stale, Unknown
 from gateway.clients.executor_client import (
     ExecutorClient,
@@ -27,8 +30,17 @@ from gateway.clients.executor_client import (
     KVLayout,
 )
 from pagedkv.executor.v1 import executor_pb2 as pb
+from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 
-from .handoff_servers import AUTH, FaultySource, Gateway, Served, serve, serve_runner
+from .handoff_servers import (
+    AUTH,
+    EXECUTOR_AUTH,
+    FaultySource,
+    Gateway,
+    Served,
+    serve,
+    serve_runner,
+)
 from .oracle import make_settings, random_prompts, reference_generate, reference_model
 
 NUM_BLOCKS = 64
@@ -204,7 +216,7 @@ def test_kv_handoff_a_broken_stream_is_data_loss(executors: dict[str, Served],
     assert target.step(f"after-{fault}", [5, 6, 7], new=True) >= 0
 
 
-def test_kv_handoff_needs_the_internal_token(executors: dict[str, Served]) -> None:
+def test_kv_handoff_needs_the_executors_token(executors: dict[str, Served]) -> None:
     # ExportKV without the token is UNAUTHENTICATED; a source with another token refuses the
     # target, which says so as FAILED_PRECONDITION (a deployment's credentials differ).
     source, target = _gateways(executors)
@@ -213,7 +225,7 @@ def test_kv_handoff_needs_the_internal_token(executors: dict[str, Served]) -> No
         with pytest.raises(grpc.RpcError) as info:
             list(call(pb.ExportKVRequest(request_id="x").SerializeToString(), timeout=10))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    stranger = serve(FaultySource("crc", 8), auth=type(AUTH)(token="another-token-0123456789"))
+    stranger = serve(FaultySource("crc", 8), auth=RoleTokens.new().auth("executor"))
     try:
         code, details = _code(lambda: target.import_kv(stranger.address, "r", 37, [50, 51, 52]))
     finally:
@@ -310,3 +322,37 @@ def test_kv_handoff_runs_beside_steps_on_other_blocks(
                                      NUM_NEW)]
     assert moved == reference_generate(reference, prompt, NUM_NEW + 1)
     assert busy_out == reference_generate(reference, busy_prompt, 24)
+
+
+def test_kv_handoff_under_the_role_table_executors_export_and_gateways_execute() -> None:
+    # The executors' method table (executor_svc.serving): the hand-off passes (the gateway
+    # asks ImportKV, the target pulls ExportKV with the executor's token); a gateway's token
+    # may not ExportKV, an executor's may not Execute, Release, ImportKV or Describe.
+    a, b = (serve(ExecutorServicer(_runner(), auth=EXECUTOR_AUTH), access=Access(METHOD_ROLES))
+            for _ in range(2))
+    try:
+        source, target = Gateway.of(a, list(range(32))), Gateway.of(b, list(range(32, 64)))
+        prompt = random_prompts(512, [20], seed=5)[0]
+        source.step("roles", prompt, new=True)
+        assert target.import_kv(a.address, "roles", 20, target.take(2)).num_blocks == 2
+        code, details = _code(lambda: a.stub.ExportKV(
+            pb.ExportKVRequest(request_id="roles", num_blocks=2), timeout=10))
+        assert (code, details) == (grpc.StatusCode.PERMISSION_DENIED,
+                                   "the gateway role's token may not call ExportKV: only "
+                                   "executor may")
+        with EXECUTOR_AUTH.channel(a.address) as channel:
+            stub = pb_grpc.ExecutorServiceStub(channel)
+            for name, request, only in (
+                ("Execute", pb.ExecuteRequest(), "gateway"),
+                ("Release", pb.ReleaseRequest(), "gateway"),
+                ("ImportKV", pb.ImportKVRequest(), "gateway"),
+                ("Describe", pb.DescribeRequest(), "allocator, gateway"),
+            ):
+                code, details = _code(
+                    lambda name=name, request=request: getattr(stub, name)(request, timeout=10))
+                assert (code, details) == (
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"the executor role's token may not call {name}: only {only} may")
+    finally:
+        a.close()
+        b.close()

@@ -38,7 +38,8 @@ def test_main_rejects_a_bad_role_in_one_line() -> None:
 
 def test_main_refuses_to_start_without_internal_credentials() -> None:
     # Closed by default: no token, no TLS and no explicit --insecure is a usage error.
-    env = {k: v for k, v in os.environ.items() if k != "PAGEDKV_INTERNAL_TOKEN"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PAGEDKV_ROLE_TOKEN", "PAGEDKV_CALLER_DIGESTS", "PAGEDKV_INTERNAL_TOKEN")}
     result = subprocess.run([sys.executable, "-m", "executor_svc", "--port", "0"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2 and "no internal credentials" in result.stderr

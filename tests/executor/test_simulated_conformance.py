@@ -5,11 +5,12 @@ EXECUTOR_ADDR_2=...`: the second for KV hand-off)."""
 from __future__ import annotations
 
 import os
-import secrets
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from common.credentials import RoleTokens
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,8 +31,11 @@ def _start(tmp_path: Path, name: str, env: dict[str, str]) -> tuple[subprocess.P
 def test_simulated_executor_passes_the_conformance_suite(tmp_path: Path) -> None:
     # Everything passes but the two cases about logits processors' numerics, which the
     # suite skips for a simulated executor (Describe's backend), saying why.
-    token = secrets.token_urlsafe(24)
-    env = {**os.environ, "PAGEDKV_INTERNAL_TOKEN": token}
+    tokens = RoleTokens.new()
+    # The executors get theirs; the suite plays the gateway, and an executor for ExportKV.
+    env = {**os.environ, **tokens.env("executor")}
+    suite_env = {**env, "PAGEDKV_ROLE_TOKEN": tokens.token("gateway"),
+                 "PAGEDKV_EXECUTOR_TOKEN": tokens.token("executor")}
     started = [_start(tmp_path, name, env) for name in ("first", "second")]
     try:
         deadline = time.monotonic() + 30
@@ -45,7 +49,7 @@ def test_simulated_executor_passes_the_conformance_suite(tmp_path: Path) -> None
         suite = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-rs", "tests/conformance",
              f"--executor-addr={first}", f"--executor-addr-2={second}"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+            cwd=ROOT, env=suite_env, capture_output=True, text=True, timeout=300,
         )
     finally:
         for process, _, log_path in started:

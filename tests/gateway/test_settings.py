@@ -86,7 +86,7 @@ def test_a_step_log_that_cannot_be_written_is_refused_in_one_line(tmp_path: Path
 def test_without_internal_credentials_the_gateway_refuses_to_start(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ):
-    monkeypatch.delenv("PAGEDKV_INTERNAL_TOKEN", raising=False)
+    monkeypatch.delenv("PAGEDKV_ROLE_TOKEN", raising=False)
     with pytest.raises(SystemExit) as info:
         load_with_credentials([])
     assert info.value.code == 2 and "no internal credentials" in capsys.readouterr().err
@@ -97,19 +97,22 @@ def test_credentials_come_from_a_token_file_the_environment_or_tls(
 ):
     token_file = tmp_path / "token"
     token_file.write_text("a-token-of-enough-characters\n")
-    settings = load_with_credentials(["--internal-token-file", str(token_file)])
+    settings = load_with_credentials(["--role-token-file", str(token_file)])
+    # The gateway is a client of the internal services only: its own token, no digests.
     assert settings.internal_auth.token == "a-token-of-enough-characters"
-    monkeypatch.setenv("PAGEDKV_INTERNAL_TOKEN", "another-token-from-the-env")
+    assert settings.internal_auth.callers == ()
+    monkeypatch.setenv("PAGEDKV_ROLE_TOKEN", "another-token-from-the-env")
     assert load_with_credentials([]).internal_auth.token == "another-token-from-the-env"
-    monkeypatch.setenv("PAGEDKV_INTERNAL_TOKEN", "short")
+    monkeypatch.setenv("PAGEDKV_ROLE_TOKEN", "short")
     with pytest.raises(SystemExit):
         load_with_credentials([])
-    assert "the internal token has 5 characters; use at least 16" in capsys.readouterr().err
-    monkeypatch.delenv("PAGEDKV_INTERNAL_TOKEN")
+    assert "the role token has 5 characters; use at least 16" in capsys.readouterr().err
+    monkeypatch.delenv("PAGEDKV_ROLE_TOKEN")
     for argv, message in [
         (["--tls-cert", "c.pem"], "mutual TLS needs all three of"),
         (["--tls-cert", "c", "--tls-key", "k", "--tls-ca", "ca"], "cannot read TLS file c"),
-        (["--internal-token-file", str(tmp_path / "absent")], "cannot read it"),
+        (["--role-token-file", str(tmp_path / "absent")], "cannot read it"),
+        (["--internal-token-file", str(token_file)], "the shared internal token is gone"),
     ]:
         with pytest.raises(SystemExit) as info:
             load_with_credentials(argv)
