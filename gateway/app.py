@@ -312,6 +312,10 @@ class Fleet:
 async def start_gateway(settings: GatewaySettings) -> Gateway:
     """The engines on their own loop and thread (engine/host.py), the public server here."""
     tokenizer = Tokenizer.load(settings.model)
+    if tokenizer.bound is None:
+        log.warning("prompt_bound_off", detail="this tokenizer's rules give no sound bound on "
+                    "the bytes a token covers: prompts up to --max-prompt-bytes are tokenized "
+                    "whole before their length is checked")
     tenancy = load_tenancy(settings.api_keys_file, settings.salt_secret_file,
                            settings.internal_auth.token)
     if tenancy.multi_tenant:

@@ -1,9 +1,13 @@
 """The gateway's core behind the servicer: tokenize, validate, submit, collect deltas.
 
-Tokenizing (and rendering a chat template) runs on a thread of its own, never on the event
-loop that serves every stream, and only after the text's size is checked: a prompt over
---max-prompt-bytes is refused at once. Detokenizing and stop strings run on this loop, as the
-engine's deltas arrive (text/output.py), never on the engine's.
+Tokenizing (and rendering a chat template) runs on tokenizer threads, never on the event loop
+that serves every stream, and only after the text's size is checked: a prompt over
+--max-prompt-bytes is refused at once, and so is one longer than max_model_len tokens could
+ever spell (text/token_bound.py), so the tokenizer never sees more than that bound. Short
+prompts have a thread of their own: they never queue behind long ones, and the long ones
+share a few threads (the fast tokenizers release the GIL while they work). Detokenizing and
+stop strings run on this loop, as the engine's deltas arrive (text/output.py), never on the
+engine's.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from gateway.api.sampling import (
     RawSampling,
     check_ids,
     check_prompt_bytes,
+    check_prompt_fits,
     validate,
     validate_prompt,
 )
@@ -41,6 +46,9 @@ from gateway.text.output import RequestOutput
 from gateway.text.tokenizer import ChatTurn, Tokenizer
 
 T = TypeVar("T")
+# A prompt of at most this many bytes tokenizes on the short lane (well under a millisecond).
+SHORT_PROMPT_BYTES = 16 << 10
+LONG_LANE_THREADS = 3
 
 log = structlog.get_logger(__name__)
 
@@ -76,8 +84,10 @@ class Frontend:
     # (tenant, sequence id), each with its request's id.
     active: dict[tuple[str, str], Request] = field(default_factory=dict)
     seq_owners: dict[tuple[str, str], str] = field(default_factory=dict)
-    text_thread: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
+    short_lane: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer-short"))
+    long_lane: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        LONG_LANE_THREADS, thread_name_prefix="tokenizer-long"))
     # This gateway run's sequence-id namespace (seq_ids.py): unique per start.
     id_namespace: str = field(default_factory=lambda: f"{secrets.token_hex(4)}/")
     metrics: GatewayMetrics | None = None
@@ -91,8 +101,23 @@ class Frontend:
             self.tenant_requests[tenant] -= 1
 
     async def _encode(self, text: str) -> list[int]:
-        check_prompt_bytes(_utf8_len(text), self.max_prompt_bytes)
-        return await self._off_loop(self.tokenizer.encode, text)
+        num_bytes = _utf8_len(text)
+        check_prompt_bytes(num_bytes, self.max_prompt_bytes)
+        self._check_can_fit(text, num_bytes)
+        return await self._off_loop(num_bytes, self.tokenizer.encode, text)
+
+    def _check_can_fit(self, text: str, num_bytes: int) -> None:
+        """Refuse a text too long for max_model_len tokens, before tokenizing it."""
+        bound = self.tokenizer.bound
+        if bound is None or num_bytes < (self.limits.max_model_len - 1) * bound.max_token_bytes:
+            return  # it may fit (the usual case): no need to look closer
+        check_prompt_fits(bound.min_num_tokens(text), self.limits, at_least=True)
+
+    def _chat_ids(self, turns: list[ChatTurn]) -> list[int]:
+        """On a tokenizer thread: render, refuse what cannot fit, then tokenize."""
+        text = self.tokenizer.chat_text(turns)
+        self._check_can_fit(text, _utf8_len(text))
+        return self.tokenizer.encode_rendered(text)
 
     async def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
         if prompt.chat is not None:
@@ -101,16 +126,18 @@ class Frontend:
                     f"chat has {len(prompt.chat)} messages; at most {MAX_CHAT_MESSAGES}")
             size = sum(_utf8_len(t.content) + _utf8_len(t.role) for t in prompt.chat)
             check_prompt_bytes(size, self.max_prompt_bytes, "chat content")
-            return await self._off_loop(self.tokenizer.render_chat, prompt.chat)
+            return await self._off_loop(size, self._chat_ids, prompt.chat)
         if prompt.text:  # empty text is an empty prompt, not a lone BOS token
             return await self._encode(prompt.text)
         return list(prompt.token_ids or [])
 
-    async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.text_thread, fn, *args)
+    async def _off_loop(self, num_bytes: int, fn: Callable[..., T], *args: object) -> T:
+        lane = self.short_lane if num_bytes <= SHORT_PROMPT_BYTES else self.long_lane
+        return await asyncio.get_running_loop().run_in_executor(lane, fn, *args)
 
     def close(self) -> None:
-        self.text_thread.shutdown(wait=False, cancel_futures=True)
+        for lane in (self.short_lane, self.long_lane):
+            lane.shutdown(wait=False, cancel_futures=True)
 
     async def submit(
         self, prompt_input: PromptInput, raw: RawSampling, cache_salt: str, request_id: str,

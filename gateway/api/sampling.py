@@ -93,14 +93,20 @@ def check_ids(request_id: str, cache_salt: str) -> None:
         )
 
 
+def check_prompt_fits(num_tokens: int, limits: ModelLimits, at_least: bool = False) -> None:
+    """Room for the prompt and one token; `at_least`: a count known before tokenizing, the
+    fewest tokens the text can be (text/token_bound.py)."""
+    if num_tokens >= limits.max_model_len:
+        raise InvalidArgument(
+            f"prompt has {'at least ' if at_least else ''}{num_tokens} tokens; max_model_len "
+            f"is {limits.max_model_len} (prompt + completion): shorten the prompt"
+        )
+
+
 def validate_prompt(token_ids: list[int], limits: ModelLimits) -> None:
     if not token_ids:
         raise InvalidArgument("prompt is empty: send prompt text or prompt token_ids")
-    if len(token_ids) >= limits.max_model_len:
-        raise InvalidArgument(
-            f"prompt has {len(token_ids)} tokens; max_model_len is {limits.max_model_len} "
-            "(prompt + completion): shorten the prompt"
-        )
+    check_prompt_fits(len(token_ids), limits)
     bad = next((t for t in token_ids if t >= limits.vocab_size), None)
     if bad is not None:
         raise InvalidArgument(

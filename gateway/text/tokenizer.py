@@ -8,6 +8,7 @@ from typing import Any
 
 from common.errors import InvalidArgument
 from common.model_dirs import TOKENIZER_FILES, ModelDir, missing_model_message
+from gateway.text.token_bound import TokenBound, token_bound
 
 
 class TokenizerLoadError(RuntimeError):
@@ -29,6 +30,9 @@ class Tokenizer:
     # NOTE: the Rust tokenizer decodes ~3x faster than the transformers wrapper (3 vs 11 us
     # a call, twice per token per step); used when the wrapper adds no clean-up of its own.
     fast: Any = None
+    # The fewest tokens a text can be, known before tokenizing it (token_bound.py; None: this
+    # tokenizer's rules do not show one sound).
+    bound: TokenBound | None = None
 
     @classmethod
     def load(cls, path: str) -> Tokenizer:
@@ -47,7 +51,7 @@ class Tokenizer:
             raise TokenizerLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
         backend = getattr(hf, "backend_tokenizer", None)
         plain = not getattr(hf, "clean_up_tokenization_spaces", False)
-        return cls(hf=hf, fast=backend if plain else None)
+        return cls(hf=hf, fast=backend if plain else None, bound=token_bound(backend))
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -66,6 +70,10 @@ class Tokenizer:
 
     def render_chat(self, turns: list[ChatTurn]) -> list[int]:
         """Token ids of a conversation in the model's chat template, ready for the reply."""
+        return self.encode_rendered(self.chat_text(turns))
+
+    def chat_text(self, turns: list[ChatTurn]) -> str:
+        """A conversation in the model's chat template, as text (not yet tokenized)."""
         if not turns:
             raise InvalidArgument("chat: messages is empty; send at least one message")
         bad = next((t.role for t in turns if t.role not in CHAT_ROLES), None)
@@ -77,15 +85,21 @@ class Tokenizer:
             )
         messages = [{"role": t.role, "content": t.content} for t in turns]
         try:
-            rendered = self.hf.apply_chat_template(
+            return str(self.hf.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
-            )
+            ))
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
             raise InvalidArgument(
                 f"chat: the model's template rejected the messages: {exc}"
             ) from exc
+
+    def encode_rendered(self, rendered: str) -> list[int]:
+        """Token ids of a rendered chat (chat_text)."""
         # NOTE: the template writes the special tokens itself: encode without adding BOS.
-        return [int(t) for t in self.hf.encode(rendered, add_special_tokens=False)]
+        try:
+            return [int(t) for t in self.hf.encode(rendered, add_special_tokens=False)]
+        except Exception as exc:  # noqa: BLE001 - a tokenizer error is the caller's input
+            raise InvalidArgument(f"chat could not be tokenized: {exc}") from exc
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.fast is not None:
