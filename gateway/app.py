@@ -346,7 +346,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
     )
     frontend = Frontend(tokenizer=tokenizer, limits=limits, engines=host, info=info,
                         tenancy=tenancy, max_prompt_bytes=settings.max_prompt_bytes,
-                        max_requests_per_tenant=settings.tenant_max_requests, metrics=metrics)
+                        max_seqs_per_tenant=settings.tenant_max_requests, metrics=metrics)
     http: HttpServer | None = None
     try:
         server = await start_server(

@@ -271,13 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag(
         parser, "--tenant-max-requests", type=int, default=0,
-        help="with API keys: a tenant's requests in flight at once, running or waiting; "
-        "more are RESOURCE_EXHAUSTED (0: no limit)",
+        help="with API keys: a tenant's sequences in flight at once, running or waiting, "
+        "each request counting its n (its beam_width with beam search); more are "
+        "RESOURCE_EXHAUSTED, and one request wider than this INVALID_ARGUMENT (0: no limit)",
     )
     add_flag(
         parser, "--tenant-max-running", type=int, default=0,
-        help="with API keys: a tenant's requests running at once on each executor; its others "
-        "wait while other tenants' start (0: no limit)",
+        help="with API keys: a tenant's sequences running at once on each executor, each "
+        "request counting its n (its beam_width with beam search); its others wait while "
+        "other tenants' start; a request wider than this runs alone (0: no limit)",
     )
     add_flag(
         parser, "--salt-secret-file", default="",

@@ -78,8 +78,10 @@ class Frontend:
     info: ModelInfo
     tenancy: Tenancy = field(default_factory=lambda: Tenancy({}, b""))
     max_prompt_bytes: int = 1 << 20
-    max_requests_per_tenant: int = 0  # in flight at once (0: no limit; one tenant: none)
-    tenant_requests: collections.Counter[str] = field(default_factory=collections.Counter)
+    # A tenant's sequences in flight at once (--tenant-max-requests): a request counts its
+    # n, or its beam width (0: no limit; one tenant: none).
+    max_seqs_per_tenant: int = 0
+    tenant_seqs: collections.Counter[str] = field(default_factory=collections.Counter)
     # The active requests by (tenant, request id), and their sequence ids (seq_ids.py) by
     # (tenant, sequence id), each with its request's id.
     active: dict[tuple[str, str], Request] = field(default_factory=dict)
@@ -93,12 +95,12 @@ class Frontend:
     metrics: GatewayMetrics | None = None
 
     async def tokenize(self, text: str, tenant: str = SINGLE_TENANT) -> list[int]:
-        """The Tokenize RPC: one of the tenant's in-flight slots while it runs."""
-        self._take_slot(tenant)
+        """The Tokenize RPC: one of the tenant's in-flight sequences while it runs."""
+        self._take_seqs(tenant, 1)
         try:
             return await self._encode(text)
         finally:
-            self.tenant_requests[tenant] -= 1
+            self.tenant_seqs[tenant] -= 1
 
     async def _encode(self, text: str) -> list[int]:
         num_bytes = _utf8_len(text)
@@ -145,13 +147,16 @@ class Frontend:
     ) -> Request:
         """Validate and queue a request; raises the domain error to send back."""
         check_ids(request_id, cache_salt)
-        self._take_slot(tenant)  # before any await: concurrent calls cannot all pass the check
+        num_seqs = _num_seqs(raw)
+        self._take_seqs(tenant, num_seqs)  # before any await: concurrent calls cannot all pass
         arrival_time = time.monotonic()  # before tokenizing: time to first token includes it
         request: Request | None = None
         try:
             prompt = await self.prompt_token_ids(prompt_input)
             validate_prompt(prompt, self.limits)
             sampling = validate(raw, len(prompt), self.limits)
+            assert (sampling.beam.beam_width if sampling.beam else sampling.n) == num_seqs, (
+                "the quota counted other sequences than the request runs")
             width = sampling.beam.beam_width if sampling.beam is not None else 0
             request_id = self._unique_id(tenant, request_id, sampling.n, len(prompt), width)
             seq_ids = sequence_ids(request_id, sampling.n, len(prompt), width)
@@ -168,7 +173,7 @@ class Frontend:
             engine = await self.engines.submit(request)
         except BaseException:
             if request is None:
-                self.tenant_requests[tenant] -= 1
+                self.tenant_seqs[tenant] -= num_seqs
             else:
                 # Refused, or this call was cancelled (client gone, deadline) while the
                 # engine loop ran the submission: it may have queued the request already.
@@ -179,15 +184,24 @@ class Frontend:
                  num_prompt_tokens=len(prompt), n=sampling.n, max_tokens=sampling.max_tokens)
         return request
 
-    def _take_slot(self, tenant: str) -> None:
-        """One of the tenant's in-flight slots (--tenant-max-requests), or RESOURCE_EXHAUSTED."""
-        limit = self.max_requests_per_tenant
-        if limit and tenant and self.tenant_requests[tenant] >= limit:
-            raise ResourceExhausted(
-                f"tenant {tenant!r} has {self.tenant_requests[tenant]} requests in flight, its "
-                f"quota (--tenant-max-requests {limit}): wait for one to finish"
+    def _take_seqs(self, tenant: str, num_seqs: int) -> None:
+        """`num_seqs` of the tenant's in-flight sequences (--tenant-max-requests), or
+        RESOURCE_EXHAUSTED; INVALID_ARGUMENT for a request wider than a whole quota, which
+        waiting cannot cure."""
+        limit, used = self.max_seqs_per_tenant, self.tenant_seqs[tenant]
+        if limit and tenant and num_seqs > limit:
+            raise InvalidArgument(
+                f"this request runs {num_seqs} sequences (sampling.n, or beam_width with beam "
+                f"search); tenant {tenant!r} may have at most {limit} in flight at once "
+                f"(--tenant-max-requests {limit}): lower n or the beam width"
             )
-        self.tenant_requests[tenant] += 1
+        if limit and tenant and used + num_seqs > limit:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} has {used} sequences in flight and this request needs "
+                f"{num_seqs} more (n, or the beam width), over its quota "
+                f"(--tenant-max-requests {limit}): wait for one to finish"
+            )
+        self.tenant_seqs[tenant] += num_seqs
 
     async def deltas(self, request: Request) -> AsyncGenerator[CompletionDelta, None]:
         """Every completion delta of the request until all n are finished; errors raise.
@@ -274,12 +288,21 @@ class Frontend:
         if self.active.get(key) is not request:
             return
         del self.active[key]
-        self.tenant_requests[request.tenant] -= 1
+        self.tenant_seqs[request.tenant] -= request.num_seqs
         beam = request.sampling.beam
         for seq_id in sequence_ids(request.request_id, request.sampling.n,
                                    len(request.prompt_token_ids),
                                    beam.beam_width if beam is not None else 0):
             self.seq_owners.pop((request.tenant, seq_id), None)
+
+
+def _num_seqs(raw: RawSampling) -> int:
+    """The sequences a request runs at most at once, from its fields before validation
+    (the same as Request.num_seqs once validated)."""
+    n = raw.n or 1
+    if raw.use_beam_search:
+        return n if raw.beam_width is None else raw.beam_width
+    return n
 
 
 def _tenant_tag(tenant: str) -> str:

@@ -104,6 +104,13 @@ class Request:
     # use_beam_search: the search over this request's sequences (engine/beams.py runs it).
     beam_search: BeamSearch[Sequence] | None = None
 
+    @property
+    def num_seqs(self) -> int:
+        """The most sequences it runs at once (n, or the beam width): what tenant quotas
+        count, whichever of them are still running."""
+        beam = self.sampling.beam
+        return beam.beam_width if beam is not None else self.sampling.n
+
     def emit(self, delta: CompletionDelta) -> None:
         emit_all(((self, delta),))
 

@@ -60,6 +60,19 @@ from gateway.core.step import (
 
 
 @dataclass(slots=True)
+class TenantRunning:
+    """A tenant's requests running on this pool, and their sequences (Request.num_seqs)."""
+
+    requests: set[Request] = field(default_factory=set)
+    num_seqs: int = 0
+
+    def add(self, request: Request) -> None:
+        if request not in self.requests:
+            self.requests.add(request)
+            self.num_seqs += request.num_seqs
+
+
+@dataclass(slots=True)
 class Scheduler:
     budget: Budget
     block_size: int
@@ -115,12 +128,12 @@ class Scheduler:
         """Something to schedule (parked sequences wait for their hand-off, not a step)."""
         return bool(self.waiting or self.running or self.swapped)
 
-    def _running_per_tenant(self) -> dict[str, set[Request]]:
+    def _running_per_tenant(self) -> dict[str, TenantRunning]:
         """Each tenant's requests with a running, swapped or parked sequence."""
-        running: dict[str, set[Request]] = {}
+        running: dict[str, TenantRunning] = {}
         for seq in (*self.running, *self.swapped, *self.parked):
             if seq.request.tenant:
-                running.setdefault(seq.request.tenant, set()).add(seq.request)
+                running.setdefault(seq.request.tenant, TenantRunning()).add(seq.request)
         return running
 
     def sequences(self) -> list[Sequence]:
@@ -197,9 +210,12 @@ class Scheduler:
             if request.tenant in self.quota_blocked:
                 continue
             if running_per_tenant is not None and request.tenant:
-                running = running_per_tenant.setdefault(request.tenant, set())
-                if request not in running:
-                    if len(running) >= self.budget.max_running_per_tenant:
+                running = running_per_tenant.setdefault(request.tenant, TenantRunning())
+                if request not in running.requests:
+                    # A request wider than the quota runs alone (the allocator's block
+                    # quota does the same), else it would never run.
+                    limit = self.budget.max_running_per_tenant
+                    if running.num_seqs and running.num_seqs + request.num_seqs > limit:
                         continue  # its tenant is at its quota: the next tenant's go first
                     running.add(request)
             num = min(seq.num_tokens, tokens_left)

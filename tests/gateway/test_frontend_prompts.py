@@ -83,7 +83,7 @@ def test_frontend_refuses_a_prompt_of_many_mib_without_tokenizing_it(real: Token
     asyncio.run(scenario())
     frontend.close()
     assert counting.lengths == []
-    assert frontend.tenant_requests[""] == 0  # the refused request gave its slot back
+    assert frontend.tenant_seqs[""] == 0  # the refused request gave its slot back
 
 
 def test_frontend_tokenizes_at_most_the_bound(real: Tokenizer) -> None:
