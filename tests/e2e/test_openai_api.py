@@ -186,18 +186,24 @@ def test_logit_bias_forces_a_token(client: openai.OpenAI):
 
 
 def test_sse_framing_is_openais(base: str):
-    # Raw bytes: `data: <json>` events separated by blank lines, the last `data: [DONE]`.
+    # Raw bytes, as OpenAI and vLLM send them: every event `data: <compact json>\n\n` and
+    # nothing else (no `\r`, no comment), the last `data: [DONE]\n\n`; the usage chunk
+    # before it.
     with httpx.stream("POST", f"{base}/v1/completions",
                       json={"model": SERVED, "prompt": [1, 5, 9], "max_tokens": 3,
-                            "temperature": 0, "ignore_eos": True, "stream": True}) as s:
+                            "temperature": 0, "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True}}) as s:
         assert s.headers["content-type"].startswith("text/event-stream")
-        raw = s.read().decode()
-    events = [e for e in raw.split("\n\n") if e.strip() and not e.startswith(":")]
-    assert all(e.startswith("data: ") and "\n" not in e for e in events)
-    assert events[-1] == "data: [DONE]" and raw.endswith("data: [DONE]\n\n")
-    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
-    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+        raw = s.read()
+    assert raw.endswith(b"data: [DONE]\n\n") and b"\r" not in raw
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+    assert raw == b"".join(b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n"
+                           for c in chunks) + b"data: [DONE]\n\n"
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, "length"]
     assert all(c["object"] == "text_completion" and c["model"] == SERVED for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
 
 
 def test_request_id_header_names_the_request(base: str):

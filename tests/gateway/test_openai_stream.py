@@ -1,5 +1,6 @@
-"""The HTTP API's SSE event stream on its own: framing order, usage, errors mid-stream, and
-the cut of a client that reads slower than the engine produces (--max-sse-buffer)."""
+"""The HTTP API's SSE event stream on its own: the bytes on the wire, framing order, usage,
+errors mid-stream, and the cut of a client that reads slower than the engine produces
+(--max-sse-buffer)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from common.errors import Unavailable
-from gateway.api.openai.app import Completions, _events
+from gateway.api.openai.app import Completions, _events, stream_response
 from gateway.api.openai.protocol import CompletionRequest
 from gateway.core.request_state import CompletionDelta, FinishReason, Usage
 
@@ -35,14 +38,24 @@ def fixture(deltas: list[CompletionDelta | Exception], max_sse_buffer: int = 8,
                 state.outputs.put_nowait(delta)
             yield delta
 
-    api = SimpleNamespace(frontend=SimpleNamespace(deltas=frontend_deltas, tokenizer=Tokenizer()),
+    api = SimpleNamespace(frontend=SimpleNamespace(deltas=frontend_deltas, tokenizer=Tokenizer(),
+                                                   abandon=lambda request: None),
                           served_model_name="m", max_sse_buffer=max_sse_buffer)
     body = CompletionRequest(model="m", prompt="x", stream=True)
     return api, state, Completions(api, body)  # type: ignore[arg-type]
 
 
-async def collect(events: AsyncIterator[str]) -> list[str]:
+async def collect_raw(events: AsyncIterator[bytes]) -> list[bytes]:
     return [e async for e in events]
+
+
+async def collect(events: AsyncIterator[bytes]) -> list[str]:
+    """The events' payloads (what follows `data: `)."""
+    out = []
+    for event in await collect_raw(events):
+        assert event.startswith(b"data: ") and event.endswith(b"\n\n"), event
+        out.append(event[len(b"data: "):-2].decode())
+    return out
 
 
 def tokens(n: int) -> list[CompletionDelta | Exception]:
@@ -63,6 +76,129 @@ def test_events_end_with_usage_then_done():
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
     assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_every_event_is_one_data_line_of_compact_json_and_a_blank_line():
+    # Byte for byte as OpenAI and vLLM frame them: `data: <json>\n\n`, no `\r`, no
+    # comment, no space in the JSON's own separators; the last event `data: [DONE]\n\n`.
+    api, state, shape = fixture(tokens(3))
+    raw = asyncio.run(collect_raw(_events(api, state, shape, include_usage=True)))
+    assert raw[-1] == b"data: [DONE]\n\n"
+    for event in raw[:-1]:
+        payload = json.loads(event.removeprefix(b"data: "))
+        assert event == b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    assert raw[0] == (b'data: {"id":"cmpl-r1","object":"text_completion","created":'
+                      + str(shape.created).encode() + b',"model":"m","choices":[{"index":0,'
+                      b'"text":"t0","logprobs":null,"finish_reason":null}],"usage":null}\n\n')
+
+
+def strip_and_split_reader(reads: list[bytes]) -> list[str]:
+    """What a client that strips each read and splits on blank lines keeps (vLLM's
+    `bench serve` reads streams this way): whole messages, and a trailing `data: ` message
+    once it parses as JSON; messages starting with `:` are comments, skipped."""
+    buffer, kept = "", []
+    for read in reads:
+        buffer += read.strip().decode()
+        messages = []
+        while "\n\n" in buffer:
+            message, buffer = buffer.split("\n\n", 1)
+            messages.append(message.strip())
+        tail = buffer.removeprefix("data: ").strip()
+        if buffer.startswith("data: ") and tail:
+            try:
+                if tail != "[DONE]":
+                    json.loads(tail)
+                messages.append(buffer.strip())
+                buffer = ""
+            except json.JSONDecodeError:
+                pass
+        kept += [m.removeprefix("data: ") for m in messages if m and not m.startswith(":")]
+    return kept
+
+
+def asgi_body_messages(response: Any) -> list[dict[str, Any]]:
+    """Every http.response.body message the response sends, run as an ASGI app."""
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()  # the client never goes away
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    asyncio.run(response(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start"
+    return sent[1:]
+
+
+@pytest.mark.parametrize("packing", [1, 2, 3, 100])
+def test_the_response_sends_each_event_whole_and_a_strip_and_split_reader_gets_all(
+        packing: int, monkeypatch: pytest.MonkeyPatch):
+    # The real response object, run as an ASGI app over a stream slower than sse-starlette's
+    # default keep-alive (shortened here to 10 ms): one body message per event, nothing
+    # else between them, and read one, two, three or all at a time by vLLM's kind of
+    # reader, every event arrives.
+    from sse_starlette import EventSourceResponse
+
+    monkeypatch.setattr(EventSourceResponse, "DEFAULT_PING_INTERVAL", 0.01)
+    api, state, shape = fixture(tokens(6))
+    inner = api.frontend.deltas
+
+    async def slow(request: Any) -> AsyncIterator[CompletionDelta]:
+        async for delta in inner(request):
+            await asyncio.sleep(0.03)
+            yield delta
+
+    api.frontend.deltas = slow
+    response = stream_response(api, state, shape, True, {})
+    assert response.ping_interval == 0  # any interval: a longer stream would get comments
+    messages = asgi_body_messages(response)
+    assert messages[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    bodies = [m["body"] for m in messages[:-1]]
+    expected = asyncio.run(collect_raw(_events(*fixture(tokens(6))[:3], include_usage=True)))
+    assert len(bodies) == len(expected) == 8  # 6 tokens, usage, [DONE]
+    assert all(b.startswith(b"data: ") and b.endswith(b"\n\n") and b.count(b"\n") == 2
+               for b in bodies)
+    reads = [b"".join(bodies[i:i + packing]) for i in range(0, len(bodies), packing)]
+    kept = strip_and_split_reader(reads)
+    assert kept[-1] == "[DONE]" and len(kept) == 8
+    assert [json.loads(k)["choices"][0]["text"] for k in kept[:6]] == [
+        "t0", "t1", "t2", "t3", "t4", "end"]
+    assert json.loads(kept[6])["usage"]["completion_tokens"] == 6
+
+
+def test_a_keep_alive_comment_in_a_read_of_its_own_loses_the_events_after_it():
+    # Why the stream sends no `: ping` (issue 30): the stripped comment keeps no blank line,
+    # the next events glue onto it and leave with it as one comment; a stream whose first
+    # event comes after a ping shows no token at all ("never received a valid chunk").
+    events = [b'data: {"n":%d}\n\n' % i for i in range(4)]
+    reads = [events[0], b": ping - 2026-12-04 02:50:00\n\n", events[1], events[2] + events[3]]
+    assert strip_and_split_reader(reads) == ['{"n":0}', '{"n":3}']
+    assert strip_and_split_reader([events[0], *events[1:]]) == [
+        '{"n":0}', '{"n":1}', '{"n":2}', '{"n":3}']
+
+
+def test_continuous_usage_puts_the_usage_so_far_in_every_chunk():
+    # stream_options.continuous_usage_stats (vLLM's; GuideLLM sends it): completion tokens
+    # counted up chunk by chunk, then the usage chunk as without it.
+    api, state, shape = fixture(tokens(3))
+    events = asyncio.run(collect(_events(api, state, shape, include_usage=True,
+                                         continuous_usage=True)))
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 3]
+    assert all(c["usage"]["prompt_tokens"] == 3 for c in chunks)
+    assert chunks[-1]["choices"] == [] and events[-1] == "[DONE]"
+
+
+def test_stream_options_take_vllms_continuous_usage_stats():
+    body = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "x", "stream": True,
+         "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert body.include_usage and body.continuous_usage
+    plain = CompletionRequest(model="m", prompt="x", stream=True)
+    assert not plain.include_usage and not plain.continuous_usage
 
 
 def test_an_error_mid_stream_is_an_error_event_then_done():

@@ -30,6 +30,8 @@ MAX_USER_CHARS = 256
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far (GuideLLM asks for it), not only the last.
+    continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):
@@ -117,6 +119,11 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options
+                                           and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Common):
