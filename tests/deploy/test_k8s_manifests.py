@@ -45,7 +45,7 @@ EXPECTED_PROBES = {
     "allocator": [("readinessProbe", "grpc", 50052, None), ("livenessProbe", "grpc", 50052, None)],
     "executor": [("readinessProbe", "grpc", 50053, None), ("livenessProbe", "grpc", 50053, None)],
     "gateway": [("readinessProbe", "httpGet", 8000, "/health"),
-                ("livenessProbe", "httpGet", 8000, "/metrics")],
+                ("livenessProbe", "httpGet", 8000, "/live")],
 }
 
 
