@@ -30,7 +30,7 @@ async def main() -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await gateway.stop()
+    await gateway.stop(settings.shutdown_grace_s)
     return 0
 
 

@@ -41,6 +41,7 @@ from gateway.text.tokenizer import Tokenizer
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 DRAIN_S = 2.0
+CUT_OFF_FLUSH_S = 2.0  # for the streams cut at the end of the grace to send their error
 HEALTH_INTERVAL_S = 1.0
 PROTO_OVERHEAD_BYTES = 1 << 20  # sampling fields, stop strings, ids: far below this
 
@@ -94,24 +95,44 @@ class Gateway:
     http: HttpServer | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Stop serving (in-flight streams get `grace` seconds), let the engines abort what
-        was cut off and give its blocks back, then stop the loops. Whatever is left over is
-        freed by the allocator when the lease expires."""
+    async def stop(self, grace: float = 30.0) -> None:
+        """Drain, then stop (SIGTERM): health says NOT_SERVING and new requests are refused
+        with UNAVAILABLE at once, while the requests in flight get up to `grace` seconds
+        (--shutdown-grace-s) to finish; those left then end with UNAVAILABLE. Then both
+        servers stop, the engines abort what was cut off and give its blocks back, and the
+        loops stop. Whatever is left over is freed by the allocator when the lease expires."""
+        self.frontend.draining = True
+        for task in self.tasks:  # the health watch, which must not say SERVING again
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.server.set_serving(False)
+        log.info("gateway_draining", grace_s=grace, num_requests=len(self.frontend.active))
+        if not await self._drained(grace):
+            num_cut = self.frontend.cut_off(
+                f"the gateway shut down before this request finished (it had "
+                f"--shutdown-grace-s {grace:g} seconds to): send it again")
+            log.warning("requests_cut_off", num_requests=num_cut, grace_s=grace)
+            await self._drained(CUT_OFF_FLUSH_S)
         if self.http is not None:
             await self.http.stop()
-        await self.server.stop(grace)
+        await self.server.stop(CUT_OFF_FLUSH_S)
         deadline = time.monotonic() + DRAIN_S
         engines = self.engines.router.engines
         while time.monotonic() < deadline and any(e.healthy and e.busy for e in engines):
             await asyncio.sleep(0.05)
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
         self.frontend.close()
         await self.host.run(self.engines.close())
         self.host.stop()
         log.info("gateway_stopped")
+
+    async def _drained(self, timeout_s: float) -> bool:
+        """Whether every active request ended within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self.frontend.active:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
 
 def _public_credentials(settings: GatewaySettings) -> Any:
@@ -401,7 +422,8 @@ def _http_server(settings: GatewaySettings, frontend: Frontend, tenancy: Tenancy
         served_model_name=metrics.model_name,
         max_body_bytes=2 * settings.max_prompt_bytes + PROTO_OVERHEAD_BYTES,
         max_sse_buffer=settings.max_sse_buffer,
-        is_healthy=lambda: bool(router.healthy()), engine_state=engine_state,
+        is_healthy=lambda: not frontend.draining and bool(router.healthy()),
+        engine_state=engine_state,
     )
     return HttpServer(create_app(api), settings.host, settings.http_port,
                       tls_cert=settings.public_tls_cert, tls_key=settings.public_tls_key)

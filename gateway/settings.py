@@ -77,6 +77,7 @@ class GatewaySettings:
     kv_events_lag_s: float = 1.0
     max_beam_width: int = 8
     rebalance_min_gap: int = 0
+    shutdown_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.allocator_addrs:
@@ -126,6 +127,8 @@ class GatewaySettings:
         if not 1 <= self.max_beam_width <= MAX_BEAM_WIDTH:
             raise ValueError(f"--max-beam-width must be in [1, {MAX_BEAM_WIDTH}] (each beam "
                              "needs its 2 x width best next tokens; executors return 20)")
+        if not 0 <= self.shutdown_grace_s < math.inf:
+            raise ValueError("--shutdown-grace-s must be a finite number of seconds >= 0")
         if self.rebalance_min_gap < 0:
             raise ValueError("--rebalance-min-gap must be >= 0 (sequences; 0: no rebalancing)")
         if self.max_prompt_bytes < 1:
@@ -291,6 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
              help="serve the public port over TLS with this certificate (PEM; unset: "
              "plaintext, for a TLS proxy in front)")
     add_flag(parser, "--public-tls-key", default="", help="its private key (PEM)")
+    add_flag(
+        parser, "--shutdown-grace-s", type=float, default=30.0,
+        help="on SIGTERM: health says NOT_SERVING and new requests are UNAVAILABLE at once, "
+        "while those in flight get this long to finish; those left are then ended with "
+        "UNAVAILABLE (keep it below the orchestrator's kill timeout: Kubernetes' "
+        "terminationGracePeriodSeconds, compose's stop_grace_period)",
+    )
     add_flag(parser, "--log-json", action="store_true", help="JSON logs (containers)")
     add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
     add_internal_auth_flags(parser)
@@ -349,6 +359,7 @@ def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
             kv_events_lag_s=args.kv_events_lag_s,
             max_beam_width=args.max_beam_width,
             rebalance_min_gap=args.rebalance_min_gap,
+            shutdown_grace_s=args.shutdown_grace_s,
         )
     except ValueError as exc:
         raise SystemExit(f"gateway: {exc}") from exc

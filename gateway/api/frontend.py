@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import structlog
 
-from common.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from common.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
 from gateway.api.sampling import (
     MAX_CHAT_MESSAGES,
     MAX_REQUEST_ID_CHARS,
@@ -93,9 +93,25 @@ class Frontend:
     # This gateway run's sequence-id namespace (seq_ids.py): unique per start.
     id_namespace: str = field(default_factory=lambda: f"{secrets.token_hex(4)}/")
     metrics: GatewayMetrics | None = None
+    draining: bool = False  # shutting down (Gateway.stop): new requests are refused
+
+    def _check_open(self) -> None:
+        if self.draining:
+            raise Unavailable("the gateway is shutting down: send the request to another "
+                              "gateway, or again once this one is back")
+
+    def cut_off(self, why: str) -> int:
+        """End every active request's stream with UNAVAILABLE (`why`): the drain's grace is
+        over. Each stream's end cancels its request in the engine. Returns how many."""
+        requests = list(self.active.values())
+        for request in requests:
+            for index in range(request.sampling.n):  # the first still open raises
+                request.outputs.put_nowait(CompletionDelta(index=index, error=Unavailable(why)))
+        return len(requests)
 
     async def tokenize(self, text: str, tenant: str = SINGLE_TENANT) -> list[int]:
         """The Tokenize RPC: one of the tenant's in-flight sequences while it runs."""
+        self._check_open()
         self._take_seqs(tenant, 1)
         try:
             return await self._encode(text)
@@ -146,6 +162,7 @@ class Frontend:
         tenant: str = SINGLE_TENANT,
     ) -> Request:
         """Validate and queue a request; raises the domain error to send back."""
+        self._check_open()
         check_ids(request_id, cache_salt)
         num_seqs = _num_seqs(raw)
         self._take_seqs(tenant, num_seqs)  # before any await: concurrent calls cannot all pass
