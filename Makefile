@@ -13,7 +13,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 # The executor's C++ CPU kernels, compiled once for this machine (executor_svc/cpu_kernels/csrc).
 KERNELS_STAMP := build/cpu_kernels/.built
 
-.PHONY: setup model kernels protos certs lint typecheck test conformance run run-allocator bench bench-full bench-executor bench-vllm bench-fleet compose-check k8s-check clean
+.PHONY: setup model kernels protos certs lint typecheck test conformance run run-allocator bench bench-full bench-executor bench-vllm bench-fleet compose-check compose-e2e k8s-check clean
 
 setup: $(VENV)/.installed model kernels
 $(VENV)/.installed: pyproject.toml setup.py
@@ -89,6 +89,12 @@ $(VLLM_VENV)/.installed:
 
 compose-check:
 	docker-compose config -q
+
+# docker-compose.yml for real (needs a Docker engine): build, health, gRPC and HTTP answers,
+# only loopback ports published, an executor killed and back, `down -v` (tools/compose_e2e.py).
+# CI passes a local base image and torch wheel: COMPOSE_E2E_ARGS="--base-image ... --torch-wheel ..."
+compose-e2e: protos
+	$(PY) -m tools.compose_e2e $(COMPOSE_E2E_ARGS)
 
 # The Kubernetes manifests: every overlay rendered, every object validated offline against the
 # Kubernetes schemas, and the deployment's invariants (tests/deploy).

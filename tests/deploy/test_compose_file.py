@@ -1,0 +1,73 @@
+"""docker-compose.yml and the Dockerfile, read without an engine: what `make compose-e2e`
+checks for real, held here too, so a machine without Docker still catches a regression
+(published ports, health checks that lag, a CUDA torch, files the services cannot read)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+LOOPBACK = "${PAGEDKV_BIND_ADDRESS:-127.0.0.1}:"
+
+
+def _seconds(duration: str) -> float:
+    match = re.fullmatch(r"(\d+)(ms|s|m)", duration)
+    assert match, f"unexpected duration {duration!r}"
+    return int(match[1]) * {"ms": 0.001, "s": 1, "m": 60}[match[2]]
+
+
+def _services_with_health() -> dict[str, dict]:
+    return {name: service for name, service in COMPOSE["services"].items()
+            if "healthcheck" in service}
+
+
+def test_compose_publishes_only_the_gateways_ports_on_loopback_by_default() -> None:
+    # Only the gateway publishes, gRPC and HTTP, each on 127.0.0.1 unless the variable opens it.
+    published = {name: service["ports"] for name, service in COMPOSE["services"].items()
+                 if service.get("ports")}
+    assert list(published) == ["gateway"]
+    assert [p.rsplit(":", 1)[1] for p in published["gateway"]] == ["50051", "8000"]
+    assert all(p.startswith(LOOPBACK) for p in published["gateway"]), published
+
+
+def test_compose_health_turns_unhealthy_quickly_after_start_up() -> None:
+    # After start_period, a dead dependency shows within ~20 s, not the two minutes of 24 x 5 s.
+    checked = _services_with_health()
+    assert set(checked) >= {"allocator", "executor", "gateway"}
+    for name, service in checked.items():
+        health = service["healthcheck"]
+        lag = health["retries"] * (_seconds(health["interval"]) + _seconds(health["timeout"]))
+        assert lag <= 30, f"{name}: unhealthy only after {lag:.0f} s"
+        assert _seconds(health["start_period"]) >= 60, f"{name}: start-up needs more time"
+
+
+def test_dockerfile_installs_a_cpu_torch_apart_from_the_project() -> None:
+    # torch's own index options (PyTorch's CPU index by default), never reused for the project.
+    torch_install = next(line for line in DOCKERFILE.splitlines()
+                         if line.startswith("RUN pip install") and "TORCH_SPEC" in line)
+    assert "${TORCH_PIP_ARGS}" in torch_install and "PIP_EXTRA_ARGS" not in torch_install
+    assert 'ARG TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"' in DOCKERFILE
+    assert "TORCH_PIP_ARGS" not in DOCKERFILE.split(torch_install, 1)[1]
+
+
+def test_dockerfile_checks_as_the_services_user_that_every_file_is_readable() -> None:
+    # The last step runs as pagedkv (uid 10001, as in deploy/k8s) and fails on unreadable files.
+    steps = [line for line in DOCKERFILE.splitlines() if re.match(r"[A-Z]+ ", line)]
+    after_user = steps[steps.index("USER pagedkv") + 1:]
+    assert "useradd --system --uid 10001 pagedkv" in DOCKERFILE
+    assert [s.split()[0] for s in after_user] == ["RUN", "EXPOSE", "CMD"]
+    assert "find /app /opt/venv" in after_user[0] and "! -readable" in after_user[0]
+
+
+def test_compose_gateway_health_needs_one_of_its_executors() -> None:
+    # An idle gateway says SERVING until a step fails: its check asks the executors it routes to.
+    gateway = COMPOSE["services"]["gateway"]
+    executors = next(a for a in gateway["command"] if a.startswith("--executor-addrs="))
+    test = gateway["healthcheck"]["test"]
+    assert test[:4] == ["CMD", "python", "-m", "tools.health_probe"]
+    assert f"--any-of={executors.split('=', 1)[1]}" in test
