@@ -87,6 +87,19 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
+# The ecosystem's load generators against the HTTP API (tests/e2e/test_load_generators.py):
+# `vllm bench serve` from .venv-vllm and GuideLLM from its own, versions pinned, torch the
+# CPU pin; every request completed, every token accounted for. Here a missing virtualenv or
+# tool fails the test (PAGEDKV_LOADGEN_REQUIRED=1) instead of skipping it.
+GUIDELLM_VENV := .venv-guidellm
+.PHONY: loadgen-e2e
+loadgen-e2e: protos $(VLLM_VENV)/.installed $(GUIDELLM_VENV)/.installed
+	PAGEDKV_LOADGEN_REQUIRED=1 $(PY) -m pytest -q -m loadgen tests/e2e/test_load_generators.py
+$(GUIDELLM_VENV)/.installed:
+	$(PYTHON) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/pip install -q guidellm==0.8.1 "$(TORCH)"
+	touch $@
+
 compose-check:
 	docker-compose config -q
 
