@@ -60,6 +60,8 @@ def compose_command(forced: str) -> list[str]:
     """`docker compose` (v2) where the plugin is there, else `docker-compose` (v1)."""
     if forced:
         return forced.split()
+    if not shutil.which("docker"):
+        raise Failed("no docker command: install Docker (an engine and its CLI)")
     v2 = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
     if v2.returncode == 0:
         return ["docker", "compose"]
@@ -281,7 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDKV_")}
     grpc_port, http_port = free_port(), free_port()
     env |= {"PAGEDKV_GATEWAY_PORT": str(grpc_port), "PAGEDKV_HTTP_PORT": str(http_port)}
-    stack = Stack(compose_command(args.compose), env)
+    try:
+        stack = Stack(compose_command(args.compose), env)
+    except Failed as exc:
+        log(f"FAILED: {exc}")
+        return 1
     copied = args.torch_wheel and WHEELS_DIR / args.torch_wheel.name
     failed = True
     try:
