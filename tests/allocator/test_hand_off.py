@@ -18,6 +18,7 @@ from allocator_svc.core.request import BlockCopy, Commit, Request
 from allocator_svc.core.step import Decodes, PreemptionMode, StepCall, StepItem
 from allocator_svc.metrics import AllocatorCollector
 from common.block_hash import hash_chain, root_hash
+from common.credentials import lease_tag
 from common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -285,7 +286,7 @@ def test_hand_off_refusals_change_nothing():
     cases: list[tuple[type[Exception], str, dict[str, Any]]] = [
         (NotFound, "unknown pool", {"pool_id": "nope"}),
         (FailedPrecondition, "epoch", {"epoch": pool.epoch + 1}),
-        (NotFound, "lease 'gone'", {"lease_id": "gone"}),
+        (NotFound, f"{lease_tag('gone')} is unknown", {"lease_id": "gone"}),
         (InvalidArgument, "request_id is required", {"request_id": ""}),
         (InvalidArgument, "request_id has 257", {"request_id": "r" * 257}),
         (InvalidArgument, "cache_salt has 257", {"cache_salt": "s" * 257}),
