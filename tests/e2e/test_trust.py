@@ -370,8 +370,8 @@ def test_concurrent_requests_cannot_overrun_the_in_flight_quota(clients: Clients
 
 @pytest.mark.parametrize("authorization", [None, "Bearer not-a-key-0123456789", "Basic abc"])
 def test_the_http_api_needs_a_valid_key(clients: Clients, authorization: str | None):
-    # 401 in OpenAI's error shape on every endpoint that serves a tenant; /health and
-    # /metrics stay open for probes and scrapers.
+    # 401 in OpenAI's error shape on every endpoint that serves a tenant; /health stays open
+    # for probes; /metrics, with keys on, answers any valid key (a scraper's), 401 otherwise.
     import httpx
 
     headers = {"authorization": authorization} if authorization else {}
@@ -381,7 +381,9 @@ def test_the_http_api_needs_a_valid_key(clients: Clients, authorization: str | N
         assert response.status_code == 401
         assert response.json()["error"]["type"] == "authentication_error"
     assert httpx.get(f"{clients.http}/health").status_code == 200
-    assert httpx.get(f"{clients.http}/metrics").status_code == 200
+    assert httpx.get(f"{clients.http}/metrics", headers=headers).status_code == 401
+    assert httpx.get(f"{clients.http}/metrics",
+                     headers={"authorization": f"Bearer {KEY_B}"}).status_code == 200
 
 
 def test_the_http_api_serves_tenants_and_refuses_one_over_its_quota(clients: Clients):
