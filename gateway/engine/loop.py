@@ -81,13 +81,23 @@ class Engine(EngineState):
                 if self.link.lease_renewed:  # the allocator forgot the parked ones: a step
                     await self._step_once()   # takes the renewal and starts them over
                     continue
-                self.wakeup.clear()
-                self.last_landed = None
-                await self.wakeup.wait()
+                await self._idle()
                 continue
             progressed = await self._step_once()
             # Yield to the RPC handlers; back off a little when nothing could be scheduled.
             await asyncio.sleep(0 if progressed else 0.005)
+
+    async def _idle(self) -> None:
+        """Wait for work; after IDLE_PROBE_S without any, check that the executor is there."""
+        self.wakeup.clear()
+        self.last_landed = None
+        try:
+            await asyncio.wait_for(self.wakeup.wait(), recovery.IDLE_PROBE_S)
+        except TimeoutError:
+            try:
+                await recovery.probe_idle(self)
+            except Exception:  # noqa: BLE001 - a bug must not end the loop either
+                log.exception("engine_idle_probe_failed", pool_id=self.pool_id)
 
     async def _step_once(self) -> bool:
         try:

@@ -42,6 +42,9 @@ log = structlog.get_logger(__name__)
 STALE_POOL = (Unknown, Stale)
 RETRY_PAUSE_S = 0.2
 RECONNECT_INTERVAL_S = 1.0
+# An idle engine asks its executor this often whether it is still there (and the same one).
+IDLE_PROBE_S = 2.0
+IDLE_PROBE_TIMEOUT_S = 5.0
 
 
 class GatewayError(Internal):
@@ -155,6 +158,23 @@ def step_crashed(engine: EngineState, plan: ScheduledStep | None, batch: Batch |
     error = GatewayError(f"executor {engine.pool_id}: internal gateway error (see its log)")
     for seq in engine.scheduler.evict_all():
         engine.fail(seq, error)
+
+
+async def probe_idle(engine: EngineState) -> None:
+    """An idle engine's check of its executor: one gone, hung or restarted is lost now, so
+    that routing and the gateway's health say so before the next request fails on it."""
+    try:
+        found = await engine.link.executor.describe(timeout=IDLE_PROBE_TIMEOUT_S)
+    except Lost as exc:
+        log.warning("executor_unreachable_while_idle", pool_id=engine.pool_id,
+                    code=exc.status, detail=exc.details[:200])
+        lose_executor(engine)
+        return
+    except CallFailed:
+        return  # it answered: there, if unwilling; the next step says more
+    if found.instance_id != engine.link.description.instance_id:
+        log.warning("executor_restarted_while_idle", pool_id=engine.pool_id)
+        lose_executor(engine)  # reconnecting registers the new instance: its pool is reset
 
 
 async def reconnect(engine: EngineState) -> None:

@@ -18,9 +18,11 @@ from e2e_stack import (
     reference_greedy,
     sampling,
     start_stack,
+    wait_for,
 )
 
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
+from tools.health_probe import is_serving
 
 
 def test_allocator_restart_mid_stream_keeps_output(tmp_path: Path):
@@ -95,6 +97,15 @@ def test_only_executor_lost_fails_cleanly_then_restart_serves_again(tmp_path: Pa
             token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(8)))[0]
         assert tuple(done.token_ids) == reference_greedy(tuple(prompt), 8)
         clients.wait_all_blocks_back()
+        # Killed while the gateway is idle: with no request to fail, the gateway still
+        # notices (its idle probe), and its health says so (compose and k8s probes read it).
+        assert is_serving(stack.gateway_addr)
+        stack.kill("executor-0")
+        wait_for(lambda: not clients.gateway.GetModelInfo(
+            gpb.GetModelInfoRequest()).executors[0].healthy, "the idle gateway noticing")
+        wait_for(lambda: not is_serving(stack.gateway_addr), "the gateway's health saying so")
+        assert [s.name for s in stack.restart_exited()] == ["executor-0"]
+        wait_for(lambda: is_serving(stack.gateway_addr), "the gateway serving again", 60)
     finally:
         clients.close()
         stack.stop()
