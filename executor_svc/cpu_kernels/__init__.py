@@ -18,6 +18,7 @@ torch reference path, with a WARNING that says so.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import sys
@@ -65,14 +66,21 @@ def load() -> ModuleType | None:
 
         build_dir = BUILD_DIR / source_digest()
         build_dir.mkdir(parents=True, exist_ok=True)
-        return build(
-            name="pagedkv_cpu_kernels",
-            sources=[str(s) for s in SOURCES],
-            build_directory=str(build_dir),
-            extra_cflags=list(CFLAGS),  # copies: torch's builder appends to the lists it gets
-            extra_ldflags=list(LDFLAGS),
-            verbose=False,
-        )
+        # torch's builder marks a build with a plain file (`lock`) and waits, forever, while
+        # it exists; a builder killed mid-build (a test's start-up timeout) leaves it behind.
+        # One builder at a time holds this flock (the kernel drops it when the holder dies),
+        # so whoever holds it knows any `lock` there is stale.
+        with open(build_dir / "build.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            return build(
+                name="pagedkv_cpu_kernels",
+                sources=[str(s) for s in SOURCES],
+                build_directory=str(build_dir),
+                extra_cflags=list(CFLAGS),  # copies: torch's builder appends to them
+                extra_ldflags=list(LDFLAGS),
+                verbose=False,
+            )
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning(
             "cpu_kernels_unavailable",
