@@ -56,6 +56,9 @@ from tools.health_probe import is_serving
 HOST = "127.0.0.1"
 RESTART_LIMIT = 5          # exits of one service within RESTART_WINDOW_S stop the stack
 RESTART_WINDOW_S = 60.0
+# How long each service gets after SIGTERM when the launcher stops: the gateway's drain
+# (--shutdown-grace-s, 30 s by default) and its own shutdown, as compose's stop_grace_period.
+STOP_GRACE_S = 40.0
 REPO_ROOT = Path(__file__).resolve().parents[1]  # where `python -m <service>` imports from
 class StackError(RuntimeError):
     """A service did not come up; the message names it and points at its log."""
@@ -596,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"launch: {exc}; stopping", file=sys.stderr)
             failed = True
             break
-    stack.stop()
+    stack.stop(timeout_s=STOP_GRACE_S)
     print("launch: stopped", file=sys.stderr)
     return 1 if failed else 0
 
