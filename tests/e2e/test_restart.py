@@ -99,7 +99,8 @@ def test_only_executor_lost_fails_cleanly_then_restart_serves_again(tmp_path: Pa
         clients.wait_all_blocks_back()
         # Killed while the gateway is idle: with no request to fail, the gateway still
         # notices (its idle probe), and its health says so (compose and k8s probes read it).
-        assert is_serving(stack.gateway_addr)
+        # (The gateway's health follows its engines' on a poll of its own: waited for.)
+        wait_for(lambda: is_serving(stack.gateway_addr), "the gateway serving before the kill")
         stack.kill("executor-0")
         wait_for(lambda: not clients.gateway.GetModelInfo(
             gpb.GetModelInfoRequest()).executors[0].healthy, "the idle gateway noticing")
