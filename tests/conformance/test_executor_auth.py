@@ -48,8 +48,8 @@ def test_an_executors_credential_may_not_run_steps(
     # An executor (a peer pulling KV) may not step, release or start hand-offs: the role,
     # not the possession of an internal secret, decides.
     if executor_auth.token == internal_auth.token:
-        pytest.skip("one credential for both roles: set PAGEDKV_EXECUTOR_TOKEN to the token "
-                    "the executors present to each other")
+        pytest.skip("one credential for both roles: rerun with the executors' own token, "
+                    "PAGEDKV_EXECUTOR_TOKEN=<token> make conformance EXECUTOR_ADDR=<host:port>")
     with executor_auth.channel(executor_addr) as channel:
         call = channel.unary_unary(f"/{SERVICE}/{method}")
         with pytest.raises(grpc.RpcError) as info:

@@ -159,7 +159,9 @@ def test_bfloat16_linears_fall_back_on_a_cpu_without_onednn_bf16() -> None:
     # The AVX2-only machines' path, taken on any x86 CPU: oneDNN limited to AVX2 (it reads
     # ONEDNN_MAX_CPU_ISA once, at its first use, hence a fresh interpreter).
     if not X86:
-        pytest.skip("ONEDNN_MAX_CPU_ISA=AVX2 names an x86 instruction set")
+        pytest.skip("needs an x86-64 CPU (ONEDNN_MAX_CPU_ISA=AVX2 names an x86 instruction "
+                    "set): run `.venv/bin/python -m pytest tests/executor/test_packed_linear.py` "
+                    "on one")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     done = subprocess.run([sys.executable, "-c", _AVX2_ONLY, str(REPO)], env=env,
                           capture_output=True, text=True, timeout=120)
