@@ -260,6 +260,10 @@ def _error(response: httpx.Response, status: int) -> dict[str, object]:
     ({"model": SERVED, "prompt": ["a", "b"]}, None, "one prompt per request"),
     ({"model": SERVED, "prompt": "x", "stream_options": {"include_usage": True}}, None,
      "stream_options"),
+    ({"model": SERVED, "prompt": "x", "stream": True,
+      "stream_options": {"continuous_usage_stats": "often"}}, None, "continuous_usage_stats"),
+    ({"model": SERVED, "prompt": "x", "stream": True,
+      "stream_options": {"every_chunk": True}}, None, "every_chunk"),
     ({"model": SERVED, "prompt": "x", "min_tokens": 5, "max_tokens": 2}, None, "min_tokens"),
     ({"prompt": "x"}, "model", "model is required"),
 ])

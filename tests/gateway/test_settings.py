@@ -46,6 +46,8 @@ def test_defaults_are_sensible():
         (["--allocator-addr", " , "], "--allocator-addr is empty"),
         (["--allocator-addr", "a:1,b"], "--allocator-addr 'b': expected host:port"),
         (["--allocator-addr", "a:1,b:2,a:1"], "lists a shard twice"),
+        (["--shutdown-grace-s", "-1"], "--shutdown-grace-s"),
+        (["--shutdown-grace-s", "inf"], "--shutdown-grace-s"),
         (["--public-tls-cert", "/nonexistent.pem", "--public-tls-key", "/nonexistent.pem"],
          "--public-tls-cert"),
     ],

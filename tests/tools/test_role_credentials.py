@@ -14,7 +14,10 @@ from common.credentials import (
     LEGACY_TOKEN_ENV,
     ROLE_TOKEN_ENV,
     ROLES,
+    CredentialsError,
+    digest_lines,
     load_internal_auth,
+    new_role_token,
     parse_caller_digests,
     token_digest,
 )
@@ -64,3 +67,28 @@ def test_the_launcher_hands_each_child_only_its_own_roles_token(
     assert folder is not None
     assert (folder / "gateway-token").read_text().strip() == stack.role_tokens.token("gateway")
     assert stat.S_IMODE((folder / "executor-token").stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("", "no digests in it"),
+    ("# only a comment\n", "no digests in it"),
+    ("root " + "a" * 64, "a role among gateway, allocator, executor"),
+    ("gateway", "expected '<role> <sha256 hex>'"),
+    ("gateway " + "a" * 63, "not 64 hex digits"),
+    ("gateway " + "g" * 64, "not 64 hex digits"),
+    ("gateway " + "a" * 64 + " extra", "expected '<role> <sha256 hex>'"),
+])
+def test_a_malformed_caller_digests_file_is_refused_naming_the_problem(
+    tmp_path: Path, text: str, words: str
+) -> None:
+    path = tmp_path / "caller-digests"
+    path.write_text(text)
+    with pytest.raises(CredentialsError) as info:
+        load_internal_auth("", "", "", "", False, caller_digests_file=str(path))
+    assert words in str(info.value) and str(path) in str(info.value)
+
+
+def test_digest_lines_read_back_as_their_roles() -> None:
+    tokens = {role: new_role_token(role) for role in ROLES}
+    pairs = parse_caller_digests(digest_lines(tokens), "test")
+    assert dict(pairs) == {token_digest(t): role for role, t in tokens.items()}
