@@ -205,6 +205,8 @@ async def register_again(engine: EngineState) -> None:
         await asyncio.sleep(RECONNECT_INTERVAL_S)
         return
     engine.orphan_ids.clear()  # a new lease: the allocator holds nothing of ours
+    # It answered: routing may choose this pool again (an idle engine has no Step to say so).
+    engine.allocator_down_since = None
 
 
 async def reregister(engine: EngineState, plan: ScheduledStep | None = None) -> None:
