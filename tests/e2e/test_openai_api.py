@@ -32,7 +32,6 @@ from pagedkv.gateway.v1 import gateway_pb2 as gpb
 
 SERVED = "tiny-llama"
 BLOCK_SIZE = 16
-SSE_BUFFER = 4
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +41,7 @@ def stack_clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cl
     stack = start_stack(log_dir, executor_args=("--load-format", "dummy", "--num-blocks", "512",
                                                 "--block-size", str(BLOCK_SIZE),
                                                 "--log-level", "debug"),
-                        allocator_args=("--log-level", "debug"),
-                        gateway_args=("--max-sse-buffer", str(SSE_BUFFER)))
+                        allocator_args=("--log-level", "debug"))
     clients = Clients(stack)
     yield clients, http_base(stack)
     clients.close()
