@@ -4,8 +4,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU installs pin this torch (a local CPU build); GPU users: make setup TORCH=torch
+# CPU installs pin this torch; GPU users: make setup TORCH=torch. Where pip's index serves
+# the CUDA build under that name (PyPI does), add PyTorch's CPU index for torch alone:
+#   make setup TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 PROTO_SRC := $(shell find protos -name '*.proto')
 PROTO_STAMP := pagedkv/.generated
 # The embedded real model, converted once at set-up (models/fetch_smollm2.py); never at run time.
@@ -19,7 +22,7 @@ setup: $(VENV)/.installed model kernels
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev,convert]"
 	touch $@
 
