@@ -16,7 +16,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 # The executor's C++ CPU kernels, compiled once for this machine (executor_svc/cpu_kernels/csrc).
 KERNELS_STAMP := build/cpu_kernels/.built
 
-.PHONY: setup model kernels protos certs lint typecheck test conformance run run-allocator bench bench-full bench-executor bench-vllm bench-fleet compose-check compose-e2e k8s-check clean
+.PHONY: setup model kernels protos certs lint typecheck test test-fast conformance run run-allocator bench bench-full bench-executor bench-vllm bench-fleet compose-check compose-e2e k8s-check clean
 
 setup: $(VENV)/.installed model kernels
 $(VENV)/.installed: pyproject.toml setup.py
@@ -53,6 +53,11 @@ typecheck: protos
 
 test: protos
 	$(PY) -m pytest -q
+
+# The unit tests alone (no server, no Python subprocess: tests/conftest.py enforces it), the
+# property tests with a tenth of their examples (tests/budget.py).
+test-fast: protos
+	PAGEDKV_TEST_FAST=1 $(PY) -m pytest -q -m unit
 
 conformance: protos
 	$(PY) -m pytest -q tests/conformance --executor-addr=$(EXECUTOR_ADDR) \

@@ -1,1 +1,76 @@
-"""Shared test fixtures: every suite talks to real servers on loopback (port 0)."""
+"""Shared test fixtures: every suite talks to real servers on loopback (port 0).
+
+Every test is one of three kinds, by what it starts:
+- `unit`: nothing (plain objects in this process); the default, given to every unmarked test;
+- `service`: real gRPC or HTTP servers in this process, on loopback (module: pytestmark);
+- `e2e`: Python subprocesses: services, stacks, a nested pytest (module: pytestmark, or its
+  folder; one test: @pytest.mark.e2e).
+
+`make test-fast` runs the unit tests alone, and there a unit test that starts a server or a
+Python process fails, naming what it started, so the marks stay true. Tools that are not
+services (the compiler for the C++ kernels, kubectl) may run in unit tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+
+KINDS = ("unit", "service", "e2e")
+E2E_FOLDERS = ("e2e", "client", "conformance")  # each of their tests starts services
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests_root = Path(__file__).parent
+    for item in items:
+        kinds = [k for k in KINDS if item.get_closest_marker(k) is not None]
+        folder = Path(item.path).relative_to(tests_root).parts[0]
+        if folder in E2E_FOLDERS and "e2e" not in kinds:
+            item.add_marker(pytest.mark.e2e)
+            kinds.append("e2e")
+        if not kinds:
+            item.add_marker(pytest.mark.unit)
+
+
+class UnitTestStartedSomething(AssertionError):
+    pass
+
+
+def _refuse(what: str) -> Any:
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise UnitTestStartedSomething(
+            f"a test run as `unit` started {what}: mark its module "
+            "`pytestmark = pytest.mark.service` (servers) or `pytest.mark.e2e` (processes)")
+    return refused
+
+
+class _NoPythonPopen(subprocess.Popen):  # type: ignore[type-arg]
+    """Popen that refuses to start Python (a service, a stack, a nested pytest). Tools
+    (a compiler for the C++ kernels, kubectl) are not services: unit tests may run them."""
+
+    def __init__(self, args: Any, *rest: Any, **kwargs: Any) -> None:
+        argv = [args] if isinstance(args, str | bytes | Path) else list(args)
+        program = Path(str(argv[0]).split()[0]).name if argv else ""
+        if program.startswith("python") or str(argv[0]) == sys.executable:
+            _refuse(f"a Python subprocess ({' '.join(map(str, argv[:4]))} ...)")()
+        super().__init__(args, *rest, **kwargs)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Only where unit tests run alone (make test-fast): there nothing may start a server or a
+    # Python process, so a test marked (or left) unit that does is caught.
+    if config.getoption("markexpr", "") != "unit":
+        return
+    patches = ((subprocess, "Popen", _NoPythonPopen),
+               (grpc, "server", _refuse("a gRPC server")),
+               (grpc.aio, "server", _refuse("a gRPC server")),
+               (asyncio.BaseEventLoop, "create_server", _refuse("a server (asyncio)")))
+    for module, name, replacement in patches:
+        setattr(module, name, replacement)

@@ -25,6 +25,8 @@ from pagedkv.allocator.v1 import allocator_pb2_grpc
 from tests.allocator.conftest import ALLOCATOR_ENV, AUTH, REPO_ROOT
 from tests.common.scrape import Samples, scrape
 
+pytestmark = pytest.mark.e2e
+
 SERVICE = "pagedkv.allocator.v1.AllocatorService"
 # Sequence ids as a gateway sends them: namespace / tenant tag / the client's request id.
 NS = "0a1b2c3d/9f8e7d6c/"

@@ -27,6 +27,7 @@ from allocator_svc.core.hashing import hash_block
 from allocator_svc.core.pool import PoolConfig
 from allocator_svc.core.request import Commit
 from allocator_svc.core.step import Decodes, PreemptionMode, StepCall, StepItem
+from tests.budget import examples
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 12
@@ -252,6 +253,6 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=1000, stateful_step_count=30, deadline=None
+    max_examples=examples(1000), stateful_step_count=30, deadline=None
 )
 test_allocator_random_operation_sequences = AllocatorMachine.TestCase

@@ -21,6 +21,8 @@ from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
 from tests.allocator.conftest import AUTH, EXECUTOR_AUTH, ROLE_TOKENS
 
+pytestmark = pytest.mark.e2e
+
 SERVICE = "pagedkv.allocator.v1.AllocatorService"
 PROMPT = list(range(100, 109))  # two full blocks of 4, and one token
 METHODS = sorted(pb.DESCRIPTOR.services_by_name["AllocatorService"].methods_by_name)

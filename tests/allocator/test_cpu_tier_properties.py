@@ -26,6 +26,7 @@ from test_pin_properties import FRACTION, PinnedAllocatorMachine
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
 from allocator_svc.core.step import PreemptionMode, StepCall, StepItem
+from tests.budget import examples
 
 NUM_CPU_CACHE_BLOCKS = 4  # of the 6 CPU blocks: swap-outs may take them all
 
@@ -186,6 +187,6 @@ class CpuTierMachine(PinnedAllocatorMachine):
 
 
 CpuTierMachine.TestCase.settings = settings(
-    max_examples=1000, stateful_step_count=30, deadline=None
+    max_examples=examples(1000), stateful_step_count=30, deadline=None
 )
 test_cpu_tier_random_operation_sequences = CpuTierMachine.TestCase

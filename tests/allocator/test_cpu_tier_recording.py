@@ -23,6 +23,8 @@ from tools.replay.step_time import StepTime
 from tools.replay.trace import read_recording
 from tools.replay.workload import Workload
 
+pytestmark = pytest.mark.service
+
 
 def record_tiered_pool(path: Path, tier: int) -> None:
     allocator = Allocator(Limits())

@@ -13,12 +13,15 @@ import asyncio
 import time
 
 import grpc
+import pytest
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.service import AllocatorServicer
 from common.server import start_server
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.service
 
 
 def _late_step(address: str, epoch: int) -> grpc.StatusCode:

@@ -25,6 +25,7 @@ from allocator_svc.core.hand_off import HandOff
 from allocator_svc.core.pool import Pool
 from common.block_hash import hash_chain
 from common.errors import AlreadyExists, ResourceExhausted
+from tests.budget import examples
 
 
 def snapshot(pool: Pool) -> tuple[Any, ...]:
@@ -90,7 +91,7 @@ class HandOffMachine(AllocatorMachine):
             raise AssertionError(f"{request_id} reserved twice")
 
 
-HandOffMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=30,
+HandOffMachine.TestCase.settings = settings(max_examples=examples(500), stateful_step_count=30,
                                             deadline=None)
 test_hand_off_random_operation_sequences = HandOffMachine.TestCase
 
@@ -99,6 +100,6 @@ class TieredHandOffMachine(CpuTierMachine, HandOffMachine):
     pass
 
 
-TieredHandOffMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=30,
-                                                  deadline=None)
+TieredHandOffMachine.TestCase.settings = settings(
+    max_examples=examples(300), stateful_step_count=30, deadline=None)
 test_hand_off_with_a_cpu_tier_random_operation_sequences = TieredHandOffMachine.TestCase

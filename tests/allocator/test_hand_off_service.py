@@ -23,6 +23,8 @@ from pagedkv.allocator.v1 import allocator_pb2_grpc
 from tests.allocator.conftest import AUTH, start_allocator, stop_process
 from tests.gateway.loopback_allocator import description
 
+pytestmark = pytest.mark.e2e
+
 A = list(range(9))  # two full blocks of 4, and one token
 HANDED = list(range(8)) + [90, 91, 92, 93, 94]  # A's two full blocks, then 5 of its own
 _ids = itertools.count()

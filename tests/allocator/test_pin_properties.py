@@ -30,6 +30,7 @@ from allocator_svc.core.events import EventKind
 from allocator_svc.core.hashing import hash_chain
 from allocator_svc.core.pool import PoolConfig
 from common.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from tests.budget import examples
 
 FRACTION = 0.34  # 4 of the machine's 12 blocks
 BUDGET = 4
@@ -162,6 +163,6 @@ class PinnedAllocatorMachine(AllocatorMachine):
 
 
 PinnedAllocatorMachine.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=30, deadline=None
+    max_examples=examples(300), stateful_step_count=30, deadline=None
 )
 test_pinned_allocator_random_operation_sequences = PinnedAllocatorMachine.TestCase

@@ -21,6 +21,8 @@ from tests.allocator.conftest import REPO_ROOT, ROLE_TOKENS, start_allocator, st
 from tools import pin as pin_tool
 from tools.make_certs import make_certs
 
+pytestmark = pytest.mark.e2e
+
 GATEWAY_TOKEN = ROLE_TOKENS.token("gateway")  # what an operator's tools present
 _ids = itertools.count()
 SYSTEM = list(range(1, 9))  # two blocks of 4

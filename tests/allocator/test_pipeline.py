@@ -219,6 +219,7 @@ def test_a_step_with_late_values_alone_is_not_empty():
     assert d.tokens("a") == [1, 2, 3, 4] and not d.pool.pending
 
 
+@pytest.mark.e2e  # (a Python subprocess)
 def test_service_pipelined_step_round_trip_and_bad_input(stub):
     pool = register(stub, block_size=2)
 

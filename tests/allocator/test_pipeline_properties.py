@@ -32,6 +32,7 @@ from no_leak import free_all_and_check_no_leak
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
 from allocator_svc.core.step import Decodes, PreemptionMode, StepCall, StepItem
+from tests.budget import examples
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 8
@@ -279,6 +280,6 @@ class PipelineMachine(RuleBasedStateMachine):
 
 
 PipelineMachine.TestCase.settings = settings(
-    max_examples=400, stateful_step_count=30, deadline=None
+    max_examples=examples(400), stateful_step_count=30, deadline=None
 )
 test_pipelined_steps_against_a_reference = PipelineMachine.TestCase

@@ -213,6 +213,7 @@ def test_recording_flags_reach_the_settings() -> None:
     assert sharded is not None and sharded.path == "r.jsonl.shard1"  # one file per shard
 
 
+@pytest.mark.e2e  # (a Python subprocess)
 def test_recording_an_unwritable_path_stops_the_start(tmp_path: Path) -> None:
     path = tmp_path / "missing" / "rec.jsonl"
     done = subprocess.run(
@@ -224,6 +225,7 @@ def test_recording_an_unwritable_path_stops_the_start(tmp_path: Path) -> None:
     assert f"--record-allocations {path}: cannot append to it" in done.stdout + done.stderr
 
 
+@pytest.mark.e2e  # (a Python subprocess)
 def test_recording_a_real_allocator_until_sigterm(tmp_path: Path) -> None:
     # Over gRPC: the calls are recorded; SIGTERM flushes the buffer and writes the stop record
     # with the requests still held.

@@ -13,6 +13,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from tests.allocator.conftest import AUTH
 
+pytestmark = pytest.mark.e2e  # the `stub` fixture: a real allocator process
+
 _ids = itertools.count()
 
 

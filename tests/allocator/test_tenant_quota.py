@@ -4,6 +4,8 @@ nothing always gets in, and freeing makes room again."""
 
 from __future__ import annotations
 
+import pytest
+
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
 from allocator_svc.core.step import StepCall, StepItem
@@ -63,6 +65,7 @@ def test_without_a_quota_tenants_change_nothing():
     assert len(result.grants) == 4 and not result.deferred
 
 
+@pytest.mark.e2e  # (a Python subprocess)
 def test_over_grpc_the_items_tenant_reaches_the_quota(tmp_path):
     # A real allocator with --max-blocks-per-tenant 4: the proto's StepItem.tenant counts.
     server = start_allocator(tmp_path, "--max-blocks-per-tenant", "4")

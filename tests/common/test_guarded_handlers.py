@@ -21,6 +21,8 @@ from common.server import start_server
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
 
+pytestmark = pytest.mark.service
+
 SERVICE = "pagedkv.allocator.v1.AllocatorService"
 log = structlog.get_logger(__name__)
 

@@ -31,6 +31,8 @@ from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
 from tests.common.scrape import scrape
 
+pytestmark = pytest.mark.service
+
 SERVICE = "pagedkv.allocator.v1.AllocatorService"
 TOKENS = RoleTokens.new()
 TOKEN = TOKENS.token("gateway")

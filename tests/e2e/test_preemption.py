@@ -15,19 +15,18 @@ from pagedkv.gateway.v1 import gateway_pb2 as gpb
 NUM_BLOCKS = 16  # 256 tokens for 8 concurrent requests of 40 + 48 tokens (704)
 
 
-# (preemption mode, async depth): the gateway's default (2) sends each Execute before the
-# previous one returns; depth 1 is what an executor that cannot use its sampled tokens gets.
-@pytest.fixture(scope="module", params=[("recompute", 2), ("swap", 2), ("recompute", 1)],
-                ids=["recompute", "swap", "recompute-depth-1"])
-def clients(request: pytest.FixtureRequest,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clients]:
-    mode, depth = request.param
-    log_dir: Path = tmp_path_factory.mktemp(f"stack-{mode}-{depth}")
+# One stack, in swap mode at the default depth (2): swaps cross all three services (the
+# allocator's plans, the executor's copies). Recompute and depth 1 are the same requests'
+# paths through the scheduler and engine, tested in process against the real allocator core
+# (tests/gateway/test_scheduler.py, test_engine.py, test_engine_pipeline.py) and through
+# every restart in tests/e2e/test_restart.py (readmission is recompute).
+@pytest.fixture(scope="module")
+def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clients]:
+    log_dir: Path = tmp_path_factory.mktemp("stack-swap")
     stack = start_stack(
         log_dir,
         executor_args=("--load-format", "dummy", "--num-blocks", str(NUM_BLOCKS)),
-        gateway_args=("--preemption-mode", mode, "--max-num-batched-tokens", "64",
-                      "--async-depth", str(depth)),
+        gateway_args=("--preemption-mode", "swap", "--max-num-batched-tokens", "64"),
     )
     clients = Clients(stack)
     yield clients

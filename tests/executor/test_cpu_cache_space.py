@@ -32,6 +32,7 @@ def _main(*flags: str) -> subprocess.CompletedProcess[str]:
     ("1000000", "executor_svc: --cpu-cache-space 1e+06 GiB (with --swap-space 0.25 GiB) is "
                 "more than this machine's"),
 ])
+@pytest.mark.e2e  # (a Python subprocess)
 def test_cpu_cache_space_bad_value_is_a_one_line_usage_error(value: str, message: str) -> None:
     result = _main("--cpu-cache-space", value)
     assert result.returncode == 2

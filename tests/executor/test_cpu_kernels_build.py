@@ -6,9 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from executor_svc.cpu_kernels import BUILD_DIR, source_digest
 
 from .oracle import built_kernels
+
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 LOAD = ("import sys; from executor_svc.cpu_kernels import load; "

@@ -31,6 +31,8 @@ from tests.common.scrape import scrape
 
 from .oracle import MODELS
 
+pytestmark = pytest.mark.e2e
+
 NS = "0a1b2c3d/9f8e7d6c/"  # a gateway's namespace and tenant tag
 
 

@@ -43,6 +43,8 @@ from .handoff_servers import (
 )
 from .oracle import make_settings, random_prompts, reference_generate, reference_model
 
+pytestmark = pytest.mark.service
+
 NUM_BLOCKS = 64
 NUM_NEW = 6
 

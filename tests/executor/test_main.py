@@ -9,7 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from .oracle import MODELS
+
+pytestmark = pytest.mark.e2e
 
 ROOT = MODELS.parent
 

@@ -13,6 +13,8 @@ import pytest
 
 from .oracle import MODELS
 
+pytestmark = pytest.mark.e2e
+
 # Runs in the child: tune (or not), then allocate 40 MiB (over glibc's largest mmap threshold)
 # in a worker thread, as the executor's step does, and report what malloc did with it.
 PROBE = """

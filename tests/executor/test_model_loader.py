@@ -140,6 +140,7 @@ def _on_map(params: list[torch.nn.Parameter], path: Path) -> list[torch.nn.Param
     return [p for p in params if any(lo <= p.data_ptr() < hi for lo, hi in ranges)]
 
 
+@pytest.mark.e2e  # (a Python subprocess)
 def test_main_exits_with_one_line_for_a_directory_that_cannot_serve(tmp_path: Path) -> None:
     # The executor process: exit 2, one error line naming the problem and the remedy.
     directory = _config_only(tmp_path)

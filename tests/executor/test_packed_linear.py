@@ -155,6 +155,7 @@ print("kept", len(before))
 """
 
 
+@pytest.mark.e2e  # (a Python subprocess)
 def test_bfloat16_linears_fall_back_on_a_cpu_without_onednn_bf16() -> None:
     # The AVX2-only machines' path, taken on any x86 CPU: oneDNN limited to AVX2 (it reads
     # ONEDNN_MAX_CPU_ISA once, at its first use, hence a fresh interpreter).

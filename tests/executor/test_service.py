@@ -20,6 +20,8 @@ from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 
 from .oracle import random_prompts, reference_generate, reference_model
 
+pytestmark = pytest.mark.service
+
 Served = tuple[pb_grpc.ExecutorServiceStub, grpc.Channel, ModelRunner]
 
 

@@ -10,7 +10,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from common.credentials import RoleTokens
+
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 

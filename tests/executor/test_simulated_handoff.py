@@ -18,6 +18,8 @@ from pagedkv.executor.v1 import executor_pb2 as pb
 
 from .handoff_servers import Gateway, Served, serve_runner
 
+pytestmark = pytest.mark.service
+
 TINY = str(Path(__file__).resolve().parents[2] / "models" / "tiny-llama")  # vocab 512, EOS 2
 NUM_BLOCKS = 64
 

@@ -179,6 +179,7 @@ def test_step_sleeps_out_the_modelled_time_scaled() -> None:
     assert len(slept) == 1
 
 
+@pytest.mark.e2e  # (a Python subprocess)
 def test_simulated_executor_imports_no_torch() -> None:
     # A fleet on a small machine: the package and the servicer stay clear of torch.
     import subprocess

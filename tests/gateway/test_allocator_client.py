@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 
 from gateway.clients.allocator_client import AllocatorClient
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.service
 
 
 class RecordingAllocator(pb_grpc.AllocatorServiceServicer):

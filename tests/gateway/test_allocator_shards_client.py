@@ -18,6 +18,8 @@ from gateway.clients.allocator_client import PoolSpec
 from gateway.clients.call_failures import Lost, Stale
 from gateway.clients.shards import AllocatorShards
 
+pytestmark = pytest.mark.service
+
 NUM_SHARDS = 2
 POOLS = [f"pool-{i}" for i in range(6)]  # both shards own some: checked below
 

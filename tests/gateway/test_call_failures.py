@@ -32,6 +32,8 @@ from gateway.core.step import ExecuteCall, SeqWork, StepCall, TableDelta
 from pagedkv.executor.v1 import executor_pb2 as epb
 from pagedkv.executor.v1 import executor_pb2_grpc as epb_grpc
 
+pytestmark = pytest.mark.service
+
 
 @pytest.mark.parametrize(
     ("code", "outcome"),

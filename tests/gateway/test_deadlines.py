@@ -42,6 +42,8 @@ from gateway.text.tokenizer import Tokenizer
 from pagedkv.executor.v1 import executor_pb2 as epb
 from pagedkv.executor.v1 import executor_pb2_grpc
 
+pytestmark = pytest.mark.service
+
 BLOCK = 4
 NUM_BLOCKS = 64
 TIMEOUT_S = 0.3

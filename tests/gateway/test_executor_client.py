@@ -19,6 +19,8 @@ from gateway.core.step import ExecSampling, ExecuteCall, ExecuteResult, SeqWork,
 from pagedkv.executor.v1 import executor_pb2 as epb
 from pagedkv.executor.v1 import executor_pb2_grpc as epb_grpc
 
+pytestmark = pytest.mark.service
+
 
 class _Recording(epb_grpc.ExecutorServiceServicer):
     """Records each Execute and answers with a canned response; Describe names EOS 2."""

@@ -9,9 +9,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from types import SimpleNamespace
 
+import pytest
+
 from gateway.clients.allocator_client import AllocatorClient, CacheEvent
 from gateway.engine.kv_event_index import KvEventIndex, PoolBlocks
 from tests.gateway.loopback_allocator import LoopbackAllocator, cache
+
+pytestmark = pytest.mark.service
 
 P = list(range(100, 113))  # 13 tokens: 3 full blocks of 4
 Q = P[:8] + list(range(500, 508))  # P's first 2 blocks, then its own 2

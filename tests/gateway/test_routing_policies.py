@@ -17,6 +17,8 @@ from gateway.core.request_state import Request, Sequence
 from gateway.engine.router import Router
 from tests.gateway.loopback_allocator import LoopbackAllocator, cache
 
+pytestmark = pytest.mark.service
+
 P = list(range(100, 113))  # 3 full blocks of 4, and a last token
 
 

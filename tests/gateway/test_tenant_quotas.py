@@ -22,6 +22,7 @@ from gateway.core.request_state import Request
 from gateway.core.scheduler import Scheduler
 from gateway.engine.host import EngineHost
 from gateway.text.tokenizer import Tokenizer
+from tests.budget import examples
 
 QUOTA = 8
 
@@ -70,7 +71,7 @@ OPS = st.lists(st.one_of(
 ), max_size=40)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(ops=OPS)
 def test_tenant_quota_counts_sequences_as_the_model_does(ops: list[tuple]) -> None:
     # A model of the quota: each tenant's in-flight sequences, each request counting n or

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from common.model_dirs import REPO_ROOT
 from gateway.text.token_bound import TokenBound, bound_of, token_bound
+from tests.budget import examples
 
 SHIPPED = ["smollm2-135m-instruct", "tiny-llama", "tiny-llama-hd128", "tiny-qwen2",
            "tiny-mistral", "small-llama"]
@@ -74,7 +75,7 @@ NAMES = [*SHIPPED, "sentencepiece-normalizer", "sentencepiece-metaspace"]
 
 
 @pytest.mark.parametrize("name", NAMES)
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_token_bound_never_exceeds_the_real_count(name: str, data: st.DataObject) -> None:
     # Random unicode mixed with the vocabulary's longest tokens, added tokens, whitespace and

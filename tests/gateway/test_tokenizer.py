@@ -38,6 +38,7 @@ def test_tokenizer_load_refuses_a_directory_without_one(tmp_path: Path) -> None:
         Tokenizer.load(str(tmp_path))
 
 
+@pytest.mark.e2e  # (a Python subprocess)
 def test_gateway_exits_with_one_line_when_the_tokenizer_is_missing(tmp_path: Path) -> None:
     # The gateway process: exit 2 and one error line, before it dials anything.
     shutil.copy(TINY / "config.json", tmp_path / "config.json")

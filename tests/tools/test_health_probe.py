@@ -12,6 +12,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tools.health_probe import main
 
+pytestmark = pytest.mark.service
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

@@ -27,6 +27,8 @@ from tools.replay.step_time import StepTime
 from tools.replay.trace import read_recording
 from tools.replay.workload import Workload
 
+pytestmark = pytest.mark.service
+
 
 def test_replay_reference_recording_reads_back_the_workload_sent(tmp_path: Path) -> None:
     # Arrivals, prompt and output lengths, the fork and the abort, and each request's chain

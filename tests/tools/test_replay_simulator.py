@@ -18,6 +18,8 @@ from tools.replay.step_time import StepTime, fit
 from tools.replay.trace import read_recording
 from tools.replay.workload import ReplayError, Workload
 
+pytestmark = pytest.mark.service
+
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory: pytest.TempPathFactory) -> PoolTrace:
