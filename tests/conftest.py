@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 class UnitTestStartedSomething(AssertionError):
-    pass
+    """A test run as `unit` started a server or a Python process: its mark is wrong."""
 
 
 def _refuse(what: str) -> Any:
@@ -57,8 +57,8 @@ class _NoPythonPopen(subprocess.Popen):  # type: ignore[type-arg]
 
     def __init__(self, args: Any, *rest: Any, **kwargs: Any) -> None:
         argv = [args] if isinstance(args, str | bytes | Path) else list(args)
-        program = Path(str(argv[0]).split()[0]).name if argv else ""
-        if program.startswith("python") or str(argv[0]) == sys.executable:
+        first = str(argv[0]) if argv else ""
+        if first == sys.executable or Path(first.split(" ")[0]).name.startswith("python"):
             _refuse(f"a Python subprocess ({' '.join(map(str, argv[:4]))} ...)")()
         super().__init__(args, *rest, **kwargs)
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.conftest import UnitTestStartedSomething, _NoPythonPopen, _refuse
+from tests.conftest import KINDS, UnitTestStartedSomething, _NoPythonPopen, _refuse
 
 
 def test_a_python_subprocess_is_refused_naming_what_was_started():
@@ -27,7 +27,7 @@ def test_a_server_is_refused_naming_the_marks_to_use():
 
 
 def test_every_collected_test_has_exactly_one_kind(request: pytest.FixtureRequest):
-    kinds = {item.nodeid: {k for k in ("unit", "service", "e2e") if item.get_closest_marker(k)}
+    kinds = {item.nodeid: {k for k in KINDS if item.get_closest_marker(k)}
              for item in request.session.items}
     assert kinds[request.node.nodeid] == {"unit"}  # this one starts nothing: left unmarked
     assert {nodeid: k for nodeid, k in kinds.items() if len(k) != 1} == {}
