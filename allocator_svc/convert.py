@@ -8,7 +8,7 @@ from allocator_svc.core.hashing import hash_profile
 from allocator_svc.core.pins import PinStatus
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import BlockCopy, Commit, Grant, Request
-from allocator_svc.core.step import Decodes, PreemptionMode, StepCall, StepItem, StepResult
+from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem, StepResult
 from common.errors import InvalidArgument
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 
@@ -70,9 +70,9 @@ def commits(msgs: list[pb.Commit]) -> list[Commit]:
 
 
 def step_call(msg: pb.StepRequest) -> StepCall:
-    late = None
-    if msg.late_request_ids or msg.late_token_ids:
-        late = Decodes(list(msg.late_request_ids), list(msg.late_token_ids))
+    appends = None
+    if msg.append_request_ids or msg.append_token_ids:
+        appends = Appends(list(msg.append_request_ids), list(msg.append_token_ids))
     return StepCall(
         pool_id=msg.pool_id,
         epoch=msg.epoch,
@@ -82,17 +82,15 @@ def step_call(msg: pb.StepRequest) -> StepCall:
         commits=commits(msg.commits),
         free_ids=list(msg.free_request_ids),
         abort_ids=list(msg.abort_request_ids),
-        # The compact decode items (first in priority order), as columns.
-        decodes=Decodes(list(msg.decode_request_ids), list(msg.decode_token_ids)),
-        pending_decode_ids=list(msg.pending_decode_request_ids),
-        late=late,
+        appends=appends,
+        decode_ids=list(msg.decode_request_ids),
         step_id=msg.step_id,
         commit_through=msg.commit_through_step_id,
     )
 
 
 def step_items(msg: pb.StepRequest) -> list[StepItem]:
-    """The general items, in priority order (after the compact decodes)."""
+    """The general items, in priority order (after the decodes)."""
     items = []
     for m in msg.items:
         prompt = m.prompt_token_ids
@@ -102,7 +100,6 @@ def step_items(msg: pb.StepRequest) -> list[StepItem]:
                 m.num_tokens,
                 list(prompt) if prompt else None,
                 m.cache_salt,
-                list(m.append_token_ids),
                 m.tenant,
                 m.resumed,
             )
@@ -136,28 +133,21 @@ def _appends_one_block(grant: Grant, block_size: int) -> bool:
     )
 
 
-def step_response(
-    result: StepResult, num_free_blocks: int, block_size: int, compact_grants: bool
-) -> pb.StepResponse:
-    if not compact_grants:
-        appended_ids: list[str] = []
-        appended_blocks: list[int] = []
-        others = result.all_grants(block_size)
-    else:
-        # The columnar decodes' appends are already columns; general grants that only
-        # append a block join them.
-        appended_ids, appended_blocks = result.appended_request_ids, result.appended_block_ids
-        others = result.grants
-        if any(_appends_one_block(g, block_size) for g in others):
-            appended_ids, appended_blocks = list(appended_ids), list(appended_blocks)
-            kept = []
-            for grant in others:
-                if _appends_one_block(grant, block_size):
-                    appended_ids.append(grant.request_id)
-                    appended_blocks.append(grant.block_ids[0])
-                else:
-                    kept.append(grant)
-            others = kept
+def step_response(result: StepResult, num_free_blocks: int, block_size: int) -> pb.StepResponse:
+    # The decodes' appended blocks are already columns; general grants that only append a
+    # block join them.
+    appended_ids, appended_blocks = result.appended_request_ids, result.appended_block_ids
+    others = result.grants
+    if any(_appends_one_block(g, block_size) for g in others):
+        appended_ids, appended_blocks = list(appended_ids), list(appended_blocks)
+        kept = []
+        for grant in others:
+            if _appends_one_block(grant, block_size):
+                appended_ids.append(grant.request_id)
+                appended_blocks.append(grant.block_ids[0])
+            else:
+                kept.append(grant)
+        others = kept
     return pb.StepResponse(
         grants=[_grant(g) for g in others],
         appended_request_ids=appended_ids,

@@ -173,9 +173,7 @@ class Recorder:
                 self._step(pool, call, result, ending)
                 return
             # Most steps: decodes only. One line, formatted inline (this is the hot path).
-            decodes = call.decodes
-            rows = (len(call.items) + len(call.pending_decode_ids)
-                    + (len(decodes.request_ids) if decodes is not None else 0))
+            rows = len(call.items) + len(call.decode_ids)
             key = self.pool_keys.get(call.pool_id) or self._pool(call.pool_id)
             used = pool.config.num_blocks - pool.blocks.num_free
             if not self.file.write(f'{{"k":"step","t":{self.clock() - self.origin:.4f},'
@@ -227,7 +225,7 @@ class Recorder:
     def _step(self, pool: Pool, call: StepCall, result: StepResult,
               ending: list[Request]) -> None:
         """A step that admits, defers, preempts, swaps or ends requests: the general line."""
-        rows = len(call.items) + call.num_decodes + len(call.pending_decode_ids)
+        rows = len(call.items) + len(call.decode_ids)
         parts = [f'{{"k":"step","t":{self._now()},"pool":{self._pool(call.pool_id)},'
                  f'"rows":{rows},"used":{pool.config.num_blocks - pool.blocks.num_free},'
                  f'"tokens":{_tokens(call, result, rows)}']
@@ -264,8 +262,8 @@ class Recorder:
         self._write("".join(parts))
 
     def _end(self, request: Request, how: str) -> str:
-        tokens = request.token_ids
-        entry = (f'[{_quote(request.request_id)},"{how}",{len(tokens)},'
+        tokens = request.token_ids  # (its last computed token's value may not be known)
+        entry = (f'[{_quote(request.request_id)},"{how}",{max(len(tokens), request.num_computed)},'
                  f'"{_hash_prefixes(request.block_hashes)}"')
         if self.settings.token_ids:
             return f'{entry},[{",".join(map(str, tokens))}]]'

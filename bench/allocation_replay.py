@@ -182,7 +182,7 @@ def servicer_step_us(num_running: int, recording: bool,
                 next_id += quarter
             request = pb.StepRequest(pool_id="p", epoch=epoch, lease_id=lease, step_id=k + 2,
                                      commit_through_step_id=k + 1, decode_request_ids=ids,
-                                     decode_token_ids=[k] * len(ids), compact_grants=True,
+                                     append_request_ids=ids, append_token_ids=[k] * len(ids),
                                      **fields)
             if recorder is not None:
                 recorder.spent_s = 0.0

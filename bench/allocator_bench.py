@@ -23,7 +23,7 @@ import grpc
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
 from allocator_svc.core.request import Commit
-from allocator_svc.core.step import Decodes, StepCall, StepItem
+from allocator_svc.core.step import Appends, StepCall, StepItem
 from bench.common import markdown_table, median, percentile, write_results
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
@@ -47,8 +47,8 @@ def make_pool() -> tuple[Allocator, int]:
 def decode_step_us(num_running: int, num_steps: int, columns: bool = False) -> list[float]:
     """Microseconds per batched decode step (commits of the last step + one token each).
 
-    `columns`: the decodes as `Decodes`, the form the service passes on from the wire's
-    decode_request_ids/decode_token_ids; otherwise a `StepItem` each (the general path).
+    `columns`: the decodes as the wire's decode_request_ids column, with their values in
+    the appends column (the gateway's form); otherwise a `StepItem` each (the general path).
     Under a lease, as the gateway steps: every named request is checked against it."""
     allocator, epoch = make_pool()
     lease = allocator.create_lease(600.0).lease_id
@@ -63,12 +63,13 @@ def decode_step_us(num_running: int, num_steps: int, columns: bool = False) -> l
         # Each step confirms the one before, as the gateway's do.
         step_id = token + 2
         if columns:
-            decodes = Decodes(list(ids), [token] * num_running)
-            allocator.step(StepCall("bench", epoch, lease, decodes=decodes, step_id=step_id,
-                                    commit_through=step_id - 1))
+            allocator.step(StepCall("bench", epoch, lease, decode_ids=list(ids),
+                                    appends=Appends(list(ids), [token] * num_running),
+                                    step_id=step_id, commit_through=step_id - 1))
         else:
-            items = [StepItem(r, 1, None, "", [token]) for r in ids]
+            items = [StepItem(r, 1) for r in ids]
             allocator.step(StepCall("bench", epoch, lease, items, step_id=step_id,
+                                    appends=Appends(list(ids), [token] * num_running),
                                     commit_through=step_id - 1))
         samples.append((time.perf_counter() - start) * 1e6)
     return samples
@@ -183,8 +184,8 @@ def _grpc_steps(address: str, num_running: int, num_steps: int) -> list[float]:
             step_id=token + 2,
             commit_through_step_id=token + 1,
             decode_request_ids=ids,
-            decode_token_ids=[token] * len(ids),
-            compact_grants=True,  # as the gateway sends it
+            append_request_ids=ids,
+            append_token_ids=[token] * len(ids),
         )
         start = time.perf_counter()
         stub.Step(request)

@@ -133,7 +133,8 @@ class PoolDriver:
             pool_id=self.pool_id, epoch=self.epoch, lease_id=self.lease_id,
             step_id=self.step_id, commit_through_step_id=self.step_id - 1,
             free_request_ids=freed, items=items, decode_request_ids=self.running,
-            decode_token_ids=[self.step_id % 1000] * len(self.running), compact_grants=True)
+            append_request_ids=self.running,
+            append_token_ids=[self.step_id % 1000] * len(self.running))
         started = time.perf_counter()
         await self.stub.Step(request)
         if timed:

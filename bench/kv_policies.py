@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
-from allocator_svc.core.step import StepCall, StepItem
+from allocator_svc.core.step import Appends, StepCall, StepItem
 
 
 @dataclass(slots=True, eq=False)
@@ -97,15 +97,18 @@ class PagedPolicy:
         self.num_preemptions = 0
 
     def step(self, running: list[SimRequest], waiting: list[SimRequest]) -> StepOutcome:
-        items = [StepItem(r.request_id, 1, None, "", [0]) for r in running]
+        decode_ids = [r.request_id for r in running]  # one more token each, its value 0
+        items: list[StepItem] = []
         by_id = {r.request_id: r for r in (*running, *waiting)}
         for request in waiting:
             # A readmitted (preempted) request recomputes its prompt and what it generated.
             known = request.prompt_len + request.generated
             items.append(StepItem(request.request_id, known, [0] * known))
-        if not items:
+        if not items and not decode_ids:
             return StepOutcome()
-        result = self.allocator.step(StepCall("sim", self.pool.epoch, None, items))
+        result = self.allocator.step(
+            StepCall("sim", self.pool.epoch, None, items, decode_ids=decode_ids,
+                     appends=Appends(decode_ids, [0] * len(decode_ids))))
         outcome = StepOutcome()
         deferred = set(result.deferred)
         outcome.admitted = [r for r in waiting if r.request_id not in deferred]

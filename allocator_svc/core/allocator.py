@@ -17,16 +17,15 @@ from allocator_svc.core.hand_off import HandOff, check_hand_off, reserve
 from allocator_svc.core.leases import Lease, LeaseTable
 from allocator_svc.core.limits import Limits
 from allocator_svc.core.pins import Pin, PinStatus, pin_budget
-from allocator_svc.core.pipeline import check_pending, scheduled_ids
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import BlockCopy, Commit, Request
 from allocator_svc.core.step import StepCall, StepResult, run_step
 from allocator_svc.core.validation import (
+    check_appends,
     check_commits,
     check_decodes,
     check_items,
     check_length,
-    check_not_pending,
     check_owner,
     check_pin,
     check_pin_budget,
@@ -104,12 +103,12 @@ class Allocator:
         pool = self.pools.get(call.pool_id)
         if pool is None or pool.epoch != call.epoch:
             pool = self.pool(call.pool_id, call.epoch)  # raises, with the message
-        items, decodes, lease_id = call.items, call.decodes, call.lease_id
+        items, decode_ids, lease_id = call.items, call.decode_ids, call.lease_id
         commits, free_ids, abort_ids = call.commits, call.free_ids, call.abort_ids
-        num_decodes = call.num_decodes
-        num_items = len(items) + num_decodes + len(call.pending_decode_ids)
-        late = call.late is not None and bool(call.late.request_ids or call.late.token_ids)
-        if not (num_items or commits or free_ids or abort_ids or late or call.commit_through):
+        appends = call.appends if call.appends is not None and (
+            call.appends.request_ids or call.appends.token_ids) else None
+        num_items = len(items) + len(decode_ids)
+        if not (num_items or commits or free_ids or abort_ids or appends or call.commit_through):
             raise InvalidArgument("empty step: send at least one item, commit, free or abort")
         if num_items > self.limits.max_batch_items:
             raise InvalidArgument(
@@ -121,36 +120,30 @@ class Allocator:
         if lease_id is not None:
             self._live_lease(lease_id)
             # Every request named must be this lease's (new ones are admitted into it; the
-            # decodes are checked with the columns).
+            # decodes and appends are checked with their columns).
             if items:
                 check_owner(pool, [i.request_id for i in items if not i.prompt_token_ids], lease_id)
             if commits:
                 check_owner(pool, [c.request_id for c in commits], lease_id)
             if free_ids or abort_ids:
                 check_owner(pool, (*free_ids, *abort_ids), lease_id)
-        # The common step is decodes and nothing else: skip the checks with nothing to check.
+        # The common step is decodes and appends: skip the checks with nothing to check.
         released = (
             check_releases(pool, free_ids, abort_ids) if free_ids or abort_ids else _NONE_RELEASED
         )
+        appended = check_appends(pool, appends, lease_id) if appends else None
         if commits:
             check_commits(pool, commits)
         if items:
             check_items(pool, items, released, self.limits)
         decode_requests = (
-            check_decodes(pool, decodes, items, released, lease_id)
-            if decodes is not None and num_decodes
-            else []
+            check_decodes(pool, decode_ids, items, released, appended, lease_id)
+            if decode_ids else []
         )
-        if late or call.pending_decode_ids:
-            late_requests, decodes, decode_requests = check_pending(
-                pool, call, decode_requests, released
-            )
-            if late_requests:
-                assert call.late is not None
-                pool.fill_pending(late_requests, call.late.token_ids)
-        elif pool.pending and (num_decodes or items):
-            check_not_pending(pool, scheduled_ids(decodes, items), released)
         # Validated: from here on the call is applied.
+        if appended:
+            for request, token in zip(appended, appends.token_ids, strict=True):  # type: ignore[union-attr]
+                request.token_ids.append(token)
         if call.commit_through:
             scheduled.commit_through(pool, lease_id, call.commit_through, frozenset(abort_ids))
         for commit in commits:
@@ -160,17 +153,10 @@ class Allocator:
                 pool.free(pool.requests[request_id])
             for request_id in abort_ids:
                 pool.abort(pool.requests[request_id])
-        result = run_step(
-            pool, items, call.mode, lease_id, decodes, decode_requests, call.step_id,
+        return run_step(
+            pool, items, call.mode, lease_id, decode_requests, call.step_id,
             self.limits.max_blocks_per_tenant,
         )
-        if call.pending_decode_ids:
-            granted = call.pending_decode_ids
-            if result.preempted:
-                preempted = {p.request_id for p in result.preempted}
-                granted = [i for i in granted if i not in preempted]
-            pool.pending.update(granted)
-        return result
 
     # Outside a step. `lease_id`: the caller's lease, which every named request must be in.
     def free(
@@ -218,9 +204,10 @@ class Allocator:
         self._check_owner(pool, [parent_id], lease_id)
         if parent.swapped:
             raise FailedPrecondition(f"parent {parent_id!r} is swapped out; swap it in first")
-        if parent_id in pool.pending:
+        if parent.num_computed > len(parent.token_ids):
             raise FailedPrecondition(
-                f"parent {parent_id!r} holds a pending token; send its value first"
+                f"parent {parent_id!r} holds a computed token whose value is unknown: append "
+                "its value first"
             )
         if not child_ids or len(set(child_ids)) != len(child_ids):
             raise InvalidArgument("child_request_ids must be non-empty and distinct")

@@ -18,7 +18,7 @@ from allocator_svc.core.events import EventLog
 from allocator_svc.core.free_queue import Block
 from allocator_svc.core.hashing import BlockHasher, pack_tokens, root_hash
 from allocator_svc.core.pins import PinTable
-from allocator_svc.core.request import PENDING, BlockCopy, Grant, Request
+from allocator_svc.core.request import BlockCopy, Grant, Request
 from allocator_svc.core.scheduled_steps import ScheduledSteps
 
 MAX_CACHED_ROOTS = 4096
@@ -69,8 +69,6 @@ class Pool:
         self.hash_block = BlockHasher(config.block_size)
         # Per lease, what its steps granted and no call has committed yet (scheduled_steps.py).
         self.scheduled = ScheduledSteps(self.cpu)
-        # Requests whose last token is PENDING: granted, its value not known yet.
-        self.pending: set[str] = set()
 
     def root(self, cache_salt: str) -> bytes:
         root = self._roots.get(cache_salt)
@@ -242,10 +240,9 @@ class Pool:
     # The commit rule: a full block enters the prefix cache once its KV is written.
 
     def commit(self, request: Request, num_computed: int) -> None:
-        """KV of tokens [0, num_computed) is written: cache the full blocks among them. A pending
-        token's block waits for its value."""
-        if request.request_id in self.pending:
-            num_computed = min(num_computed, len(request.token_ids) - 1)
+        """KV of tokens [0, num_computed) is written: cache the full blocks among them. A block
+        holding a token whose value is unknown waits for it."""
+        num_computed = min(num_computed, len(request.token_ids))
         request.num_committed = max(request.num_committed, num_computed)
         bs = self.block_size
         num_full = num_computed // bs
@@ -271,7 +268,7 @@ class Pool:
         """Commit each of a step's requests at the count it was granted then. Most decode
         steps fill no block; in one of every block_size steps each request fills one, and those
         are hashed and cached together, as one event run."""
-        live, bs, pending = self.requests, self.block_size, self.pending
+        live, bs = self.requests, self.block_size
         filled: list[Request] = []
         tokens: list[int] = []
         for request, count in zip(requests, counts, strict=True):
@@ -279,8 +276,7 @@ class Pool:
                 continue  # freed or preempted since
             have, num_full = len(request.block_hashes), count // bs
             if num_full == have:
-                if pending and request.request_id in pending:
-                    count = min(count, len(request.token_ids) - 1)
+                count = min(count, len(request.token_ids))
                 if count > request.num_committed:
                     request.num_committed = count
             elif self._one_block_filled(request, count, have, num_full):
@@ -294,16 +290,13 @@ class Pool:
         self, request: Request, count: int, have: int, num_full: int
     ) -> bool:
         """True: the request filled exactly its next block, to be hashed with the step's others.
-        Anything else (a prefill chunk, a swapped request, a block holding a pending token) is
-        committed on its own here."""
-        holds_pending = (
-            num_full * self.block_size >= len(request.token_ids)
-            and request.request_id in self.pending
-        )
-        if num_full != have + 1 or request.cpu_block_ids is not None or holds_pending:
+        Anything else (a prefill chunk, a swapped request, a block holding a token whose value
+        is unknown) is committed on its own here."""
+        if (num_full != have + 1 or request.cpu_block_ids is not None
+                or num_full * self.block_size > len(request.token_ids)):
             self.commit(request, count)
             return False
-        request.num_committed = max(request.num_committed, count)
+        request.num_committed = max(request.num_committed, min(count, len(request.token_ids)))
         return True
 
 
@@ -324,16 +317,9 @@ class Pool:
                          for p, r in zip(parents, filled, strict=True)]
         self.blocks.cache_blocks(blocks, hashes, keys, parent_blocks, tokens)
 
-    def fill_pending(self, requests: list[Request], token_ids: list[int]) -> None:
-        """Pending tokens learn their values (validated: each request holds one)."""
-        for request, token in zip(requests, token_ids, strict=True):
-            request.token_ids[-1] = token
-        self.pending.difference_update(r.request_id for r in requests)
-
     def free(self, request: Request) -> None:
         """Release every block, last first, so prefix blocks outlive suffix blocks in the LRU."""
         del self.requests[request.request_id]
-        self.pending.discard(request.request_id)
         self.blocks.free(reversed(request.blocks))
         request.blocks = []
         if request.cpu_block_ids is not None:
@@ -424,12 +410,12 @@ class Pool:
                 assert len(request.blocks) == self.blocks_for(request.num_computed), (
                     f"{request.request_id}: table covers exactly its computed tokens"
                 )
-            assert request.num_committed <= request.num_computed <= len(request.token_ids)
-            is_pending = bool(request.token_ids) and request.token_ids[-1] == PENDING
-            assert is_pending == (request.request_id in self.pending), (
-                f"{request.request_id}: a PENDING placeholder exactly when listed as pending"
+            assert request.num_committed <= request.num_known_computed, (
+                f"{request.request_id}: committed past its computed or known tokens"
             )
-            assert PENDING not in request.token_ids[:-1], "only the last token may be pending"
-            if is_pending:
-                assert request.num_committed < len(request.token_ids), "a pending token committed"
-        assert self.pending <= self.requests.keys(), "a freed request is still pending"
+            assert request.num_computed <= len(request.token_ids) + 1, (
+                f"{request.request_id}: more than one computed token of unknown value"
+            )
+            assert len(request.block_hashes) * self.block_size <= request.num_committed or (
+                request.num_cached_tokens >= len(request.block_hashes) * self.block_size
+            ), f"{request.request_id}: a block hashed past its committed tokens"

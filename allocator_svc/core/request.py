@@ -6,19 +6,17 @@ from dataclasses import dataclass, field
 
 from allocator_svc.core.free_queue import Block
 
-# The placeholder of a pending token: granted a slot while its value is still being sampled
-# (a pipelined step). Never hashed: a token id is >= 0, and commits stop short of it.
-PENDING = -1
-
 
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
     lease_id: str | None
     root_hash: bytes  # chain root: binds the model fingerprint and the cache salt
-    token_ids: list[int]  # the prompt, then appended outputs (the last may be PENDING)
+    token_ids: list[int]  # the known tokens: the prompt, then the outputs appended so far
     num_prompt_tokens: int
-    num_computed: int = 0  # tokens granted slots (their KV is written by the granting step)
+    # Tokens granted slots (their KV is written by the granting step). At most one past the
+    # known tokens: a decode's token may be granted while its value is being sampled.
+    num_computed: int = 0
     num_committed: int = 0  # tokens whose KV the gateway confirmed written
     blocks: list[Block] = field(default_factory=list)  # the block table (GPU)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of leading full blocks
@@ -32,6 +30,11 @@ class Request:
     @property
     def swapped(self) -> bool:
         return self.cpu_block_ids is not None
+
+    @property
+    def num_known_computed(self) -> int:
+        """Computed tokens whose values are known: how far a commit may hash."""
+        return min(self.num_computed, len(self.token_ids))
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,10 @@ swapped-out ones coming back) are admitted from free space only, in order, stopp
 first that does not fit, and not at all in a step that preempted (as vLLM does). A request
 that cannot be served leaves no trace: it is deferred, or preempted as a whole.
 
-Decodes may come in columns (`Decodes`): when they all fit without preemption (most steps),
-they are served without an item or a Grant per request; otherwise they join the general
-path as items, with the same outcome.
+Decodes come as a column of request ids, each computing one more token: when they all fit
+without preemption (most steps), they are served without an item or a Grant per request;
+otherwise they join the general path as items, with the same outcome. A decode needs no
+value: slots depend on counts, and values arrive in `Appends` once known (request.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from allocator_svc.core.pool import Pool
-from allocator_svc.core.request import PENDING, BlockCopy, Commit, Grant, Request
+from allocator_svc.core.request import BlockCopy, Commit, Grant, Request
 
 
 class PreemptionMode(Enum):
@@ -32,35 +33,27 @@ class StepItem:
     num_tokens: int  # tokens to compute this step beyond what is computed (or cached)
     prompt_token_ids: list[int] | None = None  # set exactly when the request is new
     cache_salt: str = ""
-    append_token_ids: list[int] = field(default_factory=list)
     tenant: str = ""  # a new request's tenant, for its block quota
     resumed: bool = False  # a new admission after a recompute preemption (counted apart)
+    decode: bool = False  # a decode row on the general path: its token's value may be unknown
 
 
 @dataclass(slots=True)
-class Decodes:
-    """Plain decodes in columns: each running request appends one token and computes it.
-
-    The compact form of `StepItem(request_id, 1, None, "", [token])`, first in priority
-    order. Most steps are all decodes, and the columns skip an object per request."""
+class Appends:
+    """Token values the caller has learned: request `request_ids[i]` appends `token_ids[i]`
+    (one request's rows in order). Columns: a step carries one per decoding request."""
 
     request_ids: list[str]
     token_ids: list[int]
-
-    def as_items(self) -> list[StepItem]:
-        return [
-            StepItem(r, 1, None, "", [t])
-            for r, t in zip(self.request_ids, self.token_ids, strict=True)
-        ]
 
 
 @dataclass(slots=True)
 class StepCall:
     """One Step: everything a caller asks of one pool in one scheduling step.
 
-    Applied in this order: late token values, commits through `commit_through` (its lease's
-    numbered steps), `commits`, frees, aborts; then scheduling in priority order: `decodes`,
-    `pending_decode_ids`, `items`."""
+    Applied in this order: appends, commits through `commit_through` (its lease's numbered
+    steps), `commits`, frees, aborts; then scheduling in priority order: `decode_ids` (one
+    more token each), `items`."""
 
     pool_id: str
     epoch: int
@@ -70,19 +63,10 @@ class StepCall:
     commits: list[Commit] = field(default_factory=list)
     free_ids: list[str] = field(default_factory=list)
     abort_ids: list[str] = field(default_factory=list)
-    decodes: Decodes | None = None
-    # Running requests computing one more token whose value the batch in flight is sampling:
-    # it is pending until a later call brings it in `late` (pipeline.py).
-    pending_decode_ids: list[str] = field(default_factory=list)
-    late: Decodes | None = None
+    appends: Appends | None = None
+    decode_ids: list[str] = field(default_factory=list)
     step_id: int = 0  # increasing per lease; 0: nothing kept for commit_through
     commit_through: int = 0  # every numbered step up to this one executed
-
-    @property
-    def num_decodes(self) -> int:
-        """Either column non-empty counts (both are checked: aligned, known ids, tokens)."""
-        d = self.decodes
-        return len(d.request_ids) or len(d.token_ids) if d is not None else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +100,7 @@ class StepResult:
         self.swap_out: list[BlockCopy] = []
         self.swap_in: list[BlockCopy] = []
         self.swapped_in: list[str] = []  # requests brought back from CPU blocks
-        # Decodes (sent as `Decodes`) that reached a block boundary and got one fresh block
+        # Decodes (the `decode_ids` column) that reached a block boundary and got one fresh block
         # at table index `appended_indexes[i]`: their grants, in columns.
         self.appended_request_ids: list[str] = []
         self.appended_block_ids: list[int] = []
@@ -141,20 +125,20 @@ def run_step(
     items: list[StepItem],
     mode: PreemptionMode,
     lease_id: str | None,
-    decodes: Decodes | None = None,
     decode_requests: list[Request] | None = None,
     step_id: int = 0,
     tenant_quota: int = 0,
 ) -> StepResult:
-    """Schedule `decodes`, then `items` (all validated by the caller; `decode_requests` are
-    the decodes' requests in column order); return what changed. What it grants is kept as
+    """Schedule `decode_requests` (one more token each), then `items` (all validated by the
+    caller); return what changed. What it grants is kept as
     step `step_id` of the lease, until a call commits it (scheduled_steps.py).
     `tenant_quota` (blocks; 0: none): TenantQuota."""
     result = StepResult()
     scheduled: list[Request] = []
-    if decodes is not None and decode_requests:
-        if not _run_plain_decodes(pool, decodes, decode_requests, result):
-            items = decodes.as_items() + items
+    if decode_requests:
+        if not _run_plain_decodes(pool, decode_requests, result):
+            decode_items = [StepItem(r.request_id, 1, decode=True) for r in decode_requests]
+            items = decode_items + items
         elif not items:  # the common step: served
             _finish(pool, lease_id, step_id, decode_requests, result)
             return result
@@ -167,7 +151,6 @@ def run_step(
         if request is None:
             admissions.append(item)
             continue
-        request.token_ids.extend(item.append_token_ids)
         if request.swapped:
             admissions.append(item)
         else:
@@ -180,7 +163,8 @@ def run_step(
         if preempted and item.request_id in preempted:
             continue
         computed = request.num_computed
-        num_tokens = len(request.token_ids) - computed
+        # Known, uncomputed tokens; a decode's one token may be unknown (validated).
+        num_tokens = len(request.token_ids) + item.decode - computed
         if item.num_tokens < num_tokens:
             num_tokens = item.num_tokens
         if num_tokens <= 0:
@@ -262,23 +246,16 @@ def _finish(pool: Pool, lease_id: str | None, step_id: int, scheduled: list[Requ
     pool.scheduled.record(lease_id, step_id, scheduled, tier)
 
 
-def _run_plain_decodes(
-    pool: Pool,
-    decodes: Decodes,
-    batch: list[Request],
-    result: StepResult,
-) -> bool:
+def _run_plain_decodes(pool: Pool, batch: list[Request], result: StepResult) -> bool:
     """Serve every decode without preemption, or change nothing and return False.
 
     The common step: each request's token fits its private last block or, once every
     block_size steps, takes one fresh block, and the pool has them all. Anything else (a
-    shortage, a shared last block, a swapped or lagging request) goes the general way."""
+    shortage, a shared last block) goes the general way."""
     bs = pool.block_size
     num_boundaries = 0
     for request in batch:
         computed = request.num_computed
-        if computed != len(request.token_ids) or request.cpu_block_ids is not None:
-            return False  # tokens pending beyond this one, or swapped out
         if computed % bs:
             if request.blocks[computed // bs].ref_count != 1:
                 return False  # a shared partial block: copy-on-write
@@ -291,10 +268,8 @@ def _run_plain_decodes(
     taken = pool.blocks.allocate(num_boundaries) if num_boundaries else []  # 15 steps in 16: none
     assert taken is not None, "checked: the pool has num_boundaries free blocks"
     fresh = iter(taken)
-    # (The columns' lengths were checked: zip needs no strict.)
-    for request, token in zip(batch, decodes.token_ids, strict=False):
+    for request in batch:
         computed = request.num_computed
-        request.token_ids.append(token)
         request.num_computed = computed + 1
         if not computed % bs:
             block = next(fresh)
@@ -317,9 +292,6 @@ def _last_unpreempted(
 def _preempt(pool: Pool, request: Request, mode: PreemptionMode, result: StepResult) -> None:
     pool.num_preemptions += 1
     if mode is PreemptionMode.SWAP:
-        if request.token_ids[-1] == PENDING:
-            # A pending decode not granted: its value comes with the swap-in's appends.
-            request.token_ids.pop()
         copies = pool.swap_out(request)
         if copies is not None:
             result.swap_out.extend(copies)
@@ -373,7 +345,7 @@ class TenantQuota:
 def _admit(pool: Pool, item: StepItem, lease_id: str | None, result: StepResult) -> Grant | None:
     request = pool.requests.get(item.request_id)
     if request is not None:  # swapped out: bring it back
-        num_tokens = min(item.num_tokens, len(request.token_ids) - request.num_computed)
+        num_tokens = max(min(item.num_tokens, len(request.token_ids) - request.num_computed), 0)
         grant = pool.swap_in(request, num_tokens, result.swap_in)
         if grant is not None:
             result.swapped_in.append(request.request_id)

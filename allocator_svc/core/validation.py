@@ -9,7 +9,7 @@ from collections.abc import Set as AbstractSet
 from allocator_svc.core.limits import Limits
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import Commit, Request
-from allocator_svc.core.step import Decodes, StepItem
+from allocator_svc.core.step import Appends, StepItem
 from common.credentials import lease_tag
 from common.errors import (
     AlreadyExists,
@@ -108,8 +108,6 @@ def check_items(
     requests = pool.requests
     for item in items:
         request_id = item.request_id
-        if item.append_token_ids and min(item.append_token_ids) < 0:
-            check_token_ids(request_id, item.append_token_ids)
         known = request_id in requests and request_id not in released
         if known and not item.prompt_token_ids:
             continue
@@ -120,7 +118,7 @@ def check_items(
             check_length("cache_salt", item.cache_salt, limits.max_salt_chars)
             check_length("tenant", item.tenant, limits.max_id_chars)
             check_token_ids(request_id, item.prompt_token_ids)
-            needed = pool.blocks_for(len(item.prompt_token_ids) + len(item.append_token_ids))
+            needed = pool.blocks_for(len(item.prompt_token_ids))
             if needed > pool.config.num_blocks:
                 raise ResourceExhausted(
                     f"request {request_id!r} needs {needed} blocks; pool "
@@ -132,23 +130,57 @@ def check_items(
             )
 
 
+def check_appends(pool: Pool, appends: Appends, lease_id: str | None) -> list[Request]:
+    """The columns must be aligned and name known requests of the lease, with valid values
+    that keep each request within the pool. Returns the requests, in row order."""
+    ids, tokens = appends.request_ids, appends.token_ids
+    if len(ids) != len(tokens):
+        raise InvalidArgument(
+            f"append_request_ids has {len(ids)} entries but append_token_ids has {len(tokens)}"
+        )
+    requests: list[Request] = list(map(pool.requests.get, ids))  # type: ignore[arg-type]
+    if None in requests:
+        if "" in ids:
+            raise InvalidArgument("every append needs a request_id")
+        unknown = ids[requests.index(None)]  # type: ignore[arg-type]
+        raise NotFound(f"append for unknown request {unknown!r}")
+    if lease_id is not None:
+        for request in requests:
+            if request.lease_id != lease_id:
+                check_owner(pool, [request.request_id], lease_id)  # raises, with the message
+    if min(tokens) < 0:
+        index = next(i for i, token in enumerate(tokens) if token < 0)
+        raise InvalidArgument(f"{ids[index]}: append token ids must be >= 0, got {tokens[index]}")
+    # A request computes at most the pool's slots, and holds one sampled token past them.
+    capacity = pool.config.num_blocks * pool.block_size + 1
+    held: dict[str, int] = {}
+    for request in requests:
+        count = held.get(request.request_id, len(request.token_ids)) + 1
+        held[request.request_id] = count
+        if count > capacity:
+            raise InvalidArgument(
+                f"request {request.request_id!r} would hold {count} tokens, more than a "
+                f"request of pool {pool.config.pool_id!r} can ({capacity}: its slots and one "
+                "sampled token): append each value once"
+            )
+    return requests
+
+
 def check_decodes(
     pool: Pool,
-    decodes: Decodes,
+    ids: list[str],
     items: list[StepItem],
     released: AbstractSet[str],
+    appended: list[Request] | None,
     lease_id: str | None,
 ) -> list[Request]:
-    """The columns must be aligned, name known requests of the lease once each, and carry
-    valid tokens. Returns the requests, in column order (the step then looks nothing up).
+    """Each names a known, running request of the lease once, not otherwise scheduled or
+    freed in the call, whose computed tokens' values are all known (`appended`: this call's
+    appends, applied first). Returns the requests, in column order (the step then looks
+    nothing up).
 
     Every step runs this over every running request: the common case costs one set, one
     map and one pass."""
-    ids, tokens = decodes.request_ids, decodes.token_ids
-    if len(ids) != len(tokens):
-        raise InvalidArgument(
-            f"decode_request_ids has {len(ids)} entries but decode_token_ids has {len(tokens)}"
-        )
     seen = set(ids)
     if len(seen) != len(ids) or "" in seen:
         _raise_bad_ids(ids)
@@ -160,95 +192,24 @@ def check_decodes(
     if None in batch:
         unknown = ids[batch.index(None)]  # type: ignore[arg-type]
         raise NotFound(f"unknown request {unknown!r}: a new request must carry prompt_token_ids")
-    if lease_id is not None:
-        for request in batch:
-            if request.lease_id != lease_id:
-                check_owner(pool, [request.request_id], lease_id)  # raises, with the message
-    if tokens and min(tokens) < 0:
-        index = next(i for i, token in enumerate(tokens) if token < 0)
-        raise InvalidArgument(f"{ids[index]}: decode token ids must be >= 0, got {tokens[index]}")
+    filled: set[str] | None = None
+    for request in batch:
+        if request.lease_id != lease_id and lease_id is not None:
+            check_owner(pool, [request.request_id], lease_id)  # raises, with the message
+        if request.cpu_block_ids is not None:
+            raise InvalidArgument(
+                f"request {request.request_id!r} is swapped out: swap it in with an item, "
+                "not a decode"
+            )
+        if request.num_computed > len(request.token_ids):  # at depth 2, every decode
+            if filled is None:
+                filled = {r.request_id for r in appended} if appended else set()
+            if request.request_id not in filled:
+                raise InvalidArgument(
+                    f"request {request.request_id!r} has a computed token whose value is "
+                    "unknown: append its value before decoding the next one"
+                )
     return batch
-
-
-def check_late_tokens(pool: Pool, late: Decodes, lease_id: str | None) -> list[Request]:
-    """Each names a known request of the lease once, holding a pending token, and carries a
-    valid value. Returns the requests, in column order."""
-    ids, tokens = late.request_ids, late.token_ids
-    if len(ids) != len(tokens):
-        raise InvalidArgument(
-            f"late_request_ids has {len(ids)} entries but late_token_ids has {len(tokens)}"
-        )
-    if len(set(ids)) != len(ids) or "" in ids:
-        _raise_bad_ids(ids)
-    requests = _known(pool, ids, lease_id, "late token")
-    for request_id, token in zip(ids, tokens, strict=True):
-        if token < 0:
-            raise InvalidArgument(f"{request_id}: late token ids must be >= 0, got {token}")
-        if request_id not in pool.pending:
-            raise InvalidArgument(
-                f"request {request_id!r} has no pending token: a late token fills the one "
-                "granted by an earlier pending_decode_request_ids"
-            )
-    return requests
-
-
-def check_pending_decodes(
-    pool: Pool,
-    ids: list[str],
-    others: Iterable[str],
-    released: AbstractSet[str],
-    filled: AbstractSet[str],
-    lease_id: str | None,
-) -> list[Request]:
-    """Each names a known running request of the lease once, not otherwise scheduled or
-    freed in the call, whose known tokens are all computed and whose previous pending token
-    (if any) is `filled` by this call. Returns the requests, in column order."""
-    seen = set(ids)
-    if len(seen) != len(ids) or "" in seen:
-        _raise_bad_ids(ids)
-    if not seen.isdisjoint(others):
-        _raise_bad_ids([*ids, *others])
-    if released and not released.isdisjoint(seen):
-        raise InvalidArgument(f"requests {sorted(released & seen)} are both freed and scheduled")
-    requests = _known(pool, ids, lease_id, "pending decode")
-    for request in requests:
-        check_not_pending(pool, [request.request_id], filled)
-        if request.swapped:
-            raise InvalidArgument(
-                f"request {request.request_id!r} is swapped out: swap it in with an item "
-                "carrying its tokens, not a pending decode"
-            )
-        if request.num_computed != len(request.token_ids):
-            raise InvalidArgument(
-                f"request {request.request_id!r} has "
-                f"{len(request.token_ids) - request.num_computed} known tokens not computed: "
-                "a pending decode follows its last computed token"
-            )
-    return requests
-
-
-def check_not_pending(pool: Pool, request_ids: Iterable[str], filled: AbstractSet[str]) -> None:
-    """None of the requests may still hold a pending token this call does not fill (or
-    free, `filled` then names it too: a freed request admitted again starts anew): a
-    request's tokens stay in order."""
-    pending = pool.pending
-    for request_id in request_ids:
-        if request_id in pending and request_id not in filled:
-            raise InvalidArgument(
-                f"request {request_id!r} holds a pending token: send its value in "
-                "late_token_ids before scheduling it again"
-            )
-
-
-def _known(pool: Pool, ids: list[str], lease_id: str | None, what: str) -> list[Request]:
-    requests = []
-    for request_id in ids:
-        request = pool.requests.get(request_id)
-        if request is None:
-            raise NotFound(f"{what} for unknown request {request_id!r}")
-        requests.append(request)
-    check_owner(pool, ids, lease_id)
-    return requests
 
 
 def _raise_bad_ids(request_ids: Iterable[str]) -> None:

@@ -194,11 +194,7 @@ class AllocatorClient(InternalChannel):
                 resumed=i.resumed,
             )
             if i.is_new
-            else pb.StepItem(
-                request_id=i.request_id,
-                append_token_ids=i.append_token_ids,
-                num_tokens=i.num_tokens,
-            )
+            else pb.StepItem(request_id=i.request_id, num_tokens=i.num_tokens)
             for i in call.items
         ]
         request = pb.StepRequest(
@@ -213,11 +209,8 @@ class AllocatorClient(InternalChannel):
                 pb.PREEMPTION_MODE_SWAP if call.swap else pb.PREEMPTION_MODE_RECOMPUTE
             ),
             decode_request_ids=call.decode_request_ids,
-            decode_token_ids=call.decode_token_ids,
-            compact_grants=True,
-            pending_decode_request_ids=call.pending_decode_request_ids,
-            late_request_ids=call.late_request_ids,
-            late_token_ids=call.late_token_ids,
+            append_request_ids=call.append_request_ids,
+            append_token_ids=call.append_token_ids,
             step_id=call.step_id,
             commit_through_step_id=call.commit_through_step_id,
         )

@@ -47,7 +47,8 @@ class ScheduledStep:
 
     call: StepCall
     seqs: dict[str, Sequence]
-    late: list[Sequence] = field(default_factory=list)  # whose late token the call carries
+    # The sequences whose token values the call carries, and how many each.
+    appends: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -149,15 +149,13 @@ class Sequence:
     # executor fills the value in itself: use_sampled_token), until it lands (Scheduler.fill).
     num_placeholders: int = 0
     num_computed_tokens: int = 0
-    num_allocator_tokens: int = 0      # tokens the allocator knows (0: not admitted there)
+    num_allocator_tokens: int = 0  # token values the allocator holds (0: not admitted there)
     known_to_allocator: bool = False
     known_to_executor: bool = False
     # Depth 2: tokens it computes in the batch executing now, and whether that batch
-    # samples its next token; whether the allocator holds a slot for a token whose value it
-    # has not been sent yet (position num_allocator_tokens: a late token of the next Step).
+    # samples its next token.
     num_in_flight: int = 0
     samples_in_flight: bool = False
-    allocator_pending: bool = False
     # NOTE: no copy of the block table is kept: the allocator's grants go straight to the
     # executor. A sequence new at the executor needs its whole table, and every grant that
     # starts one carries it from index 0 (admission, swap-in), except a forked child's: the
@@ -205,7 +203,7 @@ class Sequence:
         return prompt[start:num_prompt] + outputs[: stop - num_prompt]
 
     def token_at(self, position: int) -> int:
-        """token_ids[position] (hot path: a generated token, for a late value)."""
+        """token_ids[position] (hot path: a generated token, for the allocator's appends)."""
         num_prompt = len(self.request.prompt_token_ids)
         if position >= num_prompt and not self.is_prefill_parent:
             return self.output_token_ids[position - num_prompt]
@@ -269,7 +267,6 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_allocator_tokens = 0
         self.known_to_allocator = False
-        self.allocator_pending = False
         self.num_in_flight = 0
         self.samples_in_flight = False
         self.fork_table = None

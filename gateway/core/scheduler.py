@@ -151,30 +151,26 @@ class Scheduler:
         """Choose the step's items under the budgets; None when there is nothing to send.
 
         `in_flight`: the previous step's batch is still executing (depth 2). Each of its
-        sequences that samples decodes the token being sampled (a pending decode: the allocator
-        needs the count, not the value), unless that token is its last by length; the others
-        plan on top of what the batch computes. The values of the tokens pending decodes were
-        granted in the previous step are known by now and go along as late tokens.
+        sequences that samples decodes the token being sampled (the allocator needs the
+        count, not the value), unless that token is its last by length; the others plan on top
+        of what the batch computes. Token values go to the allocator once each, when known
+        (`appends`), whether or not the sequence is scheduled.
 
-        NOTE: running decodes go first, then pending decodes, then running prefill chunks,
-        swapped and new requests: decodes travel in the allocator's compact forms, which come
-        before the other items. Under pressure, an old request still prefilling in chunks can
-        therefore be preempted before a newer decoding one (vLLM V1 orders purely by arrival).
+        NOTE: running decodes go first, then running prefill chunks, swapped and new
+        requests: decodes travel in the allocator's decode column, which comes before the
+        items. Under pressure, an old request still prefilling in chunks can therefore be
+        preempted before a newer decoding one (vLLM V1 orders purely by arrival).
         """
         tokens_left = self.budget.max_num_batched_tokens
         seqs_left = self.budget.max_num_seqs
         decode_ids: list[str] = []
-        decode_tokens: list[int] = []
-        pending_ids: list[str] = []
-        late: list[Sequence] = []
+        appends = _Appends()
         items: list[StepItem] = []
         seqs: dict[str, Sequence] = {}
         leaving = self._park_leavers() if self.move_quota else ()
         for seq in [*self.running, *self.swapped]:
-            known = seq.num_allocator_tokens  # tokens whose values the allocator holds
-            if seq.allocator_pending and seq.known_to_allocator:
-                late.append(seq)
-                known += 1  # with this call's late token
+            if seq.known_to_allocator:
+                appends.add(seq)
             if seqs_left == 0 or tokens_left == 0:
                 continue
             ahead = seq.num_in_flight
@@ -183,7 +179,7 @@ class Scheduler:
             if ahead and seq.samples_in_flight:
                 # A beam's next token is its search's pick, once the batch lands (depth 1).
                 if not _samples_its_last(seq) and not seq.is_beam:
-                    pending_ids.append(seq.seq_id)
+                    decode_ids.append(seq.seq_id)
                     seqs[seq.seq_id] = seq
                     tokens_left -= 1
                     seqs_left -= 1
@@ -191,12 +187,10 @@ class Scheduler:
             num = min(seq.num_uncomputed_tokens - ahead, tokens_left)
             if num <= 0:
                 continue
-            if _is_decode(seq, num, known):
+            if num == 1 and seq.status is SeqStatus.RUNNING:
                 decode_ids.append(seq.seq_id)
-                decode_tokens.append(seq.last_token_id)
             else:
-                append = tuple(seq.token_slice(known))
-                items.append(StepItem(seq.seq_id, num, append_token_ids=append))
+                items.append(StepItem(seq.seq_id, num))
             seqs[seq.seq_id] = seq
             tokens_left -= num
             seqs_left -= 1
@@ -230,7 +224,7 @@ class Scheduler:
             tokens_left -= num
             seqs_left -= 1
         pending = self.pending
-        has_items = bool(decode_ids or pending_ids or items)
+        has_items = bool(decode_ids or items)
         if not has_items and not pending.has_allocator_work():
             return None
         step_id = 0
@@ -244,12 +238,9 @@ class Scheduler:
             items=tuple(items),
             swap=self.swap,
             decode_request_ids=tuple(decode_ids),
-            decode_token_ids=tuple(decode_tokens),
-            pending_decode_request_ids=tuple(pending_ids),
-            late_request_ids=tuple(s.seq_id for s in late) if has_items else (),
-            late_token_ids=(
-                tuple(s.token_at(s.num_allocator_tokens) for s in late) if has_items else ()
-            ),
+            # (Only a Step carries values: an idle engine's housekeeping goes as Free.)
+            append_request_ids=tuple(appends.request_ids) if has_items else (),
+            append_token_ids=tuple(appends.token_ids) if has_items else (),
             step_id=step_id,
             commit_through_step_id=pending.executed_through,
         )
@@ -257,14 +248,13 @@ class Scheduler:
         pending.commits.clear()
         pending.free_ids.clear()
         pending.abort_ids.clear()
-        return ScheduledStep(call=call, seqs=seqs, late=late if has_items else [])
+        return ScheduledStep(call=call, seqs=seqs, appends=appends.rows if has_items else [])
 
     def apply_outcome(self, step: ScheduledStep, outcome: StepOutcome) -> Batch:
         """Apply the allocator's grants, preemptions and deferrals; build the Execute call."""
-        for seq in step.late:  # the allocator now holds these values
-            if seq.known_to_allocator and seq.allocator_pending:
-                seq.num_allocator_tokens += 1
-                seq.allocator_pending = False
+        for seq, num in step.appends:  # the allocator now holds these values
+            if seq.known_to_allocator:
+                seq.num_allocator_tokens += num
         swapped_out = self._apply_preemptions(step, outcome)
         skipped = outcome.deferred_request_ids | {p.request_id for p in outcome.preempted}
         if outcome.deferred_request_ids:
@@ -280,18 +270,12 @@ class Scheduler:
         for request_id, item in _rows(step.call):
             seq = step.seqs[request_id]
             is_new = item is not None and item.is_new
-            if not is_new and seq.known_to_allocator:
-                # The allocator applies appends before scheduling: even when the item is then
-                # deferred or swapped out, the tokens are recorded there.
-                seq.num_allocator_tokens += 1 if item is None else len(item.append_token_ids)
             if request_id in skipped or seq.status is SeqStatus.FINISHED:
                 continue
             if not is_new and not seq.known_to_allocator:
                 continue  # started over since the plan (its batch was lost): readmitted later
-            if item is _PENDING_DECODE:
-                seq.allocator_pending = True  # its value goes with the next Step
             if (
-                (item is None or item is _PENDING_DECODE) and seq.status is SeqStatus.RUNNING
+                item is None and seq.status is SeqStatus.RUNNING
                 and request_id not in grants and request_id not in appended_blocks
                 and _is_plain_decode(seq, seq.num_computed_tokens, 1, None)
             ):
@@ -551,7 +535,6 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         seq.known_to_allocator = True
         seq.known_to_executor = False
-        seq.allocator_pending = False
         seq.num_allocator_tokens = seq.num_computed_tokens
         seq.fork_table = block_ids
         self.pending.commits[seq.seq_id] = seq.num_computed_tokens
@@ -745,28 +728,34 @@ def _samples_its_last(seq: Sequence) -> bool:
     return len(seq.output_token_ids) + 1 >= seq.request.sampling.max_tokens
 
 
-def _is_decode(seq: Sequence, num: int, known: int) -> bool:
-    """A running sequence computing one token, the one token the allocator has not seen
-    (`known`: the tokens it will hold once this call's late token is in)."""
-    return (
-        num == 1 and seq.status is SeqStatus.RUNNING and not seq.is_prefill_parent
-        and known + 1 == seq.num_tokens
-    )
-
-
-# The row of a pending decode: one token scheduled, none appended (its value is late).
-_PENDING_DECODE = StepItem("", 1)
-
-
 def _rows(call: StepCall) -> Iterator[tuple[str, StepItem | None]]:
-    """The step's requests in priority order with their item; None for a compact decode
-    (one token appended, one scheduled), _PENDING_DECODE for a pending one."""
+    """The step's requests in priority order with their item; None for a decode (one
+    token scheduled)."""
     for request_id in call.decode_request_ids:
         yield request_id, None
-    for request_id in call.pending_decode_request_ids:
-        yield request_id, _PENDING_DECODE
     for item in call.items:
         yield item.request_id, item
+
+
+@dataclass(slots=True)
+class _Appends:
+    """The values the allocator lacks, as its columns, and how many each sequence sends."""
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    rows: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    def add(self, seq: Sequence) -> None:
+        sent, known = seq.num_allocator_tokens, seq.num_tokens - seq.num_placeholders
+        if known == sent + 1:  # most steps: one token, sampled by the step before
+            self.request_ids.append(seq.seq_id)
+            self.token_ids.append(seq.token_at(sent))
+            self.rows.append((seq, 1))
+        elif known > sent:
+            values = seq.token_slice(sent)
+            self.request_ids.extend([seq.seq_id] * len(values))
+            self.token_ids.extend(values)
+            self.rows.append((seq, len(values)))
 
 
 @dataclass(slots=True)

@@ -45,7 +45,6 @@ class StepItem:
     num_tokens: int
     prompt_token_ids: tuple[int, ...] = ()
     cache_salt: str = ""
-    append_token_ids: tuple[int, ...] = ()
     is_new: bool = False
     tenant: str = ""  # a new request's, for the allocator's per-tenant block quota
     resumed: bool = False  # new at the allocator after a recompute preemption
@@ -58,24 +57,20 @@ class StepCall:
     abort_request_ids: tuple[str, ...]
     items: tuple[StepItem, ...]  # after the decodes in priority order
     swap: bool = False
-    # Running sequences that decode, first in priority order, in the allocator's compact
-    # form: row i appends decode_token_ids[i] to request decode_request_ids[i] and schedules
-    # that one token (no StepItem per decoding sequence on the hot path).
+    # Running sequences computing one more token each, first in priority order (no StepItem
+    # per decoding sequence on the hot path). At depth 2 its value may be in flight.
     decode_request_ids: tuple[str, ...] = ()
-    decode_token_ids: tuple[int, ...] = ()
-    # Sent while the previous step's batch executes (depth 2): these sequences decode the
-    # token it is sampling for them (after the decodes in priority order), and these are the
-    # values of tokens such decodes were granted before.
-    pending_decode_request_ids: tuple[str, ...] = ()
-    late_request_ids: tuple[str, ...] = ()
-    late_token_ids: tuple[int, ...] = ()
+    # Token values the allocator has not been sent: request append_request_ids[i] appends
+    # append_token_ids[i] (applied before anything else).
+    append_request_ids: tuple[str, ...] = ()
+    append_token_ids: tuple[int, ...] = ()
     # This Step's number (increasing per engine; 0: housekeeping, not a step), and the newest
     # step whose batch executed: the allocator commits what the steps up to it granted.
     step_id: int = 0
     commit_through_step_id: int = 0
 
     def has_items(self) -> bool:
-        return bool(self.decode_request_ids or self.pending_decode_request_ids or self.items)
+        return bool(self.decode_request_ids or self.items)
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,8 +56,7 @@ async def flush_housekeeping(engine: EngineState, plan: ScheduledStep) -> None:
         if call.abort_request_ids:
             engine.num_free_blocks = await engine.link.abort(call.abort_request_ids)
             # Applied: whatever fails next must not send them again.
-            plan = ScheduledStep(call=replace(call, abort_request_ids=()), seqs=plan.seqs,
-                                 late=plan.late)
+            plan = ScheduledStep(call=replace(call, abort_request_ids=()), seqs=plan.seqs)
         if call.commits or call.free_request_ids or call.commit_through_step_id:
             engine.num_free_blocks = await engine.link.free(
                 call.commits, call.free_request_ids, call.commit_through_step_id)

@@ -16,12 +16,32 @@ import pytest
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import Commit
-from allocator_svc.core.step import PreemptionMode, StepCall, StepItem, StepResult
+from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem, StepResult
 from common.credentials import ROLES, RoleTokens
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Decode:
+    """A running request learning its next token's value and computing it: an item of one
+    token, with the value in the call's appends (the form a gateway at depth 1 sends)."""
+
+    request_id: str
+    token: int
+
+
+def as_call_parts(rows: list[StepItem | Decode]) -> tuple[list[StepItem], Appends | None]:
+    """Items in the given order, and the appends of the Decode rows among them."""
+    # (Not isinstance(r, Decode): pytest imports this module twice, as conftest and as
+    # tests.allocator.conftest, and each has its own Decode class.)
+    items = [r if isinstance(r, StepItem) else StepItem(r.request_id, 1) for r in rows]
+    values: list[Decode] = [r for r in rows if not isinstance(r, StepItem)]
+    if not values:
+        return items, None
+    return items, Appends([r.request_id for r in values], [r.token for r in values])
 
 
 @dataclass
@@ -36,22 +56,34 @@ class Harness:
 
     def step(
         self,
-        items: list[StepItem],
+        items: list[StepItem | Decode],
         commits: dict[str, int] | None = None,
         free: list[str] | None = None,
         abort: list[str] | None = None,
         step_id: int = 0,
         commit_through: int = 0,
+        decode_ids: list[str] | None = None,
+        appends: dict[str, list[int]] | None = None,
     ) -> StepResult:
+        """`items` in priority order after `decode_ids` (one more token each, values
+        unsent); `appends`: values learned, per request, before the Decode rows' own."""
+        rows, row_values = as_call_parts(items)
+        ids = [r for r, tokens in (appends or {}).items() for _ in tokens]
+        tokens = [t for values in (appends or {}).values() for t in values]
+        if row_values is not None:
+            ids += row_values.request_ids
+            tokens += row_values.token_ids
         result = self.allocator.step(StepCall(
             self.pool.config.pool_id,
             self.pool.epoch,
             self.lease_id,
-            items,
+            rows,
             self.mode,
             commits=[Commit(k, v) for k, v in (commits or {}).items()],
             free_ids=free or [],
             abort_ids=abort or [],
+            appends=Appends(ids, tokens) if ids else None,
+            decode_ids=decode_ids or [],
             step_id=step_id,
             commit_through=commit_through,
         ))
@@ -68,8 +100,8 @@ def new(
     return StepItem(request_id, len(prompt) if num_tokens is None else num_tokens, prompt, salt)
 
 
-def decode(request_id: str, token: int) -> StepItem:
-    return StepItem(request_id, 1, None, "", [token])
+def decode(request_id: str, token: int) -> Decode:
+    return Decode(request_id, token)
 
 
 def make_harness(

@@ -86,17 +86,24 @@ def _register(served: Served, pool_id: str, num_blocks: int, num_cpu_blocks: int
 
 
 def _step(served: Served, pool: Any, items: tuple[Any, ...] = (), **kwargs: Any) -> Any:
+    """`items`: StepItems, and _append's (request id, token) pairs: an item of one token
+    whose value goes in the call's appends."""
+    pairs = [i for i in items if isinstance(i, tuple)]
+    if pairs:
+        kwargs["append_request_ids"] = [r for r, _ in pairs]
+        kwargs["append_token_ids"] = [t for _, t in pairs]
+    rows = [pb.StepItem(request_id=i[0], num_tokens=1) if isinstance(i, tuple) else i
+            for i in items]
     return served.stub.Step(pb.StepRequest(pool_id=pool.pool_id, epoch=pool.epoch,
-                                           lease_id=served.lease_id, items=list(items),
-                                           **kwargs))
+                                           lease_id=served.lease_id, items=rows, **kwargs))
 
 
 def _new(request_id: str, prompt: list[int]) -> Any:
     return pb.StepItem(request_id=request_id, prompt_token_ids=prompt, num_tokens=len(prompt))
 
 
-def _append(request_id: str, token: int) -> Any:
-    return pb.StepItem(request_id=request_id, num_tokens=1, append_token_ids=[token])
+def _append(request_id: str, token: int) -> tuple[str, int]:
+    return request_id, token
 
 
 def _pool_values(samples: Samples, pool_id: str, *names: str) -> list[float]:
@@ -187,8 +194,8 @@ def test_allocator_logs_name_each_request_it_touches(served: Served) -> None:
     pool = _register(served, "pool-logs", 4)
     _step(served, pool, [_new(NS + "client-42", [1, 2, 3]), _new(NS + "client-43", [4])])
     for token in (9, 10):
-        _step(served, pool, decode_request_ids=[NS + "client-42"], decode_token_ids=[token],
-              compact_grants=True)
+        _step(served, pool, decode_request_ids=[NS + "client-42"],
+              append_request_ids=[NS + "client-42"], append_token_ids=[token])
     _step(served, pool, free_request_ids=[NS + "client-42"], abort_request_ids=[NS + "client-43"])
     _step(served, pool, [_new(NS + "r1", list(range(8))), _new(NS + "r2", list(range(8)))])
     response = _step(served, pool, [_append(NS + "r1", 1), _append(NS + "r2", 1)])

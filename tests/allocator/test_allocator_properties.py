@@ -26,7 +26,7 @@ from allocator_svc.core.events import EventKind
 from allocator_svc.core.hashing import hash_block
 from allocator_svc.core.pool import PoolConfig
 from allocator_svc.core.request import Commit
-from allocator_svc.core.step import Decodes, PreemptionMode, StepCall, StepItem
+from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem
 from tests.budget import examples
 
 BLOCK_SIZE = 2
@@ -148,14 +148,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         shuffle=st.randoms(use_true_random=False),
     )
     def step(self, prompts, decode_tokens, swap, commit_previous, columnar, shuffle) -> None:
-        items, scheduled = [], {}
+        items, scheduled, appended = [], {}, []
         running = [r for r, m in self.requests.items()]
         shuffle.shuffle(running)
         for rid, token in zip(running, decode_tokens, strict=False):
             mirror = self.requests[rid]
-            append = [token] if mirror.computed == len(mirror.tokens) else []
-            mirror.tokens.extend(append)
-            items.append(StepItem(rid, 1, None, "", append))
+            if mirror.computed == len(mirror.tokens):
+                mirror.tokens.append(token)
+                appended.append(rid)
+            items.append(StepItem(rid, 1))
             scheduled[rid] = min(1, len(mirror.tokens) - mirror.computed)
         for prompt, salt, chunk in prompts:
             rid = f"r{self.next_id}"
@@ -164,12 +165,12 @@ class AllocatorMachine(RuleBasedStateMachine):
             items.append(StepItem(rid, chunk, list(prompt), salt))
         if not items:
             return
-        decodes = None
-        if columnar:  # the plain decodes in columns (the wire's compact form), first in order
-            plain = [i for i in items if i.prompt_token_ids is None and i.append_token_ids]
-            decodes = Decodes([i.request_id for i in plain], [i.append_token_ids[0] for i in plain])
-            plain_ids = {i.request_id for i in plain}
-            items = plain + [i for i in items if i.request_id not in plain_ids]  # step's order
+        decode_ids: list[str] = []
+        if columnar:  # running decodes in the decode column (the gateway's form), first in order
+            decode_ids = [rid for rid in appended if not self.requests[rid].swapped]
+            plain_ids = set(decode_ids)
+            items = ([i for i in items if i.request_id in plain_ids]
+                     + [i for i in items if i.request_id not in plain_ids])  # step's order
         mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
         commits = self._commits()
         # Every batch executes before the next Step: it may confirm the previous step by id
@@ -179,10 +180,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             "p",
             self.pool.epoch,
             None,
-            [i for i in items if decodes is None or i.request_id not in decodes.request_ids],
+            [i for i in items if i.request_id not in decode_ids],
             mode,
             [] if commit_previous else commits,
-            decodes=decodes,
+            appends=Appends(appended, [self.requests[r].tokens[-1] for r in appended]),
+            decode_ids=decode_ids,
             step_id=self.step_id,
             commit_through=self.step_id - 1 if commit_previous else 0,
         ))

@@ -1,11 +1,11 @@
-"""Decodes in columns (`Decodes`, the wire's decode_request_ids/decode_token_ids) against the
-same decodes as `StepItem`s.
+"""Decodes in their column (the wire's decode_request_ids: one more token each) against the
+same decodes as `StepItem`s of one token, with the same values appended.
 
-The columnar form has its own fast path in the core. Its reference is the general path:
-two allocators take the same random operations, one sending plain decodes as columns and
+The column has its own fast path in the core. Its reference is the general path:
+two allocators take the same random operations, one sending decodes in the column and
 one as items. Every step must give the same grants, preemptions, deferrals and copies. The
 tables, free queue order, prefix cache and event stream must also stay identical, whether
-the fast path served the step or fell back (a shortage, a shared block, a swapped request).
+the fast path served the step or fell back (a shortage, a shared block).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
-from allocator_svc.core.step import Decodes, PreemptionMode, StepCall, StepItem, StepResult
+from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem, StepResult
 from common.errors import InvalidArgument, NotFound
 from tests.allocator.conftest import make_harness, new
 
@@ -110,31 +110,31 @@ def test_columns_and_items_agree(operations):
             calls = [(a, dict(items=[new(rid, prompt, chunk)])) for a in (columns, items)]
         elif op[0] == "decode":
             _, tokens, swap, commit_previous, any_request, release, abort = op
-            # Plain decodes: requests whose every known token is computed. Or any running
-            # request, to send the columns what the fast path must decline (swapped-out
-            # requests, prompts still in prefill).
+            # Plain decodes: requests whose every known token is computed. Or any request
+            # not swapped out (a decode must not be), prompts still in prefill too.
+            held = columns[1].requests
             plain = [
                 r
                 for r in running
-                if any_request
-                or columns[1].requests[r].num_computed == len(columns[1].requests[r].token_ids)
+                if not held[r].swapped
+                and (any_request or held[r].num_computed == len(held[r].token_ids))
             ]
             pairs = list(zip(plain, tokens, strict=False))
             ids, toks = [r for r, _ in pairs], [t for _, t in pairs]
             others = [r for r in running if r not in ids]
             released = [others.pop(release % len(others))] if release >= 0 and others else []
             # The rest continue their prefill, as general items behind the decodes.
-            chunks = [StepItem(r, 2, None, "", []) for r in others if r not in plain]
+            chunks = [StepItem(r, 2) for r in others if r not in plain]
             if not pairs:
                 continue
             mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
             step_id += 1
-            common = dict(mode=mode, step_id=step_id,
+            common = dict(mode=mode, step_id=step_id, appends=Appends(ids, toks),
                           commit_through=step_id - 1 if commit_previous else 0,
                           **{"abort_ids" if abort else "free_ids": released})
-            as_items = [StepItem(r, 1, None, "", [t]) for r, t in pairs]
+            as_items = [StepItem(r, 1) for r in ids]
             calls = [
-                (columns, dict(decodes=Decodes(ids, toks), items=chunks, **common)),
+                (columns, dict(decode_ids=ids, items=chunks, **common)),
                 (items, dict(items=as_items + chunks, **common)),
             ]
         elif op[0] == "free":
@@ -175,7 +175,7 @@ def _decode_columns_harness():
 def _columns(h, ids, tokens, items=(), free=()):
     return h.allocator.step(StepCall(
         "pool-a", h.pool.epoch, None, list(items), free_ids=list(free),
-        decodes=Decodes(list(ids), list(tokens)),
+        decode_ids=list(ids), appends=Appends(list(ids), list(tokens)),
     ))
 
 
@@ -212,15 +212,15 @@ def test_a_forked_child_decoding_in_columns_copies_its_shared_block():
 @pytest.mark.parametrize(
     ("ids", "tokens", "items", "free", "error", "match"),
     [
-        (["a", "b"], [1], [], [], InvalidArgument, "decode_token_ids has 1"),
-        ([], [1], [new("n", [1])], [], InvalidArgument, "decode_request_ids has 0 entries"),
+        (["a", "b"], [1], [], [], InvalidArgument, "append_token_ids has 1"),
+        ([], [1], [new("n", [1])], [], InvalidArgument, "append_request_ids has 0 entries"),
         (["a", "a"], [1, 2], [], [], InvalidArgument, "'a' appears twice"),
         (["a", ""], [1, 2], [], [], InvalidArgument, "needs a request_id"),
         (["zz", ""], [1, 2], [], [], InvalidArgument, "needs a request_id"),  # before unknown
         (["a", ""], [1, 2], [], ["a"], InvalidArgument, "needs a request_id"),  # before freed
-        (["a"], [1], [StepItem("a", 1, None, "", [2])], [], InvalidArgument, "'a' appears twice"),
+        (["a"], [1], [StepItem("a", 1)], [], InvalidArgument, "'a' appears twice"),
         (["a", "zz"], [1, 2], [], [], NotFound, "unknown request 'zz'"),
-        (["a", "b"], [1, -3], [], [], InvalidArgument, "b: decode token ids must be >= 0, got -3"),
+        (["a", "b"], [1, -3], [], [], InvalidArgument, "b: append token ids must be >= 0, got -3"),
         (["a"], [1], [], ["a"], InvalidArgument, "both freed and scheduled"),
     ],
 )
@@ -253,8 +253,8 @@ def test_a_decode_only_step_checks_its_lease_and_the_batch_limit():
     before = _state(pool)
 
     def decode(ids: list[str]) -> StepResult:
-        decodes = Decodes(ids, [3] * len(ids))
-        return allocator.step(StepCall("p", pool.epoch, lease, decodes=decodes))
+        return allocator.step(StepCall("p", pool.epoch, lease, decode_ids=ids,
+                                       appends=Appends(ids, [3] * len(ids))))
 
     with pytest.raises(InvalidArgument, match="3 items exceed the maximum batch of 2"):
         decode(["a", "b", "c"])

@@ -15,7 +15,7 @@ from allocator_svc.core.events import EventKind
 from allocator_svc.core.hand_off import HandOff
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import BlockCopy, Commit, Request
-from allocator_svc.core.step import Decodes, PreemptionMode, StepCall, StepItem
+from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem
 from allocator_svc.metrics import AllocatorCollector
 from common.block_hash import hash_chain, root_hash
 from common.credentials import lease_tag
@@ -137,17 +137,17 @@ def test_hand_off_commit_caches_the_hashes_an_admission_and_compute_would():
 
 
 def test_hand_off_then_decodes_and_commits_through_a_later_step():
-    # 12 tokens, nothing cached: a pending decode opens block 3 at the boundary; committing
-    # through that step caches the three moved blocks with the decoded token's block open.
+    # 12 tokens, nothing cached: a decode (its value unknown) opens block 3 at the boundary;
+    # committing through that step caches the three moved blocks with that block open.
     h = make_harness()
     tokens = list(range(50, 62))
     hand_off(h, "h", tokens)
     assert h.table("h") == [0, 1, 2]
-    result = h.allocator.step(StepCall("pool-a", h.pool.epoch, None, pending_decode_ids=["h"],
+    result = h.allocator.step(StepCall("pool-a", h.pool.epoch, None, decode_ids=["h"],
                                        step_id=1))
     assert (result.appended_request_ids, result.appended_block_ids) == (["h"], [3])
-    h.allocator.step(StepCall("pool-a", h.pool.epoch, None, decodes=Decodes(["h"], [7]),
-                              late=Decodes(["h"], [6]), step_id=2, commit_through=1))
+    h.allocator.step(StepCall("pool-a", h.pool.epoch, None, decode_ids=["h"],
+                              appends=Appends(["h", "h"], [6, 7]), step_id=2, commit_through=1))
     h.allocator.check_invariants()
     request = h.pool.requests["h"]
     assert request.token_ids == tokens + [6, 7] and request.num_computed == 14
@@ -188,7 +188,7 @@ def test_hand_off_forks_swaps_out_and_back_in():
     copies = h.allocator.swap_out("pool-a", h.pool.epoch, "h")
     assert copies == [BlockCopy(0, 0), BlockCopy(1, 1), BlockCopy(2, 2), BlockCopy(3, 3)]
     h.allocator.check_invariants()
-    result = h.step([StepItem("h", 1, None, "", [6])])
+    result = h.step([decode("h", 6)])
     assert result.swapped_in == ["h"] and len(result.swap_in) == 4
     h.step([], commits={"h": 14})
     assert h.pool.requests["h"].block_hashes == hash_chain(root_hash("fp", ""), HANDED, BS)[:3]

@@ -71,7 +71,7 @@ def computed_at_the_source(d: Driver) -> None:
     d.step("src", items=[pb.StepItem(request_id="r", prompt_token_ids=TOKENS[:10],
                                      num_tokens=10)])
     for token in TOKENS[10:]:
-        d.step("src", decode_request_ids=["r"], decode_token_ids=[token])
+        d.step("src", decode_request_ids=["r"], append_request_ids=["r"], append_token_ids=[token])
     d.step("p", items=[pb.StepItem(request_id="o", prompt_token_ids=TOKENS[:5], num_tokens=5)])
     d.step("p", commits=[pb.Commit(request_id="o", num_computed_tokens=5)],
            free_request_ids=["o"])
@@ -86,8 +86,8 @@ def test_hand_off_recording_is_a_record_the_replay_reads_and_replays(tmp_path: P
     path = tmp_path / "rec.jsonl"
     d = Driver(path)
     computed_at_the_source(d)
-    d.step("p", decode_request_ids=["r"], decode_token_ids=[95])
-    d.step("p", decode_request_ids=["r"], decode_token_ids=[96],
+    d.step("p", decode_request_ids=["r"], append_request_ids=["r"], append_token_ids=[95])
+    d.step("p", decode_request_ids=["r"], append_request_ids=["r"], append_token_ids=[96],
            commits=[pb.Commit(request_id="r", num_computed_tokens=14)])
     d.step("p", commits=[pb.Commit(request_id="r", num_computed_tokens=15)],
            free_request_ids=["r"])

@@ -72,9 +72,9 @@ def test_hand_off_service_reserves_the_cached_prefix_and_the_request_runs_on(stu
     response = stub.ReserveHandOff(reservation(stub, pool, source_pool_id="on-another-shard"))
     assert (response.table.start_index, list(response.table.block_ids)) == (0, [0, 1, 2, 3])
     assert (response.num_cached_tokens, response.num_free_blocks) == (8, 12)
-    decoded = step(stub, pool, decode_request_ids=["h"], decode_token_ids=[5],
-                   commits=[pb.Commit(request_id="h", num_computed_tokens=13)],
-                   compact_grants=True)
+    decoded = step(stub, pool, decode_request_ids=["h"], append_request_ids=["h"],
+                   append_token_ids=[5],
+                   commits=[pb.Commit(request_id="h", num_computed_tokens=13)])
     assert list(decoded.grants) == [] and list(decoded.appended_request_ids) == []
     held = stub.GetStats(pb.GetStatsRequest(pool_id=pool.pool_id, request_ids=["h"]))
     assert (held.requests[0].num_tokens, held.requests[0].num_computed_tokens) == (14, 14)

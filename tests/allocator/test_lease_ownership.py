@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from allocator_svc.core.request import Commit
-from allocator_svc.core.step import Decodes, PreemptionMode, StepCall, StepItem
+from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem
 from common.errors import NotFound, PermissionDenied
-from tests.allocator.conftest import Harness, decode, make_harness, new
+from tests.allocator.conftest import Harness, as_call_parts, decode, make_harness, new
 
 
 def _two_leases() -> tuple[Harness, str, str]:
@@ -33,10 +33,15 @@ def _state(h: Harness) -> tuple:
 
 
 def _step(h: Harness, lease: str, **kwargs) -> None:
+    """`decodes`: request id -> the value it appends and computes."""
+    items, appends = as_call_parts(kwargs.get("items", []))
+    decodes = kwargs.get("decodes")
+    if decodes:
+        appends = Appends(list(decodes), list(decodes.values()))
     h.allocator.step(StepCall(
-        "pool-a", h.pool.epoch, lease, kwargs.get("items", []), PreemptionMode.RECOMPUTE,
+        "pool-a", h.pool.epoch, lease, items, PreemptionMode.RECOMPUTE,
         kwargs.get("commits", []), kwargs.get("free", []), kwargs.get("abort", []),
-        kwargs.get("decodes"), step_id=kwargs.get("step_id", 0),
+        appends, list(decodes or ()), step_id=kwargs.get("step_id", 0),
         commit_through=kwargs.get("commit_through", 0),
     ))
 
@@ -44,8 +49,8 @@ def _step(h: Harness, lease: str, **kwargs) -> None:
 @pytest.mark.parametrize(
     "call",
     [
-        {"decodes": Decodes(["mine", "theirs"], [7, 8])},
-        {"items": [decode("mine", 7), StepItem("theirs", 1, None, "", [8])]},
+        {"decodes": {"mine": 7, "theirs": 8}},
+        {"items": [decode("mine", 7), StepItem("theirs", 1)]},
         {"commits": [Commit("theirs", 3)]},
         {"free": ["theirs"]},
         {"abort": ["mine", "theirs"]},
@@ -86,7 +91,7 @@ def test_calls_outside_a_step_check_the_lease_too():
 
 def test_own_requests_pass_and_unknown_ids_are_still_not_found():
     h, mine, _ = _two_leases()
-    _step(h, mine, decodes=Decodes(["mine"], [7]), commits=[Commit("mine", 3)])
+    _step(h, mine, decodes={"mine": 7}, commits=[Commit("mine", 3)])
     assert h.pool.requests["mine"].num_computed == 4
     with pytest.raises(NotFound, match="unknown request 'ghost'"):
         _step(h, mine, free=["ghost"])
@@ -124,10 +129,10 @@ def test_commit_through_a_step_id_commits_the_callers_own_steps_only():
     _step(h, a, items=[new("a", [1, 2, 3, 4])], step_id=1)
     _step(h, b, items=[new("b", [5, 6, 7, 8])], step_id=1)
     requests = h.pool.requests
-    _step(h, a, decodes=Decodes(["a"], [9]), step_id=2, commit_through=1)
+    _step(h, a, decodes={"a": 9}, step_id=2, commit_through=1)
     assert (requests["a"].num_committed, requests["b"].num_committed) == (4, 0)
     assert len(h.pool.blocks.cached) == 1  # a's full block only
-    _step(h, b, decodes=Decodes(["b"], [10]), step_id=2, commit_through=1)
+    _step(h, b, decodes={"b": 10}, step_id=2, commit_through=1)
     assert (requests["a"].num_committed, requests["b"].num_committed) == (4, 4)
     assert len(h.pool.blocks.cached) == 2
     h.allocator.check_invariants()

@@ -69,8 +69,8 @@ def test_recording_writes_each_call_as_its_workload(tmp_path: Path) -> None:
     # blocks and is aborted: admissions, a decode-only step's short line, ends with hashes.
     d = Driver(tmp_path / "rec.jsonl")
     d.step(items=[new("a", list(range(9)))])
-    d.step(decode_request_ids=["a"], decode_token_ids=[50])
-    d.step(decode_request_ids=["a"], decode_token_ids=[51],
+    d.step(decode_request_ids=["a"], append_request_ids=["a"], append_token_ids=[50])
+    d.step(decode_request_ids=["a"], append_request_ids=["a"], append_token_ids=[51],
            commits=[pb.Commit(request_id="a", num_computed_tokens=10)])
     d.step(free_request_ids=["a"], commits=[pb.Commit(request_id="a", num_computed_tokens=11)],
            items=[new("b", list(range(8)) + [70, 71])])
@@ -120,7 +120,7 @@ def test_recording_stops_at_its_bound_and_serving_goes_on(tmp_path: Path) -> Non
     d.step(items=[new("a", list(range(9)))])
     with structlog.testing.capture_logs() as logs:
         for token in range(20):
-            d.step(decode_request_ids=["a"], decode_token_ids=[token])
+            d.step(decode_request_ids=["a"], append_request_ids=["a"], append_token_ids=[token])
     assert not d.recorder.active
     assert [e["reason"] for e in logs if e["event"] == "allocation_recording_stopped"] == [
         "max_bytes"]
@@ -130,7 +130,8 @@ def test_recording_stops_at_its_bound_and_serving_goes_on(tmp_path: Path) -> Non
     assert stop["live"][0][0] == "p" and stop["live"][0][1][:2] == ["a", "l"]
     size = path.stat().st_size
     assert size - len(json.dumps(stop, separators=(",", ":"))) - 1 <= 700
-    d.step(decode_request_ids=["a"], decode_token_ids=[99])  # still served
+    # Still served:
+    d.step(decode_request_ids=["a"], append_request_ids=["a"], append_token_ids=[99])
     assert path.stat().st_size == size
     (request,) = read_recording(str(path)).pools["p"].requests
     assert request.request_id == "a" and request.num_prompt_tokens == 9
@@ -159,12 +160,12 @@ def test_recording_io_error_stops_recording_not_serving(tmp_path: Path) -> None:
     d.recorder.file.settle()
     with structlog.testing.capture_logs() as logs:
         d.recorder.flush()
-        d.step(decode_request_ids=["a"], decode_token_ids=[4])
+        d.step(decode_request_ids=["a"], append_request_ids=["a"], append_token_ids=[4])
     assert not d.recorder.active
     assert [(e["event"], e["reason"], e["detail"]) for e in logs] == [
         ("allocation_recording_stopped", "io_error",
          "io_error: [Errno 28] No space left on device")]
-    response = d.step(decode_request_ids=["a"], decode_token_ids=[5])
+    response = d.step(decode_request_ids=["a"], append_request_ids=["a"], append_token_ids=[5])
     assert response.num_free_blocks == 14  # a: 5 tokens, 2 blocks
     d.recorder.close()  # nothing left to close: harmless
 

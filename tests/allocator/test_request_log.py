@@ -11,7 +11,7 @@ import structlog
 
 from allocator_svc import request_log
 from allocator_svc.core.step import StepCall
-from tests.allocator.conftest import decode, make_harness, new
+from tests.allocator.conftest import as_call_parts, decode, make_harness, new
 
 NS = "0a1b2c3d/"
 
@@ -32,8 +32,8 @@ def test_request_log_at_info_keeps_lifecycle_events_only(at_level) -> None:
     # a admitted and freed (DEBUG: not logged at INFO).
     harness = make_harness(num_blocks=2, block_size=4)
     harness.step([new(NS + "a", [1, 2, 3, 4]), new(NS + "b", [5, 6, 7, 8])])
-    call = StepCall("pool-a", harness.pool.epoch, None,
-                    [decode(NS + "a", 9), decode(NS + "b", 9), new(NS + "c", [1])])
+    items, appends = as_call_parts([decode(NS + "a", 9), decode(NS + "b", 9), new(NS + "c", [1])])
+    call = StepCall("pool-a", harness.pool.epoch, None, items, appends=appends)
     result = harness.allocator.step(call)
     request_log.step_applied("pool-a", call, result)
     assert not request_log.debug_enabled()

@@ -138,13 +138,15 @@ def test_service_preemption_and_deferral_reported(stub):
     # and the new c is deferred in that step.
     pool = register(stub, num_blocks=2, num_cpu_blocks=0)
     step(stub, pool, [new("a", [1] * 4), new("b", [2] * 4)])
-    decode = [pb.StepItem(request_id=r, append_token_ids=[5], num_tokens=1) for r in ("a", "b")]
+    decode = [pb.StepItem(request_id=r, num_tokens=1) for r in ("a", "b")]
     response = step(
         stub,
         pool,
         [*decode, new("c", [3])],
         commits={"a": 4, "b": 4},
         preemption_mode=pb.PREEMPTION_MODE_RECOMPUTE,
+        append_request_ids=["a", "b"],
+        append_token_ids=[5, 5],
     )
     assert [(p.request_id, p.mode) for p in response.preempted] == [
         ("b", pb.PREEMPTION_MODE_RECOMPUTE)
@@ -232,7 +234,7 @@ def test_service_another_leases_requests_are_permission_denied(stub):
         stub.Step,
         pb.StepRequest(
             pool_id=pool.pool_id, epoch=pool.epoch, lease_id=mine,
-            decode_request_ids=["theirs"], decode_token_ids=[4],
+            decode_request_ids=["theirs"], append_request_ids=["theirs"], append_token_ids=[4],
         ),
         match="'theirs' in pool",
     )
@@ -433,8 +435,8 @@ def test_bounds_on_leases_and_pools(stub):
                  match="pool_id has 300 characters")
 
 
-def test_service_compact_decode_form_and_commit_through_step_id(stub):
-    # decode_request_ids/decode_token_ids mean one decode item each; commit_through_step_id
+def test_service_decode_column_and_commit_through_step_id(stub):
+    # decode_request_ids mean one token more each, their values in append_*; commit_through_step_id
     # commits what the numbered steps up to it granted, so a later request hits the
     # committed block.
     pool = register(stub)
@@ -447,7 +449,7 @@ def test_service_compact_decode_form_and_commit_through_step_id(stub):
             step_id=2,
             commit_through_step_id=1,
             decode_request_ids=["a"],
-            decode_token_ids=[4],
+            append_request_ids=["a"], append_token_ids=[4],
         )
     )
     assert list(response.grants) == []  # the token fit the private last block
@@ -459,7 +461,7 @@ def test_service_compact_decode_form_and_commit_through_step_id(stub):
             step_id=3,
             commit_through_step_id=2,
             decode_request_ids=["a"],
-            decode_token_ids=[5],
+            append_request_ids=["a"], append_token_ids=[5],
         )
     )
     (grant,) = step(stub, pool, [new("b", [1, 2, 3, 4, 9])]).grants
@@ -472,9 +474,9 @@ def test_service_compact_decode_form_and_commit_through_step_id(stub):
             pool_id=pool.pool_id,
             epoch=pool.epoch,
             decode_request_ids=["a", "b"],
-            decode_token_ids=[1],
+            append_request_ids=["a", "b"], append_token_ids=[1],
         ),
-        match="decode_token_ids has 1",
+        match="append_request_ids has 2 entries but append_token_ids has 1",
     )
 
 
@@ -510,18 +512,19 @@ def test_service_unknown_preemption_mode_is_invalid_argument(stub):
 
 
 def test_service_decode_entering_a_new_block_travels_in_the_appended_columns(stub):
-    # With compact_grants, a decode at a block boundary gets its one new block in appended_*,
-    # not in grants (without it, a plain grant); a forked child's first write into the shared
-    # partial block stays a grant (copy-on-write).
+    # A decode at a block boundary gets its one new block in appended_*, not in grants, and
+    # so does a one-token item that only appends a block; a forked child's first write into
+    # the shared partial block stays a grant (copy-on-write).
     pool = register(stub)  # block size 4
 
-    def decode(request_id, token, compact=True):
+    def decode(request_id, token, as_item=False):
+        column = {"items": [pb.StepItem(request_id=request_id, num_tokens=1)]} if as_item else {
+            "decode_request_ids": [request_id]}
         return stub.Step(
             pb.StepRequest(
                 lease_id=stub.lease_id,
                 pool_id=pool.pool_id, epoch=pool.epoch,
-                decode_request_ids=[request_id], decode_token_ids=[token],
-                compact_grants=compact,
+                append_request_ids=[request_id], append_token_ids=[token], **column,
             )
         )
 
@@ -531,8 +534,8 @@ def test_service_decode_entering_a_new_block_travels_in_the_appended_columns(stu
     (block,) = entering.appended_block_ids
     assert block not in admitted.delta.block_ids
     step(stub, pool, [new("a2", [1, 2, 3, 9])])
-    (plain,) = decode("a2", 5, compact=False).grants
-    assert (plain.request_id, plain.delta.start_index, len(plain.delta.block_ids)) == ("a2", 1, 1)
+    as_item = decode("a2", 5, as_item=True)
+    assert list(as_item.grants) == [] and list(as_item.appended_request_ids) == ["a2"]
     step(stub, pool, [new("p", [1, 2, 3, 4, 5, 6])])
     stub.Fork(
         pb.ForkRequest(lease_id=stub.lease_id,

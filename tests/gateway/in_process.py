@@ -35,6 +35,7 @@ from gateway.core.step import (
     TableDelta,
 )
 from pagedkv.allocator.v1 import allocator_pb2 as pb
+from tools.replay.core_link import core_call
 
 POOL_ID = "pool-0"
 
@@ -43,20 +44,6 @@ def rpc_error(exc: ServiceError) -> CallFailed:
     """What the gateway's client raises for the status the allocator's guarded handler sends
     for a domain error."""
     return failure(exc.code, str(exc))
-
-
-def _decodes(call: StepCall) -> core_step.Decodes:
-    return core_step.Decodes(list(call.decode_request_ids), list(call.decode_token_ids))
-
-
-def _items(call: StepCall) -> list[core_step.StepItem]:
-    return [
-        core_step.StepItem(
-            i.request_id, i.num_tokens, list(i.prompt_token_ids) if i.is_new else None,
-            i.cache_salt, list(i.append_token_ids), i.tenant, i.resumed,
-        )
-        for i in call.items
-    ]
 
 
 def _commits(commits: Sequence[Commit]) -> list[core_request.Commit]:
@@ -69,7 +56,7 @@ def _copies(copies: list[core_request.BlockCopy]) -> tuple[BlockCopy, ...]:
 
 def _outcome(result: core_step.StepResult, num_free_blocks: int, block_size: int) -> StepOutcome:
     # Through the real conversions on both sides of the wire (compact forms included).
-    response = convert.step_response(result, num_free_blocks, block_size, compact_grants=True)
+    response = convert.step_response(result, num_free_blocks, block_size)
     return allocator_client._outcome(pb.StepResponse.FromString(response.SerializeToString()))
 
 
@@ -101,17 +88,8 @@ class CorePool:
         return not pool.requests and pool.blocks.num_free == pool.config.num_blocks
 
     def step(self, call: StepCall) -> StepOutcome:
-        mode = core_step.PreemptionMode.SWAP if call.swap else core_step.PreemptionMode.RECOMPUTE
         try:
-            late = None
-            if call.late_request_ids:
-                late = core_step.Decodes(list(call.late_request_ids), list(call.late_token_ids))
-            result = self.allocator.step(core_step.StepCall(
-                POOL_ID, self.epoch, None, _items(call), mode, _commits(call.commits),
-                list(call.free_request_ids), list(call.abort_request_ids), _decodes(call),
-                list(call.pending_decode_request_ids), late, call.step_id,
-                call.commit_through_step_id,
-            ))
+            result = self.allocator.step(core_call(POOL_ID, self.epoch, call))
         except ServiceError as exc:
             raise rpc_error(exc) from exc
         self.pool.check_invariants()

@@ -345,7 +345,7 @@ CRASHES = {
     "before_step": lambda call: bool(call.free_request_ids),
     # c is admitted at the allocator, the gateway never learns it
     "after_step": lambda call: (
-        bool(call.decode_request_ids or call.pending_decode_request_ids)
+        bool(call.decode_request_ids)
         and any(i.is_new for i in call.items)
     ),
     # the Execute carrying a's release never goes out

@@ -152,8 +152,7 @@ def test_a_lone_search_holds_per_step_what_the_beam_benchmark_counts(
     async def step(call: StepCall) -> StepOutcome:
         outcome = await original(call)
         tables = [r.blocks for r in pool.requests.values()]
-        rows.append(len(call.decode_request_ids) + len(call.pending_decode_request_ids)
-                    + len(call.items))
+        rows.append(len(call.decode_request_ids) + len(call.items))
         used.append(pool.config.num_blocks - pool.blocks.num_free)
         distinct.append(len({b.block_id for t in tables for b in t}))
         lengths.append(sum(len(t) for t in tables))

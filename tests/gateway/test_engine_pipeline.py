@@ -75,9 +75,9 @@ def test_each_step_goes_out_while_the_previous_batch_executes(tokenizer: Tokeniz
 
     async def step(call: StepCall) -> StepOutcome:
         # Whether a batch executes, whether it confirms the step before the previous one
-        # only (the previous one's batch is the one in flight), the pending and late counts.
+        # only (the previous one's batch is the one in flight), the decodes, the values sent.
         steps.append((bool(state["executing"]), call.step_id - call.commit_through_step_id == 2,
-                      len(call.pending_decode_request_ids), len(call.late_request_ids)))
+                      len(call.decode_request_ids), len(call.append_request_ids)))
         return await original(call)
 
     link.step = step  # type: ignore[method-assign]

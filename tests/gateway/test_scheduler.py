@@ -129,9 +129,11 @@ def test_scheduler_lists_running_decodes_before_waiting_prefills():
     add(sched, request("b", [4, 5]))
     plan = sched.schedule()
     assert plan is not None
-    # a's decode travels in the compact columns, which come before the items.
+    # a's decode travels in the decode column, which comes before the items; its sampled
+    # token's value in the appends.
     assert plan.call.decode_request_ids == ("a",)
-    assert plan.call.decode_token_ids == (model.reference([1, 2, 3], 1)[0],)
+    assert plan.call.append_request_ids == ("a",)
+    assert plan.call.append_token_ids == (model.reference([1, 2, 3], 1)[0],)
     assert [(i.request_id, i.num_tokens, i.is_new) for i in plan.call.items] == [("b", 2, True)]
     assert plan.call.items[0].prompt_token_ids == (4, 5)
 
@@ -305,9 +307,10 @@ def test_scheduler_fork_replaces_parent_with_children_sharing_its_table():
     sched.fork(parent, children, tables)
     plan = sched.schedule()
     assert plan is not None
-    # Each child decodes the last prompt token (compact columns: one token, appended).
+    # Each child decodes the last prompt token (the decode column; its value appended).
     assert plan.call.decode_request_ids == ("r-0", "r-1", "r-2") and not plan.call.items
-    assert plan.call.decode_token_ids == (10, 10, 10)
+    assert plan.call.append_request_ids == ("r-0", "r-1", "r-2")
+    assert plan.call.append_token_ids == (10, 10, 10)
     assert plan.call.free_request_ids == ("r-prefill",)
     assert children[1].exec_sampling().seed is None
     # Writing position 5 into the shared partial block 1: copy-on-write for all but the last,
@@ -510,11 +513,12 @@ def test_scheduler_swapped_request_sends_its_token_once():
     batch = sched.apply_outcome(plan, pool.step(plan.call))
     sched.apply_result(batch, model.execute(batch.call))
     plan = sched.schedule()  # the decode of a: carries its sampled token
-    assert plan is not None and plan.call.decode_token_ids == (a.output_token_ids[0],)
+    assert plan is not None and plan.call.append_token_ids == (a.output_token_ids[0],)
     sched.apply_outcome(plan, StepOutcome(preempted=(Preemption("a", swapped=True),)))
     assert a.status is SeqStatus.SWAPPED and a.num_allocator_tokens == 4
     plan = sched.schedule()  # swap-in attempt: no new token to send
-    assert plan is not None and plan.call.items[0].append_token_ids == ()
+    assert plan is not None and plan.call.append_request_ids == ()
+    assert [(i.request_id, i.num_tokens) for i in plan.call.items] == [("a", 1)]
     sched.apply_outcome(plan, StepOutcome(deferred_request_ids=frozenset({"a"})))
     assert a.status is SeqStatus.SWAPPED and a.num_allocator_tokens == 4
     plan = sched.schedule()
@@ -535,10 +539,10 @@ def test_scheduler_child_seed_wraps_to_uint64():
     assert child.exec_sampling().seed == 0
 
 
-def test_scheduler_pipelined_plans_on_top_of_the_batch_in_flight():
-    # While a batch executes, the next plan decodes what it samples (pending: no value yet)
-    # and continues a chunked prefill where the batch will leave it; the values follow as
-    # late tokens in the plan after.
+def test_scheduler_overlapped_plans_on_top_of_the_batch_in_flight():
+    # While a batch executes, the next plan decodes what it samples (by count: no value yet)
+    # and continues a chunked prefill where the batch will leave it; the values follow in
+    # the appends of the plan after.
     sched, pool, model = scheduler(tokens=8), CorePool(32, BLOCK), FakeModel(BLOCK)
     (a,) = add(sched, request("a", [5, 6, 7], max_tokens=5))
     (b,) = add(sched, request("b", list(range(10, 22)), max_tokens=5))  # 12 tokens: chunked
@@ -551,26 +555,26 @@ def test_scheduler_pipelined_plans_on_top_of_the_batch_in_flight():
     call = plan.call
     # Numbered; nothing executed yet to confirm.
     assert (call.step_id, call.commit_through_step_id) == (2, 0)
-    assert call.pending_decode_request_ids == ("a",)
+    assert call.decode_request_ids == ("a",)
     assert [(i.request_id, i.num_tokens) for i in call.items] == [("b", 7)]
-    assert call.late_request_ids == ()
+    assert call.append_request_ids == ()
     outcome = pool.step(call)
     sampled = sched.apply_result(first, model.execute(first.call))  # the batch returns
     assert [(s.seq_id, t) for s, t in sampled] == [("a", model.reference([5, 6, 7], 1)[0])]
     second = sched.apply_outcome(plan, outcome)
-    assert second.call.decode_request_ids == ("a",)  # the pending decode, with its value
+    assert second.call.decode_request_ids == ("a",)  # the executor learns its value
     assert second.call.decode_token_ids == (a.output_token_ids[0],)
     sched.launch(second)
     plan = sched.schedule(in_flight=True)
     assert plan is not None
-    assert plan.call.late_request_ids == ("a",)
-    assert plan.call.late_token_ids == (a.output_token_ids[0],)
-    assert set(plan.call.pending_decode_request_ids) == {"a", "b"}
+    assert plan.call.append_request_ids == ("a",)
+    assert plan.call.append_token_ids == (a.output_token_ids[0],)
+    assert set(plan.call.decode_request_ids) == {"a", "b"}
     # The first batch executed: its Step (1) is confirmed; the second's is still in flight.
     assert (plan.call.step_id, plan.call.commit_through_step_id) == (3, 1)
 
 
-def test_scheduler_pipelined_skips_a_sequence_whose_last_token_is_in_flight():
+def test_scheduler_overlapped_skips_a_sequence_whose_last_token_is_in_flight():
     sched, pool = scheduler(), CorePool(32, BLOCK)
     add(sched, request("a", [5, 6, 7], max_tokens=1))
     plan = sched.schedule()
@@ -588,7 +592,7 @@ def test_scheduler_a_sequence_ending_while_the_allocator_preempts_it_sends_it_no
     (a,) = add(sched, request("a", [5, 6, 7, 8], max_tokens=5))
     (b,) = add(sched, request("b", [9, 10, 11, 12], max_tokens=5))
     first, plan, outcome = launch_then_allocate(sched, pool)  # one full block each
-    assert plan.call.pending_decode_request_ids == ("a", "b")
+    assert plan.call.decode_request_ids == ("a", "b")
     # Both need a second block: b, behind a, is preempted.
     assert [p.request_id for p in outcome.preempted] == ["b"]
     sched.apply_result(first, model.execute(first.call))
@@ -603,22 +607,23 @@ def test_scheduler_a_sequence_ending_while_the_allocator_preempts_it_sends_it_no
     assert a.status is SeqStatus.RUNNING
 
 
-def test_scheduler_sends_a_pending_tokens_value_once_out_of_the_pipeline():
-    # The engine may plan with nothing in flight right after a pipelined step (an orphan
-    # abort lands the batch first): the value of the pending token goes once, as a late
-    # token, and the newest token as a plain decode; the run still ends at the reference.
+def test_scheduler_sends_each_value_once_after_an_overlapped_step():
+    # The engine may plan with nothing in flight right after an overlapped step (an orphan
+    # abort lands the batch first): the value of the token decoded by count and the newest
+    # one go once each, in order, with a plain decode; the run still ends at the reference.
     sched, pool, model = scheduler(), CorePool(32, BLOCK), FakeModel(BLOCK)
     (a,) = add(sched, request("a", [5, 6, 7], max_tokens=6))
     first, plan, outcome = launch_then_allocate(sched, pool)
     sched.apply_result(first, model.execute(first.call))
     second = sched.apply_outcome(plan, outcome)
     sched.launch(second)
-    assert a.allocator_pending
+    assert a.num_allocator_tokens == 3  # its first output was decoded by count
     sched.apply_result(second, model.execute(second.call))  # landed: nothing in flight
     plan = sched.schedule()
     assert plan is not None and not plan.call.items
-    assert plan.call.late_token_ids == (a.output_token_ids[0],)
-    assert plan.call.decode_token_ids == (a.output_token_ids[1],)
+    assert plan.call.append_request_ids == ("a", "a")
+    assert plan.call.append_token_ids == tuple(a.output_token_ids[:2])
+    assert plan.call.decode_request_ids == ("a",)
     third = sched.apply_outcome(plan, pool.step(plan.call))  # accepted
     sched.apply_result(third, model.execute(third.call))
     drive(sched, pool, model, pipelined=True)
@@ -642,7 +647,7 @@ def test_scheduler_a_sequence_preempted_while_its_batch_ran_is_named_no_more():
     plan = sched.schedule()
     assert plan is not None and plan.call.commit_through_step_id == 1
     call = plan.call
-    named = {*call.decode_request_ids, *call.pending_decode_request_ids, *call.free_request_ids,
+    named = {*call.decode_request_ids, *call.append_request_ids, *call.free_request_ids,
              *call.abort_request_ids, *(c.request_id for c in call.commits),
              *(i.request_id for i in call.items if not i.is_new)}
     assert "b" not in named

@@ -1,12 +1,12 @@
 """The gateway's step records to the allocator core's and back, in process: what
 gateway/clients/allocator_client.py and allocator_svc/convert.py do across the wire, without
-the wire (compact grants, as the gateway asks for them)."""
+the wire."""
 
 from __future__ import annotations
 
 from allocator_svc.core import request as core
 from allocator_svc.core.step import (
-    Decodes,
+    Appends,
     PreemptionMode,
     StepItem,
     StepResult,
@@ -23,19 +23,18 @@ from gateway.core.step import (
 
 
 def core_call(pool_id: str, epoch: int, call: StepCall) -> CoreStepCall:
-    late = None
-    if call.late_request_ids:
-        late = Decodes(list(call.late_request_ids), list(call.late_token_ids))
+    appends = None
+    if call.append_request_ids:
+        appends = Appends(list(call.append_request_ids), list(call.append_token_ids))
     return CoreStepCall(
         pool_id, epoch, None,
         [StepItem(i.request_id, i.num_tokens, list(i.prompt_token_ids) if i.is_new else None,
-                  i.cache_salt, list(i.append_token_ids), i.tenant, i.resumed)
+                  i.cache_salt, i.tenant, i.resumed)
          for i in call.items],
         PreemptionMode.SWAP if call.swap else PreemptionMode.RECOMPUTE,
         [core.Commit(c.request_id, c.num_computed_tokens) for c in call.commits],
         list(call.free_request_ids), list(call.abort_request_ids),
-        Decodes(list(call.decode_request_ids), list(call.decode_token_ids)),
-        list(call.pending_decode_request_ids), late, call.step_id, call.commit_through_step_id,
+        appends, list(call.decode_request_ids), call.step_id, call.commit_through_step_id,
     )
 
 

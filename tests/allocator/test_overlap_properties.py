@@ -1,11 +1,12 @@
-"""Stateful property test of pipelined steps against a simple reference model.
+"""Stateful property test of overlapped steps (depth 2) against a simple reference model.
 
-The model plays a pipelining gateway and its executor. Each step sends the allocator the next
-Step while the previous batch is still "executing": pending decodes for the requests that
-batch samples, the late values of the tokens it sampled the step before, frees, new prompts,
-swapped requests coming back. Only then does that batch execute: it writes a shadow KV cache
-(each slot remembers the salt, position and token that wrote it) through the tables it was
-granted, even for requests the Step just freed or preempted, as a real executor would.
+The model plays an overlapping gateway and its executor. Each step sends the allocator the
+next Step while the previous batch is still "executing": decodes (by count) for the requests
+that batch samples, the values of tokens sampled before (appends, some held back at random
+for requests it does not decode), frees, new prompts, swapped requests coming back. Only
+then does that batch execute: it writes a shadow KV cache (each slot remembers the salt,
+position and token that wrote it) through the tables it was granted, even for requests the
+Step just freed or preempted, as a real executor would.
 
 What must hold, checked against the shadow cache rather than the allocator's own state:
 - a prefix hit, read at the moment the Step returns (before the batch in flight has written
@@ -16,8 +17,9 @@ What must hold, checked against the shadow cache rather than the allocator's own
 - a batch may fail: nothing of it is applied, its requests are aborted with the next Step,
   and none of its blocks is ever served as a prefix hit, although later Steps commit through
   its step id (explicit step ids: "every step up to N executed", sent or not at random);
-- the allocator's invariants hold after every step, no placeholder is ever hashed (events
-  carry only real tokens), and freeing everything returns every block.
+- the allocator's invariants hold after every step, its token values and counts are the
+  model's, every block it caches holds the tokens that wrote it, and freeing everything
+  returns every block.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from no_leak import free_all_and_check_no_leak
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
-from allocator_svc.core.step import Decodes, PreemptionMode, StepCall, StepItem
+from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem
 from tests.budget import examples
 
 BLOCK_SIZE = 2
@@ -50,7 +52,6 @@ class Mirror:
     tokens: list[int]  # every known value: the prompt, then sampled tokens
     known_to_allocator: int = 0  # values the allocator holds
     computed: int = 0  # positions granted by the allocator (executed or in flight)
-    pending: bool = False  # the allocator holds a placeholder at known_to_allocator
     table: list[int] = field(default_factory=list)
     swapped: bool = False
 
@@ -72,7 +73,7 @@ def _sample(tokens: list[int], position: int) -> int:
     return (sum(tokens[-2:]) + position) % 3
 
 
-class PipelineMachine(RuleBasedStateMachine):
+class OverlapMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.allocator = Allocator(Limits(max_batch_items=64, event_capacity=1 << 16))
@@ -96,7 +97,7 @@ class PipelineMachine(RuleBasedStateMachine):
         self.in_flight_step = 0  # the number of the Step whose batch is in flight
         self.executed_through = 0  # the newest step whose batch executed
         self.next_id = 0
-        self.num_pending_granted = 0
+        self.num_unknown_granted = 0  # decodes granted before their value was known
 
     def _read(self, table: list[int], upto: int) -> list[Slot | None]:
         return [self.gpu[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in range(upto)]
@@ -126,33 +127,35 @@ class PipelineMachine(RuleBasedStateMachine):
         for request_id in abort_ids:
             del self.requests[request_id]
         self.failed.clear()
-        late_ids, late_tokens = [], []
-        for request_id, mirror in self.requests.items():
-            if mirror.pending:  # sampled by the batch before the one in flight: known now
-                late_ids.append(request_id)
-                late_tokens.append(mirror.tokens[mirror.known_to_allocator])
         sampling_now = {w.request_id for w in self.in_flight if w.sample}
         alive = sorted(self.requests)
         free_ids = data.draw(st.lists(st.sampled_from(alive), unique=True), "free") if alive else []
-        pending_ids, items = [], []
+        append_ids, append_tokens, sent = [], [], {}
+        decode_ids, items = [], []
         for request_id in alive:
-            if request_id in free_ids or not data.draw(st.booleans(), "schedule"):
-                continue
             mirror = self.requests[request_id]
-            if request_id in sampling_now and not mirror.swapped:
-                pending_ids.append(request_id)  # its next token is being sampled
-                continue
-            known = mirror.known_to_allocator + (request_id in late_ids)
-            if request_id in sampling_now:
-                continue  # swapped: it comes back once its sampled token is known
-            items.append(StepItem(request_id, chunk, None, "", mirror.tokens[known:]))
+            values = mirror.tokens[mirror.known_to_allocator:]
+            scheduled = request_id not in free_ids and data.draw(st.booleans(), "schedule")
+            decodes = scheduled and request_id in sampling_now and not mirror.swapped
+            # Values go when known; one not needed by a decode may wait for a later call.
+            if values and (decodes or data.draw(st.booleans(), "send")):
+                append_ids += [request_id] * len(values)
+                append_tokens += values
+                sent[request_id] = len(values)
+            known = mirror.known_to_allocator + sent.get(request_id, 0)
+            if not scheduled or (request_id in sampling_now and mirror.swapped):
+                continue  # (swapped: it comes back once its sampled token is known)
+            if decodes:
+                decode_ids.append(request_id)  # its next token is being sampled
+            elif request_id not in sampling_now and known > mirror.computed:
+                items.append(StepItem(request_id, chunk))
         for prompt, salt, num in prompts:
             request_id = f"r{self.next_id}"
             self.next_id += 1
             self.requests[request_id] = Mirror(salt, list(prompt))
             items.append(StepItem(request_id, num, list(prompt), salt))
         commit_through = self.executed_through if confirm else 0
-        if not (items or pending_ids or late_ids or free_ids or abort_ids or commit_through):
+        if not (items or decode_ids or append_ids or free_ids or abort_ids or commit_through):
             return  # nothing to send (an empty Step is refused): the batch keeps executing
         self.step_id += 1
         result = self.allocator.step(StepCall(
@@ -163,20 +166,15 @@ class PipelineMachine(RuleBasedStateMachine):
             PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE,
             free_ids=free_ids,
             abort_ids=abort_ids,
-            pending_decode_ids=pending_ids,
-            late=Decodes(late_ids, late_tokens),
+            appends=Appends(append_ids, append_tokens),
+            decode_ids=decode_ids,
             step_id=self.step_id,
             commit_through=commit_through,
         ))
-        for request_id in late_ids:
-            mirror = self.requests[request_id]
-            mirror.known_to_allocator += 1
-            mirror.pending = False
+        for request_id, num in sent.items():
+            self.requests[request_id].known_to_allocator += num
         for request_id in free_ids:
             del self.requests[request_id]
-        for item in items:
-            if item.prompt_token_ids is None:
-                self.requests[item.request_id].known_to_allocator += len(item.append_token_ids)
 
         # 2. The Step is back: a prefix hit must already hold the request's tokens.
         grants = {g.request_id: g for g in result.all_grants(BLOCK_SIZE)}
@@ -230,8 +228,6 @@ class PipelineMachine(RuleBasedStateMachine):
             if p.mode is PreemptionMode.SWAP:
                 mirror = self.requests[p.request_id]
                 mirror.swapped, mirror.table = True, []
-                if p.request_id in pending_ids:  # not granted: no placeholder was kept
-                    assert p.request_id not in self.pool.pending
             else:
                 del self.requests[p.request_id]
         skipped = {p.request_id for p in result.preempted} | set(result.deferred)
@@ -239,7 +235,7 @@ class PipelineMachine(RuleBasedStateMachine):
             if item.request_id in skipped and item.prompt_token_ids is not None:
                 self.requests.pop(item.request_id, None)
         batch = []
-        for request_id in [*pending_ids, *(i.request_id for i in items)]:
+        for request_id in [*decode_ids, *(i.request_id for i in items)]:
             if request_id in skipped:
                 continue
             mirror = self.requests[request_id]
@@ -253,14 +249,13 @@ class PipelineMachine(RuleBasedStateMachine):
                     mirror.computed = grant.num_cached_tokens
             else:  # granted without a table change
                 start = mirror.computed
-                num = 1 if request_id in pending_ids else min(
+                num = 1 if request_id in decode_ids else min(
                     chunk, mirror.known_to_allocator - mirror.computed
                 )
             assert start == mirror.computed, f"{request_id}: grant starts where it stands"
-            if request_id in pending_ids:
+            if request_id in decode_ids:
                 assert num == 1
-                mirror.pending = True
-                self.num_pending_granted += 1
+                self.num_unknown_granted += start >= mirror.known_to_allocator
             mirror.computed = start + num
             if num and request_id not in self.failed:
                 sample = mirror.computed == len(mirror.tokens)
@@ -272,14 +267,18 @@ class PipelineMachine(RuleBasedStateMachine):
     def invariants_hold(self) -> None:
         self.allocator.check_invariants()
         assert set(self.pool.requests) == set(self.requests)
-        assert self.pool.pending == {r for r, m in self.requests.items() if m.pending}
+        for request_id, mirror in self.requests.items():
+            request = self.pool.requests[request_id]
+            assert request.token_ids == mirror.tokens[: mirror.known_to_allocator]
+            assert request.num_computed == mirror.computed
+            assert request.num_computed <= len(request.token_ids) + 1
 
     def teardown(self) -> None:
         free_all_and_check_no_leak(self.allocator, self.pool, self.requests, NUM_BLOCKS,
                                    NUM_CPU_BLOCKS, self.lease_id)
 
 
-PipelineMachine.TestCase.settings = settings(
+OverlapMachine.TestCase.settings = settings(
     max_examples=examples(400), stateful_step_count=30, deadline=None
 )
-test_pipelined_steps_against_a_reference = PipelineMachine.TestCase
+test_overlapped_steps_against_a_reference = OverlapMachine.TestCase
