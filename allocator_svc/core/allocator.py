@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
+from operator import attrgetter
 
 from allocator_svc.core.cpu_blocks import CpuEntry
 from allocator_svc.core.hand_off import HandOff, check_hand_off, reserve
@@ -32,6 +33,7 @@ from allocator_svc.core.validation import (
     check_pool_config,
     check_releases,
     check_token_ids,
+    check_values_known,
 )
 from common.credentials import lease_tag
 from common.errors import (
@@ -43,6 +45,7 @@ from common.errors import (
 )
 
 _NONE_RELEASED: frozenset[str] = frozenset()
+_TOKENS = attrgetter("token_ids")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,19 +134,27 @@ class Allocator:
         released = (
             check_releases(pool, free_ids, abort_ids) if free_ids or abort_ids else _NONE_RELEASED
         )
-        appended = check_appends(pool, appends, lease_id) if appends else None
         if commits:
             check_commits(pool, commits)
         if items:
             check_items(pool, items, released, self.limits)
+        # The common step appends one value to each decode: checked with the decodes.
+        one_value_each = appends is not None and appends.request_ids == decode_ids
         decode_requests = (
-            check_decodes(pool, decode_ids, items, released, appended, lease_id)
+            check_decodes(pool, decode_ids, items, released, lease_id, one_value_each)
             if decode_ids else []
         )
+        appended = (
+            check_appends(pool, appends, lease_id, one_value_each, decode_requests)
+            if appends is not None else None
+        )
+        if decode_requests:
+            check_values_known(decode_requests, appended, one_value_each)
         # Validated: from here on the call is applied.
         if appended:
-            for request, token in zip(appended, appends.token_ids, strict=True):  # type: ignore[union-attr]
-                request.token_ids.append(token)
+            assert appends is not None
+            # (C-level: each request's list.append with its value; the hot path.)
+            list(map(list.append, map(_TOKENS, appended), appends.token_ids))
         if call.commit_through:
             scheduled.commit_through(pool, lease_id, call.commit_through, frozenset(abort_ids))
         for commit in commits:

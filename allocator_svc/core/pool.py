@@ -241,11 +241,10 @@ class Pool:
 
     def commit(self, request: Request, num_computed: int) -> None:
         """KV of tokens [0, num_computed) is written: cache the full blocks among them. A block
-        holding a token whose value is unknown waits for it."""
-        num_computed = min(num_computed, len(request.token_ids))
+        holding a token whose value is unknown waits for it (a later commit hashes it)."""
         request.num_committed = max(request.num_committed, num_computed)
         bs = self.block_size
-        num_full = num_computed // bs
+        num_full = min(num_computed, len(request.token_ids)) // bs
         hashes = request.block_hashes
         if len(hashes) >= num_full or request.swapped:
             return
@@ -276,7 +275,6 @@ class Pool:
                 continue  # freed or preempted since
             have, num_full = len(request.block_hashes), count // bs
             if num_full == have:
-                count = min(count, len(request.token_ids))
                 if count > request.num_committed:
                     request.num_committed = count
             elif self._one_block_filled(request, count, have, num_full):
@@ -296,7 +294,7 @@ class Pool:
                 or num_full * self.block_size > len(request.token_ids)):
             self.commit(request, count)
             return False
-        request.num_committed = max(request.num_committed, min(count, len(request.token_ids)))
+        request.num_committed = max(request.num_committed, count)
         return True
 
 
@@ -410,12 +408,14 @@ class Pool:
                 assert len(request.blocks) == self.blocks_for(request.num_computed), (
                     f"{request.request_id}: table covers exactly its computed tokens"
                 )
-            assert request.num_committed <= request.num_known_computed, (
-                f"{request.request_id}: committed past its computed or known tokens"
+            assert request.num_committed <= request.num_computed, (
+                f"{request.request_id}: committed past its computed tokens"
             )
             assert request.num_computed <= len(request.token_ids) + 1, (
                 f"{request.request_id}: more than one computed token of unknown value"
             )
-            assert len(request.block_hashes) * self.block_size <= request.num_committed or (
-                request.num_cached_tokens >= len(request.block_hashes) * self.block_size
-            ), f"{request.request_id}: a block hashed past its committed tokens"
+            hashed = len(request.block_hashes) * self.block_size
+            assert hashed <= max(min(request.num_committed, len(request.token_ids)),
+                                 request.num_cached_tokens), (
+                f"{request.request_id}: a block hashed past its committed, known tokens"
+            )

@@ -17,7 +17,7 @@ class Request:
     # Tokens granted slots (their KV is written by the granting step). At most one past the
     # known tokens: a decode's token may be granted while its value is being sampled.
     num_computed: int = 0
-    num_committed: int = 0  # tokens whose KV the gateway confirmed written
+    num_committed: int = 0  # tokens whose KV the gateway confirmed written (hashed: known ones)
     blocks: list[Block] = field(default_factory=list)  # the block table (GPU)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of leading full blocks
     cpu_block_ids: list[int] | None = None  # the table while swapped out
@@ -30,11 +30,6 @@ class Request:
     @property
     def swapped(self) -> bool:
         return self.cpu_block_ids is not None
-
-    @property
-    def num_known_computed(self) -> int:
-        """Computed tokens whose values are known: how far a commit may hash."""
-        return min(self.num_computed, len(self.token_ids))
 
 
 @dataclass(frozen=True, slots=True)

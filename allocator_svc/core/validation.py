@@ -130,57 +130,20 @@ def check_items(
             )
 
 
-def check_appends(pool: Pool, appends: Appends, lease_id: str | None) -> list[Request]:
-    """The columns must be aligned and name known requests of the lease, with valid values
-    that keep each request within the pool. Returns the requests, in row order."""
-    ids, tokens = appends.request_ids, appends.token_ids
-    if len(ids) != len(tokens):
-        raise InvalidArgument(
-            f"append_request_ids has {len(ids)} entries but append_token_ids has {len(tokens)}"
-        )
-    requests: list[Request] = list(map(pool.requests.get, ids))  # type: ignore[arg-type]
-    if None in requests:
-        if "" in ids:
-            raise InvalidArgument("every append needs a request_id")
-        unknown = ids[requests.index(None)]  # type: ignore[arg-type]
-        raise NotFound(f"append for unknown request {unknown!r}")
-    if lease_id is not None:
-        for request in requests:
-            if request.lease_id != lease_id:
-                check_owner(pool, [request.request_id], lease_id)  # raises, with the message
-    if min(tokens) < 0:
-        index = next(i for i, token in enumerate(tokens) if token < 0)
-        raise InvalidArgument(f"{ids[index]}: append token ids must be >= 0, got {tokens[index]}")
-    # A request computes at most the pool's slots, and holds one sampled token past them.
-    capacity = pool.config.num_blocks * pool.block_size + 1
-    held: dict[str, int] = {}
-    for request in requests:
-        count = held.get(request.request_id, len(request.token_ids)) + 1
-        held[request.request_id] = count
-        if count > capacity:
-            raise InvalidArgument(
-                f"request {request.request_id!r} would hold {count} tokens, more than a "
-                f"request of pool {pool.config.pool_id!r} can ({capacity}: its slots and one "
-                "sampled token): append each value once"
-            )
-    return requests
-
-
 def check_decodes(
     pool: Pool,
     ids: list[str],
     items: list[StepItem],
     released: AbstractSet[str],
-    appended: list[Request] | None,
     lease_id: str | None,
+    one_value_each: bool,
 ) -> list[Request]:
     """Each names a known, running request of the lease once, not otherwise scheduled or
-    freed in the call, whose computed tokens' values are all known (`appended`: this call's
-    appends, applied first). Returns the requests, in column order (the step then looks
-    nothing up).
+    freed in the call. `one_value_each`: the call appends one value to each, in this order
+    (the common step), and each must have room for it. Returns the requests, in column
+    order (the step then looks nothing up).
 
-    Every step runs this over every running request: the common case costs one set, one
-    map and one pass."""
+    Every step runs this over every running request: one set, one map and one pass."""
     seen = set(ids)
     if len(seen) != len(ids) or "" in seen:
         _raise_bad_ids(ids)
@@ -188,20 +151,96 @@ def check_decodes(
         _raise_bad_ids([*ids, *(item.request_id for item in items)])
     if released and not released.isdisjoint(seen):
         raise InvalidArgument(f"requests {sorted(released & seen)} are both freed and scheduled")
-    batch: list[Request] = list(map(pool.requests.get, ids))  # type: ignore[arg-type]
-    if None in batch:
-        unknown = ids[batch.index(None)]  # type: ignore[arg-type]
+    requests = pool.requests
+    if not requests.keys() >= seen:
+        unknown = next(i for i in ids if i not in requests)
         raise NotFound(f"unknown request {unknown!r}: a new request must carry prompt_token_ids")
-    filled: set[str] | None = None
+    batch: list[Request] = list(map(requests.__getitem__, ids))
+    # Room for one value: at most the pool's slots, and one sampled token past them.
+    full = pool.config.num_blocks * pool.block_size if one_value_each else 1 << 62
     for request in batch:
-        if request.lease_id != lease_id and lease_id is not None:
-            check_owner(pool, [request.request_id], lease_id)  # raises, with the message
-        if request.cpu_block_ids is not None:
-            raise InvalidArgument(
-                f"request {request.request_id!r} is swapped out: swap it in with an item, "
-                "not a decode"
-            )
-        if request.num_computed > len(request.token_ids):  # at depth 2, every decode
+        if (request.lease_id != lease_id or request.cpu_block_ids is not None
+                or len(request.token_ids) > full):
+            _refuse_decode(pool, request, lease_id, full)
+    return batch
+
+
+def _refuse_decode(pool: Pool, request: Request, lease_id: str | None, full: int) -> None:
+    """Raise what is wrong with this decode (nothing: another lease's check is skipped
+    without a lease)."""
+    check_owner(pool, [request.request_id], lease_id)
+    if request.cpu_block_ids is not None:
+        raise InvalidArgument(
+            f"request {request.request_id!r} is swapped out: swap it in with an item, "
+            "not a decode"
+        )
+    if len(request.token_ids) > full:
+        _raise_too_long(pool, request, len(request.token_ids) + 1, full + 1)
+
+
+def check_appends(
+    pool: Pool, appends: Appends, lease_id: str | None, one_value_each: bool,
+    decodes: list[Request],
+) -> list[Request]:
+    """The columns must be aligned and name known requests of the lease, with valid values
+    that keep each request within the pool. Returns the requests, in row order.
+
+    `one_value_each`: the rows are the decodes' (`decodes`, checked with room for them), and
+    only the values are left to check."""
+    ids, tokens = appends.request_ids, appends.token_ids
+    if len(ids) != len(tokens):
+        raise InvalidArgument(
+            f"append_request_ids has {len(ids)} entries but append_token_ids has {len(tokens)}"
+        )
+    if one_value_each:
+        requests = decodes
+    else:
+        requests = _appended(pool, ids, lease_id)
+    if min(tokens) < 0:
+        index = next(i for i, token in enumerate(tokens) if token < 0)
+        raise InvalidArgument(f"{ids[index]}: append token ids must be >= 0, got {tokens[index]}")
+    return requests
+
+
+def _appended(pool: Pool, ids: list[str], lease_id: str | None) -> list[Request]:
+    """The requests of appends not one a decode: known, of the lease, within the pool."""
+    requests = pool.requests
+    if not requests.keys() >= set(ids):
+        if "" in ids:
+            raise InvalidArgument("every append needs a request_id")
+        unknown = next(i for i in ids if i not in requests)
+        raise NotFound(f"append for unknown request {unknown!r}")
+    appended: list[Request] = list(map(requests.__getitem__, ids))
+    check_owner(pool, ids, lease_id)
+    # A request computes at most the pool's slots, and holds one sampled token past them.
+    capacity = pool.config.num_blocks * pool.block_size + 1
+    held: dict[str, int] = {}
+    for request in appended:
+        count = held.get(request.request_id, len(request.token_ids)) + 1
+        held[request.request_id] = count
+        if count > capacity:
+            _raise_too_long(pool, request, count, capacity)
+    return appended
+
+
+def _raise_too_long(pool: Pool, request: Request, count: int, capacity: int) -> None:
+    raise InvalidArgument(
+        f"request {request.request_id!r} would hold {count} tokens, more than a request of "
+        f"pool {pool.config.pool_id!r} can ({capacity}: its slots and one sampled token): "
+        "append each value once"
+    )
+
+
+def check_values_known(decodes: list[Request], appended: list[Request] | None,
+                       one_value_each: bool) -> None:
+    """A decode's earlier computed tokens all have values (this call's appends count): a
+    request's computed tokens run at most one past its known ones. Nothing to look at when
+    every decode appends one value (the common step)."""
+    if one_value_each:
+        return
+    filled: set[str] | None = None
+    for request in decodes:
+        if request.num_computed > len(request.token_ids):
             if filled is None:
                 filled = {r.request_id for r in appended} if appended else set()
             if request.request_id not in filled:
@@ -209,7 +248,6 @@ def check_decodes(
                     f"request {request.request_id!r} has a computed token whose value is "
                     "unknown: append its value before decoding the next one"
                 )
-    return batch
 
 
 def _raise_bad_ids(request_ids: Iterable[str]) -> None:

@@ -160,8 +160,8 @@ def test_a_commit_never_reaches_a_token_whose_value_is_unknown():
     d = Driver()
     d.step([new("a", [1, 2, 3])], in_flight=False)
     d.step(decode=["a"])  # position 3 granted, value unknown: block 1 would be [3, ?]
-    d.step(commits=[Commit("a", 4)], commit_through=0)  # a client's mistake
-    assert d.pool.requests["a"].num_committed == 3 and d.cached() == 1
+    d.step(commits=[Commit("a", 4)], commit_through=0)  # its KV is written, its value unknown
+    assert d.pool.requests["a"].num_committed == 4 and d.cached() == 1
     d.step(values={"a": [4]}, commits=[Commit("a", 4)], commit_through=0)
     assert d.cached() == 2
 
@@ -303,14 +303,20 @@ def test_a_request_that_preempts_itself_is_not_in_its_steps_commit():
     assert cached() == 4
 
 
-def test_a_commit_of_the_latest_step_stops_short_of_an_unknown_value():
-    # A client commits a plain Step's predecessor while a request's last computed token has
-    # no value yet (never sent): the committed count stops before it.
+def test_a_block_filled_by_an_unknown_value_is_hashed_once_the_value_comes():
+    # A step that fills a block with a token whose value is not known yet is committed
+    # (its KV is written): the block waits, uncached, for the value; a later step's commit
+    # hashes it, with the value.
     d = Driver(num_blocks=10)
-    d.step([new("a", [1, 2])], in_flight=False)
-    d.step(decode=["a"])  # position 2, in a block it does not fill
-    d.step([new("b", [5])], in_flight=False)  # commits step 2's grants at current counts
-    assert d.pool.requests["a"].num_committed == 2
+    d.step([new("a", [1, 2, 3])], in_flight=False)
+    d.step(decode=["a"])  # step 2: position 3 fills block 1, its value unknown
+    d.step([new("b", [5])], in_flight=False)  # commits step 2: a's KV to 4, block 1 waits
+    assert d.pool.requests["a"].num_committed == 4 and d.cached() == 1
+    d.step(decode=["a"], values={"a": [4]}, in_flight=False)  # step 4 commits step 3: no a
+    assert d.cached() == 1
+    d.step(decode=["a"], values={"a": [5]}, in_flight=False)  # commits step 4: a at 5
+    (match,) = d.allocator.match_prefix([1, 2, 3, 4, 9], "", ["p"])
+    assert d.cached() == 2 and match.num_cached_tokens == 4
 
 
 @pytest.mark.parametrize("in_flight", [True, False])
