@@ -168,9 +168,17 @@ class Scheduler:
         items: list[StepItem] = []
         seqs: dict[str, Sequence] = {}
         leaving = self._park_leavers() if self.move_quota else ()
+        append_ids, append_values, appended = appends.request_ids, appends.token_ids, appends.rows
         for seq in [*self.running, *self.swapped]:
             if seq.known_to_allocator:
-                appends.add(seq)
+                sent = seq.num_allocator_tokens
+                unsent = seq.num_tokens - seq.num_placeholders - sent
+                if unsent == 1:  # most steps: the token the step before sampled (inlined)
+                    append_ids.append(seq.seq_id)
+                    append_values.append(seq.token_at(sent))
+                    appended.append((seq, 1))
+                elif unsent > 0:
+                    appends.add(seq, sent)
             if seqs_left == 0 or tokens_left == 0:
                 continue
             ahead = seq.num_in_flight
@@ -745,17 +753,12 @@ class _Appends:
     token_ids: list[int] = field(default_factory=list)
     rows: list[tuple[Sequence, int]] = field(default_factory=list)
 
-    def add(self, seq: Sequence) -> None:
-        sent, known = seq.num_allocator_tokens, seq.num_tokens - seq.num_placeholders
-        if known == sent + 1:  # most steps: one token, sampled by the step before
-            self.request_ids.append(seq.seq_id)
-            self.token_ids.append(seq.token_at(sent))
-            self.rows.append((seq, 1))
-        elif known > sent:
-            values = seq.token_slice(sent)
-            self.request_ids.extend([seq.seq_id] * len(values))
-            self.token_ids.extend(values)
-            self.rows.append((seq, len(values)))
+    def add(self, seq: Sequence, sent: int) -> None:
+        """Every known value from position `sent` on."""
+        values = seq.token_slice(sent)
+        self.request_ids.extend([seq.seq_id] * len(values))
+        self.token_ids.extend(values)
+        self.rows.append((seq, len(values)))
 
 
 @dataclass(slots=True)
