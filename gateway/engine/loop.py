@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import structlog
 
 from gateway.clients.call_failures import CallFailed
-from gateway.core.batch import InFlight, Landed, ScheduledStep
+from gateway.core.batch import Batch, InFlight, Landed, ScheduledStep
 from gateway.core.request_state import Sequence
 from gateway.core.step import StepOutcome
 from gateway.engine import landing, orphans, recovery, side_calls
@@ -118,9 +118,39 @@ class Engine(EngineState):
             self.deliver()
 
     async def _step(self) -> bool:
-        """Plan, allocate, execute, land, stream. At depth 2 the batch in flight lands after
-        this step's batch has gone out, which was planned on top of it."""
+        """housekeep -> schedule -> allocate -> launch -> land -> emit. At depth 2 the batch
+        in flight lands after this step's batch has gone out, planned on top of it."""
         self.plan = self.batch = None
+        done = await self._housekeep()
+        if done is not None:
+            return done
+        started = time.perf_counter()
+        overlapped = bool(self.in_flight)
+        plan = self.plan = self._schedule(overlapped)
+        if plan is None or not plan.call.has_items():
+            await self._without_a_step(plan)
+            return True
+        outcome = await self._allocator_step(plan, self.link.step(plan.call), settle=overlapped)
+        if outcome is None:
+            return False
+        landed, lost = await self._meet_the_batch_in_flight(plan, overlapped)
+        if lost:
+            return True
+        batch = self.batch = self._apply(plan, outcome)
+        if batch.call.is_empty():
+            await self._release_only(batch, landed)
+            return False
+        landing.launch(self, batch)
+        landed = await self._land(landed)
+        if landed is not None:
+            self._record(landed, started)
+        return True
+
+    # Pieces of a step, in order.
+
+    async def _housekeep(self) -> bool | None:
+        """Before planning: a renewed lease, cancellations, orphans, a batch in flight the
+        next cannot be built on, sequences moving here. A bool ends the step with it."""
         renewal = self.link.take_lease_renewal()
         if renewal or self.orphan_ids:
             # Recovery starts from a settled state: nothing executing. (No fork for a lost
@@ -133,9 +163,8 @@ class Engine(EngineState):
             await recovery.register_again(self)
         if self.has_cancellations:
             self._apply_cancellations()
-        if self.orphan_ids:
-            if not await recovery.abort_orphans(self):
-                return False
+        if self.orphan_ids and not await recovery.abort_orphans(self):
+            return False
         if self.in_flight and not self._can_build_on(self.in_flight[0]):
             await landing.settle(self)
             if not self.healthy:
@@ -144,50 +173,63 @@ class Engine(EngineState):
             # Sequences moving here: adopted once their KV is in, reserved when new (between
             # this engine's own Steps: hand_off.py says why).
             await self.mover.receive(self)
+        return None
+
+    def _schedule(self, overlapped: bool) -> ScheduledStep | None:
         started = time.perf_counter()
-        overlapped = bool(self.in_flight)
         scheduler = self.scheduler
         scheduler.move_quota = self.mover.quota(self) if self.mover is not None else 0
-        plan = self.plan = scheduler.schedule(overlapped)
+        plan = scheduler.schedule(overlapped)
         if scheduler.newly_parked:
             assert self.mover is not None, "parked with no mover"
             self.mover.start(self, scheduler.take_newly_parked())
         self.last_schedule_ms = (time.perf_counter() - started) * 1e3
-        if plan is None or not plan.call.has_items():
-            await landing.settle(self)  # nothing to overlap with the batch executing
-            self.deliver()  # no delta waits behind a call off the hot path
-            if plan is None:
-                await side_calls.flush_releases(self)
-            else:
-                await side_calls.flush_housekeeping(self, plan)
-            return True
-        outcome = await self._allocator_step(plan, self.link.step(plan.call), settle=overlapped)
-        if outcome is None:
-            return False
-        landed: Landed | None = None
-        if overlapped and self.in_flight[0].execute.done():
-            # It returned (or failed) while the Step was out: it lands first, and this
-            # step's batch is built on its tokens rather than on stand-ins.
-            landed = await landing.land(self)
-            if not self.healthy:  # the executor went away: the Step's outcome too
-                orphans.note_held(self, plan)
-                return True
-        elif overlapped:
+        return plan
+
+    async def _without_a_step(self, plan: ScheduledStep | None) -> None:
+        """Nothing to compute: what is executing lands, housekeeping goes out on its own."""
+        await landing.settle(self)  # nothing to overlap with the batch executing
+        self.deliver()  # no delta waits behind a call off the hot path
+        if plan is None:
+            await side_calls.flush_releases(self)
+        else:
+            await side_calls.flush_housekeeping(self, plan)
+
+    async def _meet_the_batch_in_flight(
+        self, plan: ScheduledStep, overlapped: bool
+    ) -> tuple[Landed | None, bool]:
+        """The batch in flight lands first if it returned while the Step was out (this
+        step's batch is then built on its tokens), else is advanced (built on stand-ins).
+        Returns what landed, and whether the executor was lost meanwhile."""
+        if not overlapped:
+            return None, False
+        if not self.in_flight[0].execute.done():
             # Its tokens count as computed, their values as stand-ins that the executor
             # fills in itself (use_sampled_token): this step's batch goes out before it lands.
             self.scheduler.advance(self.in_flight[0].batch)
+            return None, False
+        landed = await landing.land(self)
+        if not self.healthy:  # the executor went away: the Step's outcome too
+            orphans.note_held(self, plan)
+            return landed, True
+        return landed, False
+
+    def _apply(self, plan: ScheduledStep, outcome: StepOutcome) -> Batch:
         applying = time.perf_counter()
-        batch = self.batch = self.scheduler.apply_outcome(plan, outcome)
+        batch = self.scheduler.apply_outcome(plan, outcome)
         self.last_schedule_ms += (time.perf_counter() - applying) * 1e3
-        if batch.call.is_empty():
-            # Nothing to run, but releases (a recompute preemption) must still go out.
-            if self.in_flight:  # the batch in flight lands first
-                landed = await landing.land(self)
-            await landing.take_outputs(self, landed)
-            self.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
-            await side_calls.flush_releases(self)
-            return False
-        landing.launch(self, batch)
+        return batch
+
+    async def _release_only(self, batch: Batch, landed: Landed | None) -> None:
+        """Nothing to run, but releases (a recompute preemption) must still go out."""
+        if self.in_flight:  # the batch in flight lands first
+            landed = await landing.land(self)
+        await landing.take_outputs(self, landed)
+        self.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
+        await side_calls.flush_releases(self)
+
+    async def _land(self, landed: Landed | None) -> Landed | None:
+        """Once this step's batch is out: the batch before it lands and its outputs go."""
         if len(self.in_flight) > 1:
             # The batch before lands now, while this one computes.
             landed = await landing.land(self)
@@ -200,30 +242,29 @@ class Engine(EngineState):
             await landing.take_outputs(self, landed)
         else:
             landed = await landing.settle(self)
-        if landed is not None:
-            # A step's time runs from the previous step's landing to this one's: busy, that is
-            # the executor's period whatever overlaps what (at depth 2, a step's own span
-            # is not); the first step after idle counts from its start.
-            now = time.perf_counter()
-            since, self.last_landed = self.last_landed or started, now
-            done, result = landed.flight, landed.result
-            self.stats.record(StepRecord(
-                period_ms=(now - since) * 1e3,
-                schedule_ms=done.schedule_ms,
-                allocator_ms=done.allocator_ms,
-                execute_ms=landed.execute_ms,
-                forward_ms=result.forward_ms,
-                sample_ms=result.sample_ms,
-                executor_ms=result.executor_ms,
-                num_seqs=len(landed.batch.scheduled),
-                num_tokens=result.num_tokens,
-                ahead=done.ahead,
-            ), self.pool_id)
-            if self.stats.should_report():
-                log.info("engine_step_stats", pool_id=self.pool_id, **self.stats.summary())
-        return True
+        return landed
 
-    # Pieces of a step.
+    def _record(self, landed: Landed, started: float) -> None:
+        """A step's time runs from the previous step's landing to this one's: busy, that is
+        the executor's period whatever overlaps what (at depth 2, a step's own span is not);
+        the first step after idle counts from its start."""
+        now = time.perf_counter()
+        since, self.last_landed = self.last_landed or started, now
+        done, result = landed.flight, landed.result
+        self.stats.record(StepRecord(
+            period_ms=(now - since) * 1e3,
+            schedule_ms=done.schedule_ms,
+            allocator_ms=done.allocator_ms,
+            execute_ms=landed.execute_ms,
+            forward_ms=result.forward_ms,
+            sample_ms=result.sample_ms,
+            executor_ms=result.executor_ms,
+            num_seqs=len(landed.batch.scheduled),
+            num_tokens=result.num_tokens,
+            ahead=done.ahead,
+        ), self.pool_id)
+        if self.stats.should_report():
+            log.info("engine_step_stats", pool_id=self.pool_id, **self.stats.summary())
 
     def _can_build_on(self, flight: InFlight) -> bool:
         """The next batch may be planned on top of this one still in flight: not when it has
