@@ -28,6 +28,7 @@ from gateway.clients.shards import AllocatorShards
 from gateway.core.batch import Budget
 from gateway.core.finish_rules import FinishRules
 from gateway.core.scheduler import Scheduler
+from gateway.core.tenants import TenantGate
 from gateway.engine.hand_off import HandOffs
 from gateway.engine.host import EngineHost
 from gateway.engine.loop import Engine
@@ -278,7 +279,6 @@ class Fleet:
             max_num_seqs=min(settings.max_num_seqs, description.max_num_seqs or 1 << 30),
             max_num_batched_tokens=min(settings.max_num_batched_tokens,
                                        description.max_num_batched_tokens or 1 << 30),
-            max_running_per_tenant=settings.tenant_max_running,
         )
         pool_id = description.pool_name or client.address
         shard = self.shards.for_pool(pool_id)  # the pool's blocks are this shard's alone
@@ -296,7 +296,8 @@ class Fleet:
         engine = Engine(
             link=link,
             scheduler=Scheduler(budget=budget, block_size=description.block_size,
-                                swap=settings.preemption_mode == "swap"),
+                                swap=settings.preemption_mode == "swap",
+                                tenants=TenantGate(settings.tenant_max_running)),
             finish_rules=self.finish_rules,
             on_lost=self.router.requeue,
             stats=StepStats(window=settings.stats_every_steps,

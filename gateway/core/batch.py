@@ -13,10 +13,6 @@ from gateway.core.step import ExecuteCall, ExecuteResult, StepCall
 class Budget:
     max_num_seqs: int
     max_num_batched_tokens: int
-    # A tenant's sequences running at once on this executor (0: no limit), each request
-    # counting its n (or beam width): the waiting requests of a tenant that would pass it
-    # are passed over, so another tenant's go first.
-    max_running_per_tenant: int = 0
 
 
 @dataclass(slots=True)

@@ -44,6 +44,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from itertools import chain
 
 from gateway.core.batch import Batch, Budget, Pending, ScheduledStep
 from gateway.core.request_state import Request, SeqStatus, Sequence, TokenLogprob, priority
@@ -57,19 +58,7 @@ from gateway.core.step import (
     StepOutcome,
     TableDelta,
 )
-
-
-@dataclass(slots=True)
-class TenantRunning:
-    """A tenant's requests running on this pool, and their sequences (Request.num_seqs)."""
-
-    requests: set[Request] = field(default_factory=set)
-    num_seqs: int = 0
-
-    def add(self, request: Request) -> None:
-        if request not in self.requests:
-            self.requests.add(request)
-            self.num_seqs += request.num_seqs
+from gateway.core.tenants import TenantGate
 
 
 @dataclass(slots=True)
@@ -90,11 +79,8 @@ class Scheduler:
     # The next Step's number. Per engine, so per pool and lease at the allocator, which wants
     # them increasing: it never starts over (a new lease takes any increasing numbers).
     next_step_id: int = 1
-    # Tenants at the allocator's block quota (--max-blocks-per-tenant): their waiting
-    # requests stand aside, so that they do not fill every step's budget with admissions the
-    # allocator defers while other tenants' wait behind them. Cleared when one of the
-    # tenant's sequences ends (its blocks come back).
-    quota_blocked: set[str] = field(default_factory=set)
+    # Which waiting requests their tenants let start (core/tenants.py).
+    tenants: TenantGate = field(default_factory=TenantGate)
     # Parked since the engine last asked (take_newly_parked): their hand-offs start.
     newly_parked: list[Sequence] = field(default_factory=list)
     clock: Callable[[], float] = time.monotonic
@@ -127,14 +113,6 @@ class Scheduler:
     def has_work(self) -> bool:
         """Something to schedule (parked sequences wait for their hand-off, not a step)."""
         return bool(self.waiting or self.running or self.swapped)
-
-    def _running_per_tenant(self) -> dict[str, TenantRunning]:
-        """Each tenant's requests with a running, swapped or parked sequence."""
-        running: dict[str, TenantRunning] = {}
-        for seq in (*self.running, *self.swapped, *self.parked):
-            if seq.request.tenant:
-                running.setdefault(seq.request.tenant, TenantRunning()).add(seq.request)
-        return running
 
     def sequences(self) -> list[Sequence]:
         return [s for q in (self.running, self.swapped, self.parked, self.waiting) for s in q]
@@ -203,23 +181,13 @@ class Scheduler:
             tokens_left -= num
             seqs_left -= 1
         # Swapped sequences are older than any waiting one: admit nothing new before them.
-        running_per_tenant = (
-            self._running_per_tenant() if self.budget.max_running_per_tenant else None)
+        admission = self.tenants.admission(chain(self.running, self.swapped, self.parked))
         for seq in self.waiting if not self.swapped else ():
             if seqs_left == 0 or tokens_left == 0:
                 break
             request = seq.request
-            if request.tenant in self.quota_blocked:
+            if not admission.admits(request):
                 continue
-            if running_per_tenant is not None and request.tenant:
-                running = running_per_tenant.setdefault(request.tenant, TenantRunning())
-                if request not in running.requests:
-                    # A request wider than the quota runs alone (the allocator's block
-                    # quota does the same), else it would never run.
-                    limit = self.budget.max_running_per_tenant
-                    if running.num_seqs and running.num_seqs + request.num_seqs > limit:
-                        continue  # its tenant is at its quota: the next tenant's go first
-                    running.add(request)
             num = min(seq.num_tokens, tokens_left)
             items.append(
                 StepItem(
@@ -266,7 +234,11 @@ class Scheduler:
         swapped_out = self._apply_preemptions(step, outcome)
         skipped = outcome.deferred_request_ids | {p.request_id for p in outcome.preempted}
         if outcome.deferred_request_ids:
-            self._note_quota_deferrals(step, outcome.deferred_request_ids)
+            self.tenants.note_deferrals(
+                [(i.request_id, step.seqs[i.request_id].request.tenant)
+                 for i in step.call.items if i.is_new],
+                outcome.deferred_request_ids,
+                {s.request.tenant for s in (*self.running, *self.swapped)})
             self._note_beams_deferred(step, outcome.deferred_request_ids)
         admitted: set[Sequence] = set()
         swapped_in = False
@@ -370,7 +342,7 @@ class Scheduler:
             seq = by_id.get(preemption.request_id) or step.seqs.get(preemption.request_id)
             assert seq is not None, f"allocator preempted unknown {preemption.request_id}"
             self.num_preemptions += 1
-            self.quota_blocked.discard(seq.request.tenant)  # its blocks came back
+            self.tenants.unblock(seq.request.tenant)  # its blocks came back
             if seq.is_finished:
                 # It ended while its batch executed, after this Step was planned (depth 2).
                 if not preemption.swapped:
@@ -550,28 +522,11 @@ class Scheduler:
         self.running.sort(key=_priority_level)
 
     # Lifecycle.
-    def _note_quota_deferrals(self, step: ScheduledStep, deferred: AbstractSet[str]) -> None:
-        """A new item deferred while one after it was admitted was deferred by its tenant's
-        block quota: for lack of space the allocator defers every admission after the
-        first that does not fit. (None admitted: the pool is full, no quota is to blame.)
-        Only a tenant with sequences here stands aside: one of them ending clears the mark;
-        a tenant whose blocks another gateway's requests hold is simply deferred again."""
-        new_ids = [i.request_id for i in step.call.items if i.is_new]
-        last_admitted = max((k for k, rid in enumerate(new_ids) if rid not in deferred),
-                            default=-1)
-        if last_admitted < 0:
-            return
-        holding = {s.request.tenant for s in (*self.running, *self.swapped)}
-        for rid in new_ids[:last_admitted]:
-            tenant = step.seqs[rid].request.tenant
-            if rid in deferred and tenant and tenant in holding:
-                self.quota_blocked.add(tenant)
-
     def finish(self, seq: Sequence) -> None:
         """The sequence is done: free it at the allocator and release it at the executor."""
         if seq.is_finished:
             return
-        self.quota_blocked.discard(seq.request.tenant)
+        self.tenants.unblock(seq.request.tenant)
         seq.status = SeqStatus.FINISHED
         self._free_committed(seq)
 
@@ -588,7 +543,7 @@ class Scheduler:
         """Cancelled: abort at the allocator, release at the executor; nothing is committed."""
         if seq.is_finished:
             return
-        self.quota_blocked.discard(seq.request.tenant)
+        self.tenants.unblock(seq.request.tenant)
         seq.status = SeqStatus.FINISHED
         self.pending.commits.pop(seq.seq_id, None)
         if seq.known_to_allocator:

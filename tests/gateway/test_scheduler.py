@@ -719,7 +719,7 @@ def test_a_tenant_at_its_block_quota_stands_aside_for_other_tenants():
     plan = sched.schedule()
     assert [i.request_id for i in plan.call.items] == ["a2", "b1", "a3", "b2"]
     assert step(plan).deferred_request_ids == {"a2", "a3", "b2"}
-    assert sched.quota_blocked == {"a"}  # b2 was deferred last: space or quota, unknown
+    assert sched.tenants.blocked == {"a"}  # b2 was deferred last: space or quota, unknown
     plan = sched.schedule()
     assert [i.request_id for i in plan.call.items if i.is_new] == ["b2"]
     step(plan)
@@ -751,7 +751,7 @@ def test_a_full_pool_deferring_every_admission_blames_no_tenant():
     outcome = pool.step(plan.call)
     assert outcome.deferred_request_ids == {"a1", "b1", "c1"}
     sched.apply_outcome(plan, outcome)
-    assert sched.quota_blocked == set()
+    assert sched.tenants.blocked == set()
     sched.finish(big)
     plan = sched.schedule()
     assert [i.request_id for i in plan.call.items if i.is_new] == ["a1", "b1", "c1"]
@@ -785,7 +785,7 @@ def test_a_tenant_with_nothing_here_is_deferred_again_not_set_aside():
     assert outcome.deferred_request_ids == {"a1"}
     batch = sched.apply_outcome(plan, outcome)
     sched.apply_result(batch, model.execute(batch.call))
-    assert sched.quota_blocked == set()
+    assert sched.tenants.blocked == set()
     plan = sched.schedule()
     assert [i.request_id for i in plan.call.items if i.is_new] == ["a1"]
 

@@ -20,6 +20,7 @@ from gateway.api.sampling import ModelLimits, RawSampling, SamplingOptions
 from gateway.core.batch import Budget
 from gateway.core.request_state import Request
 from gateway.core.scheduler import Scheduler
+from gateway.core.tenants import TenantGate
 from gateway.engine.host import EngineHost
 from gateway.text.tokenizer import Tokenizer
 from tests.budget import examples
@@ -128,8 +129,8 @@ def test_scheduler_tenant_running_quota_counts_each_requests_n() -> None:
     # Quota 8 sequences a tenant on this executor: a's first request (n=8) fills it, so a's
     # second (n=8) is passed over and b's (n=1), behind it, is admitted in the same step:
     # counting requests, a would have run 16 sequences before b got in.
-    sched = Scheduler(budget=Budget(max_num_seqs=32, max_num_batched_tokens=256,
-                                    max_running_per_tenant=QUOTA), block_size=BLOCK)
+    sched = Scheduler(budget=Budget(max_num_seqs=32, max_num_batched_tokens=256),
+                      block_size=BLOCK, tenants=TenantGate(QUOTA))
     for rid, n in (("a1", 8), ("a2", 8), ("b1", 1)):
         add(sched, _tenant_request(rid, n))
     plan = sched.schedule()
@@ -141,8 +142,8 @@ def test_scheduler_two_tenants_run_to_completion_within_their_quotas() -> None:
     # Two tenants with n=4 and n=3 requests on one pool (one-token prompts: n sequences
     # each from the start): no step runs more than QUOTA of a tenant's sequences, a request
     # wider than that still runs (alone), and all finish.
-    sched = Scheduler(budget=Budget(max_num_seqs=32, max_num_batched_tokens=256,
-                                    max_running_per_tenant=QUOTA), block_size=BLOCK)
+    sched = Scheduler(budget=Budget(max_num_seqs=32, max_num_batched_tokens=256),
+                      block_size=BLOCK, tenants=TenantGate(QUOTA))
     pool, model = CorePool(256, BLOCK), FakeModel(BLOCK)
     requests = [_tenant_request(rid, n, prompt_len=1) for rid, n in
                 (("a1", 4), ("a2", 4), ("a3", 4), ("b1", 3), ("b2", 3), ("b3", 3), ("c1", 10))]
