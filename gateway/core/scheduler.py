@@ -26,11 +26,8 @@ requests in a step that preempted; a recompute preemption sends the sequence bac
 queue front (prompt + generated tokens), a swap keeps it aside for swap-in. A row whose token
 is a placeholder (depth 2: its value is in flight) goes with use_sampled_token.
 
-Hand-off (engine/hand_off.py): while its `move_quota` lasts (a prefill executor's engine with
-a decode executor to hand to, one draining, or one rebalancing), planning parks each running
-sequence once it is computed and idle (its prompt done, its last token sampled and landed)
-instead of scheduling its next token; the engine moves parked sequences to another engine
-(`detach` here, `adopt` there) or gives them back (`unpark`).
+Hand-off (engine/hand_off.py): planning parks the sequences to move (core/parking.py); they
+leave (`detach`), arrive (`adopt`) or stay (`unpark`) here.
 
 The scheduler also owns the lifecycle of sequences (add, finish, abort, fork, evict).
 Commits, frees, aborts and executor releases accumulate in `pending` and ride on the next
@@ -47,12 +44,12 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from gateway.core.batch import Batch, Budget, Pending, ScheduledStep
-from gateway.core.request_state import Request, SeqStatus, Sequence, TokenLogprob, priority
+from gateway.core.execute_call import ExecuteCallBuilder, is_plain_decode
+from gateway.core.overlap import BatchLanding
+from gateway.core.parking import Parking
+from gateway.core.request_state import Request, SeqStatus, Sequence, priority
 from gateway.core.step import (
     Commit,
-    ExecuteCall,
-    ExecuteResult,
-    SeqWork,
     StepCall,
     StepItem,
     StepOutcome,
@@ -62,27 +59,23 @@ from gateway.core.tenants import TenantGate
 
 
 @dataclass(slots=True)
-class Scheduler:
+class Scheduler(BatchLanding):
     budget: Budget
     block_size: int
     swap: bool = False
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)
     swapped: list[Sequence] = field(default_factory=list)
-    # Computed and idle, held at the allocator and executor, waiting for their hand-off.
-    parked: list[Sequence] = field(default_factory=list)
-    # How many more sequences to park once computed and idle (module docstring; 0: none).
-    move_quota: int = 0
+    # Sequences set aside for their hand-off (core/parking.py).
+    parking: Parking = field(default_factory=Parking)
     pending: Pending = field(default_factory=Pending)
     num_preemptions: int = 0
-    num_advanced: int = 0  # batches advanced and not landed: their placeholders are out
+    num_advanced: int = 0  # batches advanced and not landed (overlap.py)
     # The next Step's number. Per engine, so per pool and lease at the allocator, which wants
     # them increasing: it never starts over (a new lease takes any increasing numbers).
     next_step_id: int = 1
     # Which waiting requests their tenants let start (core/tenants.py).
     tenants: TenantGate = field(default_factory=TenantGate)
-    # Parked since the engine last asked (take_newly_parked): their hand-offs start.
-    newly_parked: list[Sequence] = field(default_factory=list)
     clock: Callable[[], float] = time.monotonic
 
     def add(self, seq: Sequence, front: bool = False) -> None:
@@ -106,7 +99,7 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return sum(
-            1 for q in (self.waiting, self.running, self.swapped, self.parked) for s in q
+            1 for q in (self.waiting, self.running, self.swapped, self.parking.parked) for s in q
             if not s.is_finished
         )
 
@@ -115,7 +108,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def sequences(self) -> list[Sequence]:
-        return [s for q in (self.running, self.swapped, self.parked, self.waiting) for s in q]
+        queues = (self.running, self.swapped, self.parking.parked, self.waiting)
+        return [s for q in queues for s in q]
 
     # One step.
     def schedule(self, in_flight: bool = False) -> ScheduledStep | None:
@@ -145,7 +139,9 @@ class Scheduler:
         appends = _Appends()
         items: list[StepItem] = []
         seqs: dict[str, Sequence] = {}
-        leaving = self._park_leavers() if self.move_quota else ()
+        leaving: AbstractSet[Sequence] = frozenset()
+        if self.parking.move_quota:
+            self.running, leaving = self.parking.park_leavers(self.running)
         append_ids, append_values, appended = appends.request_ids, appends.token_ids, appends.rows
         for seq in [*self.running, *self.swapped]:
             if seq.known_to_allocator:
@@ -181,7 +177,7 @@ class Scheduler:
             tokens_left -= num
             seqs_left -= 1
         # Swapped sequences are older than any waiting one: admit nothing new before them.
-        admission = self.tenants.admission(chain(self.running, self.swapped, self.parked))
+        admission = self.tenants.admission(chain(self.running, self.swapped, self.parking.parked))
         for seq in self.waiting if not self.swapped else ():
             if seqs_left == 0 or tokens_left == 0:
                 break
@@ -242,9 +238,7 @@ class Scheduler:
             self._note_beams_deferred(step, outcome.deferred_request_ids)
         admitted: set[Sequence] = set()
         swapped_in = False
-        work: list[SeqWork] = []
-        scheduled: list[tuple[Sequence, int]] = []
-        decodes = _DecodeColumns()
+        execute = ExecuteCallBuilder()
         block_size = self.block_size
         grants, appended_blocks = outcome.grants, outcome.appended
         for request_id, item in _rows(step.call):
@@ -257,12 +251,12 @@ class Scheduler:
             if (
                 item is None and seq.status is SeqStatus.RUNNING
                 and request_id not in grants and request_id not in appended_blocks
-                and _is_plain_decode(seq, seq.num_computed_tokens, 1, None)
+                and is_plain_decode(seq, seq.num_computed_tokens, 1, None)
             ):
                 # Most rows of a busy step: a decode row with nothing granted or appended, and
                 # plain, skips the general path below (bench.scheduler_phases: apply_outcome at
                 # 256 running decodes, 0.36 -> 0.2 ms in process).
-                decodes.add(seq, seq.num_computed_tokens)
+                execute.add_decode(seq, seq.num_computed_tokens)
                 continue
             grant = grants.get(request_id)
             if is_new:
@@ -303,33 +297,18 @@ class Scheduler:
                 f"{seq.seq_id}: allocator starts at {start}, gateway holds "
                 f"{seq.num_computed_tokens} computed tokens"
             )
-            if num == 0:
-                continue
-            if _is_plain_decode(seq, start, num, delta):
-                decodes.add(seq, start)
-                continue
-            work.append(_seq_work(seq, start, num, delta))
-            scheduled.append((seq, num))
+            if num:
+                execute.add(seq, start, num, delta)
         if admitted:
             self.waiting = deque(s for s in self.waiting if s not in admitted)
         if admitted or swapped_in:
             # Stable: among equal priorities the order stays as it was (FCFS).
             self.running.sort(key=_priority_level)
-        call = ExecuteCall(
-            release_request_ids=tuple(self.pending.release_ids),
-            swap_out=outcome.swap_out,
-            swap_in=outcome.swap_in,
-            copies=outcome.copies,
-            seqs=tuple(work),
-            decode_request_ids=tuple(decodes.request_ids),
-            decode_token_ids=tuple(decodes.token_ids),
-            decode_positions=tuple(decodes.positions),
-            decode_use_sampled_token=tuple(decodes.use_sampled) if decodes.num_unsampled else (),
-        )
+        call = execute.build(self.pending.release_ids, outcome.swap_out, outcome.swap_in,
+                             outcome.copies)
         self.pending.release_ids.clear()
-        return Batch(call=call, scheduled=[*decodes.scheduled, *scheduled],
-                     step_id=step.call.step_id, num_decodes=len(decodes.scheduled),
-                     swapped_out=swapped_out)
+        return Batch(call=call, scheduled=execute.rows, step_id=step.call.step_id,
+                     num_decodes=len(execute.decoded), swapped_out=swapped_out)
 
     def _apply_preemptions(self, step: ScheduledStep, outcome: StepOutcome) -> list[Sequence]:
         """Move the preempted sequences; returns the ones swapped out."""
@@ -379,80 +358,6 @@ class Scheduler:
             self.add(seq, front=True)
         return swapped_out
 
-    def apply_result(self, batch: Batch, result: ExecuteResult) -> list[tuple[Sequence, int]]:
-        """Advance computed counts; return the sampled (sequence, token) pairs: the compact
-        decodes first (column order), then the other sequences in schedule order."""
-        if batch.stand_ins is None:
-            self.advance(batch)
-        return self.fill(batch, result)
-
-    def advance(self, batch: Batch) -> None:
-        """The batch's computed counts, as if it had returned, with a placeholder for each
-        token it samples (`fill` puts the values in). This also lands it: the next batch is
-        built on top of it. A sequence finished while it executed is left alone."""
-        stand_ins: list[tuple[Sequence, int]] = []
-        num_decodes, works = batch.num_decodes, batch.call.seqs
-        for row, (seq, num) in enumerate(batch.scheduled):
-            seq.num_in_flight = 0
-            seq.samples_in_flight = False
-            if seq.status is SeqStatus.FINISHED:
-                continue
-            seq.num_computed_tokens += num
-            if row < num_decodes or works[row - num_decodes].sample:
-                assert not seq.num_placeholders, f"{seq.seq_id}: a second placeholder"
-                seq.num_placeholders = 1
-                stand_ins.append((seq, row))
-        batch.stand_ins = stand_ins
-        self.num_advanced += 1
-
-    def fill(self, batch: Batch, result: ExecuteResult) -> list[tuple[Sequence, int]]:
-        """The sampled values in place of the advanced batch's placeholders; the (sequence,
-        token) pairs in batch order, but for sequences that finished since."""
-        assert batch.stand_ins is not None, "fill before advance"
-        self.num_advanced -= 1
-        decoded, num_decodes = result.decode_token_ids, batch.num_decodes
-        tokens = {t.request_id: t.token_id for t in result.tokens} if result.tokens else {}
-        # It executed: the allocator may commit what its Step (and every one before) granted.
-        self.pending.executed_through = max(self.pending.executed_through, batch.step_id)
-        sampled: list[tuple[Sequence, int]] = []
-        for seq, row in batch.stand_ins:
-            token = decoded[row] if row < num_decodes else tokens[seq.seq_id]
-            seq.num_placeholders = 0
-            if seq.is_beam:  # its search picks the token (engine/beams.py)
-                seq.beam_candidates = _logprob(result, row, num_decodes, seq.seq_id, token).top
-                if seq.status is not SeqStatus.FINISHED:
-                    sampled.append((seq, token))
-                continue
-            seq.output_token_ids.append(token)
-            if seq.status is not SeqStatus.FINISHED:
-                sampled.append((seq, token))
-                if seq.request.sampling.logprobs is not None:
-                    seq.last_logprob = _logprob(result, row, num_decodes, seq.seq_id, token)
-        return sampled
-
-    def launch(self, batch: Batch) -> None:
-        """The batch is executing: the next step plans on top of it (depth 2)."""
-        for seq, num in batch.scheduled:
-            seq.num_in_flight = num
-            seq.samples_in_flight = (
-                not seq.is_prefill_parent and seq.num_computed_tokens + num == seq.num_tokens
-            )
-
-    def land(self, batch: Batch) -> None:
-        """The batch failed or is abandoned: it is no longer executing, and an advanced one's
-        placeholders are taken out (its sequences are failed, recomputed or evicted next, so
-        its counts do not matter)."""
-        if batch.stand_ins is None:
-            for seq, _ in batch.scheduled:
-                seq.num_in_flight = 0
-                seq.samples_in_flight = False
-            return
-        for seq, _ in batch.stand_ins:
-            assert seq.num_placeholders == 1, f"{seq.seq_id}: its placeholder is gone"
-            seq.num_placeholders = 0
-        batch.stand_ins = None  # (landing it again is harmless)
-        self.num_advanced -= 1
-
     def ready_to_fork(self, batch: Batch) -> list[Sequence]:
         """Prefill parents (n > 1) whose shared prompt is now computed."""
         return [
@@ -462,41 +367,10 @@ class Scheduler:
 
     # Hand-off.
 
-    def _park_leavers(self) -> set[Sequence]:
-        """Choose up to the quota of running sequences to move, the newest first, among those
-        computed and idle (parked now) and those whose next token is being sampled (returned:
-        no decode is planned on top of them, and they are parked once it lands)."""
-        idle: list[Sequence] = []
-        sampling: set[Sequence] = set()
-        quota = self.move_quota
-        for seq in reversed(self.running):
-            if len(idle) + len(sampling) == quota:
-                break
-            if not _movable(seq):
-                continue
-            if seq.num_in_flight:
-                if seq.samples_in_flight:
-                    sampling.add(seq)
-            elif not seq.num_placeholders and seq.num_uncomputed_tokens == 1:
-                idle.append(seq)
-        if idle:
-            parked = set(idle)
-            self.running = [s for s in self.running if s not in parked]
-            for seq in idle:
-                seq.status = SeqStatus.PARKED
-            self.parked.extend(idle)
-            self.newly_parked.extend(idle)
-        return sampling
-
-    def take_newly_parked(self) -> list[Sequence]:
-        parked, self.newly_parked = self.newly_parked, []
-        return parked
-
     def unpark(self, seq: Sequence) -> None:
         """Its move did not happen: it runs here again, and stays (never parked again)."""
         seq.stays = True
-        if seq in self.parked:
-            self.parked.remove(seq)
+        if self.parking.leave(seq):
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self.running.sort(key=_priority_level)
@@ -504,7 +378,7 @@ class Scheduler:
     def detach(self, seq: Sequence) -> None:
         """Its KV now lives on another executor: free it at this allocator, committed (its
         blocks stay in this pool's prefix cache), and release it at this executor."""
-        self.parked.remove(seq)
+        self.parking.leave(seq)
         self._free_committed(seq)
 
     def adopt(self, seq: Sequence, block_ids: tuple[int, ...]) -> None:
@@ -602,7 +476,7 @@ class Scheduler:
         if seq.known_to_allocator:
             pending.abort_ids.append(seq.seq_id)
         self.release(seq)
-        for queue in (self.running, self.swapped, self.parked, self.waiting):
+        for queue in (self.running, self.swapped, self.parking.parked, self.waiting):
             if seq in queue:
                 queue.remove(seq)
         seq.reset_for_recompute()
@@ -646,8 +520,7 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
-        self.parked.clear()
-        self.newly_parked.clear()
+        self.parking.clear()
         self.pending = Pending(release_ids=releases)
         return seqs
 
@@ -658,31 +531,11 @@ class Scheduler:
             self.waiting = deque(s for s in self.waiting if not s.is_finished)
         if any(s.is_finished for s in self.swapped):
             self.swapped = [s for s in self.swapped if not s.is_finished]
-        if any(s.is_finished for s in self.parked):
-            self.parked = [s for s in self.parked if not s.is_finished]
+        self.parking.drop_finished()
 
 
 def _priority_level(seq: Sequence) -> int:
     return seq.request.sampling.priority
-
-
-def _logprob(result: ExecuteResult, row: int, num_decodes: int, seq_id: str, token: int
-             ) -> TokenLogprob:
-    """The executor's logprobs for a landed token (a compact decode's by column)."""
-    if row < num_decodes:
-        top = result.decode_top_logprobs[row] if result.decode_top_logprobs else ()
-        return TokenLogprob(token, result.decode_logprobs[row], top)
-    sampled = next(t for t in result.tokens if t.request_id == seq_id)
-    return TokenLogprob(token, sampled.logprob, sampled.top_logprobs)
-
-
-def _movable(seq: Sequence) -> bool:
-    """A sequence that may be handed off once idle: it has sampled (a prompt is computed where
-    it arrived); not a beam (a search's beams stay in one pool), nor one whose move failed."""
-    return (
-        not seq.stays and not seq.is_beam and not seq.is_prefill_parent
-        and (bool(seq.output_token_ids) or seq.samples_in_flight)
-    )
 
 
 def _samples_its_last(seq: Sequence) -> bool:
@@ -714,66 +567,3 @@ class _Appends:
         self.request_ids.extend([seq.seq_id] * len(values))
         self.token_ids.extend(values)
         self.rows.append((seq, len(values)))
-
-
-@dataclass(slots=True)
-class _DecodeColumns:
-    """The compact decodes of one Execute call, built column by column."""
-
-    request_ids: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    use_sampled: list[bool] = field(default_factory=list)
-    num_unsampled: int = 0
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
-
-    def add(self, seq: Sequence, start: int) -> None:
-        # A placeholder: the executor has the value, the batch before sampled it.
-        unsampled = seq.num_placeholders > 0
-        self.request_ids.append(seq.seq_id)
-        self.token_ids.append(0 if unsampled else seq.last_token_id)
-        self.positions.append(start)
-        self.use_sampled.append(unsampled)
-        self.num_unsampled += unsampled
-        self.scheduled.append((seq, 1))
-
-
-def _is_plain_decode(seq: Sequence, start: int, num: int, delta: TableDelta | None) -> bool:
-    """One token, the sequence's last, sampled; no table change; the executor holds it."""
-    return (
-        num == 1 and delta is None and seq.known_to_executor and not seq.is_prefill_parent
-        and start + 1 == seq.num_tokens
-    )
-
-
-def _seq_work(seq: Sequence, start: int, num: int, delta: TableDelta | None) -> SeqWork:
-    first = not seq.known_to_executor
-    seq.known_to_executor = True
-    # A placeholder is the sequence's last token: a row that reaches it is that one token.
-    unsampled = seq.num_placeholders > 0 and start + num == seq.num_tokens
-    assert not unsampled or num == 1, f"{seq.seq_id}: a placeholder inside a row"
-    assert not first or not unsampled, f"{seq.seq_id}: a placeholder sent to a new executor"
-    return SeqWork(
-        request_id=seq.seq_id,
-        token_ids=(0,) if unsampled else tuple(seq.token_slice(start, start + num)),
-        start_position=start,
-        delta=_first_table(seq, delta) if first else delta,
-        sample=not seq.is_prefill_parent and start + num == seq.num_tokens,
-        sampling=seq.exec_sampling() if first else None,
-        use_sampled_token=unsampled,
-    )
-
-
-def _first_table(seq: Sequence, delta: TableDelta | None) -> TableDelta:
-    """The whole table of a sequence new at the executor: a forked child's from the Fork
-    response, with this step's change applied; any other's first grant starts at 0."""
-    if seq.fork_table is None:
-        assert delta is not None and delta.start_index == 0, (
-            f"{seq.seq_id}: new at the executor without its whole table"
-        )
-        return delta
-    table = list(seq.fork_table)
-    seq.fork_table = None  # handed over: later grants are changes to the executor's copy
-    if delta is not None:
-        delta.apply(table)
-    return TableDelta(0, tuple(table))

@@ -229,7 +229,7 @@ class HandOffs:
         """'gone' when the sequence is no longer the one parked for this move: cancelled or
         stopped (the source applies that), evicted, finished, or parked afresh since."""
         seq = move.seq
-        if (seq.status is not SeqStatus.PARKED or seq not in move.source.scheduler.parked
+        if (seq.status is not SeqStatus.PARKED or seq not in move.source.scheduler.parking.parked
                 or _parked_as(seq) != move.parked_as):
             return "gone"
         if seq.request.cancelled or seq.index in seq.request.stopped:

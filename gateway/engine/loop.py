@@ -61,7 +61,7 @@ class Engine(EngineState):
     def busy(self) -> bool:
         """Work left, or a step under way (its calls, a final Free among them, still out), or
         a hand-off from or to it not finished."""
-        return (self.stepping or self._has_work() or bool(self.scheduler.parked)
+        return (self.stepping or self._has_work() or bool(self.scheduler.parking.parked)
                 or (self.mover is not None and self.mover.holds(self)))
 
     # The loop.
@@ -75,7 +75,7 @@ class Engine(EngineState):
                     log.exception("engine_reconnect_failed", pool_id=self.pool_id)
                 continue
             if not self._has_work():
-                if self.link.lease_renewed and not self.scheduler.parked:
+                if self.link.lease_renewed and not self.scheduler.parking.parked:
                     await recovery.register_again(self)  # (registering takes the renewal)
                     continue
                 if self.link.lease_renewed:  # the allocator forgot the parked ones: a step
@@ -178,11 +178,11 @@ class Engine(EngineState):
     def _schedule(self, overlapped: bool) -> ScheduledStep | None:
         started = time.perf_counter()
         scheduler = self.scheduler
-        scheduler.move_quota = self.mover.quota(self) if self.mover is not None else 0
+        scheduler.parking.move_quota = self.mover.quota(self) if self.mover is not None else 0
         plan = scheduler.schedule(overlapped)
-        if scheduler.newly_parked:
+        if scheduler.parking.newly_parked:
             assert self.mover is not None, "parked with no mover"
-            self.mover.start(self, scheduler.take_newly_parked())
+            self.mover.start(self, scheduler.parking.take_newly_parked())
         self.last_schedule_ms = (time.perf_counter() - started) * 1e3
         return plan
 

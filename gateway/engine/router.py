@@ -172,7 +172,7 @@ class Router:
             return 0
         scheduler = source.scheduler
         holding = {s.request for s in (*scheduler.running, *scheduler.swapped,
-                                       *scheduler.parked)}
+                                       *scheduler.parking.parked)}
         movable = [s for s in scheduler.waiting
                    if s.request not in holding and not s.known_to_allocator]
         targets: dict[Request, Engine] = {}

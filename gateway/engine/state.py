@@ -103,7 +103,7 @@ class EngineState:
     def num_admitted(self) -> int:
         """Its sequences the allocator holds: what this gateway adds to the pool's count."""
         s = self.scheduler
-        return len(s.running) + len(s.swapped) + len(s.parked)
+        return len(s.running) + len(s.swapped) + len(s.parking.parked)
 
     @property
     def depth(self) -> int:

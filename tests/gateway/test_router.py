@@ -12,6 +12,7 @@ import pytest
 from common.errors import ResourceExhausted, Unavailable
 from gateway.api.sampling import SamplingOptions
 from gateway.clients.allocator_client import PrefixMatch
+from gateway.core.parking import Parking
 from gateway.core.request_state import Request, Sequence
 from gateway.engine.router import Router, initial_sequences
 
@@ -21,7 +22,7 @@ class FakeScheduler:
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)
     swapped: list[Sequence] = field(default_factory=list)
-    parked: list[Sequence] = field(default_factory=list)
+    parking: Parking = field(default_factory=Parking)
 
 
 @dataclass(eq=False)
