@@ -161,7 +161,7 @@ class Sequence:
     # starts one carries it from index 0 (admission, swap-in), except a forked child's: the
     # Fork response carries its table, and its first grant changes one block (a copy-on-write
     # or an appended block) or is absent (it writes in place). So a forked child keeps the
-    # Fork's table until its first Execute has carried it (scheduler.py: _first_table).
+    # Fork's table until its first Execute has carried it (execute_call.py: _first_table).
     fork_table: tuple[int, ...] | None = None
     num_preemptions: int = 0
     seed_offset: int = 0

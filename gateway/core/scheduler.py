@@ -7,10 +7,8 @@ One step is three calls, made by the engine in this order:
     batch = scheduler.apply_outcome(plan, o)  # allocator's answer -> ExecuteCall
     sampled = scheduler.apply_result(batch, r)  # executor's answer -> (sequence, token) pairs
 
-At depth 2 (engine/loop.py), step k+1 is planned while batch k executes (`launch` marks it) and
-goes out before batch k returns, so apply_result splits into `advance` (counts; a placeholder
-per sampled token) and `fill` (the values), and the calls interleave: schedule(k+1),
-advance(k), apply_outcome(k+1), launch(k+1), fill(k).
+At depth 2 the calls interleave: schedule(k+1), advance(k), apply_outcome(k+1), launch(k+1),
+fill(k) (core/overlap.py, the scheduler's base class).
 
 Planning (`schedule`) is in priority order under the budgets (`max_num_seqs`,
 `max_num_batched_tokens`): running sequences first (one decode token each, or their next
@@ -20,11 +18,11 @@ equals; the allocator preempts from the tail of the step's order, so the running
 the lowest priority (the highest value) goes first, as in vLLM.
 
 Applying the allocator's answer (`apply_outcome`): grants, preemptions and deferrals move
-sequences between the queues, and what was granted becomes the Execute call. The allocator
-preempts from the tail of the step's order when its pool is short and never admits new
-requests in a step that preempted; a recompute preemption sends the sequence back to the
-queue front (prompt + generated tokens), a swap keeps it aside for swap-in. A row whose token
-is a placeholder (depth 2: its value is in flight) goes with use_sampled_token.
+sequences between the queues, and what was granted becomes the Execute call
+(core/execute_call.py). The allocator preempts from the tail of the step's order when its
+pool is short and never admits new requests in a step that preempted; a recompute preemption
+sends the sequence back to the queue front (prompt + generated tokens), a swap keeps it aside
+for swap-in. Tenants gate admissions (core/tenants.py).
 
 Hand-off (engine/hand_off.py): planning parks the sequences to move (core/parking.py); they
 leave (`detach`), arrive (`adopt`) or stay (`unpark`) here.
