@@ -20,11 +20,30 @@ def machine() -> dict[str, Any]:
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "cpu": cpu(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def cpu() -> dict[str, Any]:
+    """The CPU a figure came from: its model and the vector extensions that change which
+    kernels run (figures from two CPUs are not comparable)."""
+    model, flags = platform.processor(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+    return {"model": model, "extensions": [f for f in wanted if f in flags]}
 
 
 def percentile(samples: list[float], q: float) -> float:

@@ -494,7 +494,8 @@ class Scheduler(BatchLanding):
         for child, table in zip(children, tables, strict=True):
             child.status = SeqStatus.RUNNING
             child.known_to_allocator = True
-            child.num_allocator_tokens = parent.num_tokens
+            # The allocator's child copies the values the parent's holds; the rest follow.
+            child.num_allocator_tokens = parent.num_allocator_tokens
             child.num_computed_tokens = parent.num_computed_tokens
             if keep_parent:
                 child.output_token_ids = list(parent.output_token_ids)
