@@ -48,6 +48,7 @@ from gateway.core.parking import Parking
 from gateway.core.request_state import Request, SeqStatus, Sequence, priority
 from gateway.core.step import (
     Commit,
+    Grant,
     StepCall,
     StepItem,
     StepOutcome,
@@ -131,15 +132,20 @@ class Scheduler(BatchLanding):
         items. Under pressure, an old request still prefilling in chunks can therefore be
         preempted before a newer decoding one (vLLM V1 orders purely by arrival).
         """
-        tokens_left = self.budget.max_num_batched_tokens
-        seqs_left = self.budget.max_num_seqs
-        decode_ids: list[str] = []
-        appends = _Appends()
-        items: list[StepItem] = []
-        seqs: dict[str, Sequence] = {}
+        plan = _Plan(self.budget.max_num_batched_tokens, self.budget.max_num_seqs)
         leaving: AbstractSet[Sequence] = frozenset()
         if self.parking.move_quota:
             self.running, leaving = self.parking.park_leavers(self.running)
+        self._plan_running(plan, leaving)
+        if not self.swapped:  # swapped sequences are older than any waiting one: first
+            self._plan_waiting(plan)
+        return self._step_call(plan)
+
+    def _plan_running(self, plan: _Plan, leaving: AbstractSet[Sequence]) -> None:
+        """Running and swapped sequences: each sends the values the allocator lacks, and
+        decodes (one more token), continues its prefill or comes back (swap-in)."""
+        tokens_left, seqs_left = plan.tokens_left, plan.seqs_left
+        decode_ids, items, seqs, appends = plan.decode_ids, plan.items, plan.seqs, plan.appends
         append_ids, append_values, appended = appends.request_ids, appends.token_ids, appends.rows
         for seq in [*self.running, *self.swapped]:
             if seq.known_to_allocator:
@@ -174,40 +180,49 @@ class Scheduler(BatchLanding):
             seqs[seq.seq_id] = seq
             tokens_left -= num
             seqs_left -= 1
-        # Swapped sequences are older than any waiting one: admit nothing new before them.
+        plan.tokens_left, plan.seqs_left = tokens_left, seqs_left
+
+    def _plan_waiting(self, plan: _Plan) -> None:
+        """Waiting sequences their tenants let start, in order: admission (the prompt, or
+        prompt and outputs after a recompute), chunked when the token budget is short."""
         admission = self.tenants.admission(chain(self.running, self.swapped, self.parking.parked))
-        for seq in self.waiting if not self.swapped else ():
-            if seqs_left == 0 or tokens_left == 0:
+        for seq in self.waiting:
+            if plan.seqs_left == 0 or plan.tokens_left == 0:
                 break
             request = seq.request
             if not admission.admits(request):
                 continue
-            num = min(seq.num_tokens, tokens_left)
-            items.append(
+            num = min(seq.num_tokens, plan.tokens_left)
+            plan.items.append(
                 StepItem(
                     seq.seq_id, num, prompt_token_ids=tuple(seq.token_ids),
                     cache_salt=request.cache_salt, is_new=True, tenant=request.tenant,
                     resumed=seq.num_preemptions > 0,
                 )
             )
-            seqs[seq.seq_id] = seq
-            tokens_left -= num
-            seqs_left -= 1
+            plan.seqs[seq.seq_id] = seq
+            plan.tokens_left -= num
+            plan.seqs_left -= 1
+
+    def _step_call(self, plan: _Plan) -> ScheduledStep | None:
+        """The Step of the plan with what rides on it (commits, frees, aborts); None when
+        there is nothing to send."""
         pending = self.pending
-        has_items = bool(decode_ids or items)
+        has_items = bool(plan.decode_ids or plan.items)
         if not has_items and not pending.has_allocator_work():
             return None
         step_id = 0
         if has_items:
             step_id = self.next_step_id
             self.next_step_id += 1
+        appends = plan.appends
         call = StepCall(
             commits=tuple(Commit(k, v) for k, v in pending.commits.items()),
             free_request_ids=tuple(pending.free_ids),
             abort_request_ids=tuple(pending.abort_ids),
-            items=tuple(items),
+            items=tuple(plan.items),
             swap=self.swap,
-            decode_request_ids=tuple(decode_ids),
+            decode_request_ids=tuple(plan.decode_ids),
             # (Only a Step carries values: an idle engine's housekeeping goes as Free.)
             append_request_ids=tuple(appends.request_ids) if has_items else (),
             append_token_ids=tuple(appends.token_ids) if has_items else (),
@@ -218,7 +233,7 @@ class Scheduler(BatchLanding):
         pending.commits.clear()
         pending.free_ids.clear()
         pending.abort_ids.clear()
-        return ScheduledStep(call=call, seqs=seqs, appends=appends.rows if has_items else [])
+        return ScheduledStep(call=call, seqs=plan.seqs, appends=appends.rows if has_items else [])
 
     def apply_outcome(self, step: ScheduledStep, outcome: StepOutcome) -> Batch:
         """Apply the allocator's grants, preemptions and deferrals; build the Execute call."""
@@ -234,17 +249,15 @@ class Scheduler(BatchLanding):
                 outcome.deferred_request_ids,
                 {s.request.tenant for s in (*self.running, *self.swapped)})
             self._note_beams_deferred(step, outcome.deferred_request_ids)
-        admitted: set[Sequence] = set()
-        swapped_in = False
         execute = ExecuteCallBuilder()
-        block_size = self.block_size
+        admitted: set[Sequence] = set()
+        moved = False  # admitted or swapped in: the running queue is sorted again
         grants, appended_blocks = outcome.grants, outcome.appended
         for request_id, item in _rows(step.call):
             seq = step.seqs[request_id]
-            is_new = item is not None and item.is_new
             if request_id in skipped or seq.status is SeqStatus.FINISHED:
                 continue
-            if not is_new and not seq.known_to_allocator:
+            if (item is None or not item.is_new) and not seq.known_to_allocator:
                 continue  # started over since the plan (its batch was lost): readmitted later
             if (
                 item is None and seq.status is SeqStatus.RUNNING
@@ -256,50 +269,11 @@ class Scheduler(BatchLanding):
                 # 256 running decodes, 0.36 -> 0.2 ms in process).
                 execute.add_decode(seq, seq.num_computed_tokens)
                 continue
-            grant = grants.get(request_id)
-            if is_new:
-                assert item is not None and grant is not None, (
-                    f"new request {request_id} granted without a grant"
-                )
-                seq.known_to_allocator = True
-                seq.waits_for_room = False
-                seq.num_allocator_tokens = len(item.prompt_token_ids)
-                seq.num_computed_tokens = grant.start_position
-                if seq.request.num_cached_tokens is None:
-                    seq.request.num_cached_tokens = grant.num_cached_tokens
-                    seq.request.first_scheduled_time = self.clock()
-                admitted.add(seq)
-                self.running.append(seq)
-            elif seq.status is SeqStatus.SWAPPED:
-                self.swapped.remove(seq)
-                self.running.append(seq)
-                seq.waits_for_room = False
-                swapped_in = True
-            seq.status = SeqStatus.RUNNING
-            delta = grant.delta if grant is not None else None
-            appended = appended_blocks.get(request_id)
-            if appended is not None:
-                # The allocator appends at a block boundary: its table covers exactly the
-                # computed tokens.
-                assert seq.num_computed_tokens % block_size == 0, (
-                    f"{seq.seq_id}: a block appended to a table that does not end at a boundary"
-                )
-                delta = TableDelta(seq.num_computed_tokens // block_size, (appended,))
-            num = (
-                grant.num_scheduled_tokens
-                if grant is not None
-                else min(1 if item is None else item.num_tokens, seq.num_uncomputed_tokens)
-            )
-            start = grant.start_position if grant is not None else seq.num_computed_tokens
-            assert start == seq.num_computed_tokens, (
-                f"{seq.seq_id}: allocator starts at {start}, gateway holds "
-                f"{seq.num_computed_tokens} computed tokens"
-            )
-            if num:
-                execute.add(seq, start, num, delta)
+            moved |= self._grant(seq, item, grants.get(request_id),
+                                 appended_blocks.get(request_id), execute, admitted)
         if admitted:
             self.waiting = deque(s for s in self.waiting if s not in admitted)
-        if admitted or swapped_in:
+        if moved:
             # Stable: among equal priorities the order stays as it was (FCFS).
             self.running.sort(key=_priority_level)
         call = execute.build(self.pending.release_ids, outcome.swap_out, outcome.swap_in,
@@ -307,6 +281,52 @@ class Scheduler(BatchLanding):
         self.pending.release_ids.clear()
         return Batch(call=call, scheduled=execute.rows, step_id=step.call.step_id,
                      num_decodes=len(execute.decoded), swapped_out=swapped_out)
+
+    def _grant(self, seq: Sequence, item: StepItem | None, grant: Grant | None,
+               appended: int | None, execute: ExecuteCallBuilder,
+               admitted: set[Sequence]) -> bool:
+        """A granted row the general way (an admission, a swap-in, a table change, a chunk)
+        into the Execute call; whether the sequence joined the running queue."""
+        moved = False
+        if item is not None and item.is_new:
+            assert grant is not None, f"new request {seq.seq_id} granted without a grant"
+            seq.known_to_allocator = True
+            seq.waits_for_room = False
+            seq.num_allocator_tokens = len(item.prompt_token_ids)
+            seq.num_computed_tokens = grant.start_position
+            if seq.request.num_cached_tokens is None:
+                seq.request.num_cached_tokens = grant.num_cached_tokens
+                seq.request.first_scheduled_time = self.clock()
+            admitted.add(seq)
+            self.running.append(seq)
+            moved = True
+        elif seq.status is SeqStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.running.append(seq)
+            seq.waits_for_room = False
+            moved = True
+        seq.status = SeqStatus.RUNNING
+        delta = grant.delta if grant is not None else None
+        if appended is not None:
+            # The allocator appends at a block boundary: its table covers exactly the
+            # computed tokens.
+            assert seq.num_computed_tokens % self.block_size == 0, (
+                f"{seq.seq_id}: a block appended to a table that does not end at a boundary"
+            )
+            delta = TableDelta(seq.num_computed_tokens // self.block_size, (appended,))
+        num = (
+            grant.num_scheduled_tokens
+            if grant is not None
+            else min(1 if item is None else item.num_tokens, seq.num_uncomputed_tokens)
+        )
+        start = grant.start_position if grant is not None else seq.num_computed_tokens
+        assert start == seq.num_computed_tokens, (
+            f"{seq.seq_id}: allocator starts at {start}, gateway holds "
+            f"{seq.num_computed_tokens} computed tokens"
+        )
+        if num:
+            execute.add(seq, start, num, delta)
+        return moved
 
     def _apply_preemptions(self, step: ScheduledStep, outcome: StepOutcome) -> list[Sequence]:
         """Move the preempted sequences; returns the ones swapped out."""
@@ -550,6 +570,18 @@ def _rows(call: StepCall) -> Iterator[tuple[str, StepItem | None]]:
         yield request_id, None
     for item in call.items:
         yield item.request_id, item
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One step's choices as they are made, and what is left of its budgets."""
+
+    tokens_left: int
+    seqs_left: int
+    decode_ids: list[str] = field(default_factory=list)
+    items: list[StepItem] = field(default_factory=list)
+    seqs: dict[str, Sequence] = field(default_factory=dict)
+    appends: _Appends = field(default_factory=lambda: _Appends())
 
 
 @dataclass(slots=True)
