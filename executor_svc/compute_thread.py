@@ -4,9 +4,8 @@ NOTE: OpenMP (libgomp, torch's CPU backend) gives every thread that starts paral
 thread team of its own. With two such threads in one process (the model loaded in one, the
 steps run in another) it manages more threads than there are cores, and then it stops
 spinning between parallel regions: each of a step's hundreds of small ops waits for its
-team to wake up. Measured on SmolLM2-135M, two threads: a decode step of one sequence 33 ms
-when loading and steps share a thread, 51 ms when they do not; of 64 sequences, 145 against
-203 ms. So everything that touches torch runs here, one call at a time, in submission order.
+team to wake up (figures: bench/README.md, "Executor CPU kernels"). So everything that
+touches torch runs here, one call at a time, in submission order.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """The output projection (lm_head) on CPU: the largest matmul of a decode step, made cheaper.
 
 Torch's fp32 linear on CPU calls MKL's sgemm on a [vocab, hidden] weight, re-laying it out on
-every call. Measured on the small preset (32,000 x 256, one thread), per decode step:
-
-    rows    nn.Linear   [hidden, vocab] storage   oneDNN, weight packed at load
-    1         4.7 ms      1.9 ms                    3.0 ms
-    16       12.3 ms      8.9 ms                    4.7 ms
-    64       24.6 ms     22.5 ms                   12.6 ms
-
-So the weight is stored [hidden, vocab] (same values, read through a transpose) and also
-packed once for oneDNN, through the ops torch itself uses for CPU inference
-(packed_linear.py); a step with fewer than PACKED_MIN_ROWS rows uses the stored weight.
-Logits agree with nn.Linear within float rounding (about 1e-6). (In bfloat16 the head is
-packed with every other linear layer by packed_linear.pack_linears.)
+every call (figures: bench/README.md, "Executor CPU kernels"). So the weight is stored
+[hidden, vocab] (same values, read through a transpose) and also packed once for oneDNN,
+through the ops torch itself uses for CPU inference (packed_linear.py); a step with fewer
+than PACKED_MIN_ROWS rows uses the stored weight. Logits agree with nn.Linear within float
+rounding (about 1e-6). (In bfloat16 the head is packed with every other linear layer by
+packed_linear.pack_linears.)
 
 Tied embeddings (SmolLM2) keep theirs for the embedding lookup, which reads rows, and the head
-gets its own copy, stored and packed as above: 113 MB more for SmolLM2-135M, and a decode step
-of 8 sequences 64 -> 55 ms on two threads (lm_head 13.1 -> 5.6 ms: the packed layout streams
-the 49,152 x 576 weight at memory speed where sgemm on the transposed view did not).
+gets its own copy, stored and packed as above (113 MB more for SmolLM2-135M).
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """glibc malloc, set up so that a step's large tensors reuse memory instead of mapping it anew.
 
-Every step allocates and frees tensors of tens of MiB. The logits alone are rows x vocab x 4
-bytes, 31 MiB at 256 rows of a 32,000-token vocabulary. glibc's defaults hurt here in two ways:
-- Chunks over its mmap threshold (at most 32 MiB) are mapped on allocation and unmapped on free.
-- The step's worker thread allocates from its own arena. Those heaps are mapped and unmapped as
-  they fill and empty.
-
-Either way, a step page-faults its buffers in and unmaps them afterwards. Unmapping a touched
-64 MiB heap took 2.1-3.1 ms here (strace). At 256 running, some executor runs paid it on every
-step: sampling took 22 ms instead of 8, and freeing the logits added 4.3 ms to the control plane.
-At 512 rows, the lm_head plus log-softmax took 145 ms plus 9 ms to free, against 98 ms plus
-0.02 ms tuned. `python -m bench.control_plane --compare N --baseline untuned-malloc` compares
-the two.
+Every step allocates and frees tensors of tens of MiB (the logits alone are rows x vocab x 4
+bytes), and glibc's defaults map such chunks (over its mmap threshold, and the worker
+thread's own arena) on allocation and unmap them on free: a step page-faults its buffers in
+and unmaps them afterwards (figures: bench/README.md, "Executor CPU kernels").
 
 So, before torch and grpc start their threads (executor_svc/__main__.py), on CPU executors:
-- one arena (M_ARENA_MAX=1). All threads then share one allocator lock. At 64 running the
-  tuned executor was slightly slower (2.38 against 2.22 ms of control plane, medians of four
-  runs each): the lock, or noise;
+- one arena (M_ARENA_MAX=1): all threads then share one allocator lock;
 - no mmap'ed chunks (M_MMAP_MAX=0). glibc still maps memory when the heap cannot grow, and
   never returns that memory either;
 - up to TRIM_THRESHOLD of freed memory kept at the top of the heap (M_TRIM_THRESHOLD).

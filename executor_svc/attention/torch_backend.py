@@ -24,20 +24,17 @@ from executor_svc.attention.metadata import SeqSpan, StepMetadata
 from executor_svc.kv_cache import KVCache
 
 # A decode group's padded key count may exceed its real key count by this factor plus a fixed
-# allowance. With gathers into a reused buffer, one more group (gather + SDPA call) costs about
-# as much as a few hundred padded keys (measured on CPU, batch 64, contexts 32..1,024), and
-# padded keys are read twice (gather, attention) and need a mask: so pad little.
+# allowance. One more group (gather + SDPA call) costs about as much as a few hundred padded
+# keys, and padded keys are read twice (gather, attention) and need a mask: so pad little.
 PAD_FACTOR = 1.05
 PAD_ALLOWANCE_TOKENS = 256
 # Prompts without a cached prefix share one SDPA call when padding them to the longest adds at
-# most this factor plus allowance. SmolLM2's shapes, 16 prompts of 128 tokens, a layer on two
-# threads: 3.7-3.9 ms in one call against 4.1-4.5 in 16 on a quiet machine; with another
-# process busy on one core, 9-12 against 70-90 ms (each call is a parallel region whose
-# threads wait for the descheduled one, so fewer calls suffer less).
+# most this factor plus allowance: each call is a parallel region whose threads wait for a
+# descheduled one, so fewer calls suffer less on a busy machine.
 FRESH_PAD_FACTOR = 1.25
 FRESH_PAD_ALLOWANCE_TOKENS = 64
 # On CPU a group's gathered K and V stay under this size, so that SDPA reads them from the
-# cache the gather just wrote (one 18 MB group of 64 x 544 keys: 47 ms a step; 2 MB groups: 36).
+# cache the gather just wrote.
 CPU_MAX_GROUP_BYTES = 2 * 2**20
 # Torch's CPU flash attention, which unlike SDPA returns each row's log-sum-exp (so two calls
 # over disjoint keys can be merged) and takes fewer query heads than key heads natively.
@@ -153,8 +150,7 @@ class SplitPrefillSpan:
       rows over the same keys: one call of [Hkv, G * Q] rows, each key read once per KV head.
     - Over the span's own new K/V (from the step, not gathered) the causal mask is square, so
       it is the kernel's own `is_causal`.
-    The merged rows equal one softmax over both (exact up to rounding); 208 queries after a
-    1,840-token prefix, SmolLM2's heads: 8.4 against 9.3 ms a layer on one thread.
+    The merged rows equal one softmax over both (exact up to rounding).
     """
 
     query_start: int
