@@ -231,7 +231,7 @@ def request_stats(pool: Pool, request: Request) -> pb.RequestStats:
     written = pool.blocks_for(request.num_computed) - request.num_cached_tokens // pool.block_size
     return pb.RequestStats(
         request_id=request.request_id,
-        num_tokens=len(request.token_ids),
+        num_tokens=max(len(request.token_ids), request.num_computed),
         num_computed_tokens=request.num_computed,
         num_cached_tokens=request.num_cached_tokens,
         num_blocks=len(request.blocks) or len(request.cpu_block_ids or ()),
