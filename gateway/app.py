@@ -206,7 +206,8 @@ async def build_engines(
     for shard in shards.shards:
         await _retry(f"CreateLease {shard.address}", shard.lease.acquire,
                      settings.connect_timeout_s)
-    finish_rules = FinishRules(eos_token_ids=frozenset(eos), max_model_len=limits.max_model_len)
+    finish_rules = FinishRules(eos_token_ids=frozenset(eos), max_model_len=limits.max_model_len,
+                               decoder=tokenizer)
     router = Router(engines=[], allocator=shards, max_waiting=settings.max_waiting,
                     policy=settings.routing, kv_events_lag_s=settings.kv_events_lag_s)
     hand_offs = HandOffs(lambda: list(router.engines),

@@ -241,8 +241,6 @@ class Frontend:
                 if finished is not None:
                     open_completions -= 1
                     reason = delta.finish_reason
-                    if finished.engine_running:
-                        self.engines.stop_completion(request, finished.index)
                 num_tokens += len(delta.token_ids)
                 if observer is not None:
                     observer.on_delta(delta)

@@ -1,13 +1,16 @@
-"""When a landed token ends its completion, as the engine decides it: by token id and length.
+"""When a landed token ends its completion: by token id, stop string or length, decided here
+alone, as each token lands on the engine.
 
-Stop strings are text, and text is the API's side (text/output.py): the engine goes on until
-the API, having found one, stops the completion (Router.stop_completion), as vLLM V1's output
-processor aborts a request in its engine core.
+A completion with stop strings keeps an incremental detokenizer of its own (the API's side
+makes the client's text with another, text/output.py, which cuts it at the same token); the
+engine finishes the sequence at the token that completes a stop string, as at EOS, so nothing
+goes back from the API to stop it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.core.request_state import (
     CompletionDelta,
@@ -16,12 +19,14 @@ from gateway.core.request_state import (
     TokenLogprob,
     Usage,
 )
+from gateway.text.detokenizer import Detokenizer
 
 
 @dataclass(frozen=True, slots=True)
 class FinishRules:
     eos_token_ids: frozenset[int]
     max_model_len: int
+    decoder: Any  # the tokenizer (text/tokenizer.py), for stop strings
 
     def reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         """Whether `token_id`, just appended to `seq`, ends it. Before min_tokens only the
@@ -33,9 +38,24 @@ class FinishRules:
             return FinishReason.STOP
         if may_stop and not options.ignore_eos and token_id in self.eos_token_ids:
             return FinishReason.STOP
+        if options.stop and self._completes_a_stop_string(seq, token_id, may_stop):
+            return FinishReason.STOP
         if num_outputs >= options.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def _completes_a_stop_string(self, seq: Sequence, token_id: int, may_stop: bool) -> bool:
+        """Every token of the completion goes through its detokenizer, in order; before
+        min_tokens its text ends nothing, as in vLLM."""
+        text = seq.stop_text
+        if text is None:
+            options = seq.request.sampling
+            text = seq.stop_text = Detokenizer.for_prompt(
+                self.decoder, seq.request.prompt_token_ids, options.stop,
+                include_stop=options.include_stop_str_in_output,
+                skip_special_tokens=options.skip_special_tokens)
+        text.add(token_id, find_stop=may_stop)
+        return text.stopped
 
     def delta(self, seq: Sequence, token_id: int) -> CompletionDelta:
         """One landed token as the engine posts it: ids, logprobs and its finish; no text."""

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.errors import ServiceError
 from gateway.api.sampling import SamplingOptions
@@ -94,9 +95,6 @@ class Request:
     first_scheduled_time: float | None = None  # its first admission (queue time)
     num_cached_tokens: int | None = None   # from the first admission
     cancelled: bool = False
-    # Completions (by index) a stop string ended on the API's side: their sequences are
-    # finished before the next step. Written on the engine loop only (Router.stop_completion).
-    stopped: set[int] = field(default_factory=set)
     # The loop that reads `outputs` (the API's), and its thread: an engine on another
     # thread posts deltas to it (engine/host.py).
     loop: asyncio.AbstractEventLoop | None = field(default_factory=_running_loop)
@@ -178,6 +176,9 @@ class Sequence:
     waits_for_room: bool = False
     # A move to another executor was refused or found no target: it finishes where it is.
     stays: bool = False
+    # Its request has stop strings: the detokenizer its landed tokens go through, in order
+    # (core/finish_rules.py; a text.detokenizer.Detokenizer). None until its first token.
+    stop_text: Any = None
 
     @property
     def token_ids(self) -> list[int]:

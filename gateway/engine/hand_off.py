@@ -24,7 +24,7 @@ scheduler.py), in three parts, each on the engine loop (engine/host.py):
    and releases it; the target adopts it (its next Step commits the moved blocks, its next
    Execute introduces it to the executor as a forked child is introduced: its whole table).
 If anything fails on the way, the reservation is aborted and the sequence runs on where it is
-(and is never parked again). One cancelled, stopped, evicted or parked afresh meanwhile is not
+(and is never parked again). One cancelled, evicted or parked afresh meanwhile is not
 adopted; nor is one whose target started leaving, restarted or lost its lease.
 """
 
@@ -226,13 +226,13 @@ class HandOffs:
         self._end(move, "moved")
 
     def _gone(self, move: Move) -> str | None:
-        """'gone' when the sequence is no longer the one parked for this move: cancelled or
-        stopped (the source applies that), evicted, finished, or parked afresh since."""
+        """'gone' when the sequence is no longer the one parked for this move: cancelled (the
+        source applies that), evicted, finished, or parked afresh since."""
         seq = move.seq
         if (seq.status is not SeqStatus.PARKED or seq not in move.source.scheduler.parking.parked
                 or _parked_as(seq) != move.parked_as):
             return "gone"
-        if seq.request.cancelled or seq.index in seq.request.stopped:
+        if seq.request.cancelled:
             return "gone"
         return None
 

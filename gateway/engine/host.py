@@ -8,7 +8,6 @@ step does not hold a handler up. The loops meet in three places:
 - submit: a request goes to the router on the engine loop, which may ask the allocator where
   its prefix is cached, and the engine chosen (or the refusal) comes back;
 - cancel: posted to the engine loop, which aborts the request's sequences before its next step;
-  stop_completion, likewise, finishes one completion's sequence (the API found a stop string);
 - outputs: each Request posts its deltas (token ids, no text) to the loop that created it
   (request_state.py), where they are detokenized (text/output.py).
 """
@@ -67,11 +66,6 @@ class EngineHost:
             request.cancelled = True
             return
         self.loop.call_soon_threadsafe(self._router().cancel, request)
-
-    def stop_completion(self, request: Request, index: int) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self._router().stop_completion, request, index)
 
     @property
     def engines(self) -> list[Engine]:

@@ -47,13 +47,12 @@ class Engine(EngineState):
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
         self.scheduler.add(seq, front=front)
-        if seq.request.cancelled or seq.request.stopped:  # re-queued from a lost executor
+        if seq.request.cancelled:  # re-queued from a lost executor
             self.has_cancellations = True
         self.wakeup.set()
 
     def cancel(self) -> None:
-        """Some request was cancelled, or a completion stopped: the loop aborts or finishes
-        their sequences before the next step."""
+        """Some request was cancelled: the loop aborts its sequences before the next step."""
         self.has_cancellations = True
         self.wakeup.set()
 
@@ -310,7 +309,4 @@ class Engine(EngineState):
             request = seq.request
             if request.cancelled:
                 self.scheduler.abort(seq)
-            elif seq.index in request.stopped and not seq.is_prefill_parent:
-                # Finished as at EOS, not aborted: what it computed may enter the prefix cache.
-                self.scheduler.finish(seq)
 

@@ -207,9 +207,3 @@ class Router:
         for engine in self.engines:
             engine.cancel()
 
-    def stop_completion(self, request: Request, index: int) -> None:
-        """A stop string ended completion `index` on the API's side: its sequence is finished
-        (committed and freed, as at EOS) before the next step."""
-        request.stopped.add(index)
-        for engine in self.engines:
-            engine.cancel()

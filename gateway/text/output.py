@@ -1,13 +1,11 @@
 """One request's output on the API's side: the engine's token deltas become text, and stop
 strings end completions.
 
-The engine posts token ids, logprobs and the finishes it decides (EOS, stop tokens, lengths:
-core/finish_rules.py). Here, on the loop that reads the request's stream, each completion is
-detokenized incrementally and its text searched for the stop strings (vLLM V1's output
-processor does the same in its API process). A stop string ends the completion here: its
-text is cut at the match, its tokens and usage count up to the token that completed it, and
-what the engine sampled after that token is dropped; the caller tells the engine to stop
-(`Finished.engine_running`).
+The engine posts token ids, logprobs and the finishes it decides (EOS, stop tokens, stop
+strings, lengths: core/finish_rules.py). Here, on the loop that reads the request's stream,
+each completion is detokenized incrementally into the client's text, cut at the stop string
+the engine finished it by (the same detokenizer finds it at the same token). A completion
+whose text ends otherwise ends here all the same, and whatever comes after is dropped.
 """
 
 from __future__ import annotations
@@ -30,11 +28,9 @@ class CompletionText:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """A completion ended with this delta; `engine_running`: by a stop string, so the engine
-    still runs its sequence and must be told to stop it."""
+    """A completion ended with this delta."""
 
     index: int
-    engine_running: bool
 
 
 @dataclass(slots=True)
@@ -69,13 +65,13 @@ class RequestOutput:
                 finish_reason=FinishReason.STOP, usage=self._usage(text.num_tokens),
                 logprobs=delta.logprobs[:kept],
             )
-            return out, Finished(delta.index, engine_running=delta.finish_reason is None)
+            return out, Finished(delta.index)
         if delta.finish_reason is None:
             return CompletionDelta(delta.index, delta.token_ids, "".join(pieces),
                                    logprobs=delta.logprobs), None
         text.finished = True
         pieces.append(detok.flush())
-        return replace(delta, text="".join(pieces)), Finished(delta.index, engine_running=False)
+        return replace(delta, text="".join(pieces)), Finished(delta.index)
 
     def ended(self, index: int) -> bool:
         text = self.completions.get(index)

@@ -195,7 +195,7 @@ async def rig(
     engine = Engine(
         link=link,
         scheduler=Scheduler(Budget(max_num_seqs=8, max_num_batched_tokens=16), BLOCK),
-        finish_rules=FinishRules(frozenset({2}), max_model_len=256),
+        finish_rules=FinishRules(frozenset({2}), max_model_len=256, decoder=tokenizer),
         on_lost=router.requeue,
         allocator_retry_s=0.5,
     )

@@ -25,6 +25,7 @@ from gateway.engine import recovery
 from gateway.engine.loop import Engine
 from gateway.engine.router import initial_sequences
 from gateway.metrics import EngineCollector, snapshot
+from gateway.text.detokenizer import Detokenizer
 from gateway.text.tokenizer import Tokenizer
 
 BLOCK = 4
@@ -121,7 +122,7 @@ def engine(
     eng = Engine(
         link=link,  # type: ignore[arg-type]
         scheduler=Scheduler(Budget(max_num_seqs=8, max_num_batched_tokens=tokens), BLOCK),
-        finish_rules=FinishRules(frozenset({2}), max_model_len=256),
+        finish_rules=FinishRules(frozenset({2}), max_model_len=256, decoder=tokenizer),
         on_lost=lambda seqs: None,
         async_depth=depth,
     )
@@ -131,9 +132,11 @@ def engine(
 DEPTHS = pytest.mark.parametrize("depth", [2, 1])
 
 
-def submit(eng: Engine, rid: str, prompt: list[int], max_tokens: int, n: int = 1) -> Request:
+def submit(eng: Engine, rid: str, prompt: list[int], max_tokens: int, n: int = 1,
+           stop: tuple[str, ...] = ()) -> Request:
     req = Request(request_id=rid, prompt_token_ids=prompt, cache_salt="",
-                  sampling=SamplingOptions(max_tokens=max_tokens, ignore_eos=True, n=n))
+                  sampling=SamplingOptions(max_tokens=max_tokens, ignore_eos=True, n=n,
+                                           stop=stop))
     for seq in initial_sequences(req):
         eng.submit(seq)
     return req
@@ -230,42 +233,39 @@ def test_engine_fork_and_swap_preemption_give_reference_outputs(
     assert link.pool.all_free() and not link.model.held
 
 
-@pytest.mark.parametrize("after_steps", [2, 5, 9])
+@pytest.mark.parametrize("stop_at", [2, 5])
 @DEPTHS
-def test_engine_stop_completion_finishes_that_completion_alone(
-    tokenizer: Tokenizer, depth: int, after_steps: int
+def test_engine_finishes_a_completion_at_its_stop_string(
+    tokenizer: Tokenizer, depth: int, stop_at: int
 ):
-    # A stop string ended completion 1 of an n=2 request on the API's side (Router.
-    # stop_completion) while the pool swaps and preempts: wherever its sequence is then
-    # (running, swapped out, waiting, or finished already), it is finished and given back;
-    # completion 0 and the other requests run to their reference; nothing leaks.
+    # The engine decides stop strings as it decides EOS: each completion of an n=2 request
+    # ends at the token that completes its stop string (finish_reason STOP, the detokenizer's
+    # own text at that token), while the pool swaps and preempts; it is finished and given
+    # back; the other requests run to their reference; nothing leaks.
     eng, link = engine(tokenizer, num_blocks=8, depth=depth)
     eng.scheduler.swap = True
     link.pool = CorePool(8, BLOCK, num_cpu_blocks=16)
-    stopped = submit(eng, "n2", [4] * 9, 8, n=2)
+    prompt = [4] * 9
+    reference = link.model.reference(prompt, 8)
+    text = Detokenizer.for_prompt(tokenizer, prompt)
+    texts = []
+    for token in reference:
+        text.add(token)
+        texts.append(text.text)
+    last = next(k for k in range(stop_at, len(reference)) if texts[k] != texts[k - 1])
+    stopped = submit(eng, "n2", prompt, 8, n=2, stop=(texts[last],))
     others = [submit(eng, "a", [6] * 7, 8), submit(eng, "b", [8] * 7, 8)]
-
-    async def scenario() -> None:
-        for _ in range(after_steps):
-            await eng.step()
-        stopped.stopped.add(1)
-        eng.cancel()
-        await run_until_idle(eng)
-
-    asyncio.run(scenario())
+    asyncio.run(run_until_idle(eng))
     assert link.pool.num_preemptions > 0
-    reference = link.model.reference(stopped.prompt_token_ids, 8)
     deltas = drain(stopped)
-    assert [t for d in deltas if d.index == 0 for t in d.token_ids] == reference
-    second = [t for d in deltas if d.index == 1 for t in d.token_ids]
-    assert second == reference[: len(second)]
+    for index in (0, 1):
+        mine = [d for d in deltas if d.index == index]
+        assert [t for d in mine for t in d.token_ids] == reference[: last + 1]
+        assert mine[-1].finish_reason is FinishReason.STOP
     for req in others:
         assert [t for d in drain(req) for t in d.token_ids] == link.model.reference(
             req.prompt_token_ids, 8)
-    assert link.pool.all_free() and not link.model.held
-    eng.cancel()  # a stop repeated, or one for a finished sequence: nothing to do
-    asyncio.run(run_until_idle(eng))
-    assert link.pool.all_free() and not eng.busy
+    assert link.pool.all_free() and not link.model.held and not eng.busy
 
 
 @DEPTHS

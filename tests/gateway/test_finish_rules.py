@@ -1,14 +1,18 @@
 """Finishes the engine decides per landed token (gateway/core/finish_rules.py): min_tokens,
-EOS, stop tokens, lengths; logprobs ride on the token's delta, which carries no text."""
+EOS, stop tokens, stop strings, lengths; logprobs ride on the token's delta, which carries no
+text."""
 
 from __future__ import annotations
 
 from gateway.api.sampling import SamplingOptions
 from gateway.core.finish_rules import FinishRules
 from gateway.core.request_state import FinishReason, Request, Sequence, TokenLogprob
+from gateway.text.tokenizer import Tokenizer
 
 EOS = 2
-RULES = FinishRules(eos_token_ids=frozenset({EOS}), max_model_len=64)
+TOKENIZER = Tokenizer.load("models/tiny-llama")
+RULES = FinishRules(eos_token_ids=frozenset({EOS}), max_model_len=64, decoder=TOKENIZER)
+TEXT = "hello world"
 
 
 def run(options: SamplingOptions, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
@@ -37,10 +41,21 @@ def test_finish_rules_stop_tokens_wait_for_min_tokens():
     assert run(options, [9, 9, 4]) == ([9, 9], FinishReason.STOP)
 
 
-def test_finish_rules_ignore_stop_strings():
-    # Stop strings are the API's (text/output.py): the engine runs on to its length.
-    options = SamplingOptions(max_tokens=3, stop=("a",), ignore_eos=True)
-    assert run(options, [7, 8, 9, 10]) == ([7, 8, 9], FinishReason.LENGTH)
+def test_finish_rules_end_at_the_token_that_completes_a_stop_string():
+    # "lo wo" spans three tokens (lo| w|or): the completion ends at "or", whatever the
+    # lengths say; before min_tokens a stop string ends nothing (as in vLLM).
+    ids = TOKENIZER.encode(TEXT)[1:]
+    at = 5  # he|l|lo| w|or|l|d: the 5th token ends "lo wo"
+    options = SamplingOptions(max_tokens=30, stop=("lo wo",), ignore_eos=True)
+    assert run(options, ids) == (ids[:at], FinishReason.STOP)
+    late = SamplingOptions(max_tokens=30, stop=("lo wo",), ignore_eos=True, min_tokens=at + 1)
+    assert run(late, ids) == (ids, None)
+
+
+def test_finish_rules_a_stop_string_and_the_length_on_one_token_is_a_stop():
+    ids = TOKENIZER.encode(TEXT)[1:]
+    options = SamplingOptions(max_tokens=5, stop=("lo wo",), ignore_eos=True)
+    assert run(options, ids) == (ids[:5], FinishReason.STOP)
 
 
 def test_finish_rules_max_tokens_ends_even_before_min_tokens_is_met():

@@ -137,7 +137,7 @@ def pair(roles: tuple[str, str] = ("prefill", "decode"), depth: int = 2,
         engines.append(Engine(
             link=link,  # type: ignore[arg-type]
             scheduler=Scheduler(Budget(max_num_seqs=8, max_num_batched_tokens=32), BLOCK),
-            finish_rules=FinishRules(frozenset({2}), max_model_len=256),
+            finish_rules=FinishRules(frozenset({2}), max_model_len=256, decoder=tokenizer),
             on_lost=lambda seqs: None, async_depth=depth, mover=mover,
         ))
     return Pair(engines[0], engines[1], links[0], links[1], mover, outcomes)

@@ -43,7 +43,7 @@ def test_output_text_without_stops_is_the_whole_decode(tokenizer: Tokenizer):
     deltas, finished = feed(out, ids[:-1])
     last, done = out.process(CompletionDelta(index=0, token_ids=(ids[-1],),
                                              finish_reason=FinishReason.LENGTH))
-    assert last is not None and done == Finished(0, engine_running=False)
+    assert last is not None and done == Finished(0)
     assert "".join(d.text for d in [*deltas, last]) == TEXT and finished is None
 
 
@@ -54,7 +54,7 @@ def test_output_stop_string_spanning_tokens_cuts_the_text_and_counts_its_last_to
     ids = tokenizer.encode(TEXT)[1:]
     out = output(tokenizer, stop=("lo wo",))
     deltas, finished = feed(out, ids)
-    assert finished == Finished(0, engine_running=True)  # the engine must be told
+    assert finished == Finished(0)
     assert "".join(d.text for d in deltas) == "hel"
     assert [t for d in deltas for t in d.token_ids] == ids[:5]
     assert deltas[-1].finish_reason is FinishReason.STOP
@@ -78,7 +78,7 @@ def test_output_tokens_sampled_after_the_stop_never_reach_the_client(tokenizer: 
     logprobs = tuple(TokenLogprob(t, -1.0) for t in ids[2:5])
     delta, done = out.process(CompletionDelta(index=0, token_ids=tuple(ids[2:5]),
                                               logprobs=logprobs))
-    assert delta is not None and done == Finished(0, engine_running=True)
+    assert delta is not None and done == Finished(0)
     assert delta.token_ids == (ids[2],) and delta.logprobs == logprobs[:1]
     assert "".join(d.text for d in [*first, delta]) == "he"
     assert delta.usage is not None and delta.usage.completion_tokens == 3
@@ -96,7 +96,7 @@ def test_output_stop_in_the_engines_last_token_needs_no_stop_call(tokenizer: Tok
     delta, done = out.process(CompletionDelta(index=0, token_ids=(ids[2],),
                                               finish_reason=FinishReason.LENGTH))
     assert delta is not None and delta.finish_reason is FinishReason.STOP
-    assert done == Finished(0, engine_running=False)
+    assert done == Finished(0)
 
 
 def test_output_stop_strings_wait_for_min_tokens(tokenizer: Tokenizer):
@@ -116,7 +116,7 @@ def test_output_completions_stop_on_their_own(tokenizer: Tokenizer):
     ids = tokenizer.encode(TEXT)[1:]
     out = output(tokenizer, stop=("wor",), n=2)
     _, finished = feed(out, ids[:6], index=1)
-    assert finished == Finished(1, engine_running=True) and out.ended(1)
+    assert finished == Finished(1) and out.ended(1)
     deltas, finished = feed(out, ids[7:], index=0)  # ", good morning"
     assert finished is None and not out.ended(0)
     assert "".join(d.text for d in deltas) == ", good morning"[: -len("wor") + 1]
