@@ -224,6 +224,7 @@ class Frontend:
         """Every completion delta of the request until all n are finished; errors raise.
         Leaving early (client gone, deadline) cancels the request."""
         open_completions = request.sampling.n
+        engine_open = set(range(request.sampling.n))  # completions the engine still runs
         num_tokens = 0
         reason: FinishReason | None = None
         observer = self.metrics.observer(request) if self.metrics is not None else None
@@ -231,6 +232,8 @@ class Frontend:
         try:
             while open_completions:
                 engine_delta = await request.outputs.get()
+                if engine_delta.error is not None or engine_delta.finish_reason is not None:
+                    engine_open.discard(engine_delta.index)
                 if engine_delta.error is not None:
                     if output.ended(engine_delta.index):
                         continue  # it failed after its stop string, which the client has
@@ -252,6 +255,11 @@ class Frontend:
             if open_completions:
                 self.engines.cancel(request)
                 log.info("request_cancelled", num_completion_tokens=num_tokens)
+            elif engine_open:
+                # The text ended a completion the engine did not (its stop-string search
+                # failed, or the two disagree): it is cancelled rather than run to its end.
+                self.engines.cancel(request)
+                log.warning("request_outlived_its_text", num_open=len(engine_open))
             else:
                 log.info("request_finished", num_completion_tokens=num_tokens,
                          num_cached_tokens=request.num_cached_tokens or 0)

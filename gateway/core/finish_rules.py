@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from gateway.core.request_state import (
     CompletionDelta,
     FinishReason,
@@ -20,6 +22,10 @@ from gateway.core.request_state import (
     Usage,
 )
 from gateway.text.detokenizer import Detokenizer
+
+log = structlog.get_logger(__name__)
+# Sequence.stop_text of a completion whose text the tokenizer failed on.
+_UNDECODABLE = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,16 +52,25 @@ class FinishRules:
 
     def _completes_a_stop_string(self, seq: Sequence, token_id: int, may_stop: bool) -> bool:
         """Every token of the completion goes through its detokenizer, in order; before
-        min_tokens its text ends nothing, as in vLLM."""
+        min_tokens its text ends nothing, as in vLLM. A tokenizer that fails on the text
+        stops the search for this completion alone (the API's side, decoding the same
+        tokens, fails its request, whose cancellation then ends the sequence)."""
         text = seq.stop_text
-        if text is None:
-            options = seq.request.sampling
-            text = seq.stop_text = Detokenizer.for_prompt(
-                self.decoder, seq.request.prompt_token_ids, options.stop,
-                include_stop=options.include_stop_str_in_output,
-                skip_special_tokens=options.skip_special_tokens)
-        text.add(token_id, find_stop=may_stop)
-        return text.stopped
+        if text is _UNDECODABLE:
+            return False
+        try:
+            if text is None:
+                options = seq.request.sampling
+                text = seq.stop_text = Detokenizer.for_prompt(
+                    self.decoder, seq.request.prompt_token_ids, options.stop,
+                    include_stop=options.include_stop_str_in_output,
+                    skip_special_tokens=options.skip_special_tokens)
+            text.add(token_id, find_stop=may_stop)
+        except Exception:  # noqa: BLE001 - one completion's text must not stop the engine
+            log.warning("stop_string_search_failed", seq_id=seq.seq_id, exc_info=True)
+            seq.stop_text = _UNDECODABLE
+            return False
+        return bool(text.stopped)
 
     def delta(self, seq: Sequence, token_id: int) -> CompletionDelta:
         """One landed token as the engine posts it: ids, logprobs and its finish; no text."""

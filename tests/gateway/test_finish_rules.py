@@ -4,6 +4,8 @@ text."""
 
 from __future__ import annotations
 
+import structlog
+
 from gateway.api.sampling import SamplingOptions
 from gateway.core.finish_rules import FinishRules
 from gateway.core.request_state import FinishReason, Request, Sequence, TokenLogprob
@@ -74,3 +76,25 @@ def test_finish_rules_the_landed_logprob_rides_on_its_tokens_delta():
     assert seq.last_logprob is None
     seq.output_token_ids.append(8)
     assert RULES.delta(seq, 8).logprobs == ()
+
+
+def test_finish_rules_a_tokenizer_failing_on_the_text_stops_only_that_search():
+    # The stop-string search of one completion fails (the tokenizer raises on its tokens):
+    # it is given up for that completion alone, which goes on to its length, and the
+    # engine is not interrupted.
+    class Failing:
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+            if 13 in token_ids:
+                raise ValueError("invalid prefix")
+            return "x" * len(token_ids)
+
+    rules = FinishRules(eos_token_ids=frozenset({EOS}), max_model_len=64, decoder=Failing())
+    seq = Sequence(seq_id="r", request=Request("r", [1, 5], SamplingOptions(
+        max_tokens=4, stop=("never",), ignore_eos=True), ""), index=0)
+    reasons = []
+    with structlog.testing.capture_logs() as logs:
+        for token in (7, 13, 8, 9):
+            seq.output_token_ids.append(token)
+            reasons.append(rules.reason(seq, token))
+    assert reasons == [None, None, None, FinishReason.LENGTH]
+    assert [e["event"] for e in logs] == ["stop_string_search_failed"]

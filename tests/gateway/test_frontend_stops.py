@@ -15,6 +15,7 @@ from test_engine_host import _hosted, _stop
 
 from gateway.api.frontend import Frontend, ModelInfo, PromptInput
 from gateway.api.sampling import ModelLimits, RawSampling
+from gateway.core.finish_rules import FinishRules
 from gateway.core.request_state import CompletionDelta, FinishReason, Request
 from gateway.engine.host import EngineHost
 from gateway.text.tokenizer import Tokenizer
@@ -187,3 +188,43 @@ def test_frontend_client_leaving_after_one_completion_stopped_frees_both(
         _stop(host, task)
     assert first.finish_reason is FinishReason.STOP
     assert not frontend.active
+
+
+def test_frontend_cancels_what_the_engine_runs_on_after_the_text_ended(tokenizer: Tokenizer):
+    # The engine's stop-string search fails (its tokenizer raises), the API's finds the
+    # stop: the client still gets the text cut there, and the request is cancelled once the
+    # text has ended, rather than run on to its 100 tokens.
+    host, eng, link, task = _hosted(tokenizer)
+
+    class Failing:
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+            raise ValueError("invalid prefix")
+
+    eng.finish_rules = FinishRules(frozenset({2}), max_model_len=256, decoder=Failing())
+    original = link.compute
+    num_calls = 0
+
+    async def slow(call):  # type: ignore[no-untyped-def]
+        nonlocal num_calls
+        num_calls += 1
+        await asyncio.sleep(0.02)
+        return await original(call)
+
+    link.compute = slow  # type: ignore[method-assign]
+    reference = link.model.reference(PROMPT, 100)
+    stop_at, stop = _stop_string(tokenizer, reference, 1)
+    frontend = _frontend(tokenizer, host)
+
+    async def scenario() -> list[CompletionDelta]:
+        _, deltas = await _generate(frontend, RawSampling(max_tokens=100, ignore_eos=True,
+                                                          stop=(stop,)))
+        await _until_free(host)
+        return deltas
+
+    try:
+        deltas = asyncio.run(scenario())
+    finally:
+        _stop(host, task)
+    assert [t for d in deltas for t in d.token_ids] == reference[: stop_at + 1]
+    assert deltas[-1].finish_reason is FinishReason.STOP
+    assert num_calls < stop_at + 10
