@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 from test_engine import tokenizer as tokenizer  # the module-scoped fixture
@@ -45,6 +46,19 @@ def _stop_string(tokenizer: Tokenizer, reference: list[int], span: int) -> tuple
         if len(stop) == span and text.find(stop) == len(before):
             return i, stop
     raise AssertionError("no such stop string in the reference")
+
+
+def _slow_executor(link: Any, delay_s: float) -> list[int]:
+    """Each Execute of `link` takes `delay_s` more; returns its call counter ([count])."""
+    original, calls = link.compute, [0]
+
+    async def slow(call: Any) -> Any:
+        calls[0] += 1
+        await asyncio.sleep(delay_s)
+        return await original(call)
+
+    link.compute = slow
+    return calls
 
 
 async def _generate(frontend: Frontend, raw: RawSampling) -> tuple[Request, list[CompletionDelta]]:
@@ -126,16 +140,7 @@ def test_frontend_stop_frees_the_blocks_of_a_long_completion(tokenizer: Tokenize
     # 100 tokens at 20 ms a step would take 2 s: the engine finishes the sequence at the
     # stop string in the first few and gives its blocks back at once.
     host, eng, link, task = _hosted(tokenizer)
-    original = link.compute
-    num_calls = 0
-
-    async def slow(call):  # type: ignore[no-untyped-def]
-        nonlocal num_calls
-        num_calls += 1
-        await asyncio.sleep(0.02)
-        return await original(call)
-
-    link.compute = slow  # type: ignore[method-assign]
+    calls = _slow_executor(link, 0.02)
     reference = link.model.reference(PROMPT, 100)
     stop_at, stop = _stop_string(tokenizer, reference, 1)
     frontend = _frontend(tokenizer, host)
@@ -150,7 +155,7 @@ def test_frontend_stop_frees_the_blocks_of_a_long_completion(tokenizer: Tokenize
     finally:
         _stop(host, task)
     assert [t for d in deltas for t in d.token_ids] == reference[: stop_at + 1]
-    assert freed_after_s < 0.5 and num_calls < stop_at + 10
+    assert freed_after_s < 0.5 and calls[0] < stop_at + 10
 
 
 def test_frontend_client_leaving_after_one_completion_stopped_frees_both(
@@ -159,13 +164,7 @@ def test_frontend_client_leaving_after_one_completion_stopped_frees_both(
     # n = 2: the client leaves on the first completion's stop; the request's cancellation
     # reaches an engine that finished that completion, maybe the other too: nothing leaks.
     host, eng, link, task = _hosted(tokenizer)
-    original = link.compute
-
-    async def slow(call):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(0.005)
-        return await original(call)
-
-    link.compute = slow  # type: ignore[method-assign]
+    _slow_executor(link, 0.005)
     reference = link.model.reference(PROMPT, 100)
     _, stop = _stop_string(tokenizer, reference, 2)
     frontend = _frontend(tokenizer, host)
@@ -201,16 +200,7 @@ def test_frontend_cancels_what_the_engine_runs_on_after_the_text_ended(tokenizer
             raise ValueError("invalid prefix")
 
     eng.finish_rules = FinishRules(frozenset({2}), max_model_len=256, decoder=Failing())
-    original = link.compute
-    num_calls = 0
-
-    async def slow(call):  # type: ignore[no-untyped-def]
-        nonlocal num_calls
-        num_calls += 1
-        await asyncio.sleep(0.02)
-        return await original(call)
-
-    link.compute = slow  # type: ignore[method-assign]
+    calls = _slow_executor(link, 0.02)
     reference = link.model.reference(PROMPT, 100)
     stop_at, stop = _stop_string(tokenizer, reference, 1)
     frontend = _frontend(tokenizer, host)
@@ -227,4 +217,4 @@ def test_frontend_cancels_what_the_engine_runs_on_after_the_text_ended(tokenizer
         _stop(host, task)
     assert [t for d in deltas for t in d.token_ids] == reference[: stop_at + 1]
     assert deltas[-1].finish_reason is FinishReason.STOP
-    assert num_calls < stop_at + 10
+    assert calls[0] < stop_at + 10
