@@ -21,7 +21,7 @@ from gateway.core.request_state import (
     TokenLogprob,
     Usage,
 )
-from gateway.text.detokenizer import Detokenizer
+from gateway.text.output import completion_detokenizer
 
 log = structlog.get_logger(__name__)
 # Sequence.stop_text of a completion whose text the tokenizer failed on.
@@ -60,11 +60,7 @@ class FinishRules:
             return False
         try:
             if text is None:
-                options = seq.request.sampling
-                text = seq.stop_text = Detokenizer.for_prompt(
-                    self.decoder, seq.request.prompt_token_ids, options.stop,
-                    include_stop=options.include_stop_str_in_output,
-                    skip_special_tokens=options.skip_special_tokens)
+                text = seq.stop_text = completion_detokenizer(self.decoder, seq.request)
             text.add(token_id, find_stop=may_stop)
         except Exception:  # noqa: BLE001 - one completion's text must not stop the engine
             log.warning("stop_string_search_failed", seq_id=seq.seq_id, exc_info=True)

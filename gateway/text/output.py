@@ -78,14 +78,20 @@ class RequestOutput:
         return text is not None and text.finished
 
     def _detokenizer(self) -> Detokenizer:
-        options = self.request.sampling
-        return Detokenizer.for_prompt(
-            self.decoder, self.request.prompt_token_ids, options.stop,
-            include_stop=options.include_stop_str_in_output,
-            skip_special_tokens=options.skip_special_tokens,
-        )
+        return completion_detokenizer(self.decoder, self.request)
 
     def _usage(self, num_tokens: int) -> Usage:
         request = self.request
         return Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=num_tokens,
                      cached_prompt_tokens=request.num_cached_tokens or 0)
+
+
+def completion_detokenizer(decoder: Any, request: Request) -> Detokenizer:
+    """One completion's detokenizer: the engine's stop-string search (core/finish_rules.py)
+    and the client's text here are built alike, so that both stop at the same token."""
+    options = request.sampling
+    return Detokenizer.for_prompt(
+        decoder, request.prompt_token_ids, options.stop,
+        include_stop=options.include_stop_str_in_output,
+        skip_special_tokens=options.skip_special_tokens,
+    )
