@@ -4,8 +4,8 @@ to move to another executor.
 While its `move_quota` lasts (a prefill executor's engine with a decode executor to hand to,
 one draining, or one rebalancing), planning parks each running sequence once it is computed
 and idle (its prompt done, its last token sampled and landed) instead of scheduling its next
-token; the engine moves parked sequences to another engine (`Scheduler.detach` here,
-`Scheduler.adopt` there) or gives them back (`Scheduler.unpark`).
+token; the engine moves parked sequences to another engine (`SequenceQueues.detach`
+here, `adopt` there) or gives them back (`unpark`), core/queues.py.
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ class Sequence:
     is_beam: bool = False
     beam_candidates: tuple[tuple[int, float], ...] | None = None
     # A beam the allocator pushed out or did not admit for lack of room, until admitted: its
-    # siblings must not hold blocks meanwhile (Scheduler.set_aside_landed_beams).
+    # siblings must not hold blocks meanwhile (SequenceQueues.set_aside_landed_beams).
     waits_for_room: bool = False
     # A move to another executor was refused or found no target: it finishes where it is.
     stays: bool = False
