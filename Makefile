@@ -51,8 +51,11 @@ lint: setup
 typecheck: protos
 	$(VENV)/bin/mypy common allocator_svc executor_svc gateway tools pagedkv_client
 
+# Two workers, one test file each at a time (module-scoped stacks stay in one worker): the
+# suite is mostly CPU-bound, so more workers than cores only add contention.
+TEST_WORKERS ?= 2
 test: protos
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The unit tests alone (no server, no Python subprocess: tests/conftest.py enforces it), the
 # property tests with a tenth of their examples (tests/budget.py).

@@ -15,6 +15,7 @@ import grpc
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from executor_svc.simulated.token_model import TokenModel
 from pagedkv.allocator.v1 import allocator_pb2 as apb
 from pagedkv.allocator.v1 import allocator_pb2_grpc as apb_grpc
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
@@ -24,6 +25,20 @@ from tools.launch import Stack, StackSpec
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = str(ROOT / "models" / "tiny-llama")
 DUMMY_SEED = 0
+
+
+# The simulated executor (executor_svc/simulated): no model to load, its tokens a digest of the
+# prefix each slot holds (a wrong block table gives other tokens, as a real model would): for
+# the tests where the model's numbers do not matter (restarts, outages, leases).
+SIMULATED_ARGS = ("--simulate-profile", "llama3-8b-h100", "--time-scale", "1",
+                  "--num-blocks", "256", "--num-cpu-blocks", "32")
+SIMULATED_TOKENS = TokenModel(512, frozenset({2}))  # tiny-llama's vocabulary and EOS
+
+
+def start_simulated_stack(log_dir: Path, **spec: Any) -> Stack:
+    """A stack whose executors are simulated; greedy outputs are `SIMULATED_TOKENS.generate`."""
+    spec["executor_args"] = (*SIMULATED_ARGS, *spec.get("executor_args", ()))
+    return start_stack(log_dir, executor_module="executor_svc.simulated", **spec)
 
 
 def start_stack(log_dir: Path, **spec: Any) -> Stack:

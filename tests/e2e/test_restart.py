@@ -1,5 +1,9 @@
 """The allocator restarts under a streaming request: the gateway takes a new lease,
-re-registers its pool, readmits the request (recompute) and the output is unchanged."""
+re-registers its pool, readmits the request (recompute) and the output is unchanged.
+
+Simulated executors (e2e_stack.start_simulated_stack): what is tested is recovery, and their
+tokens, a digest of what each slot holds, change when a block table or a recompute is wrong;
+the model's numbers are tested elsewhere (test_generate.py, test_real_model.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +15,13 @@ from pathlib import Path
 import grpc
 import pytest
 from e2e_stack import (
+    SIMULATED_TOKENS,
     Clients,
     Streamed,
     generate,
     prompts,
-    reference_greedy,
     sampling,
-    start_stack,
+    start_simulated_stack,
     wait_for,
 )
 
@@ -27,7 +31,7 @@ from tools.health_probe import is_serving
 
 def test_allocator_restart_mid_stream_keeps_output(tmp_path: Path):
     # Kill the allocator after the first tokens, start a new one on the same port.
-    stack = start_stack(tmp_path)
+    stack = start_simulated_stack(tmp_path)
     clients = Clients(stack)
     try:
         prompt = next(prompts(1, 20, seed=61))
@@ -60,7 +64,7 @@ def test_allocator_restart_mid_stream_keeps_output(tmp_path: Path):
         assert "error" not in result, result.get("error")
         done = result["ok"]
         assert isinstance(done, dict)
-        assert tuple(done[0].token_ids) == reference_greedy(tuple(prompt), 300, ignore_eos=True)
+        assert list(done[0].token_ids) == SIMULATED_TOKENS.generate(prompt, 300)
         clients.wait_all_blocks_back()
         gateway_log = (tmp_path / "gateway.log").read_text()
         assert "requests_readmitted" in gateway_log and "lease_acquired" in gateway_log
@@ -72,7 +76,7 @@ def test_allocator_restart_mid_stream_keeps_output(tmp_path: Path):
 def test_only_executor_lost_fails_cleanly_then_restart_serves_again(tmp_path: Path):
     # The only executor dies mid-stream: UNAVAILABLE, not a hang. A new executor on the same
     # port (a new instance: the pool is reset) is picked up and serves the next request.
-    stack = start_stack(tmp_path)
+    stack = start_simulated_stack(tmp_path)
     clients = Clients(stack)
     try:
         prompt = next(prompts(1, 20, seed=67))
@@ -95,7 +99,7 @@ def test_only_executor_lost_fails_cleanly_then_restart_serves_again(tmp_path: Pa
             time.sleep(0.5)
         done = generate(clients.gateway, gpb.GenerateRequest(
             token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(8)))[0]
-        assert tuple(done.token_ids) == reference_greedy(tuple(prompt), 8)
+        assert list(done.token_ids) == SIMULATED_TOKENS.generate(prompt, 8)
         clients.wait_all_blocks_back()
         # Killed while the gateway is idle: with no request to fail, the gateway still
         # notices (its idle probe), and its health says so (compose and k8s probes read it).
@@ -115,7 +119,7 @@ def test_only_executor_lost_fails_cleanly_then_restart_serves_again(tmp_path: Pa
 def test_dead_gateway_blocks_come_back_when_its_lease_expires(tmp_path: Path):
     # SIGKILL the gateway mid-stream: nobody frees its request, the lease (1 s) expires and
     # the allocator frees everything.
-    stack = start_stack(tmp_path, gateway_args=("--lease-ttl-ms", "1000"))
+    stack = start_simulated_stack(tmp_path, gateway_args=("--lease-ttl-ms", "1000"))
     clients = Clients(stack)
     try:
         call = clients.gateway.Generate(gpb.GenerateRequest(
@@ -133,11 +137,12 @@ def test_dead_gateway_blocks_come_back_when_its_lease_expires(tmp_path: Path):
 def test_after_a_long_allocator_outage_the_next_request_succeeds_once_it_is_back(
     tmp_path: Path,
 ):
-    # A 12 s outage, longer than the gateway's 10 s wait: the request sent during it fails
-    # with UNAVAILABLE; once the allocator serves again, the next request succeeds. (It used
-    # to fail at once for up to 12 s more: the outage clock kept counting from the outage's
-    # start, and gRPC's reconnect backoff kept the channel from dialling the allocator.)
-    stack = start_stack(tmp_path)
+    # An outage of 4 s, longer than the gateway's wait (3 s here, 10 by default): the request
+    # sent during it fails with UNAVAILABLE; once the allocator serves again, the next request
+    # succeeds. (It used to fail at once for as long again: the outage clock kept counting
+    # from the outage's start, and gRPC's reconnect backoff kept the channel from dialling the
+    # allocator.)
+    stack = start_simulated_stack(tmp_path, gateway_args=("--allocator-retry-s", "3"))
     clients = Clients(stack)
     try:
         prompt = next(prompts(1, 12, seed=71))
@@ -149,10 +154,10 @@ def test_after_a_long_allocator_outage_the_next_request_succeeds_once_it_is_back
             generate(clients.gateway, request, timeout=60)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "the allocator has not answered" in (err.value.details() or "")
-        time.sleep(max(0.0, 12.0 - (time.monotonic() - started)))
+        time.sleep(max(0.0, 4.0 - (time.monotonic() - started)))
         assert [s.name for s in stack.restart_exited()] == ["allocator"]  # serving again
         done = generate(clients.gateway, request, timeout=60)[0]
-        assert tuple(done.token_ids) == reference_greedy(tuple(prompt), 4)
+        assert list(done.token_ids) == SIMULATED_TOKENS.generate(prompt, 4)
     finally:
         clients.close()
         stack.stop()
@@ -161,7 +166,7 @@ def test_after_a_long_allocator_outage_the_next_request_succeeds_once_it_is_back
 def test_an_idle_gateway_registers_its_pool_with_a_restarted_allocator(tmp_path: Path):
     # No request comes: the gateway's keep-alive finds its lease gone, takes a new one, and
     # its idle engine registers the pool again (it used to wait for the next request).
-    stack = start_stack(tmp_path)
+    stack = start_simulated_stack(tmp_path)
     clients = Clients(stack)
     try:
         assert len(clients.pools()) == 1
@@ -183,7 +188,7 @@ def test_an_allocator_that_hangs_past_the_lease_leaks_nothing(tmp_path: Path):
     # streams still complete with the reference's tokens, and every block comes back. (A Step
     # sent under the new lease before the engine had taken the renewal used to admit
     # requests the engine then believed forgotten: 32 of 32 requests' blocks stayed held.)
-    stack = start_stack(tmp_path, gateway_args=("--allocator-timeout-s", "2",
+    stack = start_simulated_stack(tmp_path, gateway_args=("--allocator-timeout-s", "2",
                                                  "--lease-ttl-ms", "1000"))
     clients = Clients(stack)
     try:
@@ -207,8 +212,7 @@ def test_an_allocator_that_hangs_past_the_lease_leaks_nothing(tmp_path: Path):
         for thread in threads:
             thread.join(120)
         for i, prompt in enumerate(batch):
-            assert tuple(results[i][0].token_ids) == reference_greedy(tuple(prompt), 200,
-                                                                      ignore_eos=True)
+            assert list(results[i][0].token_ids) == SIMULATED_TOKENS.generate(prompt, 200)
         clients.wait_all_blocks_back(timeout_s=10)
     finally:
         clients.close()

@@ -8,15 +8,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_stack import MODEL, Clients, generate, generate_many, prompts, sampling
+from e2e_stack import (
+    MODEL,
+    SIMULATED_ARGS,
+    SIMULATED_TOKENS,
+    Clients,
+    generate,
+    generate_many,
+    prompts,
+    sampling,
+)
 
-from executor_svc.simulated.token_model import TokenModel
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
 from tools.launch import Stack, StackSpec
 
-SIMULATED = ("--simulate-profile", "llama3-8b-h100", "--time-scale", "1",
-             "--num-blocks", "256", "--num-cpu-blocks", "32")
-TOKENS = TokenModel(512, frozenset({2}))  # tiny-llama's vocabulary and EOS
+SIMULATED = SIMULATED_ARGS
+TOKENS = SIMULATED_TOKENS
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Mutual TLS between the services (make certs; python -m tools.launch --tls-dir): the stack
-serves the reference's tokens over the gateway's own TLS port, and an internal port refuses
-whoever lacks a certificate of its CA, before any RPC."""
+(simulated executors) serves the reference's tokens over the gateway's own TLS port, and an
+internal port refuses whoever lacks a certificate of its CA, before any RPC."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from e2e_stack import generate, prompts, reference_greedy, sampling, start_stack
+from e2e_stack import SIMULATED_TOKENS, generate, prompts, sampling, start_simulated_stack
 
 from common.credentials import InternalAuth, TlsFiles
 from pagedkv.allocator.v1 import allocator_pb2 as apb
@@ -23,8 +23,7 @@ from tools.make_certs import make_certs
 def test_a_stack_on_mutual_tls_serves_and_refuses_strangers(tmp_path: Path):
     make_certs(tmp_path / "certs", [])
     make_certs(tmp_path / "other-ca", [])
-    stack = start_stack(tmp_path, tls_dir=str(tmp_path / "certs"),
-                        executor_args=("--load-format", "dummy", "--num-blocks", "64"))
+    stack = start_simulated_stack(tmp_path, tls_dir=str(tmp_path / "certs"))
     try:
         prompt = next(prompts(1, 12, seed=503))
         ca = (tmp_path / "certs" / "ca.pem").read_bytes()
@@ -32,7 +31,7 @@ def test_a_stack_on_mutual_tls_serves_and_refuses_strangers(tmp_path: Path):
         with grpc.secure_channel(address, grpc.ssl_channel_credentials(ca)) as channel:
             done = generate(gpb_grpc.GatewayServiceStub(channel), gpb.GenerateRequest(
                 token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(8)))[0]
-        assert tuple(done.token_ids) == reference_greedy(tuple(prompt), 8)
+        assert list(done.token_ids) == SIMULATED_TOKENS.generate(prompt, 8)
         with grpc.insecure_channel(stack.gateway_addr) as channel:  # plaintext: no answer
             with pytest.raises(grpc.RpcError) as err:
                 gpb_grpc.GatewayServiceStub(channel).Tokenize(gpb.TokenizeRequest(text="hi"),
