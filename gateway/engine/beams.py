@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import structlog
 
 from common.errors import Unavailable
-from gateway.clients.call_failures import CallFailed, Lost
+from gateway.clients.call_failures import CallFailed
 from gateway.core.beam_search import BeamSearch, Hypothesis, Selection
 from gateway.core.request_state import (
     CompletionDelta,
@@ -74,7 +74,7 @@ class _Namer:
         assert request.sampling.beam is not None, f"{parent.seq_id} is not a beam"
         pending = self.engine.scheduler.pending
         busy = {*pending.free_ids, *pending.abort_ids, *pending.release_ids,
-                *self.engine.orphan_ids}
+                *self.engine.orphans.ids}
         rid = wire_id(request.id_namespace, request.request_id)
         for slot in range(num_beam_slots(request.sampling.beam.beam_width)):
             seq_id = beam_seq_id(rid, slot)
@@ -105,17 +105,14 @@ async def _fork(engine: EngineState, parent: Sequence, children: list[Sequence])
     """Children that share the parent's blocks, at the allocator and in the scheduler; on
     failure the search fails (its running beams)."""
     child_ids = [c.seq_id for c in children]
-    engine.orphan_ids.update(child_ids)  # until the scheduler tracks them
     try:
-        tables = await engine.link.fork(parent.seq_id, child_ids, parent.request.request_id)
+        with engine.orphans.until_tracked(child_ids):
+            tables = await engine.link.fork(parent.seq_id, child_ids, parent.request.request_id)
+            engine.scheduler.fork(parent, children, tables, keep_parent=True)
     except CallFailed as exc:
         log.warning("beam_fork_failed", code=exc.status, details=exc.details)
-        if not isinstance(exc, Lost):
-            engine.orphan_ids.difference_update(child_ids)
         _fail_search(engine, parent.request, Unavailable(f"beam fork failed ({exc.status})"))
         return False
-    engine.scheduler.fork(parent, children, tables, keep_parent=True)
-    engine.orphan_ids.difference_update(child_ids)
     return True
 
 

@@ -172,7 +172,7 @@ class HandOffs:
             )
         except CallFailed as exc:
             if isinstance(exc, Lost):  # it may have landed: the target aborts it
-                target.orphan_ids.add(seq.seq_id)
+                target.orphans.note([seq.seq_id])
                 target.wakeup.set()
             log.info("hand_off_refused", code=exc.status, detail=exc.details, **_names(move))
             self._end(move, "refused")
@@ -206,7 +206,7 @@ class HandOffs:
         unfit = (not target.healthy or target.draining
                  or (target.link.lease_generation, target.link.epoch) != move.under)
         if failure is not None or gone is not None or unfit:
-            target.orphan_ids.add(seq.seq_id)  # the reservation: aborted before its next Step
+            target.orphans.note([seq.seq_id])  # the reservation: aborted before its next Step
             if failure is not None and gone is None:
                 log.warning("hand_off_import_failed", error=str(failure), **_names(move))
             self._end(move, gone or ("failed" if failure is not None else "refused"))

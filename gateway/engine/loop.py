@@ -34,7 +34,7 @@ from gateway.clients.call_failures import CallFailed
 from gateway.core.batch import Batch, InFlight, Landed, ScheduledStep
 from gateway.core.request_state import Sequence
 from gateway.core.step import StepOutcome
-from gateway.engine import landing, orphans, recovery, side_calls
+from gateway.engine import landing, recovery, side_calls
 from gateway.engine.state import EngineState
 from gateway.engine.step_stats import StepRecord
 
@@ -151,7 +151,7 @@ class Engine(EngineState):
         """Before planning: a renewed lease, cancellations, orphans, a batch in flight the
         next cannot be built on, sequences moving here. A bool ends the step with it."""
         renewal = self.link.take_lease_renewal()
-        if renewal or self.orphan_ids:
+        if renewal or self.orphans:
             # Recovery starts from a settled state: nothing executing. (No fork for a lost
             # lease: the parents are readmitted, and fork again once recomputed.)
             await landing.settle(self, fork=not renewal)
@@ -162,7 +162,7 @@ class Engine(EngineState):
             await recovery.register_again(self)
         if self.has_cancellations:
             self._apply_cancellations()
-        if self.orphan_ids and not await recovery.abort_orphans(self):
+        if self.orphans and not await recovery.abort_orphans(self):
             return False
         if self.in_flight and not self._can_build_on(self.in_flight[0]):
             await landing.settle(self)
@@ -209,7 +209,7 @@ class Engine(EngineState):
             return None, False
         landed = await landing.land(self)
         if not self.healthy:  # the executor went away: the Step's outcome too
-            orphans.note_held(self, plan)
+            self.orphans.note_held(self.scheduler, plan)
             return landed, True
         return landed, False
 
@@ -276,7 +276,7 @@ class Engine(EngineState):
         return (
             self.scheduler.has_work() or pending.has_allocator_work()
             or (bool(pending.release_ids) and not self.releases_refused)
-            or self.has_cancellations or bool(self.orphan_ids) or bool(self.outbox)
+            or self.has_cancellations or bool(self.orphans) or bool(self.outbox)
             or bool(self.in_flight) or (self.mover is not None and self.mover.has_work(self))
         )
 

@@ -33,7 +33,6 @@ from common.errors import Internal, Unavailable
 from gateway.clients.call_failures import CallFailed, Lost, Stale, Unknown
 from gateway.core.batch import Batch, ScheduledStep
 from gateway.core.request_state import Sequence, priority
-from gateway.engine import orphans
 from gateway.engine.state import EngineState
 
 log = structlog.get_logger(__name__)
@@ -59,7 +58,7 @@ async def allocator_step_failed(engine: EngineState, plan: ScheduledStep, exc: C
         return
     if isinstance(exc, Lost):
         # NOTE: Step is not idempotent (frees, admissions, appended tokens): never resent.
-        orphans.note_held(engine, plan)
+        engine.orphans.note_held(engine.scheduler, plan)
         readmit_all(engine, "allocator_step_unknown")
         await allocator_unreachable(engine, exc)
         return
@@ -85,12 +84,12 @@ async def allocator_unreachable(engine: EngineState, exc: CallFailed) -> None:
 
 async def abort_orphans(engine: EngineState) -> bool:
     """Before the next Step: True once the allocator holds nothing we lost track of."""
-    exc = await orphans.abort_orphans(engine)
+    exc = await engine.orphans.abort(engine.link)
     if exc is None:
         engine.allocator_down_since = None
         return True
     log.warning("orphan_abort_failed", pool_id=engine.pool_id, code=exc.status,
-                num=len(engine.orphan_ids))
+                num=len(engine.orphans))
     await allocator_unreachable(engine, exc)
     return False
 
@@ -142,7 +141,7 @@ def lose_executor(engine: EngineState) -> None:
     engine.abandon_in_flight()  # a batch launched ahead of the failed one is not awaited
     engine.healthy = False
     engine.deliver()  # tokens computed here reach their streams before any from elsewhere
-    orphans.note_held(engine)
+    engine.orphans.note_held(engine.scheduler)
     seqs = engine.scheduler.evict_all()
     log.warning("executor_lost", pool_id=engine.pool_id, num_requeued=len(seqs))
     engine.on_lost([s for s in seqs if not s.request.cancelled])
@@ -152,7 +151,7 @@ def step_crashed(engine: EngineState, plan: ScheduledStep | None, batch: Batch |
     """A bug interrupted a step anywhere: what the allocator and the executor hold is
     unknown. Every sequence fails; all the allocator may hold for them is aborted, all the
     executor may hold is released (both before anything else is sent)."""
-    orphans.note_held(engine, plan)
+    engine.orphans.note_held(engine.scheduler, plan)
     if batch is not None:
         engine.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
     error = GatewayError(f"executor {engine.pool_id}: internal gateway error (see its log)")
@@ -180,7 +179,7 @@ async def probe_idle(engine: EngineState) -> None:
 async def reconnect(engine: EngineState) -> None:
     """A lost executor: try again every second; a restarted one resets its pool."""
     await asyncio.sleep(RECONNECT_INTERVAL_S)
-    if engine.orphan_ids and not await abort_orphans(engine):
+    if engine.orphans and not await abort_orphans(engine):
         return
     epoch = engine.link.epoch
     try:
@@ -188,7 +187,7 @@ async def reconnect(engine: EngineState) -> None:
     except CallFailed:
         return
     if engine.link.epoch != epoch:
-        engine.orphan_ids.clear()  # the pool was reset: it holds nothing
+        engine.orphans.clear()  # the pool was reset: it holds nothing
     engine.healthy = True
     log.info("executor_reconnected", pool_id=engine.pool_id)
 
@@ -204,7 +203,7 @@ async def register_again(engine: EngineState) -> None:
         log.warning("pool_reregister_failed", pool_id=engine.pool_id, code=exc.status)
         await asyncio.sleep(RECONNECT_INTERVAL_S)
         return
-    engine.orphan_ids.clear()  # a new lease: the allocator holds nothing of ours
+    engine.orphans.clear()  # a new lease: the allocator holds nothing of ours
     # It answered: routing may choose this pool again (an idle engine has no Step to say so).
     engine.allocator_down_since = None
 
@@ -220,20 +219,20 @@ async def reregister(engine: EngineState, plan: ScheduledStep | None = None) -> 
     except CallFailed as exc:
         log.warning("pool_reregister_failed", pool_id=engine.pool_id, code=exc.status)
         if plan is not None:
-            orphans.note_held(engine, plan)
+            engine.orphans.note_held(engine.scheduler, plan)
         lose_executor(engine)
         return
     if link.epoch != epoch or link.lease.generation != generation:
         allocator_forgot(engine, "pool_reset")
         return
     # Same pool and lease: the allocator still holds what it held.
-    orphans.note_held(engine, plan)
+    engine.orphans.note_held(engine.scheduler, plan)
     readmit_all(engine, "pool_resync")
 
 
 def allocator_forgot(engine: EngineState, why: str) -> None:
     """A new pool epoch or a new lease: the allocator dropped every request we had."""
-    engine.orphan_ids.clear()
+    engine.orphans.clear()
     readmit_all(engine, why)
 
 

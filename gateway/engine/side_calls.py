@@ -30,19 +30,13 @@ async def fork(engine: EngineState, parent: Sequence) -> None:
         for i in range(request.sampling.n)
     ]
     child_ids = [c.seq_id for c in children]
-    # Orphans until the scheduler tracks them: a bug in between must not leak them.
-    engine.orphan_ids.update(child_ids)
     try:
-        tables = await engine.link.fork(parent.seq_id, child_ids, request.request_id)
+        with engine.orphans.until_tracked(child_ids):
+            tables = await engine.link.fork(parent.seq_id, child_ids, request.request_id)
+            engine.scheduler.fork(parent, children, tables)
     except CallFailed as exc:
         log.warning("fork_failed", code=exc.status, details=exc.details)
-        if not isinstance(exc, Lost):
-            # Refused, so not applied; lost: not idempotent either, the children may exist.
-            engine.orphan_ids.difference_update(child_ids)
         engine.fail(parent, Unavailable(f"fork failed ({exc.status})"))
-        return
-    engine.scheduler.fork(parent, children, tables)
-    engine.orphan_ids.difference_update(child_ids)
 
 
 async def flush_housekeeping(engine: EngineState, plan: ScheduledStep) -> None:
@@ -66,7 +60,7 @@ async def flush_housekeeping(engine: EngineState, plan: ScheduledStep) -> None:
             await recovery.reregister(engine, plan)
         elif isinstance(exc, Lost):
             # Free may have been applied: abort the ids later, never free twice.
-            engine.orphan_ids.update(plan.call.free_request_ids, plan.call.abort_request_ids)
+            engine.orphans.note([*plan.call.free_request_ids, *plan.call.abort_request_ids])
             await recovery.allocator_unreachable(engine, exc)
         else:
             recovery.restore_housekeeping(engine, plan)

@@ -2,7 +2,7 @@
 waits to be sent, with the operations every part of a step shares (emit, deliver, fail).
 
 The step loop (loop.py) is built on this; so are the parts of a step it calls (landing.py,
-side_calls.py, recovery.py, orphans.py), which therefore never import the loop.
+side_calls.py, recovery.py), which therefore never import the loop.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from gateway.core.batch import Batch, InFlight, ScheduledStep
 from gateway.core.finish_rules import FinishRules
 from gateway.core.request_state import CompletionDelta, Request, Sequence, emit_all
 from gateway.core.scheduler import Scheduler
+from gateway.engine.orphans import Orphans
 from gateway.engine.step_stats import StepStats
 
 
@@ -53,7 +54,7 @@ class EngineState:
     # How long requests wait for an allocator that does not answer before they fail.
     allocator_retry_s: float = 10.0
     # Ids the allocator may hold that no sequence tracks: aborted before the next Step.
-    orphan_ids: set[str] = field(default_factory=set)
+    orphans: Orphans = field(default_factory=Orphans)
     # The executor refused a Release of its own: the ids wait for the next Execute to carry
     # them (it releases before it creates, so an id readmitted meanwhile still works) and
     # keep no idle engine busy.

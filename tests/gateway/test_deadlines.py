@@ -35,7 +35,7 @@ from gateway.core.finish_rules import FinishRules
 from gateway.core.request_state import CompletionDelta, Request
 from gateway.core.scheduler import Scheduler
 from gateway.core.step import ExecuteCall, ExecuteResult
-from gateway.engine import orphans, recovery
+from gateway.engine import recovery
 from gateway.engine.loop import Engine
 from gateway.engine.router import Router
 from gateway.text.tokenizer import Tokenizer
@@ -410,11 +410,11 @@ def test_orphan_aborts_cannot_touch_another_leases_request_with_the_same_id(
             pool = core.pools["pool-0"]
             core.step(CoreStepCall("pool-0", pool.epoch, other,
                                    [StepItem("shared", 3, [5, 6, 7])]))
-            r.engine.orphan_ids.update({"shared", "ghost"})
+            r.engine.orphans.note({"shared", "ghost"})
             with structlog.testing.capture_logs() as logs:
-                error = await orphans.abort_orphans(r.engine)
+                error = await r.engine.orphans.abort(r.engine.link)
             assert error is None
-            return r.allocator.held(), set(r.engine.orphan_ids), [e["event"] for e in logs]
+            return r.allocator.held(), set(r.engine.orphans.ids), [e["event"] for e in logs]
 
     held, left, events = asyncio.run(scenario())
     assert held == ["shared"] and left == set()

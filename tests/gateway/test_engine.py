@@ -502,7 +502,7 @@ def test_engine_delivers_outputs_before_any_call_off_the_hot_path(tokenizer: Tok
     asyncio.run(eng.step())  # both prefills; p's parent forks after a's first delta
     assert queued["fork"] == [1]
     asyncio.run(eng.step())  # a's second delta
-    eng.orphan_ids.add("nobody")
+    eng.orphans.note(["nobody"])
     asyncio.run(eng.step())
     assert queued["abort"] and set(queued["abort"]) == {2}
 
@@ -620,11 +620,11 @@ def test_a_lease_renewed_mid_work_registers_the_pool_again(tokenizer: Tokenizer)
     # Step to find the pool unknown never came: routing leaves out a pool its allocator does
     # not know, so no request went there.
     eng, link = engine(tokenizer, num_blocks=64)
-    eng.orphan_ids.add("gone")  # work: an abort the allocator never confirmed
+    eng.orphans.note(["gone"])  # work: an abort the allocator never confirmed
     link.renewals = 1
 
     async def scenario() -> None:
         await eng.step()
 
     asyncio.run(scenario())
-    assert link.num_refreshes == 1 and not eng.orphan_ids
+    assert link.num_refreshes == 1 and not eng.orphans

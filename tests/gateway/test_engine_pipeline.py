@@ -137,7 +137,7 @@ def test_an_executor_lost_while_the_next_step_was_out_hands_its_requests_on(
     asyncio.run(until_lost())
     assert [s.seq_id for s in handed_on] == ["a"]
     assert [t for d in drain(a) for t in d.token_ids] == link.model.reference([6] * 5, 2)
-    assert link.pool.all_free() and not eng.orphan_ids
+    assert link.pool.all_free() and not eng.orphans
 
 
 def test_a_request_cancelled_while_its_batch_executes_gets_nothing_more(tokenizer: Tokenizer):
@@ -173,7 +173,7 @@ def test_a_batch_rejected_while_landing_before_planning_is_never_confirmed(
     late: list[Request] = []
 
     def orphan_and_c() -> None:
-        eng.orphan_ids.add("nobody")
+        eng.orphans.note(["nobody"])
         late.append(submit(eng, "c", [8] * 5, max_tokens=4))
 
     state = slow_executor(link, fail_call=4, code=grpc.StatusCode.INVALID_ARGUMENT,
