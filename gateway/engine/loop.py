@@ -15,10 +15,12 @@ the loop is the only code that mutates its scheduler, between awaits, so no lock
 The router (on the same loop) only appends sequences with `submit`, flags cancellations on
 the request and wakes the loop; RPC handlers, on the API's loop, reach it through the host.
 
-The engine's state and the operations all parts of a step share are engine/state.py; the
-parts are landing.py (batches in flight), side_calls.py (Fork, idle Free/Abort/Release),
-recovery.py (what happens when a step fails) and orphans.py (what the allocator may hold
-after a call whose outcome is unknown). None of them imports this loop.
+One engine class, built up in layers that never import this loop: its state and the
+operations every part of a step shares (state.py), its calls off the hot path (side_calls.py:
+Fork, idle Free/Abort/Release), its batches in flight (landing.py), then the loop here. Its
+collaborators keep their own state: `recovery` (recovery.py: what happens when a call fails,
+and the allocator's outage), `orphans` (orphans.py: what the allocator may hold after a call
+whose outcome is unknown), `mover` (hand_off.py) and beam search (beams.py).
 """
 
 from __future__ import annotations
@@ -34,15 +36,15 @@ from gateway.clients.call_failures import CallFailed
 from gateway.core.batch import Batch, InFlight, Landed, ScheduledStep
 from gateway.core.request_state import Sequence
 from gateway.core.step import StepOutcome
-from gateway.engine import landing, recovery, side_calls
-from gateway.engine.state import EngineState
+from gateway.engine import recovery
+from gateway.engine.landing import Landing
 from gateway.engine.step_stats import StepRecord
 
 log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True, eq=False)
-class Engine(EngineState):
+class Engine(Landing):
     # Called by other coroutines.
 
     def submit(self, seq: Sequence, front: bool = False) -> None:
@@ -69,13 +71,13 @@ class Engine(EngineState):
         while True:
             if not self.healthy:
                 try:
-                    await recovery.reconnect(self)
+                    await self.recovery.reconnect()
                 except Exception:  # noqa: BLE001 - a bug must not end the loop either
                     log.exception("engine_reconnect_failed", pool_id=self.pool_id)
                 continue
             if not self._has_work():
                 if self.link.lease_renewed and not self.scheduler.parking.parked:
-                    await recovery.register_again(self)  # (registering takes the renewal)
+                    await self.recovery.register_again()  # (registering takes the renewal)
                     continue
                 if self.link.lease_renewed:  # the allocator forgot the parked ones: a step
                     await self._step_once()   # takes the renewal and starts them over
@@ -94,7 +96,7 @@ class Engine(EngineState):
             await asyncio.wait_for(self.wakeup.wait(), recovery.IDLE_PROBE_S)
         except TimeoutError:
             try:
-                await recovery.probe_idle(self)
+                await self.recovery.probe_idle()
             except Exception:  # noqa: BLE001 - a bug must not end the loop either
                 log.exception("engine_idle_probe_failed", pool_id=self.pool_id)
 
@@ -104,7 +106,7 @@ class Engine(EngineState):
         except Exception:  # noqa: BLE001 - a bug must not kill the loop and hang clients
             log.exception("engine_step_failed", pool_id=self.pool_id)
             self.abandon_in_flight()
-            recovery.step_crashed(self, self.plan, self.batch)
+            self.recovery.step_crashed(self.plan, self.batch)
             return True
 
     async def step(self) -> bool:
@@ -139,7 +141,7 @@ class Engine(EngineState):
         if batch.call.is_empty():
             await self._release_only(batch, landed)
             return False
-        landing.launch(self, batch)
+        self.launch(batch)
         landed = await self._land(landed)
         if landed is not None:
             self._record(landed, started)
@@ -154,18 +156,18 @@ class Engine(EngineState):
         if renewal or self.orphans:
             # Recovery starts from a settled state: nothing executing. (No fork for a lost
             # lease: the parents are readmitted, and fork again once recomputed.)
-            await landing.settle(self, fork=not renewal)
+            await self.settle(fork=not renewal)
         if renewal:
-            recovery.allocator_forgot(self, "lease_renewed")
+            self.recovery.allocator_forgot("lease_renewed")
             # The allocator may have restarted: it learns the pool again now, not at a Step
             # that may never come (routing leaves out a pool its allocator does not know).
-            await recovery.register_again(self)
+            await self.recovery.register_again()
         if self.has_cancellations:
             self._apply_cancellations()
-        if self.orphans and not await recovery.abort_orphans(self):
+        if self.orphans and not await self.recovery.abort_orphans():
             return False
         if self.in_flight and not self._can_build_on(self.in_flight[0]):
-            await landing.settle(self)
+            await self.settle()
             if not self.healthy:
                 return True
         if self.mover is not None and self.healthy:
@@ -187,12 +189,12 @@ class Engine(EngineState):
 
     async def _without_a_step(self, plan: ScheduledStep | None) -> None:
         """Nothing to compute: what is executing lands, housekeeping goes out on its own."""
-        await landing.settle(self)  # nothing to overlap with the batch executing
+        await self.settle()  # nothing to overlap with the batch executing
         self.deliver()  # no delta waits behind a call off the hot path
         if plan is None:
-            await side_calls.flush_releases(self)
+            await self.flush_releases()
         else:
-            await side_calls.flush_housekeeping(self, plan)
+            await self.flush_housekeeping(plan)
 
     async def _meet_the_batch_in_flight(
         self, plan: ScheduledStep, overlapped: bool
@@ -207,7 +209,7 @@ class Engine(EngineState):
             # fills in itself (use_sampled_token): this step's batch goes out before it lands.
             self.scheduler.advance(self.in_flight[0].batch)
             return None, False
-        landed = await landing.land(self)
+        landed = await self.land()
         if not self.healthy:  # the executor went away: the Step's outcome too
             self.orphans.note_held(self.scheduler, plan)
             return landed, True
@@ -222,25 +224,25 @@ class Engine(EngineState):
     async def _release_only(self, batch: Batch, landed: Landed | None) -> None:
         """Nothing to run, but releases (a recompute preemption) must still go out."""
         if self.in_flight:  # the batch in flight lands first
-            landed = await landing.land(self)
-        await landing.take_outputs(self, landed)
+            landed = await self.land()
+        await self.take_outputs(landed)
         self.scheduler.pending.release_ids.extend(batch.call.release_request_ids)
-        await side_calls.flush_releases(self)
+        await self.flush_releases()
 
     async def _land(self, landed: Landed | None) -> Landed | None:
         """Once this step's batch is out: the batch before it lands and its outputs go."""
         if len(self.in_flight) > 1:
             # The batch before lands now, while this one computes.
-            landed = await landing.land(self)
-            await landing.take_outputs(self, landed)
+            landed = await self.land()
+            await self.take_outputs(landed)
         elif self.depth > 1:
             # Depth 2, nothing was in flight (the first step after idle, or one that landed
             # early): this batch lands in the next step; the landed one's outputs go now,
             # once the Execute task has had its turn to send the call.
             await asyncio.sleep(0)
-            await landing.take_outputs(self, landed)
+            await self.take_outputs(landed)
         else:
-            landed = await landing.settle(self)
+            landed = await self.settle()
         return landed
 
     def _record(self, landed: Landed, started: float) -> None:
@@ -292,13 +294,13 @@ class Engine(EngineState):
             outcome = await call
         except CallFailed as exc:
             if settle:
-                landed = await landing.land(self)
+                landed = await self.land()
             # (No fork: recovery readmits or fails the parents.)
-            await landing.take_outputs(self, landed, fork=False)
-            await recovery.allocator_step_failed(self, plan, exc)
+            await self.take_outputs(landed, fork=False)
+            await self.recovery.allocator_step_failed(plan, exc)
             return None
         self.last_step_ms = (time.perf_counter() - sent) * 1e3
-        self.allocator_down_since = None
+        self.recovery.allocator_answered()
         if outcome.num_free_blocks is not None:
             self.num_free_blocks = outcome.num_free_blocks
         return outcome

@@ -20,71 +20,76 @@ from gateway.engine.state import EngineState
 log = structlog.get_logger(__name__)
 
 
-async def fork(engine: EngineState, parent: Sequence) -> None:
-    """A computed prefill parent (n > 1) becomes its children, which share its blocks."""
-    request = parent.request
-    children = [
-        Sequence(seq_id=child_seq_id(wire_id(request.id_namespace, request.request_id), i),
-                 request=request, index=i,
-                 seed_offset=i)
-        for i in range(request.sampling.n)
-    ]
-    child_ids = [c.seq_id for c in children]
-    try:
-        with engine.orphans.until_tracked(child_ids):
-            tables = await engine.link.fork(parent.seq_id, child_ids, request.request_id)
-            engine.scheduler.fork(parent, children, tables)
-    except CallFailed as exc:
-        log.warning("fork_failed", code=exc.status, details=exc.details)
-        engine.fail(parent, Unavailable(f"fork failed ({exc.status})"))
+class SideCalls(EngineState):
+    """The engine's calls off the hot path (a base class of engine/loop.py's Engine)."""
+
+    __slots__ = ()
+
+    async def fork_children(self, parent: Sequence) -> None:
+        """A computed prefill parent (n > 1) becomes its children, which share its blocks."""
+        request = parent.request
+        children = [
+            Sequence(seq_id=child_seq_id(wire_id(request.id_namespace, request.request_id), i),
+                     request=request, index=i,
+                     seed_offset=i)
+            for i in range(request.sampling.n)
+        ]
+        child_ids = [c.seq_id for c in children]
+        try:
+            with self.orphans.until_tracked(child_ids):
+                tables = await self.link.fork(parent.seq_id, child_ids, request.request_id)
+                self.scheduler.fork(parent, children, tables)
+        except CallFailed as exc:
+            log.warning("fork_failed", code=exc.status, details=exc.details)
+            self.fail(parent, Unavailable(f"fork failed ({exc.status})"))
 
 
-async def flush_housekeeping(engine: EngineState, plan: ScheduledStep) -> None:
-    """An idle engine: aborts, then frees and commits, go out without a step.
+    async def flush_housekeeping(self, plan: ScheduledStep) -> None:
+        """An idle engine: aborts, then frees and commits, go out without a step.
 
-    Aborts first: the Free confirms steps by id (commit_through_step_id), which may cover a
-    rejected batch whose requests are among the aborts, and an aborted request is never
-    committed. (A Step carries both, and the allocator skips the ones it aborts.)"""
-    call = plan.call
-    try:
-        if call.abort_request_ids:
-            engine.num_free_blocks = await engine.link.abort(call.abort_request_ids)
-            # Applied: whatever fails next must not send them again.
-            plan = ScheduledStep(call=replace(call, abort_request_ids=()), seqs=plan.seqs)
-        if call.commits or call.free_request_ids or call.commit_through_step_id:
-            engine.num_free_blocks = await engine.link.free(
-                call.commits, call.free_request_ids, call.commit_through_step_id)
-    except CallFailed as exc:
-        log.warning("allocator_free_failed", pool_id=engine.pool_id, code=exc.status)
-        if isinstance(exc, recovery.STALE_POOL):
-            await recovery.reregister(engine, plan)
-        elif isinstance(exc, Lost):
-            # Free may have been applied: abort the ids later, never free twice.
-            engine.orphans.note([*plan.call.free_request_ids, *plan.call.abort_request_ids])
-            await recovery.allocator_unreachable(engine, exc)
-        else:
-            recovery.restore_housekeeping(engine, plan)
-            await asyncio.sleep(recovery.RETRY_PAUSE_S)
-    await flush_releases(engine)
+        Aborts first: the Free confirms steps by id (commit_through_step_id), which may cover a
+        rejected batch whose requests are among the aborts, and an aborted request is never
+        committed. (A Step carries both, and the allocator skips the ones it aborts.)"""
+        call = plan.call
+        try:
+            if call.abort_request_ids:
+                self.num_free_blocks = await self.link.abort(call.abort_request_ids)
+                # Applied: whatever fails next must not send them again.
+                plan = ScheduledStep(call=replace(call, abort_request_ids=()), seqs=plan.seqs)
+            if call.commits or call.free_request_ids or call.commit_through_step_id:
+                self.num_free_blocks = await self.link.free(
+                    call.commits, call.free_request_ids, call.commit_through_step_id)
+        except CallFailed as exc:
+            log.warning("allocator_free_failed", pool_id=self.pool_id, code=exc.status)
+            if isinstance(exc, recovery.STALE_POOL):
+                await self.recovery.reregister(plan)
+            elif isinstance(exc, Lost):
+                # Free may have been applied: abort the ids later, never free twice.
+                self.orphans.note([*plan.call.free_request_ids, *plan.call.abort_request_ids])
+                await self.recovery.allocator_unreachable(exc)
+            else:
+                self.recovery.restore_housekeeping(plan)
+                await asyncio.sleep(recovery.RETRY_PAUSE_S)
+        await self.flush_releases()
 
 
-async def flush_releases(engine: EngineState) -> None:
-    """Executor releases with no Execute to ride on."""
-    ids = engine.scheduler.pending.release_ids
-    if not ids or engine.releases_refused:
-        return
-    try:
-        await engine.link.release(list(ids))
-        ids.clear()
-    except CallFailed as exc:
-        if isinstance(exc, Lost):
-            # Kept: releasing is idempotent, and the executor may come back as the same
-            # instance, still holding them (a new instance ignores unknown ids).
-            recovery.lose_executor(engine)
+    async def flush_releases(self) -> None:
+        """Executor releases with no Execute to ride on."""
+        ids = self.scheduler.pending.release_ids
+        if not ids or self.releases_refused:
             return
-        # A refusal: resent on every loop, it would keep the engine busy forever. Dropped,
-        # the executor would still hold ids that may come back (a recompute readmission,
-        # a client reusing its id) and refuse them. They ride on the next Execute.
-        log.error("executor_release_refused", pool_id=engine.pool_id, code=exc.status,
-                  details=exc.details, num=len(ids))
-        engine.releases_refused = True
+        try:
+            await self.link.release(list(ids))
+            ids.clear()
+        except CallFailed as exc:
+            if isinstance(exc, Lost):
+                # Kept: releasing is idempotent, and the executor may come back as the same
+                # instance, still holding them (a new instance ignores unknown ids).
+                self.recovery.lose_executor()
+                return
+            # A refusal: resent on every loop, it would keep the engine busy forever. Dropped,
+            # the executor would still hold ids that may come back (a recompute readmission,
+            # a client reusing its id) and refuse them. They ride on the next Execute.
+            log.error("executor_release_refused", pool_id=self.pool_id, code=exc.status,
+                      details=exc.details, num=len(ids))
+            self.releases_refused = True

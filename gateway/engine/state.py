@@ -1,8 +1,9 @@
 """One executor's engine, as data: its pool link, scheduler, batches in flight and what
 waits to be sent, with the operations every part of a step shares (emit, deliver, fail).
 
-The step loop (loop.py) is built on this; so are the parts of a step it calls (landing.py,
-side_calls.py, recovery.py), which therefore never import the loop.
+The engine class is built on this in layers (side_calls.py, landing.py, loop.py); its
+collaborators (recovery.py, orphans.py, hand_off.py, beams.py) work on it, so none of them
+imports the loop.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import itertools
 import secrets
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Protocol
 
 from common.errors import ServiceError
@@ -23,6 +24,7 @@ from gateway.core.finish_rules import FinishRules
 from gateway.core.request_state import CompletionDelta, Request, Sequence, emit_all
 from gateway.core.scheduler import Scheduler
 from gateway.engine.orphans import Orphans
+from gateway.engine.recovery import Recovery
 from gateway.engine.step_stats import StepStats
 
 
@@ -50,9 +52,10 @@ class EngineState:
     has_cancellations: bool = False
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     stats: StepStats = field(default_factory=StepStats)
-    allocator_down_since: float | None = None
     # How long requests wait for an allocator that does not answer before they fail.
-    allocator_retry_s: float = 10.0
+    allocator_retry_s: InitVar[float] = 10.0
+    # What the engine does when a call fails (recovery.py), with its record of the outage.
+    recovery: Recovery = field(init=False)
     # Ids the allocator may hold that no sequence tracks: aborted before the next Step.
     orphans: Orphans = field(default_factory=Orphans)
     # The executor refused a Release of its own: the ids wait for the next Execute to carry
@@ -87,6 +90,14 @@ class EngineState:
     # Hands its parked sequences to other engines (None: a lone engine, nothing moves).
     mover: Mover | None = None
 
+
+    def __post_init__(self, allocator_retry_s: float) -> None:
+        self.recovery = Recovery(self, retry_s=allocator_retry_s)
+
+    @property
+    def allocator_down_since(self) -> float | None:
+        """Since when the allocator has not answered this engine (None: it answers)."""
+        return self.recovery.down_since
 
     @property
     def pool_id(self) -> str:

@@ -23,6 +23,7 @@ from gateway.core.scheduler import Scheduler
 from gateway.core.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome, TableDelta
 from gateway.engine import recovery
 from gateway.engine.loop import Engine
+from gateway.engine.recovery import Recovery
 from gateway.engine.router import initial_sequences
 from gateway.metrics import EngineCollector, snapshot
 from gateway.text.detokenizer import Detokenizer
@@ -563,11 +564,11 @@ def test_engine_streams_outputs_before_pausing_for_a_lost_allocator(
     req = submit(eng, "u", [9] * 5, max_tokens=8)
     original = link.step
     queued_at_pause: list[int] = []
-    unreachable = recovery.allocator_unreachable
+    unreachable = Recovery.allocator_unreachable
 
-    async def pause(engine: Engine, exc: CallFailed) -> None:
+    async def pause(self: Recovery, exc: CallFailed) -> None:
         queued_at_pause.append(req.outputs.qsize())
-        await unreachable(engine, exc)
+        await unreachable(self, exc)
 
     async def lost_second(call: StepCall) -> StepOutcome:
         if link.num_steps == 1:
@@ -575,7 +576,7 @@ def test_engine_streams_outputs_before_pausing_for_a_lost_allocator(
             raise failure(grpc.StatusCode.UNAVAILABLE, "gone")
         return await original(call)
 
-    monkeypatch.setattr(recovery, "allocator_unreachable", pause)
+    monkeypatch.setattr(Recovery, "allocator_unreachable", pause)
     link.step = lost_second  # type: ignore[method-assign]
     asyncio.run(eng.step())
     asyncio.run(eng.step())
@@ -585,7 +586,7 @@ def test_engine_streams_outputs_before_pausing_for_a_lost_allocator(
 def test_engine_streams_outputs_before_moving_requests_elsewhere(tokenizer: Tokenizer):
     # The executor is lost mid-run: the tokens it computed reach the stream before the
     # requests are handed on (another executor continues after them), whether the loss
-    # shows on an Execute or anywhere else (recovery.lose_executor itself).
+    # shows on an Execute or anywhere else (Recovery.lose_executor itself).
     eng, link = engine(tokenizer, num_blocks=64, depth=1)
     req = submit(eng, "m", [6] * 5, max_tokens=8)
     handed_on: list[tuple[int, int]] = []
@@ -610,7 +611,7 @@ def test_engine_streams_outputs_before_moving_requests_elsewhere(tokenizer: Toke
     req2 = submit(eng2, "m2", [6] * 5, max_tokens=8)
     asyncio.run(eng2.step())
     eng2.on_lost = lambda seqs: handed_on.append((len(seqs), req2.outputs.qsize()))
-    recovery.lose_executor(eng2)
+    eng2.recovery.lose_executor()
     assert handed_on[-1] == (1, 1)
 
 

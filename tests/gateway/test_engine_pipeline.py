@@ -20,7 +20,6 @@ from gateway.clients.call_failures import failure
 from gateway.core.batch import ScheduledStep
 from gateway.core.request_state import Request, Sequence
 from gateway.core.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome
-from gateway.engine import recovery
 from gateway.engine.loop import Engine
 from gateway.text.tokenizer import Tokenizer
 
@@ -132,7 +131,7 @@ def test_an_executor_lost_while_the_next_step_was_out_hands_its_requests_on(
         while eng.healthy:
             await eng.step()
         assert not eng.in_flight
-        await recovery.abort_orphans(eng)
+        await eng.recovery.abort_orphans()
 
     asyncio.run(until_lost())
     assert [s.seq_id for s in handed_on] == ["a"]
@@ -297,7 +296,7 @@ def test_a_refused_call_has_its_housekeeping_sent_again(tokenizer: Tokenizer):
     eng, _ = engine(tokenizer, num_blocks=64)
     eng.scheduler.pending.executed_through = eng.scheduler.pending.sent_through = 5
     call = StepCall((Commit("b", 4),), (), ("a",), (), commit_through_step_id=5)
-    recovery.restore_housekeeping(eng, ScheduledStep(call=call, seqs={}))
+    eng.recovery.restore_housekeeping(ScheduledStep(call=call, seqs={}))
     pending = eng.scheduler.pending
     assert pending.commits == {"b": 4} and pending.abort_ids == ["a"]
     plan = eng.scheduler.schedule()
