@@ -34,31 +34,90 @@ from gateway.core.request_state import (
     Usage,
 )
 from gateway.core.seq_ids import beam_seq_id, num_beam_slots, wire_id
+from gateway.engine.side_calls import SideCalls
 from gateway.engine.state import EngineState
 
 log = structlog.get_logger(__name__)
 
 
-async def advance(engine: EngineState, landed: list[Sequence]) -> None:
-    """Beams whose batch landed: each search whose running beams all have candidates takes
-    its next step."""
-    requests = list(dict.fromkeys(seq.request for seq in landed))
-    for request in requests:
+class BeamSteps(SideCalls):
+    """Beam searches' steps (a base class of engine/loop.py's Engine, below its landing)."""
+
+    __slots__ = ()
+
+    async def advance_beams(self, landed: list[Sequence]) -> None:
+        """Beams whose batch landed: each search whose running beams all have candidates takes
+        its next step."""
+        requests = list(dict.fromkeys(seq.request for seq in landed))
+        for request in requests:
+            search = request.beam_search
+            assert search is not None, f"{request.request_id}: a beam without a search"
+            beams = [beam.handle for beam in search.running]
+            if search.done or request.cancelled or any(b.is_finished for b in beams):
+                continue
+            if any(b.waits_for_room and b.status is not SeqStatus.RUNNING for b in beams):
+                self.scheduler.set_aside_landed_beams(request)  # no blocks held meanwhile
+                continue
+            if any(b.beam_candidates is None for b in beams):
+                continue  # some are still computing (budgets, preemption)
+            candidates = [b.beam_candidates or () for b in beams]
+            for beam in beams:
+                beam.beam_candidates = None
+            selection = search.select(candidates, _Namer(self, {b.seq_id for b in beams}))
+            await self._apply_selection(request, search, selection)
+
+    async def _apply_selection(self, request: Request, search: BeamSearch[Sequence],
+                               selection: Selection[Sequence]) -> None:
+        scheduler = self.scheduler
+        for seq in selection.pruned:
+            scheduler.finish(seq)
+        if selection.done:
+            self._emit_results(request, search.results())
+            return
+        for parent, children in selection.forks:
+            if not await self._fork_beams(parent, children):
+                return
+        for seq, token in selection.appends:
+            seq.output_token_ids.append(token)
+
+    async def _fork_beams(self, parent: Sequence, children: list[Sequence]) -> bool:
+        """Children that share the parent's blocks, at the allocator and in the scheduler; on
+        failure the search fails (its running beams)."""
+        child_ids = [c.seq_id for c in children]
+        try:
+            with self.orphans.until_tracked(child_ids):
+                tables = await self.link.fork(parent.seq_id, child_ids, parent.request.request_id)
+                self.scheduler.fork(parent, children, tables, keep_parent=True)
+        except CallFailed as exc:
+            log.warning("beam_fork_failed", code=exc.status, details=exc.details)
+            self._fail_search(parent.request, Unavailable(f"beam fork failed ({exc.status})"))
+            return False
+        return True
+
+    def _fail_search(self, request: Request, error: Unavailable) -> None:
         search = request.beam_search
-        assert search is not None, f"{request.request_id}: a beam without a search"
-        beams = [beam.handle for beam in search.running]
-        if search.done or request.cancelled or any(b.is_finished for b in beams):
-            continue
-        if any(b.waits_for_room and b.status is not SeqStatus.RUNNING for b in beams):
-            engine.scheduler.set_aside_landed_beams(request)  # no blocks held meanwhile
-            continue
-        if any(b.beam_candidates is None for b in beams):
-            continue  # some are still computing (budgets, preemption)
-        candidates = [b.beam_candidates or () for b in beams]
-        for beam in beams:
-            beam.beam_candidates = None
-        selection = search.select(candidates, _Namer(engine, {b.seq_id for b in beams}))
-        await _apply(engine, request, search, selection)
+        assert search is not None
+        for beam in search.running:
+            if beam.handle.status is not SeqStatus.FINISHED:
+                self.fail(beam.handle, error)
+
+    def _emit_results(self, request: Request, hypotheses: list[Hypothesis]) -> None:
+        """The n best hypotheses, one final delta each, index 0 the best (their text is made
+        on the API's side, text/output.py)."""
+        for index, hypothesis in enumerate(hypotheses):
+            tokens = hypothesis.token_ids
+            self.outbox.append((request, CompletionDelta(
+                index=index, token_ids=tokens,
+                finish_reason=FinishReason.STOP if hypothesis.stopped else FinishReason.LENGTH,
+                usage=Usage(prompt_tokens=len(request.prompt_token_ids),
+                            completion_tokens=len(tokens),
+                            cached_prompt_tokens=request.num_cached_tokens or 0),
+            )))
+        self.deliver()
+        assert request.beam_search is not None
+        log.info("beam_search_finished", num_hypotheses=len(hypotheses),
+                 best_score=hypotheses[0].score if hypotheses else None,
+                 num_steps=request.beam_search.num_generated)
 
 
 @dataclass(slots=True)
@@ -84,60 +143,3 @@ class _Namer:
         # beam_width run, at most beam_width - 1 are forked, and the ids pruned in the step
         # before went out with the Step and the Execute that computed these beams.
         raise AssertionError(f"{request.request_id}: no free beam id")
-
-
-async def _apply(engine: EngineState, request: Request, search: BeamSearch[Sequence],
-                 selection: Selection[Sequence]) -> None:
-    scheduler = engine.scheduler
-    for seq in selection.pruned:
-        scheduler.finish(seq)
-    if selection.done:
-        _emit_results(engine, request, search.results())
-        return
-    for parent, children in selection.forks:
-        if not await _fork(engine, parent, children):
-            return
-    for seq, token in selection.appends:
-        seq.output_token_ids.append(token)
-
-
-async def _fork(engine: EngineState, parent: Sequence, children: list[Sequence]) -> bool:
-    """Children that share the parent's blocks, at the allocator and in the scheduler; on
-    failure the search fails (its running beams)."""
-    child_ids = [c.seq_id for c in children]
-    try:
-        with engine.orphans.until_tracked(child_ids):
-            tables = await engine.link.fork(parent.seq_id, child_ids, parent.request.request_id)
-            engine.scheduler.fork(parent, children, tables, keep_parent=True)
-    except CallFailed as exc:
-        log.warning("beam_fork_failed", code=exc.status, details=exc.details)
-        _fail_search(engine, parent.request, Unavailable(f"beam fork failed ({exc.status})"))
-        return False
-    return True
-
-
-def _fail_search(engine: EngineState, request: Request, error: Unavailable) -> None:
-    search = request.beam_search
-    assert search is not None
-    for beam in search.running:
-        if beam.handle.status is not SeqStatus.FINISHED:
-            engine.fail(beam.handle, error)
-
-
-def _emit_results(engine: EngineState, request: Request, hypotheses: list[Hypothesis]) -> None:
-    """The n best hypotheses, one final delta each, index 0 the best (their text is made
-    on the API's side, text/output.py)."""
-    for index, hypothesis in enumerate(hypotheses):
-        tokens = hypothesis.token_ids
-        engine.outbox.append((request, CompletionDelta(
-            index=index, token_ids=tokens,
-            finish_reason=FinishReason.STOP if hypothesis.stopped else FinishReason.LENGTH,
-            usage=Usage(prompt_tokens=len(request.prompt_token_ids),
-                        completion_tokens=len(tokens),
-                        cached_prompt_tokens=request.num_cached_tokens or 0),
-        )))
-    engine.deliver()
-    assert request.beam_search is not None
-    log.info("beam_search_finished", num_hypotheses=len(hypotheses),
-             best_score=hypotheses[0].score if hypotheses else None,
-             num_steps=request.beam_search.num_generated)

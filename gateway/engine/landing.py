@@ -16,11 +16,10 @@ import time
 from gateway.clients.call_failures import CallFailed
 from gateway.core.batch import Batch, InFlight, Landed
 from gateway.core.request_state import SeqStatus
-from gateway.engine import beams
-from gateway.engine.side_calls import SideCalls
+from gateway.engine.beams import BeamSteps
 
 
-class Landing(SideCalls):
+class Landing(BeamSteps):
     """The engine's batches in flight (a base class of engine/loop.py's Engine)."""
 
     __slots__ = ()
@@ -79,7 +78,7 @@ class Landing(SideCalls):
                 self.emit(seq, token)
         self.deliver()
         if landed_beams and fork:
-            await beams.advance(self, landed_beams)
+            await self.advance_beams(landed_beams)
         parents = self.scheduler.ready_to_fork(landed.batch) if fork else []
         for parent in parents:
             await self.fork_children(parent)

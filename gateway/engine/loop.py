@@ -17,10 +17,11 @@ the request and wakes the loop; RPC handlers, on the API's loop, reach it throug
 
 One engine class, built up in layers that never import this loop: its state and the
 operations every part of a step shares (state.py), its calls off the hot path (side_calls.py:
-Fork, idle Free/Abort/Release), its batches in flight (landing.py), then the loop here. Its
-collaborators keep their own state: `recovery` (recovery.py: what happens when a call fails,
-and the allocator's outage), `orphans` (orphans.py: what the allocator may hold after a call
-whose outcome is unknown), `mover` (hand_off.py) and beam search (beams.py).
+Fork, idle Free/Abort/Release), beam searches' steps (beams.py), its batches in flight
+(landing.py), then the loop here. Its collaborators keep their own state: `recovery`
+(recovery.py: what happens when a call fails, and the allocator's outage), `orphans`
+(orphans.py: what the allocator may hold after a call whose outcome is unknown) and `mover`
+(hand_off.py).
 """
 
 from __future__ import annotations

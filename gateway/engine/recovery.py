@@ -66,7 +66,6 @@ class Recovery:
     def allocator_answered(self) -> None:
         self.down_since = None
 
-
     async def allocator_step_failed(self, plan: ScheduledStep, exc: CallFailed) -> None:
         log.warning("allocator_step_failed", pool_id=self.engine.pool_id, code=exc.status,
                     details=exc.details)
@@ -83,7 +82,6 @@ class Recovery:
         self.restore_housekeeping(plan)
         self.engine.fail_all(Unavailable(f"allocator step failed ({exc.status}): {exc.details}"))
 
-
     async def allocator_unreachable(self, exc: CallFailed) -> None:
         """Pause before the next try; past the engine's allocator_retry_s, what waits fails with
         UNAVAILABLE."""
@@ -98,7 +96,6 @@ class Recovery:
             self.down_since = now
         await asyncio.sleep(RETRY_PAUSE_S)
 
-
     async def abort_orphans(self) -> bool:
         """Before the next Step: True once the allocator holds nothing we lost track of."""
         exc = await self.engine.orphans.abort(self.engine.link)
@@ -110,7 +107,6 @@ class Recovery:
         await self.allocator_unreachable(exc)
         return False
 
-
     def restore_housekeeping(self, plan: ScheduledStep) -> None:
         """The call was refused, so nothing was applied: its commits, frees and aborts ride on
         the next one, and so does its commit_through_step_id (idempotent)."""
@@ -120,7 +116,6 @@ class Recovery:
         pending.free_ids[:0] = plan.call.free_request_ids
         pending.abort_ids[:0] = plan.call.abort_request_ids
         pending.sent_through = 0
-
 
     def execute_failed(
         self, batch: Batch, exc: CallFailed, after_failure: bool = False
@@ -152,7 +147,6 @@ class Recovery:
             if not seq.is_finished and seq not in recomputed:
                 self.engine.fail(seq, error)  # (depth 2: one ended by the outputs taken meanwhile)
 
-
     def lose_executor(self) -> None:
         """The executor is gone: everything it ran goes elsewhere; reconnect in the background."""
         self.engine.abandon_in_flight()  # a batch launched ahead of the failed one is not awaited
@@ -162,7 +156,6 @@ class Recovery:
         seqs = self.engine.scheduler.evict_all()
         log.warning("executor_lost", pool_id=self.engine.pool_id, num_requeued=len(seqs))
         self.engine.on_lost([s for s in seqs if not s.request.cancelled])
-
 
     def step_crashed(self, plan: ScheduledStep | None, batch: Batch | None) -> None:
         """A bug interrupted a step anywhere: what the allocator and the executor hold is
@@ -175,7 +168,6 @@ class Recovery:
             f"executor {self.engine.pool_id}: internal gateway error (see its log)")
         for seq in self.engine.scheduler.evict_all():
             self.engine.fail(seq, error)
-
 
     async def probe_idle(self) -> None:
         """An idle engine's check of its executor: one gone, hung or restarted is lost now, so
@@ -193,7 +185,6 @@ class Recovery:
             log.warning("executor_restarted_while_idle", pool_id=self.engine.pool_id)
             self.lose_executor()  # reconnecting registers the new instance: its pool is reset
 
-
     async def reconnect(self) -> None:
         """A lost executor: try again every second; a restarted one resets its pool."""
         await asyncio.sleep(RECONNECT_INTERVAL_S)
@@ -209,7 +200,6 @@ class Recovery:
         self.engine.healthy = True
         log.info("executor_reconnected", pool_id=self.engine.pool_id)
 
-
     async def register_again(self) -> None:
         """The lease was replaced (the allocator may have restarted): register the pool again
         now, not when the next request comes, so that the allocator (its stats, routing by
@@ -224,7 +214,6 @@ class Recovery:
         self.engine.orphans.clear()  # a new lease: the allocator holds nothing of ours
         # It answered: routing may choose this pool again (an idle engine has no Step to say so).
         self.down_since = None
-
 
     async def reregister(self, plan: ScheduledStep | None = None) -> None:
         """The allocator no longer knows our pool, epoch, lease or some request: register
@@ -247,12 +236,10 @@ class Recovery:
         self.engine.orphans.note_held(self.engine.scheduler, plan)
         self.readmit_all("pool_resync")
 
-
     def allocator_forgot(self, why: str) -> None:
         """A new pool epoch or a new lease: the allocator dropped every request we had."""
         self.engine.orphans.clear()
         self.readmit_all(why)
-
 
     def readmit_all(self, why: str) -> None:
         """Start every sequence over (the executor releases them); the caller has made sure the

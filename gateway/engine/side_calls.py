@@ -43,7 +43,6 @@ class SideCalls(EngineState):
             log.warning("fork_failed", code=exc.status, details=exc.details)
             self.fail(parent, Unavailable(f"fork failed ({exc.status})"))
 
-
     async def flush_housekeeping(self, plan: ScheduledStep) -> None:
         """An idle engine: aborts, then frees and commits, go out without a step.
 
@@ -71,7 +70,6 @@ class SideCalls(EngineState):
                 self.recovery.restore_housekeeping(plan)
                 await asyncio.sleep(recovery.RETRY_PAUSE_S)
         await self.flush_releases()
-
 
     async def flush_releases(self) -> None:
         """Executor releases with no Execute to ride on."""

@@ -1,9 +1,8 @@
 """One executor's engine, as data: its pool link, scheduler, batches in flight and what
 waits to be sent, with the operations every part of a step shares (emit, deliver, fail).
 
-The engine class is built on this in layers (side_calls.py, landing.py, loop.py); its
-collaborators (recovery.py, orphans.py, hand_off.py, beams.py) work on it, so none of them
-imports the loop.
+The engine class is built on this in layers (side_calls.py, beams.py, landing.py, loop.py);
+its collaborators (recovery.py, orphans.py, hand_off.py) work on it; none imports the loop.
 """
 
 from __future__ import annotations
