@@ -80,12 +80,12 @@ def step_call(msg: pb.StepRequest) -> StepCall:
         items=step_items(msg),
         mode=preemption_mode(msg.preemption_mode),
         commits=commits(msg.commits),
-        free_ids=list(msg.free_request_ids),
-        abort_ids=list(msg.abort_request_ids),
+        free_request_ids=list(msg.free_request_ids),
+        abort_request_ids=list(msg.abort_request_ids),
         appends=appends,
-        decode_ids=list(msg.decode_request_ids),
+        decode_request_ids=list(msg.decode_request_ids),
         step_id=msg.step_id,
-        commit_through=msg.commit_through_step_id,
+        commit_through_step_id=msg.commit_through_step_id,
     )
 
 

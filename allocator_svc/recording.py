@@ -159,9 +159,10 @@ class Recorder:
         return [held[i] for i in request_ids if i in held]
 
     def before_step(self, pools: Mapping[str, Pool], call: StepCall) -> list[Request]:
-        if not (call.free_ids or call.abort_ids):
+        if not (call.free_request_ids or call.abort_request_ids):
             return []  # most steps
-        return self.before_free(pools, call.pool_id, (*call.free_ids, *call.abort_ids))
+        released = (*call.free_request_ids, *call.abort_request_ids)
+        return self.before_free(pools, call.pool_id, released)
 
     def step(self, pool: Pool, call: StepCall, result: StepResult,
              ending: list[Request]) -> None:
@@ -173,7 +174,7 @@ class Recorder:
                 self._step(pool, call, result, ending)
                 return
             # Most steps: decodes only. One line, formatted inline (this is the hot path).
-            rows = len(call.items) + len(call.decode_ids)
+            rows = len(call.items) + len(call.decode_request_ids)
             key = self.pool_keys.get(call.pool_id) or self._pool(call.pool_id)
             used = pool.config.num_blocks - pool.blocks.num_free
             if not self.file.write(f'{{"k":"step","t":{self.clock() - self.origin:.4f},'
@@ -225,7 +226,7 @@ class Recorder:
     def _step(self, pool: Pool, call: StepCall, result: StepResult,
               ending: list[Request]) -> None:
         """A step that admits, defers, preempts, swaps or ends requests: the general line."""
-        rows = len(call.items) + len(call.decode_ids)
+        rows = len(call.items) + len(call.decode_request_ids)
         parts = [f'{{"k":"step","t":{self._now()},"pool":{self._pool(call.pool_id)},'
                  f'"rows":{rows},"used":{pool.config.num_blocks - pool.blocks.num_free},'
                  f'"tokens":{_tokens(call, result, rows)}']
@@ -255,7 +256,7 @@ class Recorder:
         if result.swapped_in:
             parts.append(',"in":[' + ",".join(map(_quote, result.swapped_in)) + "]")
         if ending:
-            aborted = set(call.abort_ids)
+            aborted = set(call.abort_request_ids)
             parts.append(',"end":[' + ",".join(
                 self._end(r, "a" if r.request_id in aborted else "f") for r in ending) + "]")
         parts.append("}\n")

@@ -32,7 +32,7 @@ def debug_enabled() -> bool:
 
 def step_applied(pool_id: str, call: StepCall, result: StepResult) -> None:
     """What one Step did to its requests."""
-    for seq_id in call.abort_ids:
+    for seq_id in call.abort_request_ids:
         log.info("request_aborted", pool_id=pool_id, **_ids(seq_id))
     for preemption in result.preempted:
         log.info("request_preempted", pool_id=pool_id, mode=preemption.mode.value,
@@ -41,7 +41,7 @@ def step_applied(pool_id: str, call: StepCall, result: StepResult) -> None:
         log.info("request_swapped_in", pool_id=pool_id, **_ids(seq_id))
     if not debug_enabled():
         return
-    for seq_id in call.free_ids:
+    for seq_id in call.free_request_ids:
         log.debug("request_freed", pool_id=pool_id, **_ids(seq_id))
     for grant in result.grants:
         if grant.new_request:

@@ -63,14 +63,14 @@ def decode_step_us(num_running: int, num_steps: int, columns: bool = False) -> l
         # Each step confirms the one before, as the gateway's do.
         step_id = token + 2
         if columns:
-            allocator.step(StepCall("bench", epoch, lease, decode_ids=list(ids),
+            allocator.step(StepCall("bench", epoch, lease, decode_request_ids=list(ids),
                                     appends=Appends(list(ids), [token] * num_running),
-                                    step_id=step_id, commit_through=step_id - 1))
+                                    step_id=step_id, commit_through_step_id=step_id - 1))
         else:
             items = [StepItem(r, 1) for r in ids]
             allocator.step(StepCall("bench", epoch, lease, items, step_id=step_id,
                                     appends=Appends(list(ids), [token] * num_running),
-                                    commit_through=step_id - 1))
+                                    commit_through_step_id=step_id - 1))
         samples.append((time.perf_counter() - start) * 1e6)
     return samples
 

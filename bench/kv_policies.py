@@ -107,7 +107,7 @@ class PagedPolicy:
         if not items and not decode_ids:
             return StepOutcome()
         result = self.allocator.step(
-            StepCall("sim", self.pool.epoch, None, items, decode_ids=decode_ids,
+            StepCall("sim", self.pool.epoch, None, items, decode_request_ids=decode_ids,
                      appends=Appends(decode_ids, [0] * len(decode_ids))))
         outcome = StepOutcome()
         deferred = set(result.deferred)

@@ -106,20 +106,21 @@ class Allocator:
         pool = self.pools.get(call.pool_id)
         if pool is None or pool.epoch != call.epoch:
             pool = self.pool(call.pool_id, call.epoch)  # raises, with the message
-        items, decode_ids, lease_id = call.items, call.decode_ids, call.lease_id
-        commits, free_ids, abort_ids = call.commits, call.free_ids, call.abort_ids
+        items, decode_ids, lease_id = call.items, call.decode_request_ids, call.lease_id
+        commits, free_ids, abort_ids = call.commits, call.free_request_ids, call.abort_request_ids
         appends = call.appends if call.appends is not None and (
             call.appends.request_ids or call.appends.token_ids) else None
         num_items = len(items) + len(decode_ids)
-        if not (num_items or commits or free_ids or abort_ids or appends or call.commit_through):
+        commit_through = call.commit_through_step_id
+        if not (num_items or commits or free_ids or abort_ids or appends or commit_through):
             raise InvalidArgument("empty step: send at least one item, commit, free or abort")
         if num_items > self.limits.max_batch_items:
             raise InvalidArgument(
                 f"{num_items} items exceed the maximum batch of {self.limits.max_batch_items}"
             )
         scheduled = pool.scheduled
-        if call.step_id or call.commit_through:
-            scheduled.check(lease_id, call.step_id, call.commit_through)
+        if call.step_id or commit_through:
+            scheduled.check(lease_id, call.step_id, commit_through)
         if lease_id is not None:
             self._live_lease(lease_id)
             # Every request named must be this lease's (new ones are admitted into it; the
@@ -155,8 +156,8 @@ class Allocator:
             assert appends is not None
             # (C-level: each request's list.append with its value; the hot path.)
             list(map(list.append, map(_TOKENS, appended), appends.token_ids))
-        if call.commit_through:
-            scheduled.commit_through(pool, lease_id, call.commit_through, frozenset(abort_ids))
+        if commit_through:
+            scheduled.commit_through(pool, lease_id, commit_through, frozenset(abort_ids))
         for commit in commits:
             pool.commit(pool.requests[commit.request_id], commit.num_computed)
         if released:

@@ -51,9 +51,9 @@ class Appends:
 class StepCall:
     """One Step: everything a caller asks of one pool in one scheduling step.
 
-    Applied in this order: appends, commits through `commit_through` (its lease's numbered
-    steps), `commits`, frees, aborts; then scheduling in priority order: `decode_ids` (one
-    more token each), `items`."""
+    Applied in this order: appends, commits through `commit_through_step_id` (its lease's
+    numbered steps), `commits`, frees, aborts; then scheduling in priority order:
+    `decode_request_ids` (one more token each), `items`. (The names are the proto's.)"""
 
     pool_id: str
     epoch: int
@@ -61,12 +61,12 @@ class StepCall:
     items: list[StepItem] = field(default_factory=list)
     mode: PreemptionMode = PreemptionMode.RECOMPUTE
     commits: list[Commit] = field(default_factory=list)
-    free_ids: list[str] = field(default_factory=list)
-    abort_ids: list[str] = field(default_factory=list)
+    free_request_ids: list[str] = field(default_factory=list)
+    abort_request_ids: list[str] = field(default_factory=list)
     appends: Appends | None = None
-    decode_ids: list[str] = field(default_factory=list)
-    step_id: int = 0  # increasing per lease; 0: nothing kept for commit_through
-    commit_through: int = 0  # every numbered step up to this one executed
+    decode_request_ids: list[str] = field(default_factory=list)
+    step_id: int = 0  # increasing per lease; 0: nothing kept for commit_through_step_id
+    commit_through_step_id: int = 0  # every numbered step up to this one executed
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +100,8 @@ class StepResult:
         self.swap_out: list[BlockCopy] = []
         self.swap_in: list[BlockCopy] = []
         self.swapped_in: list[str] = []  # requests brought back from CPU blocks
-        # Decodes (the `decode_ids` column) that reached a block boundary and got one fresh block
-        # at table index `appended_indexes[i]`: their grants, in columns.
+        # Decodes (the `decode_request_ids` column) that reached a block boundary and got one
+        # fresh block at table index `appended_indexes[i]`: their grants, in columns.
         self.appended_request_ids: list[str] = []
         self.appended_block_ids: list[int] = []
         self.appended_indexes: list[int] = []

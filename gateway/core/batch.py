@@ -20,8 +20,8 @@ class Pending:
     """Work that rides on the next allocator call (commits, frees, aborts) or Execute."""
 
     commits: dict[str, int] = field(default_factory=dict)
-    free_ids: list[str] = field(default_factory=list)
-    abort_ids: list[str] = field(default_factory=list)
+    free_request_ids: list[str] = field(default_factory=list)
+    abort_request_ids: list[str] = field(default_factory=list)
     release_ids: list[str] = field(default_factory=list)
     # The newest step whose batch executed (landed with its tokens): every Step, and an idle
     # engine's Free, says "commit every step up to it" (idempotent). A failed batch's steps
@@ -32,7 +32,7 @@ class Pending:
 
     def has_allocator_work(self) -> bool:
         return bool(
-            self.commits or self.free_ids or self.abort_ids
+            self.commits or self.free_request_ids or self.abort_request_ids
             or self.executed_through > self.sent_through
         )
 

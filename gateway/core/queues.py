@@ -119,7 +119,7 @@ class SequenceQueues:
         the prefix cache), and release it at the executor."""
         if seq.known_to_allocator:
             self.pending.commits[seq.seq_id] = seq.num_computed_tokens
-            self.pending.free_ids.append(seq.seq_id)
+            self.pending.free_request_ids.append(seq.seq_id)
             seq.known_to_allocator = False
         self.release(seq)
 
@@ -131,7 +131,7 @@ class SequenceQueues:
         seq.status = SeqStatus.FINISHED
         self.pending.commits.pop(seq.seq_id, None)
         if seq.known_to_allocator:
-            self.pending.abort_ids.append(seq.seq_id)
+            self.pending.abort_request_ids.append(seq.seq_id)
             seq.known_to_allocator = False
         self.release(seq)
 
@@ -140,7 +140,7 @@ class SequenceQueues:
         queued for it may reach the allocator (it would name an unknown request)."""
         pending = self.pending
         pending.commits.pop(seq.seq_id, None)
-        for ids in (pending.free_ids, pending.abort_ids):
+        for ids in (pending.free_request_ids, pending.abort_request_ids):
             if seq.seq_id in ids:
                 ids.remove(seq.seq_id)
 
@@ -150,7 +150,7 @@ class SequenceQueues:
         pending = self.pending
         pending.commits.pop(seq.seq_id, None)
         if seq.known_to_allocator:
-            pending.abort_ids.append(seq.seq_id)
+            pending.abort_request_ids.append(seq.seq_id)
         self.release(seq)
         for queue in (self.running, self.swapped, self.parking.parked, self.waiting):
             if seq in queue:

@@ -174,8 +174,8 @@ class Scheduler(SequenceQueues, BatchLanding):
         appends = plan.appends
         call = StepCall(
             commits=tuple(Commit(k, v) for k, v in pending.commits.items()),
-            free_request_ids=tuple(pending.free_ids),
-            abort_request_ids=tuple(pending.abort_ids),
+            free_request_ids=tuple(pending.free_request_ids),
+            abort_request_ids=tuple(pending.abort_request_ids),
             items=tuple(plan.items),
             swap=self.swap,
             decode_request_ids=tuple(plan.decode_ids),
@@ -187,8 +187,8 @@ class Scheduler(SequenceQueues, BatchLanding):
         )
         pending.sent_through = pending.executed_through
         pending.commits.clear()
-        pending.free_ids.clear()
-        pending.abort_ids.clear()
+        pending.free_request_ids.clear()
+        pending.abort_request_ids.clear()
         return ScheduledStep(call=call, seqs=plan.seqs, appends=appends.rows if has_items else [])
 
     def apply_outcome(self, step: ScheduledStep, outcome: StepOutcome) -> Batch:

@@ -132,7 +132,7 @@ class _Namer:
         request = parent.request
         assert request.sampling.beam is not None, f"{parent.seq_id} is not a beam"
         pending = self.engine.scheduler.pending
-        busy = {*pending.free_ids, *pending.abort_ids, *pending.release_ids,
+        busy = {*pending.free_request_ids, *pending.abort_request_ids, *pending.release_ids,
                 *self.engine.orphans.ids}
         rid = wire_id(request.id_namespace, request.request_id)
         for slot in range(num_beam_slots(request.sampling.beam.beam_width)):

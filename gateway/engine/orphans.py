@@ -54,8 +54,8 @@ class Orphans:
         step whose outcome is unknown) becomes an orphan; the sequences then start over."""
         ids = self.ids
         ids.update(s.seq_id for s in scheduler.sequences() if s.known_to_allocator)
-        ids.update(scheduler.pending.free_ids)
-        ids.update(scheduler.pending.abort_ids)
+        ids.update(scheduler.pending.free_request_ids)
+        ids.update(scheduler.pending.abort_request_ids)
         if plan is not None:
             ids.update(plan.call.free_request_ids)
             ids.update(plan.call.abort_request_ids)

@@ -113,8 +113,8 @@ class Recovery:
         pending = self.engine.scheduler.pending
         for commit in plan.call.commits:
             pending.commits.setdefault(commit.request_id, commit.num_computed_tokens)
-        pending.free_ids[:0] = plan.call.free_request_ids
-        pending.abort_ids[:0] = plan.call.abort_request_ids
+        pending.free_request_ids[:0] = plan.call.free_request_ids
+        pending.abort_request_ids[:0] = plan.call.abort_request_ids
         pending.sent_through = 0
 
     def execute_failed(

@@ -80,12 +80,12 @@ class Harness:
             rows,
             self.mode,
             commits=[Commit(k, v) for k, v in (commits or {}).items()],
-            free_ids=free or [],
-            abort_ids=abort or [],
+            free_request_ids=free or [],
+            abort_request_ids=abort or [],
             appends=Appends(ids, tokens) if ids else None,
-            decode_ids=decode_ids or [],
+            decode_request_ids=decode_ids or [],
             step_id=step_id,
-            commit_through=commit_through,
+            commit_through_step_id=commit_through,
         ))
         self.allocator.check_invariants()
         return result

@@ -184,9 +184,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             mode,
             [] if commit_previous else commits,
             appends=Appends(appended, [self.requests[r].tokens[-1] for r in appended]),
-            decode_ids=decode_ids,
+            decode_request_ids=decode_ids,
             step_id=self.step_id,
-            commit_through=self.step_id - 1 if commit_previous else 0,
+            commit_through_step_id=self.step_id - 1 if commit_previous else 0,
         ))
         self._apply(result, scheduled, items)
 

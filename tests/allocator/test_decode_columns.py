@@ -130,11 +130,11 @@ def test_columns_and_items_agree(operations):
             mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
             step_id += 1
             common = dict(mode=mode, step_id=step_id, appends=Appends(ids, toks),
-                          commit_through=step_id - 1 if commit_previous else 0,
-                          **{"abort_ids" if abort else "free_ids": released})
+                          commit_through_step_id=step_id - 1 if commit_previous else 0,
+                          **{"abort_request_ids" if abort else "free_request_ids": released})
             as_items = [StepItem(r, 1) for r in ids]
             calls = [
-                (columns, dict(decode_ids=ids, items=chunks, **common)),
+                (columns, dict(decode_request_ids=ids, items=chunks, **common)),
                 (items, dict(items=as_items + chunks, **common)),
             ]
         elif op[0] == "free":
@@ -174,8 +174,8 @@ def _decode_columns_harness():
 
 def _columns(h, ids, tokens, items=(), free=()):
     return h.allocator.step(StepCall(
-        "pool-a", h.pool.epoch, None, list(items), free_ids=list(free),
-        decode_ids=list(ids), appends=Appends(list(ids), list(tokens)),
+        "pool-a", h.pool.epoch, None, list(items), free_request_ids=list(free),
+        decode_request_ids=list(ids), appends=Appends(list(ids), list(tokens)),
     ))
 
 
@@ -253,7 +253,7 @@ def test_a_decode_only_step_checks_its_lease_and_the_batch_limit():
     before = _state(pool)
 
     def decode(ids: list[str]) -> StepResult:
-        return allocator.step(StepCall("p", pool.epoch, lease, decode_ids=ids,
+        return allocator.step(StepCall("p", pool.epoch, lease, decode_request_ids=ids,
                                        appends=Appends(ids, [3] * len(ids))))
 
     with pytest.raises(InvalidArgument, match="3 items exceed the maximum batch of 2"):

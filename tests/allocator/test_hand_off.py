@@ -143,11 +143,12 @@ def test_hand_off_then_decodes_and_commits_through_a_later_step():
     tokens = list(range(50, 62))
     hand_off(h, "h", tokens)
     assert h.table("h") == [0, 1, 2]
-    result = h.allocator.step(StepCall("pool-a", h.pool.epoch, None, decode_ids=["h"],
+    result = h.allocator.step(StepCall("pool-a", h.pool.epoch, None, decode_request_ids=["h"],
                                        step_id=1))
     assert (result.appended_request_ids, result.appended_block_ids) == (["h"], [3])
-    h.allocator.step(StepCall("pool-a", h.pool.epoch, None, decode_ids=["h"],
-                              appends=Appends(["h", "h"], [6, 7]), step_id=2, commit_through=1))
+    h.allocator.step(StepCall("pool-a", h.pool.epoch, None, decode_request_ids=["h"],
+                              appends=Appends(["h", "h"], [6, 7]), step_id=2,
+                              commit_through_step_id=1))
     h.allocator.check_invariants()
     request = h.pool.requests["h"]
     assert request.token_ids == tokens + [6, 7] and request.num_computed == 14

@@ -42,7 +42,7 @@ def _step(h: Harness, lease: str, **kwargs) -> None:
         "pool-a", h.pool.epoch, lease, items, PreemptionMode.RECOMPUTE,
         kwargs.get("commits", []), kwargs.get("free", []), kwargs.get("abort", []),
         appends, list(decodes or ()), step_id=kwargs.get("step_id", 0),
-        commit_through=kwargs.get("commit_through", 0),
+        commit_through_step_id=kwargs.get("commit_through", 0),
     ))
 
 

@@ -164,12 +164,12 @@ class OverlapMachine(RuleBasedStateMachine):
             self.lease_id,
             items,
             PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE,
-            free_ids=free_ids,
-            abort_ids=abort_ids,
+            free_request_ids=free_ids,
+            abort_request_ids=abort_ids,
             appends=Appends(append_ids, append_tokens),
-            decode_ids=decode_ids,
+            decode_request_ids=decode_ids,
             step_id=self.step_id,
-            commit_through=commit_through,
+            commit_through_step_id=commit_through,
         ))
         for request_id, num in sent.items():
             self.requests[request_id].known_to_allocator += num

@@ -35,7 +35,8 @@ def test_a_tenant_at_its_quota_waits_while_another_is_admitted_behind_it():
     assert result.deferred == ["a3"]
     # Still at its quota: a3 waits again; once a1 is freed, it gets in.
     assert allocator.step(StepCall("p", epoch, lease, [_new("a3", "a", 8)])).deferred == ["a3"]
-    result = allocator.step(StepCall("p", epoch, lease, [_new("a3", "a", 8)], free_ids=["a1"]))
+    result = allocator.step(StepCall("p", epoch, lease, [_new("a3", "a", 8)],
+                                     free_request_ids=["a1"]))
     assert [g.request_id for g in result.grants] == ["a3"] and not result.deferred
     allocator.check_invariants()
 
@@ -53,8 +54,8 @@ def test_forked_children_count_against_their_parents_tenant():
     allocator, epoch, lease = _allocator(quota=4)
     allocator.step(StepCall("p", epoch, lease, [_new("parent", "a", 16)]))
     allocator.fork("p", epoch, "parent", ["c0", "c1"], lease)
-    allocator.step(StepCall("p", epoch, lease, free_ids=["parent"],
-                            commits=[], abort_ids=[], items=[_new("b1", "b", 4)]))
+    allocator.step(StepCall("p", epoch, lease, free_request_ids=["parent"],
+                            commits=[], abort_request_ids=[], items=[_new("b1", "b", 4)]))
     assert {r.tenant for r in allocator.pools["p"].requests.values()} == {"a", "b"}
     assert allocator.step(StepCall("p", epoch, lease, [_new("a2", "a", 4)])).deferred == ["a2"]
 

@@ -298,7 +298,7 @@ def test_a_refused_call_has_its_housekeeping_sent_again(tokenizer: Tokenizer):
     call = StepCall((Commit("b", 4),), (), ("a",), (), commit_through_step_id=5)
     eng.recovery.restore_housekeeping(ScheduledStep(call=call, seqs={}))
     pending = eng.scheduler.pending
-    assert pending.commits == {"b": 4} and pending.abort_ids == ["a"]
+    assert pending.commits == {"b": 4} and pending.abort_request_ids == ["a"]
     plan = eng.scheduler.schedule()
     assert plan is not None and plan.call.commit_through_step_id == 5
 

@@ -285,7 +285,7 @@ def test_scheduler_abort_of_waiting_request_sends_nothing():
     a = add(sched, request("a", [1, 2]))[0]
     sched.abort(a)
     assert sched.schedule() is None
-    assert not sched.pending.abort_ids and not sched.pending.release_ids
+    assert not sched.pending.abort_request_ids and not sched.pending.release_ids
 
 
 def test_scheduler_fork_replaces_parent_with_children_sharing_its_table():
@@ -599,7 +599,7 @@ def test_scheduler_a_sequence_ending_while_the_allocator_preempts_it_sends_it_no
     sched.finish(b)  # its sampled token was a stop token
     second = sched.apply_outcome(plan, outcome)
     assert b.is_finished and b not in sched.waiting
-    assert "b" not in sched.pending.free_ids and "b" not in sched.pending.commits
+    assert "b" not in sched.pending.free_request_ids and "b" not in sched.pending.commits
     sched.launch(second)
     plan = sched.schedule(in_flight=True)
     assert plan is not None
@@ -688,7 +688,7 @@ def test_scheduler_a_sequence_started_over_then_preempted_is_queued_once(swapped
     sched.apply_outcome(plan, StepOutcome(preempted=(Preemption("b", swapped=swapped),)))
     assert list(sched.waiting) == [b] and not sched.running and not sched.swapped
     assert b.status is SeqStatus.WAITING and not b.known_to_allocator
-    assert ("b" in sched.pending.abort_ids) == swapped
+    assert ("b" in sched.pending.abort_request_ids) == swapped
 
 
 def test_a_tenant_at_its_block_quota_stands_aside_for_other_tenants():
