@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from e2e_stack import Streamed, generate, prompts, sampling, start_stack
+from e2e_stack import Streamed, generate, prompts, sampling, start_simulated_stack
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
@@ -20,7 +20,8 @@ from tools.launch import Stack
 
 NUM_STREAMS = 8
 MAX_TOKENS = 300
-EXECUTOR_ARGS = ("--load-format", "dummy", "--num-blocks", "512")
+# Simulated executors: what is tested is the gateway's shutdown, not the model's numbers.
+EXECUTOR_ARGS = ("--num-blocks", "512", "--time-scale", "0.3")  # steps of a few ms
 
 
 def _streams(stack: Stack) -> tuple[list[threading.Thread], list[dict[int, Streamed] | str]]:
@@ -60,8 +61,9 @@ def test_sigterm_lets_the_streams_in_flight_finish_and_refuses_new_ones(tmp_path
     # turns NOT_SERVING and a new request is UNAVAILABLE, naming the shutdown; every stream
     # started before the signal still gets all its tokens; the gateway exits 0 in the grace.
     grace_s = 90.0
-    stack = start_stack(tmp_path, executor_args=EXECUTOR_ARGS,
-                        gateway_args=("--shutdown-grace-s", str(grace_s), "--max-num-seqs", "2"))
+    stack = start_simulated_stack(
+        tmp_path, executor_args=EXECUTOR_ARGS,
+        gateway_args=("--shutdown-grace-s", str(grace_s), "--max-num-seqs", "2"))
     try:
         threads, results = _streams(stack)
         gateway = stack.by_name("gateway").process
@@ -93,8 +95,9 @@ def test_sigterm_lets_the_streams_in_flight_finish_and_refuses_new_ones(tmp_path
 def test_sigterm_ends_what_outlasts_the_grace_with_unavailable(tmp_path: Path):
     # A grace of 1 s against streams that need longer: those still open at its end get
     # UNAVAILABLE saying why (not a cut connection), and the gateway still exits 0.
-    stack = start_stack(tmp_path, executor_args=EXECUTOR_ARGS,
-                        gateway_args=("--shutdown-grace-s", "1", "--max-num-seqs", "1"))
+    stack = start_simulated_stack(
+        tmp_path, executor_args=EXECUTOR_ARGS,
+        gateway_args=("--shutdown-grace-s", "1", "--max-num-seqs", "1"))
     try:
         threads, results = _streams(stack)
         gateway = stack.by_name("gateway").process
