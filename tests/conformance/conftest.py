@@ -1,12 +1,13 @@
 """Executor conformance: the contract of pagedkv.executor.v1, checked over gRPC only.
 
     make conformance EXECUTOR_ADDR=host:port      # an executor you run (yours or ours)
-    pytest -q tests/conformance                   # no address: starts ours as a subprocess
+    pytest -q tests/conformance                   # no address: starts ours as subprocesses
 
 KV hand-off (ImportKV from one executor to another, test_executor_handoff.py) needs a second
 executor of the same model, block size and layout: `--executor-addr-2 host:port` (or
 EXECUTOR_ADDR_2); with one address only, the cases that move a request between two
-executors skip, saying so. Without any address the suite starts a second one of ours.
+executors skip, saying so. Without any address the suite runs twice, each time against two
+executors of ours it starts: the real one (`[real]`), then the simulated one (`[simulated]`).
 
 The suite plays the gateway: its calls carry `authorization: Bearer $PAGEDKV_ROLE_TOKEN` (the
 gateway's role token) when that variable is set, and ExportKV, another executor's call, carries
@@ -125,33 +126,31 @@ class Executor:
             self.held.pop(rid, None)
 
 
+# The executors the suite starts when given no address: this project's, and its simulated one
+# (which passes all but the two cases about logits processors' numerics, skipped saying why).
+LOCAL_KINDS = {
+    "real": [sys.executable, "-m", "executor_svc", "--model", str(ROOT / "models" / "tiny-llama"),
+             "--load-format", "dummy", "--seed", "0", "--kv-cache-memory", "8MiB",
+             "--swap-space", "0.002"],
+    "simulated": [sys.executable, "-m", "executor_svc.simulated",
+                  "--model", str(ROOT / "models" / "tiny-llama"), "--time-scale", "0",
+                  "--num-blocks", "512", "--num-cpu-blocks", "64", "--metrics-port", "-1"],
+}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every case that reaches an executor runs against each kind the suite starts itself, or
+    once against the address given."""
+    if "executor_kind" in metafunc.fixturenames:
+        kinds = ["given"] if _remote(metafunc.config) else list(LOCAL_KINDS)
+        metafunc.parametrize("executor_kind", kinds, scope="session")
+
+
 def _start_local_executor(
-    log_path: Path, port_file: Path, env: dict[str, str]
+    kind: str, log_path: Path, port_file: Path, env: dict[str, str]
 ) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable,
-        "-m",
-        "executor_svc",
-        "--model",
-        str(ROOT / "models" / "tiny-llama"),
-        "--load-format",
-        "dummy",
-        "--seed",
-        "0",
-        "--port",
-        "0",
-        "--port-file",
-        str(port_file),
-        "--kv-cache-memory",
-        "8MiB",
-        "--swap-space",
-        "0.002",
-        "--max-num-seqs",
-        "16",
-        "--max-num-batched-tokens",
-        "512",
-        "--log-json",
-    ]
+    command = [*LOCAL_KINDS[kind], "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
+               "--log-json", "--port", "0", "--port-file", str(port_file)]
     env = {**os.environ, **env}
     with log_path.open("wb") as log:
         return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -201,15 +200,16 @@ def executor_auth(pytestconfig: pytest.Config, role_tokens: RoleTokens,
 @pytest.fixture(scope="session")
 def executor_addr(
     pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory,
-    role_tokens: RoleTokens,
+    role_tokens: RoleTokens, executor_kind: str,
 ) -> Iterator[str]:
     addr = pytestconfig.getoption("executor_addr") or os.environ.get("EXECUTOR_ADDR", "")
     if addr:
         yield addr
         return
-    workdir = tmp_path_factory.mktemp("executor")
+    workdir = tmp_path_factory.mktemp(f"executor-{executor_kind}")
     log_path, port_file = workdir / "executor.log", workdir / "port"
-    process = _start_local_executor(log_path, port_file, role_tokens.env("executor"))
+    process = _start_local_executor(executor_kind, log_path, port_file,
+                                    role_tokens.env("executor"))
     port = _wait_for_port(process, port_file, log_path)
     yield f"127.0.0.1:{port}"
     process.terminate()
@@ -219,7 +219,7 @@ def executor_addr(
 @pytest.fixture(scope="session")
 def second_executor_addr(
     pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory,
-    role_tokens: RoleTokens,
+    role_tokens: RoleTokens, executor_kind: str,
 ) -> Iterator[str]:
     """A second executor of the same model and layout, for KV hand-off: given, or (when the
     suite started the first one) another of ours; with one address given, the cases skip."""
@@ -234,9 +234,10 @@ def second_executor_addr(
             "EXECUTOR_ADDR=host:port EXECUTOR_ADDR_2=host:port` (or pytest's "
             "--executor-addr-2)"
         )
-    workdir = tmp_path_factory.mktemp("executor-2")
+    workdir = tmp_path_factory.mktemp(f"executor-2-{executor_kind}")
     log_path, port_file = workdir / "executor.log", workdir / "port"
-    process = _start_local_executor(log_path, port_file, role_tokens.env("executor"))
+    process = _start_local_executor(executor_kind, log_path, port_file,
+                                    role_tokens.env("executor"))
     port = _wait_for_port(process, port_file, log_path)
     yield f"127.0.0.1:{port}"
     process.terminate()
