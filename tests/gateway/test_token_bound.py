@@ -52,6 +52,7 @@ def _tokenizer(name: str) -> Any:
     return AutoTokenizer.from_pretrained(str(REPO_ROOT / "models" / name), local_files_only=True)
 
 
+@cache
 def _bound(name: str) -> TokenBound:
     bound = token_bound(_tokenizer(name).backend_tokenizer)
     assert bound is not None, f"{name}: no bound"
