@@ -8,7 +8,7 @@ One step is three calls, made by the engine in this order:
     sampled = scheduler.apply_result(batch, r)  # executor's answer -> (sequence, token) pairs
 
 At depth 2 the calls interleave: schedule(k+1), advance(k), apply_outcome(k+1), launch(k+1),
-fill(k) (core/overlap.py, the scheduler's base class).
+fill(k) (core/overlap.py, one of the scheduler's two base classes).
 
 Planning (`schedule`) is in priority order under the budgets (`max_num_seqs`,
 `max_num_batched_tokens`): running sequences first (one decode token each, or their next

@@ -57,10 +57,9 @@ class GatewayError(Internal):
 @dataclass(slots=True, eq=False)
 class Recovery:
     """One engine's recovery, and its own record of the allocator's outage: since when it has
-    not answered (None: it answers), and how long requests wait for it before they fail."""
+    not answered (None: it answers)."""
 
     engine: EngineState
-    retry_s: float = 10.0
     down_since: float | None = None
 
     def allocator_answered(self) -> None:
@@ -87,7 +86,7 @@ class Recovery:
         UNAVAILABLE."""
         now = time.monotonic()
         self.down_since = self.down_since or now
-        if now - self.down_since >= self.retry_s:
+        if now - self.down_since >= self.engine.allocator_retry_s:
             self.engine.fail_all(Unavailable(
                 f"the allocator has not answered for {now - self.down_since:.0f} s "
                 f"({exc.status}): check that it is running and reachable"

@@ -12,7 +12,7 @@ import itertools
 import secrets
 from collections import deque
 from collections.abc import Callable
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.errors import ServiceError
@@ -52,7 +52,7 @@ class EngineState:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     stats: StepStats = field(default_factory=StepStats)
     # How long requests wait for an allocator that does not answer before they fail.
-    allocator_retry_s: InitVar[float] = 10.0
+    allocator_retry_s: float = 10.0
     # What the engine does when a call fails (recovery.py), with its record of the outage.
     recovery: Recovery = field(init=False)
     # Ids the allocator may hold that no sequence tracks: aborted before the next Step.
@@ -90,8 +90,8 @@ class EngineState:
     mover: Mover | None = None
 
 
-    def __post_init__(self, allocator_retry_s: float) -> None:
-        self.recovery = Recovery(self, retry_s=allocator_retry_s)
+    def __post_init__(self) -> None:
+        self.recovery = Recovery(self)
 
     @property
     def allocator_down_since(self) -> float | None:

@@ -138,6 +138,23 @@ LOCAL_KINDS = {
 }
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Against the executors the suite starts itself no case may skip, but the simulated
+    one's logits-processor cases (`require_model_logits`): a skip there would hide a gap."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    callspec = getattr(item, "callspec", None)
+    kind = callspec.params.get("executor_kind") if callspec is not None else None
+    if not report.skipped or kind not in LOCAL_KINDS:
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if kind == "simulated" and SIMULATED_SKIP in reason:
+        return
+    report.outcome = "failed"
+    report.longrepr = f"this project's {kind} executor must run every case; it skipped: {reason}"
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Every case that reaches an executor runs against each kind the suite starts itself, or
     once against the address given."""
@@ -299,11 +316,14 @@ def is_simulated(executor: Executor) -> bool:
     return executor.info.backend == SIMULATED_BACKEND
 
 
+SIMULATED_SKIP = "the executor under test is simulated"
+
+
 def require_model_logits(executor: Executor) -> None:
     """Cases that compare a model's processed logits (penalties, bias, min_tokens)."""
     if is_simulated(executor):
         pytest.skip(
-            "the executor under test is simulated (Describe: backend 'simulated'): it samples "
+            f"{SIMULATED_SKIP} (Describe: backend 'simulated'): it samples "
             "greedily from a hash of the context and applies no logits processors, so the "
             "numerics of penalties, logit_bias and min_tokens are not checked against it; "
             "they run against an executor with a model, e.g. this project's: "

@@ -629,3 +629,23 @@ def test_a_lease_renewed_mid_work_registers_the_pool_again(tokenizer: Tokenizer)
 
     asyncio.run(scenario())
     assert link.num_refreshes == 1 and not eng.orphans
+
+
+@DEPTHS
+def test_a_lost_fork_leaks_none_of_the_children_it_made(tokenizer: Tokenizer, depth: int):
+    # The allocator applies an n=2 request's Fork but the answer is lost: the parent fails
+    # with UNAVAILABLE, and the children the allocator made, which no sequence tracks, are
+    # aborted as orphans before the next Step: every block comes back.
+    eng, link = engine(tokenizer, num_blocks=32, depth=depth)
+    fork = link.fork
+
+    async def applied_then_lost(parent_id: str, child_ids: list[str], request_id: str) -> Any:
+        await fork(parent_id, child_ids, request_id)
+        raise failure(grpc.StatusCode.UNAVAILABLE, "cut off")
+
+    link.fork = applied_then_lost  # type: ignore[method-assign]
+    req = submit(eng, "n2", [7] * 6, max_tokens=6, n=2)
+    asyncio.run(run_until_idle(eng))
+    errors = [d.error for d in drain(req) if d.error is not None]
+    assert errors and "fork failed (UNAVAILABLE)" in str(errors[0])
+    assert link.pool.all_free() and not link.model.held and not eng.orphans

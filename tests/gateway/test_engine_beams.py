@@ -272,3 +272,26 @@ def test_a_refused_fork_fails_the_search_and_leaks_nothing(tokenizer: Tokenizer,
     eng.cancel()
     asyncio.run(run_until_idle(eng))
     assert link.pool.all_free() and not model.held  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("depth", [2, 1])
+def test_a_lost_beam_fork_leaks_none_of_the_children_it_made(tokenizer: Tokenizer, depth: int):
+    # The allocator applies the search's first Fork but the answer is lost: the search fails,
+    # and the children the allocator made are aborted as orphans: every block comes back.
+    eng, model = beam_engine(tokenizer, num_blocks=64, depth=depth)
+    link = eng.link
+    fork = link.fork
+
+    async def applied_then_lost(parent_id: str, child_ids: list[str], request_id: str) -> object:
+        await fork(parent_id, child_ids, request_id)
+        raise failure(grpc.StatusCode.UNAVAILABLE, "cut off")
+
+    link.fork = applied_then_lost  # type: ignore[method-assign]
+    req = submit_beams(eng, "f", [7] * 9, beam_config(3, 1, 10))
+    asyncio.run(run_until_idle(eng))
+    errors = [d.error for d in drain(req)]
+    assert errors and "beam fork failed (UNAVAILABLE)" in str(errors[0])
+    req.cancelled = True
+    eng.cancel()
+    asyncio.run(run_until_idle(eng))
+    assert link.pool.all_free() and not model.held and not eng.orphans  # type: ignore[attr-defined]
