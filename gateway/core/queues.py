@@ -106,13 +106,18 @@ class SequenceQueues:
 
     # Lifecycle.
 
-    def finish(self, seq: Sequence) -> None:
-        """The sequence is done: free it at the allocator and release it at the executor."""
+    def _end(self, seq: Sequence) -> bool:
+        """Mark it finished, its tenant given room; False when it had ended already."""
         if seq.is_finished:
-            return
+            return False
         self.tenants.unblock(seq.request.tenant)
         seq.status = SeqStatus.FINISHED
-        self._free_committed(seq)
+        return True
+
+    def finish(self, seq: Sequence) -> None:
+        """The sequence is done: free it at the allocator and release it at the executor."""
+        if self._end(seq):
+            self._free_committed(seq)
 
     def _free_committed(self, seq: Sequence) -> None:
         """Free it at the allocator, committed at what it computed (its full blocks enter
@@ -125,10 +130,8 @@ class SequenceQueues:
 
     def abort(self, seq: Sequence) -> None:
         """Cancelled: abort at the allocator, release at the executor; nothing is committed."""
-        if seq.is_finished:
+        if not self._end(seq):
             return
-        self.tenants.unblock(seq.request.tenant)
-        seq.status = SeqStatus.FINISHED
         self.pending.commits.pop(seq.seq_id, None)
         if seq.known_to_allocator:
             self.pending.abort_request_ids.append(seq.seq_id)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -39,6 +39,7 @@ from gateway.core.request_state import Sequence
 from gateway.core.step import StepOutcome
 from gateway.engine import recovery
 from gateway.engine.landing import Landing
+from gateway.engine.recovery import Recovery
 from gateway.engine.step_stats import StepRecord
 
 log = structlog.get_logger(__name__)
@@ -46,6 +47,17 @@ log = structlog.get_logger(__name__)
 
 @dataclass(slots=True, eq=False)
 class Engine(Landing):
+    # What the engine does when a call fails, and its record of an allocator outage.
+    recovery: Recovery = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.recovery = Recovery(self)
+
+    @property
+    def allocator_down_since(self) -> float | None:
+        """Since when the allocator has not answered this engine (None: it answers)."""
+        return self.recovery.down_since
+
     # Called by other coroutines.
 
     def submit(self, seq: Sequence, front: bool = False) -> None:

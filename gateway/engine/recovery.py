@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import structlog
 
@@ -35,9 +34,7 @@ from common.errors import Internal, Unavailable
 from gateway.clients.call_failures import CallFailed, Lost, Stale, Unknown
 from gateway.core.batch import Batch, ScheduledStep
 from gateway.core.request_state import Sequence, priority
-
-if TYPE_CHECKING:
-    from gateway.engine.state import EngineState
+from gateway.engine.state import EngineState
 
 log = structlog.get_logger(__name__)
 

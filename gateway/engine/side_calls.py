@@ -15,6 +15,7 @@ from gateway.core.batch import ScheduledStep
 from gateway.core.request_state import Sequence
 from gateway.core.seq_ids import child_seq_id, wire_id
 from gateway.engine import recovery
+from gateway.engine.recovery import Recovery
 from gateway.engine.state import EngineState
 
 log = structlog.get_logger(__name__)
@@ -24,6 +25,8 @@ class SideCalls(EngineState):
     """The engine's calls off the hot path (a base class of engine/loop.py's Engine)."""
 
     __slots__ = ()
+    # What the engine does when a call fails (recovery.py); the Engine makes it.
+    recovery: Recovery
 
     async def fork_children(self, parent: Sequence) -> None:
         """A computed prefill parent (n > 1) becomes its children, which share its blocks."""

@@ -23,7 +23,6 @@ from gateway.core.finish_rules import FinishRules
 from gateway.core.request_state import CompletionDelta, Request, Sequence, emit_all
 from gateway.core.scheduler import Scheduler
 from gateway.engine.orphans import Orphans
-from gateway.engine.recovery import Recovery
 from gateway.engine.step_stats import StepStats
 
 
@@ -53,8 +52,6 @@ class EngineState:
     stats: StepStats = field(default_factory=StepStats)
     # How long requests wait for an allocator that does not answer before they fail.
     allocator_retry_s: float = 10.0
-    # What the engine does when a call fails (recovery.py), with its record of the outage.
-    recovery: Recovery = field(init=False)
     # Ids the allocator may hold that no sequence tracks: aborted before the next Step.
     orphans: Orphans = field(default_factory=Orphans)
     # The executor refused a Release of its own: the ids wait for the next Execute to carry
@@ -89,14 +86,6 @@ class EngineState:
     # Hands its parked sequences to other engines (None: a lone engine, nothing moves).
     mover: Mover | None = None
 
-
-    def __post_init__(self) -> None:
-        self.recovery = Recovery(self)
-
-    @property
-    def allocator_down_since(self) -> float | None:
-        """Since when the allocator has not answered this engine (None: it answers)."""
-        return self.recovery.down_since
 
     @property
     def pool_id(self) -> str:

@@ -78,6 +78,20 @@ async def _until_free(host: EngineHost, timeout_s: float = 2.0) -> float:
     raise AssertionError("blocks or executor state still held")
 
 
+def _generate_until_free(host: EngineHost, task: Any, frontend: Frontend,
+                         raw: RawSampling) -> tuple[list[CompletionDelta], float]:
+    """One request's deltas, then the seconds until the engine gave everything back; the
+    host is stopped either way."""
+    async def scenario() -> tuple[list[CompletionDelta], float]:
+        _, deltas = await _generate(frontend, raw)
+        return deltas, await _until_free(host)
+
+    try:
+        return asyncio.run(scenario())
+    finally:
+        _stop(host, task)
+
+
 @DEPTHS
 @pytest.mark.parametrize("span", [1, 3])
 def test_frontend_stop_string_ends_at_the_token_that_completes_it(
@@ -91,16 +105,8 @@ def test_frontend_stop_string_ends_at_the_token_that_completes_it(
     stop_at, stop = _stop_string(tokenizer, reference, span)
     frontend = _frontend(tokenizer, host)
 
-    async def scenario() -> list[CompletionDelta]:
-        _, deltas = await _generate(frontend, RawSampling(max_tokens=24, ignore_eos=True,
-                                                          stop=(stop,)))
-        await _until_free(host)
-        return deltas
-
-    try:
-        deltas = asyncio.run(scenario())
-    finally:
-        _stop(host, task)
+    deltas, _ = _generate_until_free(
+        host, task, frontend, RawSampling(max_tokens=24, ignore_eos=True, stop=(stop,)))
     text = tokenizer.decode(reference)
     assert [t for d in deltas for t in d.token_ids] == reference[: stop_at + 1]
     assert "".join(d.text for d in deltas) == text[: text.find(stop)]
@@ -145,15 +151,8 @@ def test_frontend_stop_frees_the_blocks_of_a_long_completion(tokenizer: Tokenize
     stop_at, stop = _stop_string(tokenizer, reference, 1)
     frontend = _frontend(tokenizer, host)
 
-    async def scenario() -> tuple[list[CompletionDelta], float]:
-        _, deltas = await _generate(frontend, RawSampling(max_tokens=100, ignore_eos=True,
-                                                          stop=(stop,)))
-        return deltas, await _until_free(host)
-
-    try:
-        deltas, freed_after_s = asyncio.run(scenario())
-    finally:
-        _stop(host, task)
+    deltas, freed_after_s = _generate_until_free(
+        host, task, frontend, RawSampling(max_tokens=100, ignore_eos=True, stop=(stop,)))
     assert [t for d in deltas for t in d.token_ids] == reference[: stop_at + 1]
     assert freed_after_s < 0.5 and calls[0] < stop_at + 10
 
@@ -205,16 +204,8 @@ def test_frontend_cancels_what_the_engine_runs_on_after_the_text_ended(tokenizer
     stop_at, stop = _stop_string(tokenizer, reference, 1)
     frontend = _frontend(tokenizer, host)
 
-    async def scenario() -> list[CompletionDelta]:
-        _, deltas = await _generate(frontend, RawSampling(max_tokens=100, ignore_eos=True,
-                                                          stop=(stop,)))
-        await _until_free(host)
-        return deltas
-
-    try:
-        deltas = asyncio.run(scenario())
-    finally:
-        _stop(host, task)
+    deltas, _ = _generate_until_free(
+        host, task, frontend, RawSampling(max_tokens=100, ignore_eos=True, stop=(stop,)))
     assert [t for d in deltas for t in d.token_ids] == reference[: stop_at + 1]
     assert deltas[-1].finish_reason is FinishReason.STOP
     assert calls[0] < stop_at + 10
