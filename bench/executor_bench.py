@@ -233,7 +233,7 @@ def cpu_benchmark(quick: bool, threads: int) -> None:
         kv_cache_memory=512 * 2**20,
         swap_space=0.0,
         max_num_batched_tokens=4096,
-    ).validate()
+    )
     runner = build_runner(settings)
     config = AutoConfig.from_pretrained(PRESET)
     dense = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()

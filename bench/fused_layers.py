@@ -67,7 +67,7 @@ def build(model: str, fused: bool = True, packed: bool = True) -> ModelRunner:
     linear layers on F.linear."""
     settings = ExecutorSettings(
         model=model, seed=0, kv_cache_memory=2**30, swap_space=0.0, max_num_batched_tokens=2048
-    ).validate()
+    )
     real_fuse, real_pack = model_loader.fuse_layers, model_loader.pack_linears
     if not fused:
         model_loader.fuse_layers = lambda model, kernel: 0  # type: ignore[assignment]

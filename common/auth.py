@@ -156,7 +156,3 @@ def certificate_roles(**names_by_role: AbstractSet[str]) -> dict[str, str]:
     for role, names in names_by_role.items():
         roles.update(dict.fromkeys(names, role))
     return roles
-
-
-def split_names(value: str) -> frozenset[str]:
-    return frozenset(n.strip() for n in value.split(",") if n.strip())

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.config import SettingsError, add_flag
+
 AUTHORIZATION_KEY = "authorization"
 BEARER = "Bearer "
 ROLES = ("gateway", "allocator", "executor")
@@ -40,7 +42,7 @@ NEW_CREDENTIALS = (
     "PAGEDKV_CALLER_DIGESTS); `python -m tools.make_secret --roles DIR` writes a set")
 
 
-class CredentialsError(ValueError):
+class CredentialsError(SettingsError):
     """Credentials are configured wrongly: the service cannot start (message says why)."""
 
 
@@ -247,8 +249,6 @@ def load_internal_auth(
 
 def add_internal_auth_flags(parser: Any) -> None:
     """The credential flags every internal service and its clients share."""
-    from common.config import add_flag
-
     add_flag(parser, "--role-token-file", default="",
              help=f"file holding this process's own role token (or set {ROLE_TOKEN_ENV})")
     add_flag(parser, "--caller-digests-file", default="",

@@ -36,11 +36,7 @@ async def serve(settings: ExecutorSettings) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        settings = parse_settings(argv)
-    except SettingsError as exc:
-        print(f"executor_svc: {exc}", file=sys.stderr)  # before logging exists
-        return 2
+    settings = parse_settings(argv)  # a value that cannot work: a usage error (exit 2)
     # Before torch and grpc are imported (module docstring). On CUDA a step's large tensors
     # live on the device: nothing to gain, and the host copies of the weights made while
     # loading could stay in the heap, never returned to the system.

@@ -7,48 +7,17 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
-from common.auth import Access, certificate_roles, internal_authenticator, split_names
-from common.credentials import InternalAuth
-from common.metrics import MetricsEndpoint, RpcMetrics, service_registry, start_metrics_server
+from common.auth import Access, certificate_roles, internal_authenticator
+from common.metrics import RpcMetrics, service_registry, start_metrics_server
 from common.server import run_until_signal, start_server
 from executor_svc.runner_api import StepRunner
+from executor_svc.settings import ServingSettings
 
 log = structlog.get_logger("executor_svc")
-
-
-class ServingSettings(Protocol):
-    """What serving needs of either executor's settings (frozen: read-only)."""
-
-    @property
-    def host(self) -> str: ...
-
-    @property
-    def port(self) -> int: ...
-
-    @property
-    def port_file(self) -> str | None: ...
-
-    @property
-    def pool_name(self) -> str: ...
-
-    @property
-    def role(self) -> str: ...
-
-    @property
-    def auth(self) -> InternalAuth: ...
-
-    @property
-    def metrics(self) -> MetricsEndpoint: ...
-
-    @property
-    def tls_gateway_names(self) -> str: ...
-
-    @property
-    def tls_allocator_names(self) -> str: ...
 
 
 def write_port_file(path: str, port: int) -> None:
@@ -72,11 +41,11 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
 def access(settings: ServingSettings) -> Access:
     """The method table; under mutual TLS, certificate names mapped to roles (no gateway
     names: every certificate of the CA passes the TLS check, as before)."""
-    gateways = split_names(settings.tls_gateway_names)
+    gateways = settings.tls_gateway_names
     names = None
     if settings.auth.tls is not None and gateways:
         names = certificate_roles(gateway=gateways,
-                                  allocator=split_names(settings.tls_allocator_names),
+                                  allocator=settings.tls_allocator_names,
                                   executor=frozenset({"executor"}))
     return Access(METHOD_ROLES, names)
 

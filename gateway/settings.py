@@ -1,20 +1,27 @@
-"""The gateway's typed configuration: flags with PAGEDKV_* environment equivalents."""
+"""The gateway's typed configuration: each setting declared once (common/config.py) as a flag
+with a PAGEDKV_* environment equivalent, a default and a check."""
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from common.config import add_flag, parse_bool
-from common.credentials import (
-    CredentialsError,
-    InternalAuth,
-    add_internal_auth_flags,
-    internal_auth_from_args,
+from common.config import (
+    SettingsError,
+    add_settings,
+    at_least,
+    check_settings,
+    finite_at_least,
+    is_port,
+    load,
+    positive,
+    setting,
+    within,
 )
+from common.credentials import InternalAuth, add_internal_auth_flags, internal_auth_from_args
 from common.model_dirs import DEFAULT_MODEL
 from common.sharding import MAX_SHARDS
 from gateway.clients.discovery import (
@@ -31,122 +38,176 @@ ROUTING_POLICIES = ("exact", "approx", "round-robin")  # gateway/engine/router.p
 MAX_BEAM_WIDTH = 10
 
 
+def split_addrs(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in str(text).split(",") if a.strip())
+
+
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
-    """Everything the gateway is configured with; validated once at start."""
+    """Everything the gateway is configured with; checked once, when made."""
 
-    host: str
-    port: int
-    port_file: str | None
-    allocator_addrs: tuple[str, ...]  # the allocator shards, in shard order
-    executor_addrs: tuple[str, ...]
-    model: str
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int | None
-    preemption_mode: str
-    max_waiting: int
-    max_n: int
-    lease_ttl_ms: int
-    enable_prefix_caching: bool
-    connect_timeout_s: float
-    allocator_timeout_s: float
-    execute_timeout_s: float
-    allocator_retry_s: float
-    stats_every_steps: int
-    step_log: str
-    async_depth: int
-    log_json: bool
-    log_level: str
-    max_prompt_bytes: int
-    internal_auth: InternalAuth
-    api_keys_file: str
-    salt_secret_file: str
-    tenant_max_requests: int
-    tenant_max_running: int
-    public_tls_cert: str
-    public_tls_key: str
-    http_port: int
-    http_port_file: str | None
-    served_model_name: str
-    max_sse_buffer: int
-    executor_dns: str = ""
-    executor_addrs_file: str = ""
-    discovery_interval_s: float = 5.0
-    routing: str = "exact"
-    kv_events_lag_s: float = 1.0
-    max_beam_width: int = 8
-    rebalance_min_gap: int = 0
-    shutdown_grace_s: float = 30.0
+    host: str = setting("127.0.0.1", "address to bind (0.0.0.0: every interface)")
+    port: int = setting(50051, "port to bind (0: any free port)", check=is_port,
+                        must="in 0..65535 (0: any free port)")
+    port_file: str | None = setting(None, "write the bound port here once serving")
+    http_port: int = setting(
+        8000, "the OpenAI-compatible HTTP API and /metrics on the same host (0: any free "
+        "port, -1: none)", check=within(-1, 65535),
+        must="a port in -1..65535 (0: any free port, -1: no HTTP API)")
+    http_port_file: str | None = setting(None, "write the bound HTTP port here once serving")
+    served_model_name: str = setting(
+        "", "the model's name in both APIs (unset: the model's own name)")
+    max_sse_buffer: int = setting(
+        256, "events an HTTP stream may have waiting for a slow client before it is cut",
+        check=at_least(1), must=">= 1 (events)")
+    # The allocator shards, in shard order.
+    allocator_addrs: tuple[str, ...] = setting(
+        ("localhost:50052",), "allocator host:port; sharded: every shard's, comma-separated, "
+        "in shard order (each allocator started with --shard-index i --num-shards N)",
+        flag="--allocator-addr", type=split_addrs, metavar="HOST:PORT[,...]")
+    executor_addrs: tuple[str, ...] = setting(
+        ("localhost:50053",), "comma-separated executor host:port list (one KV pool each)",
+        type=split_addrs, metavar="HOST:PORT[,...]")
+    executor_dns: str = setting(
+        "", "find the executors by DNS instead: every address NAME resolves to, with PORT "
+        "(NAME:PORT; a Kubernetes headless Service), asked again every "
+        "--discovery-interval-s: executors join and leave without a restart")
+    executor_addrs_file: str = setting(
+        "", "find the executors in this file instead (host:port entries, one per line or "
+        "comma-separated), read again every --discovery-interval-s")
+    discovery_interval_s: float = setting(
+        5.0, "how often --executor-dns or --executor-addrs-file is asked again",
+        check=positive, must="> 0 (seconds)")
+    routing: str = setting(
+        "exact", "where a new request goes: exact (the longest cached prefix per the "
+        "allocator's index, one MatchPrefix per request, then the least load), approx (the "
+        "same from the gateway's own index of the pools' cache events, read every "
+        "--kv-events-lag-s; no allocator call per request) or round-robin",
+        choices=ROUTING_POLICIES)
+    kv_events_lag_s: float = setting(
+        1.0, "--routing approx: seconds between two reads of each pool's cache events (how "
+        "stale the gateway's prefix index may be)", check=lambda v: 0 < v < float("inf"),
+        must="a finite number of seconds > 0 (between two reads of the pools' cache events)")
+    model: str = setting(str(DEFAULT_MODEL), "model directory (tokenizer)")
+    max_num_seqs: int = setting(256, "sequences per step", check=at_least(1), must=">= 1")
+    max_num_batched_tokens: int = setting(
+        2048, "tokens per step (long prompts are prefilled in chunks)", check=at_least(1),
+        must=">= 1")
+    max_model_len: int | None = setting(
+        None, "prompt + completion limit (capped by the executors')", type=int,
+        check=at_least(2), must=">= 2 (or unset: the executors' value)")
+    preemption_mode: str = setting(
+        "recompute", "what happens to a request pushed out when the KV pool is short",
+        choices=PREEMPTION_MODES)
+    max_waiting: int = setting(1024, "bounded waiting queue", check=at_least(1), must=">= 1")
+    max_n: int = setting(16, "largest n (completions per request)", check=at_least(1),
+                         must=">= 1")
+    rebalance_min_gap: int = setting(
+        0, "move running requests, with their KV, from an executor holding at least this "
+        "many more than another of the same --role to that one (0: no rebalancing)",
+        check=at_least(0), must=">= 0 (sequences; 0: no rebalancing)")
+    max_beam_width: int = setting(
+        8, "widest beam search (use_beam_search) a request may ask for",
+        check=within(1, MAX_BEAM_WIDTH), must=f"in [1, {MAX_BEAM_WIDTH}] (each beam needs "
+        "its 2 x width best next tokens; executors return 20)")
+    lease_ttl_ms: int = setting(10000, "allocator lease ttl", check=at_least(300),
+                                must=">= 300 (keep-alives go every ttl/3)")
+    enable_prefix_caching: bool = setting(
+        True, "share cached prompt blocks between requests (true/false)")
+    connect_timeout_s: float = setting(
+        60.0, "how long to wait for the allocator and executors at start", check=positive,
+        must="> 0 (seconds)")
+    allocator_timeout_s: float = setting(
+        10.0, "deadline of each allocator call (Step, Free, Abort, Fork, MatchPrefix, "
+        "leases); a Step past it is treated as lost: its requests are aborted and recomputed",
+        check=positive, must="> 0 (seconds)")
+    allocator_retry_s: float = setting(
+        10.0, "how long requests wait for an allocator (shard) that does not answer, "
+        "retried and recomputed meanwhile, before they fail with UNAVAILABLE",
+        check=positive, must="> 0 (seconds)")
+    execute_timeout_s: float = setting(
+        60.0, "deadline of each Execute (one batched forward pass; twice this for one "
+        "launched ahead, which waits for the one before) and Release; an executor past it is "
+        "treated as lost: its requests move to another executor", check=positive,
+        must="> 0 (seconds)")
+    stats_every_steps: int = setting(
+        500, "log an engine_step_stats summary (control-plane cost) every N steps; 0: never",
+        check=at_least(0), must=">= 0 (0: never)")
+    async_depth: int = setting(
+        2, "batches in flight per executor: 2 plans, allocates and sends each step while the "
+        "previous batch executes, its decode tokens being the ones the executor sampled "
+        "itself (only with an executor whose Describe reports uses_sampled_tokens; others run "
+        "at 1); 1: each batch returns before the next is planned", choices=(1, 2))
+    step_log: str = setting(
+        "", "append one JSON line per executed step to this file (the engines' own timings: "
+        "period, scheduler, Step and Execute round trips, the executor's report); benchmarks "
+        "read it")
+    max_prompt_bytes: int = setting(
+        1 << 20, "largest prompt text (or chat content, all messages together) in UTF-8 "
+        "bytes, refused before tokenizing", check=at_least(1), must=">= 1")
+    api_keys_file: str = setting(
+        "", "public API keys, one '<key> <tenant>' per line: every call then needs "
+        "'authorization: Bearer <key>', and prefix-cache hits never cross tenants; unset: "
+        "one tenant, no keys")
+    tenant_max_requests: int = setting(
+        0, "with API keys: a tenant's sequences in flight at once, running or waiting, each "
+        "request counting its n (its beam_width with beam search); more are "
+        "RESOURCE_EXHAUSTED, and one request wider than this INVALID_ARGUMENT (0: no limit)",
+        check=at_least(0), must=">= 0 (0: no limit)")
+    tenant_max_running: int = setting(
+        0, "with API keys: a tenant's sequences running at once on each executor, each "
+        "request counting its n (its beam_width with beam search); its others wait while "
+        "other tenants' start; a request wider than this runs alone (0: no limit)",
+        check=at_least(0), must=">= 0 (0: no limit)")
+    salt_secret_file: str = setting(
+        "", "the secret that derives each tenant's cache salt (every gateway on one "
+        "allocator must share it; unset: derived from the gateways' role token, else a "
+        "random one per process)")
+    public_tls_cert: str = setting(
+        "", "serve the public port over TLS with this certificate (PEM; unset: plaintext, "
+        "for a TLS proxy in front)")
+    public_tls_key: str = setting("", "its private key (PEM)")
+    shutdown_grace_s: float = setting(
+        30.0, "on SIGTERM: health says NOT_SERVING and new requests are UNAVAILABLE at once, "
+        "while those in flight get this long to finish; those left are then ended with "
+        "UNAVAILABLE (keep it below the orchestrator's kill timeout: Kubernetes' "
+        "terminationGracePeriodSeconds, compose's stop_grace_period)",
+        check=finite_at_least(0), must="a finite number of seconds >= 0")
+    log_json: bool = setting(False, "JSON logs (containers)")
+    log_level: str = setting("info", "debug, info, warning, error")
+    # From the credential flags (common/credentials.py); in-process use needs none.
+    internal_auth: InternalAuth = InternalAuth()
 
     def __post_init__(self) -> None:
+        check_settings(self)
         if not self.allocator_addrs:
-            raise ValueError("--allocator-addr is empty: give the allocator's host:port")
+            raise SettingsError("--allocator-addr is empty: give the allocator's host:port")
         if len(self.allocator_addrs) > MAX_SHARDS:
-            raise ValueError(f"--allocator-addr lists more than {MAX_SHARDS} shards")
+            raise SettingsError(f"--allocator-addr lists more than {MAX_SHARDS} shards")
         if len(set(self.allocator_addrs)) != len(self.allocator_addrs):
-            raise ValueError("--allocator-addr lists a shard twice: each shard is its own "
-                             "allocator, in shard order")
+            raise SettingsError("--allocator-addr lists a shard twice: each shard is its own "
+                                "allocator, in shard order")
         for address in self.allocator_addrs:
             split_host_port(address, "--allocator-addr")
         if self.executor_dns and self.executor_addrs_file:
-            raise ValueError("--executor-dns and --executor-addrs-file: give one of them")
+            raise SettingsError("--executor-dns and --executor-addrs-file: give one of them")
         if self.executor_dns:
             split_host_port(self.executor_dns, "--executor-dns")
         elif not self.executor_addrs_file and not self.executor_addrs:
-            raise ValueError("--executor-addrs is empty: give at least one host:port")
-        if self.routing not in ROUTING_POLICIES:
-            raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
-        if not 0 < self.kv_events_lag_s < math.inf:
-            raise ValueError("--kv-events-lag-s must be a finite number of seconds > 0 "
-                             "(between two reads of the pools' cache events)")
-        if not self.discovery_interval_s > 0:
-            raise ValueError("--discovery-interval-s must be > 0 (seconds)")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_n"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.lease_ttl_ms < 300:
-            raise ValueError("--lease-ttl-ms must be >= 300 (keep-alives go every ttl/3)")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"--preemption-mode must be one of {PREEMPTION_MODES}")
-        for name in ("allocator_timeout_s", "execute_timeout_s", "allocator_retry_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0 (seconds)")
+            raise SettingsError("--executor-addrs is empty: give at least one host:port")
         if bool(self.public_tls_cert) != bool(self.public_tls_key):
-            raise ValueError("--public-tls-cert and --public-tls-key go together")
+            raise SettingsError("--public-tls-cert and --public-tls-key go together")
         for path in (self.public_tls_cert, self.public_tls_key):
             if path and not os.access(path, os.R_OK):
-                raise ValueError(f"cannot read {path} (--public-tls-cert / --public-tls-key)")
-        for name in ("tenant_max_requests", "tenant_max_running"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: no limit)")
-        if not -1 <= self.http_port <= 65535:
-            raise ValueError("--http-port must be a port (0: any free port, -1: no HTTP API)")
-        if self.max_sse_buffer < 1:
-            raise ValueError("--max-sse-buffer must be >= 1 (events)")
-        if not 1 <= self.max_beam_width <= MAX_BEAM_WIDTH:
-            raise ValueError(f"--max-beam-width must be in [1, {MAX_BEAM_WIDTH}] (each beam "
-                             "needs its 2 x width best next tokens; executors return 20)")
-        if not 0 <= self.shutdown_grace_s < math.inf:
-            raise ValueError("--shutdown-grace-s must be a finite number of seconds >= 0")
-        if self.rebalance_min_gap < 0:
-            raise ValueError("--rebalance-min-gap must be >= 0 (sequences; 0: no rebalancing)")
-        if self.max_prompt_bytes < 1:
-            raise ValueError("--max-prompt-bytes must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError("--max-model-len must be >= 2 (or unset: the executors' value)")
+                raise SettingsError(f"cannot read {path} (--public-tls-cert / --public-tls-key)")
         if self.step_log:
             try:  # refused here, in one line, rather than by a traceback at the first step
                 with open(self.step_log, "a"):
                     pass
             except OSError as exc:
-                raise ValueError(
+                raise SettingsError(
                     f"--step-log {self.step_log}: cannot append to it ({exc.strerror})"
                 ) from exc
-
-
-def split_addrs(text: str) -> tuple[str, ...]:
-    return tuple(a.strip() for a in str(text).split(",") if a.strip())
 
 
 def discovery(settings: GatewaySettings) -> Discovery:
@@ -159,207 +220,16 @@ def discovery(settings: GatewaySettings) -> Discovery:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
-    add_flag(parser, "--host", default="127.0.0.1",
-             help="address to bind (0.0.0.0: every interface)")
-    add_flag(parser, "--port", type=int, default=50051, help="port to bind (0: any free port)")
-    add_flag(parser, "--port-file", default=None, help="write the bound port here once serving")
-    add_flag(parser, "--http-port", type=int, default=8000,
-             help="the OpenAI-compatible HTTP API and /metrics on the same host (0: any free "
-             "port, -1: none)")
-    add_flag(parser, "--http-port-file", default=None,
-             help="write the bound HTTP port here once serving")
-    add_flag(parser, "--served-model-name", default="",
-             help="the model's name in both APIs (unset: the model's own name)")
-    add_flag(parser, "--max-sse-buffer", type=int, default=256,
-             help="events an HTTP stream may have waiting for a slow client before it is cut")
-    add_flag(parser, "--allocator-addr", default="localhost:50052",
-             help="allocator host:port; sharded: every shard's, comma-separated, in shard "
-             "order (each allocator started with --shard-index i --num-shards N)")
-    add_flag(
-        parser, "--executor-addrs", default="localhost:50053",
-        help="comma-separated executor host:port list (one KV pool each)",
-    )
-    add_flag(parser, "--executor-dns", default="",
-             help="find the executors by DNS instead: every address NAME resolves to, with "
-             "PORT (NAME:PORT; a Kubernetes headless Service), asked again every "
-             "--discovery-interval-s: executors join and leave without a restart")
-    add_flag(parser, "--executor-addrs-file", default="",
-             help="find the executors in this file instead (host:port entries, one per line "
-             "or comma-separated), read again every --discovery-interval-s")
-    add_flag(parser, "--discovery-interval-s", type=float, default=5.0,
-             help="how often --executor-dns or --executor-addrs-file is asked again")
-    add_flag(parser, "--routing", default="exact", choices=ROUTING_POLICIES,
-             help="where a new request goes: exact (the longest cached prefix per the "
-             "allocator's index, one MatchPrefix per request, then the least load), approx "
-             "(the same from the gateway's own index of the pools' cache events, read every "
-             "--kv-events-lag-s; no allocator call per request) or round-robin")
-    add_flag(parser, "--kv-events-lag-s", type=float, default=1.0,
-             help="--routing approx: seconds between two reads of each pool's cache events "
-             "(how stale the gateway's prefix index may be)")
-    add_flag(parser, "--model", default=str(DEFAULT_MODEL), help="model directory (tokenizer)")
-    add_flag(parser, "--max-num-seqs", type=int, default=256, help="sequences per step")
-    add_flag(
-        parser, "--max-num-batched-tokens", type=int, default=2048,
-        help="tokens per step (long prompts are prefilled in chunks)",
-    )
-    add_flag(
-        parser, "--max-model-len", type=int, default=None,
-        help="prompt + completion limit (capped by the executors')",
-    )
-    add_flag(
-        parser, "--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
-        help="what happens to a request pushed out when the KV pool is short",
-    )
-    add_flag(parser, "--max-waiting", type=int, default=1024, help="bounded waiting queue")
-    add_flag(parser, "--max-n", type=int, default=16, help="largest n (completions per request)")
-    add_flag(
-        parser, "--rebalance-min-gap", type=int, default=0,
-        help="move running requests, with their KV, from an executor holding at least this "
-        "many more than another of the same --role to that one (0: no rebalancing)",
-    )
-    add_flag(parser, "--max-beam-width", type=int, default=8,
-             help="widest beam search (use_beam_search) a request may ask for")
-    add_flag(parser, "--lease-ttl-ms", type=int, default=10000, help="allocator lease ttl")
-    add_flag(
-        parser, "--enable-prefix-caching", type=parse_bool, default=True,
-        help="share cached prompt blocks between requests (true/false)",
-    )
-    add_flag(
-        parser, "--connect-timeout-s", type=float, default=60.0,
-        help="how long to wait for the allocator and executors at start",
-    )
-    add_flag(
-        parser, "--allocator-timeout-s", type=float, default=10.0,
-        help="deadline of each allocator call (Step, Free, Abort, Fork, MatchPrefix, leases); "
-        "a Step past it is treated as lost: its requests are aborted and recomputed",
-    )
-    add_flag(
-        parser, "--allocator-retry-s", type=float, default=10.0,
-        help="how long requests wait for an allocator (shard) that does not answer, retried "
-        "and recomputed meanwhile, before they fail with UNAVAILABLE",
-    )
-    add_flag(
-        parser, "--execute-timeout-s", type=float, default=60.0,
-        help="deadline of each Execute (one batched forward pass; twice this for one launched "
-        "ahead, which waits for the one before) and Release; an executor past it is treated "
-        "as lost: its requests move to another executor",
-    )
-    add_flag(
-        parser, "--stats-every-steps", type=int, default=500,
-        help="log an engine_step_stats summary (control-plane cost) every N steps; 0: never",
-    )
-    add_flag(
-        parser, "--async-depth", type=int, choices=(1, 2), default=2,
-        help="batches in flight per executor: 2 plans, allocates and sends each step while "
-        "the previous batch executes, its decode tokens being the ones the executor sampled "
-        "itself (only with an executor whose Describe reports uses_sampled_tokens; others "
-        "run at 1); 1: each batch returns before the next is planned",
-    )
-    add_flag(
-        parser, "--step-log", default="",
-        help="append one JSON line per executed step to this file (the engines' own timings: "
-        "period, scheduler, Step and Execute round trips, the executor's report); benchmarks "
-        "read it",
-    )
-    add_flag(
-        parser, "--max-prompt-bytes", type=int, default=1 << 20,
-        help="largest prompt text (or chat content, all messages together) in UTF-8 bytes, "
-        "refused before tokenizing",
-    )
-    add_flag(
-        parser, "--api-keys-file", default="",
-        help="public API keys, one '<key> <tenant>' per line: every call then needs "
-        "'authorization: Bearer <key>', and prefix-cache hits never cross tenants; "
-        "unset: one tenant, no keys",
-    )
-    add_flag(
-        parser, "--tenant-max-requests", type=int, default=0,
-        help="with API keys: a tenant's sequences in flight at once, running or waiting, "
-        "each request counting its n (its beam_width with beam search); more are "
-        "RESOURCE_EXHAUSTED, and one request wider than this INVALID_ARGUMENT (0: no limit)",
-    )
-    add_flag(
-        parser, "--tenant-max-running", type=int, default=0,
-        help="with API keys: a tenant's sequences running at once on each executor, each "
-        "request counting its n (its beam_width with beam search); its others wait while "
-        "other tenants' start; a request wider than this runs alone (0: no limit)",
-    )
-    add_flag(
-        parser, "--salt-secret-file", default="",
-        help="the secret that derives each tenant's cache salt (every gateway on one "
-        "allocator must share it; unset: derived from the gateways' role token, else a random "
-        "one per process)",
-    )
-    add_flag(parser, "--public-tls-cert", default="",
-             help="serve the public port over TLS with this certificate (PEM; unset: "
-             "plaintext, for a TLS proxy in front)")
-    add_flag(parser, "--public-tls-key", default="", help="its private key (PEM)")
-    add_flag(
-        parser, "--shutdown-grace-s", type=float, default=30.0,
-        help="on SIGTERM: health says NOT_SERVING and new requests are UNAVAILABLE at once, "
-        "while those in flight get this long to finish; those left are then ended with "
-        "UNAVAILABLE (keep it below the orchestrator's kill timeout: Kubernetes' "
-        "terminationGracePeriodSeconds, compose's stop_grace_period)",
-    )
-    add_flag(parser, "--log-json", action="store_true", help="JSON logs (containers)")
-    add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
+    add_settings(parser, GatewaySettings)
     add_internal_auth_flags(parser)
     return parser
 
 
 def load_settings(argv: Sequence[str] | None = None) -> GatewaySettings:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        internal_auth = internal_auth_from_args(args, serves=False)
-    except CredentialsError as exc:
-        parser.error(str(exc))
-    addrs = split_addrs(args.executor_addrs)
-    try:
-        return GatewaySettings(
-            host=args.host,
-            port=args.port,
-            port_file=args.port_file,
-            allocator_addrs=split_addrs(args.allocator_addr),
-            executor_addrs=addrs,
-            model=args.model,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            preemption_mode=args.preemption_mode,
-            max_waiting=args.max_waiting,
-            max_n=args.max_n,
-            lease_ttl_ms=args.lease_ttl_ms,
-            enable_prefix_caching=args.enable_prefix_caching,
-            connect_timeout_s=args.connect_timeout_s,
-            allocator_timeout_s=args.allocator_timeout_s,
-            execute_timeout_s=args.execute_timeout_s,
-            allocator_retry_s=args.allocator_retry_s,
-            stats_every_steps=args.stats_every_steps,
-            step_log=args.step_log,
-            async_depth=args.async_depth,
-            log_json=args.log_json,
-            log_level=args.log_level,
-            max_prompt_bytes=args.max_prompt_bytes,
-            internal_auth=internal_auth,
-            api_keys_file=args.api_keys_file,
-            salt_secret_file=args.salt_secret_file,
-            tenant_max_requests=args.tenant_max_requests,
-            tenant_max_running=args.tenant_max_running,
-            public_tls_cert=args.public_tls_cert,
-            public_tls_key=args.public_tls_key,
-            http_port=args.http_port,
-            http_port_file=args.http_port_file,
-            served_model_name=args.served_model_name,
-            max_sse_buffer=args.max_sse_buffer,
-            executor_dns=args.executor_dns,
-            executor_addrs_file=args.executor_addrs_file,
-            discovery_interval_s=args.discovery_interval_s,
-            routing=args.routing,
-            kv_events_lag_s=args.kv_events_lag_s,
-            max_beam_width=args.max_beam_width,
-            rebalance_min_gap=args.rebalance_min_gap,
-            shutdown_grace_s=args.shutdown_grace_s,
-        )
-    except ValueError as exc:
-        raise SystemExit(f"gateway: {exc}") from exc
+    """The settings from `argv` (else sys.argv) and the environment; a value that cannot work
+    is a usage error (exit 2) naming its flag."""
+    return load(GatewaySettings, build_parser(), argv, _credentials)  # type: ignore[no-any-return]
+
+
+def _credentials(args: argparse.Namespace) -> dict[str, Any]:
+    return {"internal_auth": internal_auth_from_args(args, serves=False)}

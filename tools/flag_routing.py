@@ -1,5 +1,5 @@
 """The launcher's flags for the services: any flag the launcher does not take itself goes to
-every service whose own parser takes it, checked by that parser's type and choices."""
+every service whose own parser takes it, checked as that service checks it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import functools
 from collections.abc import Mapping, Sequence
 
 from allocator_svc.settings import build_parser as allocator_parser
+from common.config import flag_problem
 from executor_svc.settings import build_parser as executor_parser
 from gateway.settings import build_parser as gateway_parser
 
@@ -84,10 +85,13 @@ def route_flags(extra: Sequence[str],
 
 
 def _check_value(action: argparse.Action, taken: list[str], role: str) -> None:
-    """The value as the service's parser would read it (its type and choices)."""
+    """The value as the service would read it (its parser's type, then its declared check)."""
     parser = argparse.ArgumentParser(exit_on_error=False, add_help=False)
     parser._add_action(action)
     try:
-        parser.parse_args(taken)
+        parsed = parser.parse_args(taken)
     except argparse.ArgumentError as exc:
         raise UsageError(f"{role}: {exc}") from exc
+    problem = flag_problem(action, getattr(parsed, action.dest))
+    if problem is not None:
+        raise UsageError(f"{role}: {problem}")

@@ -487,7 +487,8 @@ def _python_here(workdir: str) -> str:
     return f"PYTHONPATH={REPO_ROOT} {sys.executable}"
 
 
-def parse_spec(argv: list[str] | None = None) -> StackSpec:
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's own flags (any other goes to the services, route_flags)."""
     p = argparse.ArgumentParser(
         prog="python -m tools.launch", description=__doc__, allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -523,6 +524,11 @@ def parse_spec(argv: list[str] | None = None) -> StackSpec:
     add_flag(p, "--tls-dir", default=None,
              help="mutual TLS between the services with the certificates in this directory "
                   "(make certs writes them to certs/)")
+    return p
+
+
+def parse_spec(argv: list[str] | None = None) -> StackSpec:
+    p = build_parser()
     args, extra = p.parse_known_args(argv)
     if not 1 <= args.allocator_shards <= MAX_SHARDS:
         p.error(f"--allocator-shards must be in 1..{MAX_SHARDS}")
@@ -555,11 +561,9 @@ def cpu_blocks_problem(executor_args: Sequence[str], num_executors: int) -> str 
     CPU tier) in this machine's memory: what they could not all get is refused before
     anything starts."""
     flags, _ = executor_parser().parse_known_args(list(executor_args))
-    swap, tier = flags.swap_space, flags.cpu_cache_space
-    if tier < 0:
-        return "--cpu-cache-space must be >= 0 GiB (0: no CPU tier)"
+    swap, tier = flags.swap_space, flags.cpu_cache_space  # (their signs: checked as routed)
     available = available_host_bytes()
-    if tier == 0 or swap < 0 or num_executors * (swap + tier) * 2**30 <= available:
+    if tier <= 0 or swap < 0 or num_executors * (swap + tier) * 2**30 <= available:
         return None
     return (f"{num_executors} executor(s) x (--cpu-cache-space {tier:g} + --swap-space "
             f"{swap:g} GiB) is more than this machine's {available / 2**30:.1f} GiB of available "

@@ -29,11 +29,7 @@ async def serve(settings: SimulatedSettings) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        settings = parse_settings(argv)
-    except SettingsError as exc:
-        print(f"executor_svc.simulated: {exc}", file=sys.stderr)  # before logging exists
-        return 2
+    settings = parse_settings(argv)  # a value that cannot work: a usage error (exit 2)
     configure_logging("executor", json=settings.log_json, level=settings.log_level)
     from common.metrics import MetricsPortError
 

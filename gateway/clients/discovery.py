@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from common.config import SettingsError
+
 
 class DiscoveryFailed(Exception):
     """The executors could not be listed this time (the message says why)."""
@@ -116,5 +118,5 @@ class FileAddresses:
 def split_host_port(value: str, flag: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{flag} {value!r}: expected host:port")
+        raise SettingsError(f"{flag} {value!r}: expected host:port")
     return host.strip("[]"), int(port)

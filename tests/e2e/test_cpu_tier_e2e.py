@@ -77,7 +77,7 @@ def test_cpu_tier_returning_conversation_after_eviction_equals_generate(
 
 
 @pytest.mark.parametrize(("value", "message"), [
-    ("-1", "--cpu-cache-space must be >= 0 GiB (0: no CPU tier)"),
+    ("-1", "executor: --cpu-cache-space must be >= 0 GiB (0: no CPU tier), not -1.0"),
     ("100000", "2 executor(s) x (--cpu-cache-space 100000 + --swap-space 0.25 GiB) is more "
                "than this machine's"),
 ])

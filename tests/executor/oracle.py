@@ -53,7 +53,7 @@ def make_settings(preset: str = "tiny-llama", **overrides: object) -> ExecutorSe
         "swap_space": 1 / 1024,  # 1 MiB of CPU blocks
     }
     base.update(overrides)
-    return ExecutorSettings(**base).validate()  # type: ignore[arg-type]
+    return ExecutorSettings(**base)  # type: ignore[arg-type]
 
 
 def reference_model(runner: ModelRunner) -> PreTrainedModel:

@@ -28,9 +28,10 @@ def _main(*flags: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(("value", "message"), [
-    ("-1", "executor_svc: --cpu-cache-space must be >= 0 GiB (0: no CPU tier)"),
-    ("1000000", "executor_svc: --cpu-cache-space 1e+06 GiB (with --swap-space 0.25 GiB) is "
-                "more than this machine's"),
+    ("-1", "python -m executor_svc: error: --cpu-cache-space must be >= 0 GiB (0: no CPU "
+           "tier), not -1.0"),
+    ("1000000", "python -m executor_svc: error: --cpu-cache-space 1e+06 GiB (with "
+                "--swap-space 0.25 GiB) is more than this machine's"),
 ])
 @pytest.mark.e2e  # (a Python subprocess)
 def test_cpu_cache_space_bad_value_is_a_one_line_usage_error(value: str, message: str) -> None:

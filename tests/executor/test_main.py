@@ -37,7 +37,8 @@ def test_main_rejects_a_bad_role_in_one_line() -> None:
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert result.returncode == 2
         assert result.stderr.splitlines() == [
-            f"{module}: --role must be one of prefill, decode, both (got 'sideways')"]
+            f"python -m {module}: error: --role must be one of prefill, decode, both, "
+            "not 'sideways'"]
 
 
 def test_main_refuses_to_start_without_internal_credentials() -> None:

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from executor_svc.settings import DEFAULT_PORT, SettingsError, parse_bytes
+from executor_svc.settings import DEFAULT_PORT, ExecutorSettings, SettingsError, parse_bytes
 from executor_svc.settings import parse_settings as parse_with_credentials
 
 
 def parse_settings(argv: list[str]):
     """The flags under test, on an executor told to run without internal credentials."""
     return parse_with_credentials(["--insecure", *argv])
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The usage error (exit 2) that `argv` stops the executor with."""
+    with pytest.raises(SystemExit) as info:
+        parse_settings(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    return err.splitlines()[-1]
 
 
 def test_settings_defaults_are_the_contract() -> None:
@@ -47,17 +56,34 @@ def test_settings_environment_sets_default_and_flag_wins(monkeypatch: pytest.Mon
         (["--idle-release-s", "-1"], "--idle-release-s must be >= 0"),
         (["--pool-name", "p" * 257], "--pool-name must be at most 256 printable ASCII"),
         (["--pool-name", "bad\nname"], "--pool-name must be at most 256 printable ASCII"),
-        (["--role", "sideways"], "--role must be one of prefill, decode, both"),
+        (["--role", "sideways"], "--role must be one of prefill, decode, both, not 'sideways'"),
+        (["--dtype", "int8"], "--dtype must be one of auto, float32, bfloat16, float16"),
+        (["--kv-cache-memory", "0"], "--kv-cache-memory must be positive, e.g. 256MiB"),
     ],
 )
-def test_settings_rejects_bad_values_with_a_remedy(argv: list[str], message: str) -> None:
-    # Each bad value names its flag and what would work.
-    with pytest.raises(SettingsError, match=message):
-        parse_settings(argv)
+def test_settings_rejects_bad_values_with_a_remedy(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Each bad value names its flag and what would work, as a usage error.
+    assert message in refused(argv, capsys)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"block_size": 12}, "--block-size must be a power of two, e.g. 16, not 12"),
+    ({"role": "sideways"}, "--role must be one of prefill, decode, both, not 'sideways'"),
+    ({"gpu_memory_utilization": float("nan")}, "--gpu-memory-utilization must be in (0, 1]"),
+    ({"backend": "flashinfer"}, "--backend flashinfer needs --device cuda"),
+])
+def test_settings_made_in_process_are_checked_as_flags_are(
+    values: dict[str, object], message: str
+) -> None:
+    with pytest.raises(SettingsError) as info:
+        ExecutorSettings(**values)  # type: ignore[arg-type]
+    assert message in str(info.value)
 
 
 def test_settings_role_defaults_to_both_and_takes_its_env_var(
-    monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # --role (PAGEDKV_ROLE): both unless told prefill or decode; a bad env value is refused
     # like a bad flag, naming --role.
@@ -66,8 +92,7 @@ def test_settings_role_defaults_to_both_and_takes_its_env_var(
     monkeypatch.setenv("PAGEDKV_ROLE", "decode")
     assert parse_settings([]).role == "decode"
     monkeypatch.setenv("PAGEDKV_ROLE", "Decode")
-    with pytest.raises(SettingsError, match="--role must be one of prefill, decode, both"):
-        parse_settings([])
+    assert "PAGEDKV_ROLE='Decode': must be one of prefill, decode, both" in refused([], capsys)
 
 
 def test_settings_parse_bytes_understands_units() -> None:
@@ -88,7 +113,7 @@ def test_settings_tune_malloc_is_on_by_default_and_takes_only_a_boolean(
 
 
 def test_settings_metrics_port_defaults_off_any_and_validation(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # 9093 by default (given up with a warning when taken); a port set by flag or
     # environment is required; -1 is off, 0 any free port; out of range or the gRPC port:
@@ -103,11 +128,9 @@ def test_settings_metrics_port_defaults_off_any_and_validation(
         (["--metrics-port", "70000"], "--metrics-port must be in -1..65535"),
         (["--metrics-port", "50053"], "--metrics-port 50053 is the gRPC --port too"),
     ]:
-        with pytest.raises(SettingsError, match=message):
-            parse_settings(argv)
+        assert message in refused(argv, capsys)
     monkeypatch.setenv("PAGEDKV_METRICS_PORT", "9100")
     from_env = parse_settings([]).metrics
     assert (from_env.port, from_env.required) == (9100, True)
     monkeypatch.setenv("PAGEDKV_METRICS_PORT", "-5")
-    with pytest.raises(SettingsError, match="--metrics-port must be in -1..65535"):
-        parse_settings([])
+    assert "--metrics-port must be in -1..65535" in refused([], capsys)

@@ -27,7 +27,7 @@ NUM_BLOCKS = 64
 def _runner(**overrides: object) -> SimulatedRunner:
     base: dict[str, object] = {"model": TINY, "time_scale": 0.0, "num_blocks": NUM_BLOCKS,
                                "num_cpu_blocks": 8, **overrides}
-    return build_simulated_runner(SimulatedSettings(**base).validate())  # type: ignore[arg-type]
+    return build_simulated_runner(SimulatedSettings(**base))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

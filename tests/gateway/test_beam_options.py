@@ -125,8 +125,9 @@ def test_http_best_of_is_the_beam_width_and_early_stopping_is_transformers_value
 
 
 @pytest.mark.parametrize("value", ["0", "11"])
-def test_max_beam_width_flag_is_bounded(value: str):
+def test_max_beam_width_flag_is_bounded(value: str, capsys: pytest.CaptureFixture[str]):
     # Each beam needs its 2 x width best next tokens; executors return at most 20.
-    with pytest.raises(SystemExit, match="--max-beam-width"):
+    with pytest.raises(SystemExit) as info:
         load_settings(["--insecure", "--max-beam-width", value])
+    assert info.value.code == 2 and "--max-beam-width must be in [1, 10]" in capsys.readouterr().err
     assert load_settings(["--insecure"]).max_beam_width == 8

@@ -52,10 +52,14 @@ def test_defaults_are_sensible():
          "--public-tls-cert"),
     ],
 )
-def test_a_wrong_flag_stops_with_a_message_naming_it(argv: list[str], flag: str):
+def test_a_wrong_flag_stops_with_a_message_naming_it(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+):
     with pytest.raises(SystemExit) as info:
         load_settings(argv)
-    assert str(info.value).startswith("gateway: ") and flag in str(info.value)
+    (error,) = capsys.readouterr().err.splitlines()  # one line, no usage: the flag parsed
+    assert info.value.code == 2
+    assert error.startswith("python -m gateway: error: ") and flag in error
 
 
 def test_an_unknown_preemption_mode_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]):
@@ -78,11 +82,13 @@ def test_step_log_is_off_by_default_and_names_a_file():
     assert load_settings(["--step-log", "/tmp/steps.jsonl"]).step_log == "/tmp/steps.jsonl"
 
 
-def test_a_step_log_that_cannot_be_written_is_refused_in_one_line(tmp_path: Path) -> None:
+def test_a_step_log_that_cannot_be_written_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as info:
         load_settings(["--step-log", str(tmp_path / "missing-dir" / "steps.jsonl")])
-    assert str(info.value).startswith("gateway: --step-log ") and "cannot append" in str(
-        info.value)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "error: --step-log " in err and "cannot append" in err
 
 
 def test_without_internal_credentials_the_gateway_refuses_to_start(
@@ -125,7 +131,9 @@ def test_credentials_come_from_a_token_file_the_environment_or_tls(
     ("PAGEDKV_PORT", "abc", "environment variable PAGEDKV_PORT='abc': invalid literal"),
     ("PAGEDKV_ENABLE_PREFIX_CACHING", "maybe", "expected true or false, got 'maybe'"),
     ("PAGEDKV_LOG_JSON", "perhaps", "expected true or false, got 'perhaps'"),
-    ("PAGEDKV_PREEMPTION_MODE", "drop", "expected one of recompute, swap"),
+    ("PAGEDKV_PREEMPTION_MODE", "drop", "PAGEDKV_PREEMPTION_MODE='drop': must be one of "
+     "recompute, swap"),
+    ("PAGEDKV_MAX_NUM_SEQS", "0", "PAGEDKV_MAX_NUM_SEQS='0': must be >= 1"),
 ])
 def test_a_bad_environment_value_is_a_usage_error_naming_it(
     name: str, value: str, message: str, monkeypatch: pytest.MonkeyPatch,
