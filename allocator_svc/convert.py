@@ -7,9 +7,10 @@ from allocator_svc.core.hand_off import HandOff
 from allocator_svc.core.hashing import hash_profile
 from allocator_svc.core.pins import PinStatus
 from allocator_svc.core.pool import Pool, PoolConfig
-from allocator_svc.core.request import BlockCopy, Commit, Grant, Request
+from allocator_svc.core.request import Grant, Request
 from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem, StepResult
 from common.errors import InvalidArgument
+from common.step_records import BlockCopy, Commit
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 
 _MODES: dict[int, PreemptionMode] = {

@@ -22,9 +22,9 @@ import grpc
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
-from allocator_svc.core.request import Commit
 from allocator_svc.core.step import Appends, StepCall, StepItem
 from bench.common import markdown_table, median, percentile, write_results
+from common.step_records import Commit
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
 

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from common.errors import InvalidArgument
-from executor_svc.kv_transfer import KVLayout
-from executor_svc.runner_api import ExecutorInfo
 from executor_svc.step import (
     BlockCopy,
     BlockTableDelta,
@@ -123,34 +119,3 @@ def result_to_proto(result: StepResult, num_compact_decodes: int = 0) -> pb.Exec
         ),
         num_tokens=result.num_tokens,
     )
-
-
-def info_to_proto(info: ExecutorInfo) -> pb.DescribeResponse:
-    return pb.DescribeResponse(
-        instance_id=info.instance_id,
-        model_name=info.model_name,
-        model_fingerprint=info.model_fingerprint,
-        num_blocks=info.num_blocks,
-        block_size=info.block_size,
-        num_cpu_blocks=info.num_cpu_blocks,
-        num_cpu_cache_blocks=info.num_cpu_cache_blocks,
-        dtype=info.dtype,
-        backend=info.backend,
-        device=info.device,
-        max_model_len=info.max_model_len,
-        eos_token_ids=list(info.eos_token_ids),
-        vocab_size=info.vocab_size,
-        max_num_batched_tokens=info.max_num_batched_tokens,
-        max_num_seqs=info.max_num_seqs,
-        uses_sampled_tokens=True,
-        role=info.role,
-        kv_layout=layout_to_proto(info.kv_layout) if info.kv_layout is not None else None,
-    )
-
-
-def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
-    return pb.KVLayout(**dataclasses.asdict(layout))
-
-
-def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
-    return KVLayout(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(KVLayout)})

@@ -28,8 +28,8 @@ from prometheus_client import CollectorRegistry, Counter
 from common.channel import InternalChannel, call_metadata
 from common.credentials import InternalAuth
 from common.errors import FailedPrecondition, NotFound, ServiceError
+from common.executor_description import layout_from_proto, layout_to_proto
 from common.interceptor import client_request_id
-from executor_svc import convert
 from executor_svc.kv_transfer import (
     BlockReceiver,
     ExportRange,
@@ -132,7 +132,7 @@ class KVHandOff:
         wanted = ExportRange(rid, request.first_block_index, request.num_blocks,
                              request.num_tokens)
         block_ids = export_block_ids(wanted, table, num_computed, layout,
-                                     convert.layout_from_proto(request.layout))
+                                     layout_from_proto(request.layout))
         index, size = request.first_block_index, self._batch(layout)
         for start in range(0, len(block_ids), size):
             blocks = await self._in_thread(self._runner.kv_blocks.read,
@@ -182,7 +182,7 @@ class KVHandOff:
             pb.ExportKVRequest(request_id=plan.request_id,
                                first_block_index=plan.first_block_index,
                                num_blocks=len(plan.block_ids), num_tokens=plan.num_tokens,
-                               layout=convert.layout_to_proto(layout)),
+                               layout=layout_to_proto(layout)),
             metadata=call_metadata(channel.auth_metadata, plan.request_id), timeout=timeout,
         )
         receiver = BlockReceiver(f"source {plan.source_address}", plan.first_block_index,

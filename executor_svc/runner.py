@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from common.executor_description import ExecutorDescription
 from executor_svc.attention import AttentionBackend, SeqSpan, StepMetadata, make_backend
 from executor_svc.held_requests import HeldRequests
 from executor_svc.kv_blocks import TorchKVBlocks
@@ -27,7 +28,6 @@ from executor_svc.logits_processor import LogitsProcessor
 from executor_svc.memory import count_blocks, forward_once
 from executor_svc.model_loader import LoadedModel, dtype_name, load_model
 from executor_svc.plan import Limits, PlannedSeq, RequestState, plan_step
-from executor_svc.runner_api import ExecutorInfo  # re-exported: ExecutorInfo's old home
 from executor_svc.sampler import Sampler, new_generator
 from executor_svc.settings import ExecutorSettings, SettingsError
 from executor_svc.step import SampledToken, SequenceWork, StepRequest, StepResult, Timings
@@ -66,7 +66,7 @@ class ModelRunner(HeldRequests):
         self.limits = limits
         self.sampler = Sampler(seed, loaded.device)
         super().__init__(idle_release_s, clock)
-        self.info = ExecutorInfo(
+        self.info = ExecutorDescription(
             instance_id=uuid.uuid4().hex,
             model_name=loaded.name,
             model_fingerprint=loaded.fingerprint,
@@ -83,6 +83,7 @@ class ModelRunner(HeldRequests):
             max_num_seqs=limits.max_num_seqs,
             num_cpu_cache_blocks=num_cpu_cache_blocks,
             role=role,
+            uses_sampled_tokens=True,
             kv_layout=kv_layout(cache.spec, loaded.fingerprint),
         )
 

@@ -24,7 +24,7 @@ import contextvars
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -160,9 +160,7 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def Describe(  # noqa: N802 - gRPC method name
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DescribeResponse:
-        response = convert.info_to_proto(self._runner.info)
-        response.pool_name = self._pool_name
-        return response
+        return replace(self._runner.info, pool_name=self._pool_name).to_proto()
 
     async def Execute(  # noqa: N802
         self, request: pb.ExecuteRequest, context: grpc.aio.ServicerContext

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.step_records import BlockCopy
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -74,12 +76,6 @@ class SequenceWork:
     # count (a cached prefix, a fork child); required when penalties are on and
     # start_position > 0.
     history_token_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class BlockCopy:
-    src_block_id: int
-    dst_block_id: int
 
 
 @dataclass(frozen=True, slots=True)

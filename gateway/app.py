@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from common.executor_description import ExecutorDescription
 from common.model_dirs import model_name
 from common.server import Server, start_server
 from gateway.api import service
@@ -22,7 +23,7 @@ from gateway.api.sampling import ModelLimits
 from gateway.api.tenants import Tenancy, load_tenancy
 from gateway.clients.call_failures import CallFailed, Lost
 from gateway.clients.discovery import Discovery, DiscoveryFailed
-from gateway.clients.executor_client import ExecutorClient, ExecutorDescription
+from gateway.clients.executor_client import ExecutorClient
 from gateway.clients.pool_link import PoolLink
 from gateway.clients.shards import AllocatorShards
 from gateway.core.batch import Budget

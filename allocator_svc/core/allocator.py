@@ -19,7 +19,7 @@ from allocator_svc.core.leases import Lease, LeaseTable
 from allocator_svc.core.limits import Limits
 from allocator_svc.core.pins import Pin, PinStatus, pin_budget
 from allocator_svc.core.pool import Pool, PoolConfig
-from allocator_svc.core.request import BlockCopy, Commit, Request
+from allocator_svc.core.request import Request
 from allocator_svc.core.step import StepCall, StepResult, run_step
 from allocator_svc.core.validation import (
     check_appends,
@@ -43,6 +43,7 @@ from common.errors import (
     NotFound,
     ResourceExhausted,
 )
+from common.step_records import BlockCopy, Commit
 
 _NONE_RELEASED: frozenset[str] = frozenset()
 _TOKENS = attrgetter("token_ids")
@@ -159,7 +160,7 @@ class Allocator:
         if commit_through:
             scheduled.commit_through(pool, lease_id, commit_through, frozenset(abort_ids))
         for commit in commits:
-            pool.commit(pool.requests[commit.request_id], commit.num_computed)
+            pool.commit(pool.requests[commit.request_id], commit.num_computed_tokens)
         if released:
             for request_id in free_ids:
                 pool.free(pool.requests[request_id])
@@ -189,7 +190,7 @@ class Allocator:
             pool.scheduled.check(lease_id, 0, commit_through)
             pool.scheduled.commit_through(pool, lease_id, commit_through)
         for commit in commits:
-            pool.commit(pool.requests[commit.request_id], commit.num_computed)
+            pool.commit(pool.requests[commit.request_id], commit.num_computed_tokens)
         release = pool.abort if aborted else pool.free
         for request_id in request_ids:
             release(pool.requests[request_id])

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
 
-from allocator_svc.core.request import BlockCopy
+from common.step_records import BlockCopy
 
 
 @dataclass(slots=True, eq=False)

@@ -18,8 +18,9 @@ from allocator_svc.core.events import EventLog
 from allocator_svc.core.free_queue import Block
 from allocator_svc.core.hashing import BlockHasher, pack_tokens, root_hash
 from allocator_svc.core.pins import PinTable
-from allocator_svc.core.request import BlockCopy, Grant, Request
+from allocator_svc.core.request import Grant, Request
 from allocator_svc.core.scheduled_steps import ScheduledSteps
+from common.step_records import BlockCopy
 
 MAX_CACHED_ROOTS = 4096
 

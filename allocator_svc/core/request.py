@@ -32,12 +32,6 @@ class Request:
         return self.cpu_block_ids is not None
 
 
-@dataclass(frozen=True, slots=True)
-class BlockCopy:
-    src_block_id: int
-    dst_block_id: int
-
-
 @dataclass(slots=True)
 class Grant:
     """What a scheduled request must tell its executor: table delta and token span."""
@@ -56,9 +50,3 @@ class Grant:
         return bool(self.block_ids)
 
 
-@dataclass(slots=True)
-class Commit:
-    """KV for tokens [0, num_computed) of the request is written (the commit rule)."""
-
-    request_id: str
-    num_computed: int

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from allocator_svc.core.pool import Pool
-from allocator_svc.core.request import BlockCopy, Commit, Grant, Request
+from allocator_svc.core.request import Grant, Request
+from common.step_records import BlockCopy, Commit
 
 
 class PreemptionMode(Enum):

@@ -8,7 +8,7 @@ from collections.abc import Set as AbstractSet
 
 from allocator_svc.core.limits import Limits
 from allocator_svc.core.pool import Pool, PoolConfig
-from allocator_svc.core.request import Commit, Request
+from allocator_svc.core.request import Request
 from allocator_svc.core.step import Appends, StepItem
 from common.credentials import lease_tag
 from common.errors import (
@@ -19,6 +19,7 @@ from common.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from common.step_records import Commit
 
 
 def check_pool_config(config: PoolConfig, limits: Limits) -> None:
@@ -84,9 +85,9 @@ def check_commits(pool: Pool, commits: list[Commit]) -> None:
         request = pool.requests.get(commit.request_id)
         if request is None:
             raise NotFound(f"commit for unknown request {commit.request_id!r}")
-        if commit.num_computed > request.num_computed:
+        if commit.num_computed_tokens > request.num_computed:
             raise InvalidArgument(
-                f"commit of {commit.num_computed} tokens for {commit.request_id!r}, which "
+                f"commit of {commit.num_computed_tokens} tokens for {commit.request_id!r}, which "
                 f"was granted only {request.num_computed}"
             )
 

@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import structlog
 
+from common.executor_description import ExecutorDescription
 from executor_svc.held_requests import HeldRequests
 from executor_svc.kv_transfer import SIMULATED_FORMAT, KVBlockStore, KVLayout
 from executor_svc.plan import Limits, PlannedSeq, plan_step
-from executor_svc.runner_api import ExecutorInfo
 from executor_svc.settings import SettingsError
 from executor_svc.simulated.model_config import read_model_config
 from executor_svc.simulated.profiles import PROFILES, Profile, StepShape
@@ -40,7 +40,7 @@ SIMULATED_BACKEND = "simulated"  # Describe's backend: the conformance suite key
 class SimulatedRunner(HeldRequests):
     def __init__(
         self,
-        info: ExecutorInfo,
+        info: ExecutorDescription,
         limits: Limits,
         profile: Profile,
         time_scale: float,
@@ -131,7 +131,7 @@ def build_simulated_runner(settings: SimulatedSettings) -> SimulatedRunner:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
     )
-    info = ExecutorInfo(
+    info = ExecutorDescription(
         instance_id=uuid.uuid4().hex,
         model_name=model.name,
         model_fingerprint=model.fingerprint,
@@ -147,6 +147,7 @@ def build_simulated_runner(settings: SimulatedSettings) -> SimulatedRunner:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
         role=settings.role,
+        uses_sampled_tokens=True,
         kv_layout=KVLayout(
             model_fingerprint=model.fingerprint, block_size=block_size,
             dtype=profile.model.dtype, num_layers=model.num_layers,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from common.channel import InternalChannel
 from common.credentials import InternalAuth
-from common.kv_layout import KVLayout
+from common.executor_description import ExecutorDescription
 from gateway.clients.call_failures import Rejected, translated
 from gateway.core.step import (
     BlockCopy,
@@ -31,38 +31,6 @@ class KVImport:
     num_blocks: int
     num_bytes: int
     elapsed_ms: float
-
-
-@dataclass(frozen=True, slots=True)
-class ExecutorDescription:
-    instance_id: str
-    model_name: str
-    model_fingerprint: str
-    num_blocks: int
-    block_size: int
-    num_cpu_blocks: int
-    backend: str
-    device: str
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    vocab_size: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    # It fills in its own sampled tokens (use_sampled_token): the next Execute may go out
-    # before the previous one returns.
-    uses_sampled_tokens: bool = False
-    pool_name: str = ""  # its stable pool name ("": name the pool by the address)
-    num_cpu_cache_blocks: int = 0  # of num_cpu_blocks, the prefix cache's CPU tier
-    role: str = "both"  # "prefill", "decode" or "both" (an executor that says none: both)
-    kv_layout: KVLayout | None = None  # None: it reports none (moves no KV)
-
-
-def _layout(r: pb.DescribeResponse) -> KVLayout | None:
-    if not r.HasField("kv_layout"):
-        return None
-    k = r.kv_layout
-    return KVLayout(k.model_fingerprint, k.block_size, k.dtype, k.num_layers, k.num_kv_heads,
-                    k.head_dim, k.bytes_per_block, k.format)
 
 
 def _copies(copies: Sequence[BlockCopy]) -> list[pb.BlockCopy]:
@@ -143,26 +111,7 @@ class ExecutorClient(InternalChannel):
             r = await self.stub.Describe(pb.DescribeRequest(), metadata=self.auth_metadata,
                                        timeout=timeout)
         self.eos_token_ids = tuple(r.eos_token_ids)
-        return ExecutorDescription(
-            instance_id=r.instance_id,
-            model_name=r.model_name,
-            model_fingerprint=r.model_fingerprint,
-            num_blocks=r.num_blocks,
-            block_size=r.block_size,
-            num_cpu_blocks=r.num_cpu_blocks,
-            backend=r.backend,
-            device=r.device,
-            max_model_len=r.max_model_len,
-            eos_token_ids=tuple(r.eos_token_ids),
-            vocab_size=r.vocab_size,
-            max_num_batched_tokens=r.max_num_batched_tokens,
-            max_num_seqs=r.max_num_seqs,
-            uses_sampled_tokens=r.uses_sampled_tokens,
-            pool_name=r.pool_name[:256],
-            num_cpu_cache_blocks=r.num_cpu_cache_blocks,
-            role=r.role or "both",
-            kv_layout=_layout(r),
-        )
+        return ExecutorDescription.from_proto(r)
 
     async def execute(
         self, call: ExecuteCall, timeout: float | None = None, step_id: int = 0,

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import structlog
 
+from common.executor_description import ExecutorDescription
 from gateway.clients.allocator_client import AllocatorClient, HandOffReservation, PoolSpec
-from gateway.clients.executor_client import ExecutorClient, ExecutorDescription, KVImport
+from gateway.clients.executor_client import ExecutorClient, KVImport
 from gateway.clients.lease import Lease
 from gateway.core.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome, TableDelta
 

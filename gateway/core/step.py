@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.step_records import BlockCopy, Commit
+
 
 @dataclass(frozen=True, slots=True)
 class TableDelta:
@@ -23,18 +25,6 @@ class TableDelta:
         )
         del table[self.start_index :]
         table.extend(self.block_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockCopy:
-    src_block_id: int
-    dst_block_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class Commit:
-    request_id: str
-    num_computed_tokens: int
 
 
 @dataclass(frozen=True, slots=True)

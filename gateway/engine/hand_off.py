@@ -38,9 +38,10 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from common.executor_description import ExecutorDescription
 from gateway.clients.allocator_client import HandOffReservation
 from gateway.clients.call_failures import CallFailed, Lost
-from gateway.clients.executor_client import ExecutorDescription, KVImport
+from gateway.clients.executor_client import KVImport
 from gateway.core.request_state import SeqStatus, Sequence
 from gateway.engine.state import EngineState
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.errors import ServiceError
-from gateway.clients.executor_client import ExecutorDescription
+from common.executor_description import ExecutorDescription
 from gateway.clients.pool_link import PoolLink
 from gateway.core.batch import Batch, InFlight, ScheduledStep
 from gateway.core.finish_rules import FinishRules

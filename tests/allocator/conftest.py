@@ -15,9 +15,9 @@ import pytest
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
-from allocator_svc.core.request import Commit
 from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem, StepResult
 from common.credentials import ROLES, RoleTokens
+from common.step_records import Commit
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
 

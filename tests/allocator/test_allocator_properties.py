@@ -25,8 +25,8 @@ from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.events import EventKind
 from allocator_svc.core.hashing import hash_block
 from allocator_svc.core.pool import PoolConfig
-from allocator_svc.core.request import Commit
 from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem
+from common.step_records import Commit
 from tests.budget import examples
 
 BLOCK_SIZE = 2
@@ -127,7 +127,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         commits = [Commit(r, n) for r, n in self.pending_commits.items() if r in self.requests]
         for c in commits:
             mirror = self.requests[c.request_id]
-            for end in range(BLOCK_SIZE, c.num_computed + 1, BLOCK_SIZE):
+            for end in range(BLOCK_SIZE, c.num_computed_tokens + 1, BLOCK_SIZE):
                 self.committed_prefixes[mirror.salt].add(tuple(mirror.tokens[:end]))
         self.pending_commits = {}
         return commits

@@ -14,7 +14,7 @@ from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.events import EventKind
 from allocator_svc.core.hand_off import HandOff
 from allocator_svc.core.pool import Pool, PoolConfig
-from allocator_svc.core.request import BlockCopy, Commit, Request
+from allocator_svc.core.request import Request
 from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem
 from allocator_svc.metrics import AllocatorCollector
 from common.block_hash import hash_chain, root_hash
@@ -27,6 +27,7 @@ from common.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from common.step_records import BlockCopy, Commit
 from tests.allocator.conftest import Harness, decode, make_harness, new
 
 BS = 4

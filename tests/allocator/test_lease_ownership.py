@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from allocator_svc.core.request import Commit
 from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem
 from common.errors import NotFound, PermissionDenied
+from common.step_records import Commit
 from tests.allocator.conftest import Harness, as_call_parts, decode, make_harness, new
 
 

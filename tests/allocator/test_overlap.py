@@ -10,9 +10,9 @@ import pytest
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
-from allocator_svc.core.request import Commit
 from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem, StepResult
 from common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from common.step_records import Commit
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from tests.allocator.test_service import expect_error, new, register
 

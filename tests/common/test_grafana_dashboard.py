@@ -33,7 +33,7 @@ _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bo
 def _families() -> dict[str, str]:
     """Every metric family the allocator and an executor export, and the gateway's: name ->
     type. The services' come from their registries, built as their __main__ builds them."""
-    from executor_svc.runner import ExecutorInfo
+    from common.executor_description import ExecutorDescription
     from executor_svc.service import SERVICE_NAME as EXECUTOR_SERVICE
     from executor_svc.service import ExecutorServicer, StepMetrics
     from gateway.metrics import GatewayMetrics
@@ -44,8 +44,10 @@ def _families() -> dict[str, str]:
     allocator.register(AllocatorCollector(Allocator(Limits())))
     guarded_handler(AllocatorServicer(Allocator(Limits())), "pagedkv.allocator.v1.AllocatorService",
                     metrics=RpcMetrics(allocator))
-    info = ExecutorInfo("id", "model", "fp", 64, 16, 0, "float32", "cpu", "cpu", 2048, (2,),
-                        512, 2048, 256)
+    info = ExecutorDescription(
+        instance_id="id", model_name="model", model_fingerprint="fp", num_blocks=64,
+        block_size=16, num_cpu_blocks=0, backend="cpu", device="cpu", max_model_len=2048,
+        eos_token_ids=(2,), vocab_size=512, max_num_batched_tokens=2048, max_num_seqs=256)
     runner: Any = SimpleNamespace(info=info, requests={})
     executor = service_registry()
     guarded_handler(ExecutorServicer(runner, metrics=StepMetrics(executor, runner)),

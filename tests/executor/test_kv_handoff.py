@@ -17,18 +17,15 @@ from transformers import PreTrainedModel
 
 from common.auth import Access
 from common.credentials import RoleTokens
+from common.executor_description import ExecutorDescription
+from common.kv_layout import KVLayout
 from common.metrics import service_registry
 from executor_svc.kv_transfer import crc32
 from executor_svc.runner import ModelRunner, build_runner
 from executor_svc.service import ExecutorServicer, StepMetrics
 from executor_svc.serving import METHOD_ROLES
 from gateway.clients.call_failures import Lost, Stale, Unknown
-from gateway.clients.executor_client import (
-    ExecutorClient,
-    ExecutorDescription,
-    KVImport,
-    KVLayout,
-)
+from gateway.clients.executor_client import ExecutorClient, KVImport
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 

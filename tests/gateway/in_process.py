@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from allocator_svc import convert
-from allocator_svc.core import request as core_request
 from allocator_svc.core import step as core_step
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
@@ -24,7 +23,6 @@ from common.errors import FailedPrecondition, InvalidArgument, ServiceError
 from gateway.clients import allocator_client
 from gateway.clients.call_failures import CallFailed, failure
 from gateway.core.step import (
-    BlockCopy,
     Commit,
     ExecuteCall,
     ExecuteResult,
@@ -44,14 +42,6 @@ def rpc_error(exc: ServiceError) -> CallFailed:
     """What the gateway's client raises for the status the allocator's guarded handler sends
     for a domain error."""
     return failure(exc.code, str(exc))
-
-
-def _commits(commits: Sequence[Commit]) -> list[core_request.Commit]:
-    return [core_request.Commit(c.request_id, c.num_computed_tokens) for c in commits]
-
-
-def _copies(copies: list[core_request.BlockCopy]) -> tuple[BlockCopy, ...]:
-    return tuple(BlockCopy(c.src_block_id, c.dst_block_id) for c in copies)
 
 
 def _outcome(result: core_step.StepResult, num_free_blocks: int, block_size: int) -> StepOutcome:
@@ -100,7 +90,7 @@ class CorePool:
     ) -> int:
         """The pool's free blocks once applied, as the Free response says (so does abort)."""
         try:
-            self.allocator.free(POOL_ID, self.epoch, _commits(commits), list(request_ids), None,
+            self.allocator.free(POOL_ID, self.epoch, list(commits), list(request_ids), None,
                                 commit_through_step_id)
         except ServiceError as exc:
             raise rpc_error(exc) from exc

@@ -10,10 +10,11 @@ from prometheus_client import CollectorRegistry
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.service import AllocatorServicer
+from common.executor_description import ExecutorDescription
 from common.metrics import RpcMetrics
 from common.server import Server, start_server
 from gateway.clients.allocator_client import AllocatorClient
-from gateway.clients.executor_client import ExecutorClient, ExecutorDescription
+from gateway.clients.executor_client import ExecutorClient
 from gateway.clients.lease import Lease
 from gateway.clients.pool_link import PoolLink
 from gateway.core.step import Commit, StepCall, StepItem

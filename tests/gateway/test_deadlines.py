@@ -23,11 +23,12 @@ from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.step import StepCall as CoreStepCall
 from allocator_svc.core.step import StepItem
 from allocator_svc.service import AllocatorServicer
+from common.executor_description import ExecutorDescription
 from common.interceptor import guarded_handler
 from gateway.api.sampling import SamplingOptions
 from gateway.clients.allocator_client import AllocatorClient
 from gateway.clients.call_failures import failure
-from gateway.clients.executor_client import ExecutorClient, ExecutorDescription
+from gateway.clients.executor_client import ExecutorClient
 from gateway.clients.lease import Lease
 from gateway.clients.pool_link import PoolLink
 from gateway.core.batch import Budget

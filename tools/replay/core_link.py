@@ -4,7 +4,6 @@ the wire."""
 
 from __future__ import annotations
 
-from allocator_svc.core import request as core
 from allocator_svc.core.step import (
     Appends,
     PreemptionMode,
@@ -13,7 +12,6 @@ from allocator_svc.core.step import (
 )
 from allocator_svc.core.step import StepCall as CoreStepCall
 from gateway.core.step import (
-    BlockCopy,
     Grant,
     Preemption,
     StepCall,
@@ -32,7 +30,7 @@ def core_call(pool_id: str, epoch: int, call: StepCall) -> CoreStepCall:
                   i.cache_salt, i.tenant, i.resumed)
          for i in call.items],
         PreemptionMode.SWAP if call.swap else PreemptionMode.RECOMPUTE,
-        [core.Commit(c.request_id, c.num_computed_tokens) for c in call.commits],
+        list(call.commits),  # (one Commit record on both sides: common/step_records.py)
         list(call.free_request_ids), list(call.abort_request_ids),
         appends, list(call.decode_request_ids), call.step_id, call.commit_through_step_id,
     )
@@ -55,12 +53,8 @@ def outcome(result: StepResult, block_size: int) -> StepOutcome:
         preempted=tuple(Preemption(p.request_id, p.mode is PreemptionMode.SWAP)
                         for p in result.preempted),
         deferred_request_ids=frozenset(result.deferred),
-        copies=_copies(result.copies),
-        swap_out=_copies(result.swap_out),
-        swap_in=_copies(result.swap_in),
+        copies=tuple(result.copies),
+        swap_out=tuple(result.swap_out),
+        swap_in=tuple(result.swap_in),
         appended=appended,
     )
-
-
-def _copies(copies: list[core.BlockCopy]) -> tuple[BlockCopy, ...]:
-    return tuple(BlockCopy(c.src_block_id, c.dst_block_id) for c in copies)
