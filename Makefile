@@ -16,7 +16,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 # The executor's C++ CPU kernels, compiled once for this machine (executor_svc/cpu_kernels/csrc).
 KERNELS_STAMP := build/cpu_kernels/.built
 
-.PHONY: setup model kernels protos certs lint typecheck test test-fast conformance run run-allocator bench bench-full bench-executor bench-vllm bench-fleet compose-check compose-e2e k8s-check clean
+.PHONY: setup model kernels protos certs lint flags-doc typecheck test test-fast conformance run run-allocator bench bench-full bench-executor bench-vllm bench-fleet compose-check compose-e2e k8s-check clean
 
 setup: $(VENV)/.installed model kernels
 $(VENV)/.installed: pyproject.toml setup.py
@@ -45,14 +45,19 @@ $(PROTO_STAMP): $(PROTO_SRC) $(VENV)/.installed $(MODEL_DIR)/.complete $(KERNELS
 certs: $(VENV)/.installed
 	$(PY) -m tools.make_certs --out certs
 
-lint: setup
+lint: protos
 	$(VENV)/bin/ruff check .
+	$(PY) -m tools.flags_doc --check
+
+flags-doc: protos
+	$(PY) -m tools.flags_doc
 
 typecheck: protos
 	$(VENV)/bin/mypy common allocator_svc executor_svc gateway tools pagedkv_client
 
-# Two workers, one test file each at a time (module-scoped stacks stay in one worker): the
-# suite is mostly CPU-bound, so more workers than cores only add contention.
+# Two workers, one test file (or the files sharing a stack) each at a time, so that a
+# stack starts once (tests/conftest.py SHARED_STACKS): the suite is mostly CPU-bound, so more
+# workers than cores only add contention.
 TEST_WORKERS ?= 2
 test: protos
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile

@@ -9,6 +9,10 @@ Every test is one of three kinds, by what it starts:
 `make test-fast` runs the unit tests alone, and there a unit test that starts a server or a
 Python process fails, naming what it started, so the marks stay true. Tools that are not
 services (the compiler for the C++ kernels, kubectl) may run in unit tests.
+
+Under `make test` (xdist, --dist loadfile) each file runs whole on one worker, so that its
+module-scoped stack starts once; the files of SHARED_STACKS run on one worker together, so
+that the session-scoped stack they share starts once too.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +30,39 @@ import pytest
 
 KINDS = ("unit", "service", "e2e")
 E2E_FOLDERS = ("e2e", "client", "conformance")  # each of their tests starts services
+
+
+# Test files (from the repository root) -> the session-scoped stack they share.
+SHARED_STACKS = dict.fromkeys(
+    ("tests/client/test_client_blocking.py", "tests/client/test_client_asyncio.py",
+     "tests/e2e/test_generate.py", "tests/e2e/test_beam_search_stack.py",
+     "tests/e2e/test_openai_api.py"), "tiny_stack")
+
+
+@pytest.fixture(scope="session")
+def tiny_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One real stack (tests/e2e/e2e_stack.py start_tiny_stack) for the files of SHARED_STACKS;
+    each of their tests leaves it as it found it (every block back)."""
+    from tests.e2e.e2e_stack import start_tiny_stack
+
+    clients = start_tiny_stack(tmp_path_factory.mktemp("tiny-stack"))
+    yield clients
+    clients.close()
+    clients.stack.stop()
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """--dist loadfile, with the files of one shared stack as one unit of work."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesSharingAStack(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED_STACKS.get(path, path)
+
+    return FilesSharingAStack(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,21 +1,15 @@
-"""One real stack for the client tests (client_stack.py), shared by both modules."""
+"""The client tests run against the shared tiny stack (tests/conftest.py `tiny_stack`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from client_stack import start_client_stack
 
 from tests.e2e.e2e_stack import Clients
 
 
-@pytest.fixture(scope="session")
-def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clients]:
-    clients = start_client_stack(tmp_path_factory.mktemp("client-stack"))
-    yield clients
-    clients.close()
-    clients.stack.stop()
+@pytest.fixture(scope="module")
+def clients(tiny_stack: Clients) -> Clients:
+    return tiny_stack
 
 
 def pytest_configure(config: pytest.Config) -> None:

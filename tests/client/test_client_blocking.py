@@ -15,7 +15,13 @@ from client_stack import chat_prompt_ids
 from tcp_relay import Relay, free_port
 
 from pagedkv_client import Client, Delta, PagedkvError, RetryPolicy
-from tests.e2e.e2e_stack import Clients, prompts, reference_greedy, tokenizer
+from tests.e2e.e2e_stack import (
+    TINY_STACK_BLOCKS,
+    Clients,
+    prompts,
+    reference_greedy,
+    tokenizer,
+)
 
 FAST_RETRY = RetryPolicy(max_attempts=12, initial_backoff_s=0.05, max_backoff_s=0.4)
 
@@ -78,7 +84,8 @@ def test_client_tokenize_and_model_info(client: Client):
     info = client.model_info()
     assert info.model_name and info.vocab_size == 512 and info.eos_token_ids == (2,)
     (executor,) = info.executors
-    assert executor.block_size == 16 and executor.num_blocks == 256 and executor.healthy
+    assert executor.block_size == 16 and executor.num_blocks == TINY_STACK_BLOCKS
+    assert executor.healthy
     assert executor.role == "both"  # (the executor's --role default)
 
 

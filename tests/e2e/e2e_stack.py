@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +41,41 @@ def start_simulated_stack(log_dir: Path, **spec: Any) -> Stack:
     """A stack whose executors are simulated; greedy outputs are `SIMULATED_TOKENS.generate`."""
     spec["executor_args"] = (*SIMULATED_ARGS, *spec.get("executor_args", ()))
     return start_stack(log_dir, executor_module="executor_svc.simulated", **spec)
+
+
+# The shared real stack (tests/conftest.py `tiny_stack`: one per test run, for the files of
+# SHARED_STACKS there): tiny-llama's random weights, a chat template, a pool small enough that
+# one wide beam search cannot fit, the gateway limits those files test, and debug logs (whose
+# per-request lines name each request).
+TINY_STACK_BLOCKS = 200
+TINY_STACK_GATEWAY_ARGS = ("--max-n", "4", "--max-num-batched-tokens", "256",
+                           "--max-model-len", "1024", "--max-beam-width", "4")
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+               "tokenizer_config.json")
+
+
+def chat_model(directory: Path) -> Path:
+    """A copy of the tiny-llama preset (same name, so the same served model name) with a chat
+    template, so that chat calls have something to render."""
+    directory.mkdir(parents=True)
+    for name in MODEL_FILES:
+        shutil.copy(Path(MODEL) / name, directory / name)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return directory
+
+
+def start_tiny_stack(root: Path) -> Clients:
+    stack = start_stack(root, model=str(chat_model(root / "model" / "tiny-llama")),
+                        executor_args=("--load-format", "dummy", "--log-level", "debug",
+                                       "--num-blocks", str(TINY_STACK_BLOCKS)),
+                        allocator_args=("--log-level", "debug"),
+                        gateway_args=TINY_STACK_GATEWAY_ARGS)
+    return Clients(stack, http=http_base(stack))
 
 
 def start_stack(log_dir: Path, **spec: Any) -> Stack:

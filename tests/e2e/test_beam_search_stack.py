@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import httpx
@@ -18,10 +16,8 @@ from e2e_stack import (
     Clients,
     generate,
     generate_many,
-    http_base,
     prompts,
     reference_model,
-    start_stack,
     tokenizer,
 )
 from transformers import GenerationConfig
@@ -34,14 +30,10 @@ EARLY = {False: gpb.EARLY_STOPPING_HEURISTIC, True: gpb.EARLY_STOPPING_WHEN_FULL
 
 
 @pytest.fixture(scope="module")
-def stack_clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Clients, str]]:
-    log_dir: Path = tmp_path_factory.mktemp("stack")
-    stack = start_stack(log_dir, executor_args=("--load-format", "dummy", "--num-blocks", "200"),
-                        gateway_args=("--max-beam-width", "4", "--max-model-len", "1024"))
-    clients = Clients(stack)
-    yield clients, http_base(stack)
-    clients.close()
-    stack.stop()
+def stack_clients(tiny_stack: Clients) -> tuple[Clients, str]:
+    """The shared tiny stack (e2e_stack.start_tiny_stack): 200 blocks, beams up to 4 wide,
+    max_model_len 1024."""
+    return tiny_stack, tiny_stack.http
 
 
 @pytest.fixture(scope="module")

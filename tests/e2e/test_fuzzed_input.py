@@ -11,8 +11,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import openai
 import pytest
-from e2e_stack import Clients, generate, prompts, reference_greedy, sampling, start_stack
+from e2e_stack import (
+    Clients,
+    generate,
+    http_base,
+    prompts,
+    reference_greedy,
+    sampling,
+    start_stack,
+)
 from google.protobuf import descriptor, message_factory
 
 from pagedkv.allocator.v1 import allocator_pb2 as apb
@@ -140,3 +149,19 @@ def test_fuzzed_requests_never_get_unknown_or_internal(
     assert tuple(done.token_ids) == reference_greedy(tuple(prompt), 6)
     if service != "allocator":
         clients.wait_all_blocks_back(timeout_s=15)
+
+
+def test_chat_on_a_model_without_a_chat_template_is_a_clear_error(clients: Clients):
+    # tiny-llama's tokenizer has no chat template: refused, not rendered in a made-up format
+    # (the real model's template: test_real_model), over HTTP (400, the official client) and
+    # over gRPC (INVALID_ARGUMENT).
+    client = openai.OpenAI(base_url=f"{http_base(clients.stack)}/v1", api_key="unused",
+                           max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client.chat.completions.create(model="tiny-llama", max_tokens=2,
+                                       messages=[{"role": "user", "content": "x"}])
+    chat = gpb.ChatMessages(messages=[gpb.ChatMessage(role="user", content="hi")])
+    with pytest.raises(grpc.RpcError) as err:
+        generate(clients.gateway, gpb.GenerateRequest(chat=chat, sampling=sampling(4)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "no chat template" in (err.value.details() or "")

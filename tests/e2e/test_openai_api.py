@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -17,12 +16,10 @@ import torch
 from e2e_stack import (
     MODEL,
     Clients,
-    http_base,
     prompts,
     reference_greedy,
     reference_model,
     sampling,
-    start_stack,
     tokenizer,
 )
 from prometheus_client.parser import text_string_to_metric_families
@@ -35,17 +32,10 @@ BLOCK_SIZE = 16
 
 
 @pytest.fixture(scope="module")
-def stack_clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Clients, str]]:
-    log_dir: Path = tmp_path_factory.mktemp("stack")
-    # Debug logs in the allocator and executor: per-request lines name each request.
-    stack = start_stack(log_dir, executor_args=("--load-format", "dummy", "--num-blocks", "512",
-                                                "--block-size", str(BLOCK_SIZE),
-                                                "--log-level", "debug"),
-                        allocator_args=("--log-level", "debug"))
-    clients = Clients(stack)
-    yield clients, http_base(stack)
-    clients.close()
-    stack.stop()
+def stack_clients(tiny_stack: Clients) -> tuple[Clients, str]:
+    """The shared tiny stack (e2e_stack.start_tiny_stack), whose allocator and executor log
+    at debug level: their per-request lines name each request."""
+    return tiny_stack, tiny_stack.http
 
 
 @pytest.fixture(scope="module")
@@ -286,14 +276,6 @@ def test_bad_chat_bodies_are_400(base: str):
     ]:
         assert words in str(_error(httpx.post(f"{base}/v1/chat/completions", json=body),
                                    400)["message"])
-
-
-def test_model_without_a_chat_template_is_a_clear_400(client: openai.OpenAI):
-    # The preset's tokenizer has no chat template: refused, not rendered in a made-up format
-    # (the real model's template is used in test_real_model).
-    with pytest.raises(openai.BadRequestError, match="no chat template"):
-        client.chat.completions.create(model=SERVED, max_tokens=2,
-                                       messages=[{"role": "user", "content": "x"}])
 
 
 def test_malformed_json_wrong_type_and_unknown_model(base: str, client: openai.OpenAI):
