@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -96,7 +98,7 @@ def add_settings(parser: argparse.ArgumentParser, cls: type) -> None:
         elif declared.choices is not None:  # listed in --help; checked with the others
             kwargs["metavar"] = "{" + ",".join(map(str, declared.choices)) + "}"
         if declared.check is not None:
-            kwargs["env_check"] = (declared.check, declared.must)
+            kwargs["check"] = (declared.check, declared.must)
         add_flag(parser, flag_of(f.name, declared), **kwargs)
 
 
@@ -110,11 +112,29 @@ def load(cls: Callable[..., Any], parser: argparse.ArgumentParser,
     """Parse `argv` into `cls`: its declared fields from their flags, the rest from `derive`
     (credentials, metrics). A value that cannot work stops the process with exit status 2 and
     one line naming its flag (a flag argparse cannot parse prints the usage too)."""
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(given)
+    _check_environment(parser, args, given)
     try:
         return cls(**declared_values(cls, args), **derive(args))  # type: ignore[arg-type]
     except SettingsError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+
+def _check_environment(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                       argv: list[str]) -> None:
+    """A declared check fails on a value that came from the environment (its flag was not
+    given): a usage error naming the variable. (A flag given wins: its variable is ignored.)"""
+    for action in parser._actions:
+        source = _FROM_ENV.get(action)
+        if source is None or any(token == flag or token.startswith(flag + "=")
+                                 for token in argv for flag in action.option_strings):
+            continue
+        problem = flag_problem(action, getattr(args, action.dest))
+        if problem is not None:
+            name, raw = source
+            parser.error(f"environment variable {name}={raw!r}: must be "
+                         f"{declared_check(action)}")
 
 
 def check_settings(settings: Any) -> None:
@@ -141,17 +161,15 @@ def settings_table(cls: type) -> list[tuple[str, str, Any, str]]:
 
 
 def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
-    """Add `flag`; its default comes from the environment variable when that is set. A bad
-    environment value is the same usage error (exit 2, naming the variable) as a bad flag;
-    `env_check` (a check and what it wants) is applied to it there."""
+    """Add `flag`; its default comes from the environment variable when that is set. An
+    environment value that does not parse is the same usage error (exit 2, naming the
+    variable) as a bad flag; `check` (a check and what it wants) is applied by `load`."""
     name = env_name(flag)
-    env_check = kwargs.pop("env_check", None)
-    if name in os.environ:
-        raw = os.environ[name]
+    check = kwargs.pop("check", None)
+    raw = os.environ.get(name)
+    if raw is not None:
         try:
-            kwargs["default"] = value = _from_env(raw, kwargs)
-            if env_check is not None and value is not None and not env_check[0](value):
-                raise ValueError(f"must be {env_check[1]}")
+            kwargs["default"] = _from_env(raw, kwargs)
         except (ValueError, argparse.ArgumentTypeError) as exc:
             parser.error(f"environment variable {name}={raw!r}: {exc}")
     help_text = kwargs.pop("help", "")
@@ -161,12 +179,18 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
         shown = ",".join(sorted(map(str, default)) if isinstance(default, frozenset) else default)
     kwargs["help"] = f"{help_text} [env {name}; default {shown}]"
     action = parser.add_argument(flag, **kwargs)
-    if env_check is not None:
-        _CHECKS[action] = env_check
+    if check is not None:
+        _CHECKS[action] = check
+    if raw is not None:
+        _FROM_ENV[action] = (name, raw)
 
 
-# Each declared flag's check, for callers that parse a flag alone (the launcher).
-_CHECKS: dict[argparse.Action, tuple[Callable[[Any], bool], str]] = {}
+# Each declared flag's check (for `load` and for callers that parse a flag alone: the
+# launcher), and the variable its default came from.
+_CHECKS: weakref.WeakKeyDictionary[argparse.Action, tuple[Callable[[Any], bool], str]] = (
+    weakref.WeakKeyDictionary())
+_FROM_ENV: weakref.WeakKeyDictionary[argparse.Action, tuple[str, str]] = (
+    weakref.WeakKeyDictionary())
 
 
 def declared_check(action: argparse.Action) -> str | None:

@@ -25,12 +25,11 @@ from common.config import (
     split_names,
 )
 from common.credentials import InternalAuth, add_internal_auth_flags, internal_auth_from_args
+from common.executor_description import MAX_POOL_NAME_CHARS
 from common.metrics import MetricsEndpoint, add_metrics_flags, metrics_endpoint
 from common.model_dirs import DEFAULT_MODEL as EMBEDDED_MODEL
 from common.model_dirs import missing_model_message
 from executor_svc.host_memory import available_host_bytes
-
-__all__ = ["SettingsError"]  # raised by the executors' start-up checks too
 
 DEFAULT_PORT = 50053
 # Executors on one host each need their own (the launcher passes them); the default is
@@ -56,7 +55,8 @@ def parse_bytes(text: str) -> int:
 
 def _pool_name_ok(name: str) -> bool:
     """It names the pool at the allocator and in every log line: bounded ASCII."""
-    return len(name) <= 256 and (not name or (name.isascii() and name.isprintable()))
+    return len(name) <= MAX_POOL_NAME_CHARS and (
+        not name or (name.isascii() and name.isprintable()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +70,7 @@ class ServingSettings:
     pool_name: str = setting(
         "", "a stable name for this executor's KV pool at the allocator (a StatefulSet pod's "
         "name), reported by Describe; empty: callers use the address", check=_pool_name_ok,
-        must="at most 256 printable ASCII characters")
+        must=f"at most {MAX_POOL_NAME_CHARS} printable ASCII characters")
     role: str = setting(
         "both", "which work a gateway gives this executor: prefill (prompts, then the request "
         "is handed off), decode (handed-off requests) or both", choices=ROLES)

@@ -44,7 +44,8 @@ def render() -> str:
         "",
         "Every flag has an environment variable (`--block-size` is `PAGEDKV_BLOCK_SIZE`); the "
         "flag wins over it. A value that cannot work stops the service at start with exit "
-        "status 2 and one line naming the flag (or the variable) and what it must be.",
+        "status 2, naming the flag (or the variable) and what it must be: in one line, after "
+        "the usage when argparse cannot read the value at all.",
     ]
     for title, module, what in SECTIONS:
         parser = _parser(module)
@@ -66,9 +67,11 @@ def _row(action: argparse.Action) -> str:
     flag = max(action.option_strings, key=len)
     what = _SUFFIX.sub("", action.help or "")
     must = declared_check(action) or ""
-    choices = action.choices or (action.metavar if str(action.metavar).startswith("{") else None)
-    if choices is not None:  # the choices, listed with the flag
-        flag += " {" + ",".join(map(str, choices)) + "}" if action.choices else f" {choices}"
+    if action.choices is not None:  # argparse's own choices, listed with the flag
+        flag += " {" + ",".join(map(str, action.choices)) + "}"
+        must = ""
+    elif str(action.metavar).startswith("{"):  # a declared setting's (common/config.py)
+        flag += f" {action.metavar}"
         must = ""
     return (f"| `{flag}` | `{env_name(flag.split()[0])}` | {_default(action)} | {_cell(must)} "
             f"| {_cell(what)} |")

@@ -211,7 +211,7 @@ BAD_INPUTS = [
     (gpb.GenerateRequest(text="hi", sampling=gpb.SamplingParams(n=5)), "sampling.n"),
     (gpb.GenerateRequest(text="hi", sampling=gpb.SamplingParams(stop_token_ids=[512])),
      "sampling.stop_token_ids"),
-    # (Chat on a model without a chat template: test_openai_api.py, over both APIs.)
+    # (Chat on a model without a chat template: test_fuzzed_input.py, over both APIs.)
 ]
 
 

@@ -151,3 +151,15 @@ def test_http_api_defaults():
     assert (settings.http_port, settings.max_sse_buffer, settings.served_model_name) == (
         8000, 256, "")
     assert load_settings(["--http-port", "-1"]).http_port == -1  # no HTTP API
+
+
+def test_a_flag_given_wins_over_a_bad_environment_value(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    # The variable is only the default: given the flag, its bad value is never used.
+    monkeypatch.setenv("PAGEDKV_MAX_MODEL_LEN", "1")
+    assert load_settings(["--max-model-len", "50"]).max_model_len == 50
+    assert load_settings(["--max-model-len=60"]).max_model_len == 60
+    with pytest.raises(SystemExit):
+        load_settings([])
+    assert "PAGEDKV_MAX_MODEL_LEN='1': must be >= 2" in capsys.readouterr().err
