@@ -99,7 +99,7 @@ def step_items(msg: pb.StepRequest) -> list[StepItem]:
             StepItem(
                 m.request_id,
                 m.num_tokens,
-                list(prompt) if prompt else None,
+                tuple(prompt) if prompt else None,
                 m.cache_salt,
                 m.tenant,
                 m.resumed,

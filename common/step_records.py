@@ -4,6 +4,7 @@ Each side's codec turns them into its own proto's messages of the same fields.""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -22,3 +23,23 @@ class Commit:
 
     request_id: str
     num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepItem:
+    """One request's part of a Step, past the decode column: `num_tokens` more to compute
+    beyond what is computed (or cached). A request new to the allocator (admitted, or again
+    after a recompute preemption) carries its prompt; the others carry none."""
+
+    request_id: str
+    num_tokens: int
+    prompt_token_ids: Sequence[int] | None = None  # set exactly when the request is new
+    cache_salt: str = ""
+    tenant: str = ""  # a new request's, for the allocator's per-tenant block quota
+    resumed: bool = False  # new again after a recompute preemption (counted apart)
+    # The allocator core's own: a decode row sent the general way (its token may be unknown).
+    decode: bool = False
+
+    @property
+    def is_new(self) -> bool:
+        return self.prompt_token_ids is not None

@@ -20,23 +20,12 @@ from enum import Enum
 
 from allocator_svc.core.pool import Pool
 from allocator_svc.core.request import Grant, Request
-from common.step_records import BlockCopy, Commit
+from common.step_records import BlockCopy, Commit, StepItem
 
 
 class PreemptionMode(Enum):
     RECOMPUTE = "recompute"  # free everything; the gateway readmits with prompt + output
     SWAP = "swap"  # move the blocks to CPU; falls back to recompute without swap space
-
-
-@dataclass(slots=True)
-class StepItem:
-    request_id: str
-    num_tokens: int  # tokens to compute this step beyond what is computed (or cached)
-    prompt_token_ids: list[int] | None = None  # set exactly when the request is new
-    cache_salt: str = ""
-    tenant: str = ""  # a new request's tenant, for its block quota
-    resumed: bool = False  # a new admission after a recompute preemption (counted apart)
-    decode: bool = False  # a decode row on the general path: its token's value may be unknown
 
 
 @dataclass(slots=True)

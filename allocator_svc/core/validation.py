@@ -3,7 +3,7 @@ with a remedy, before anything is mutated."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
 from allocator_svc.core.limits import Limits
@@ -261,7 +261,7 @@ def _raise_bad_ids(request_ids: Iterable[str]) -> None:
         seen.add(request_id)
 
 
-def check_token_ids(owner: str, token_ids: list[int]) -> None:
+def check_token_ids(owner: str, token_ids: Sequence[int]) -> None:
     if token_ids and min(token_ids) < 0:
         raise InvalidArgument(f"{owner}: token ids must be >= 0, got {min(token_ids)}")
 

@@ -152,7 +152,7 @@ class Scheduler(SequenceQueues, BatchLanding):
             plan.items.append(
                 StepItem(
                     seq.seq_id, num, prompt_token_ids=tuple(seq.token_ids),
-                    cache_salt=request.cache_salt, is_new=True, tenant=request.tenant,
+                    cache_salt=request.cache_salt, tenant=request.tenant,
                     resumed=seq.num_preemptions > 0,
                 )
             )
@@ -245,7 +245,7 @@ class Scheduler(SequenceQueues, BatchLanding):
         """A granted row the general way (an admission, a swap-in, a table change, a chunk)
         into the Execute call; whether the sequence joined the running queue."""
         moved = False
-        if item is not None and item.is_new:
+        if item is not None and item.prompt_token_ids is not None:  # new to the allocator
             assert grant is not None, f"new request {seq.seq_id} granted without a grant"
             seq.known_to_allocator = True
             seq.waits_for_room = False

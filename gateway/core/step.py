@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.step_records import BlockCopy, Commit
+from common.step_records import BlockCopy, Commit, StepItem
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,19 +25,6 @@ class TableDelta:
         )
         del table[self.start_index :]
         table.extend(self.block_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class StepItem:
-    """One request's part of a step; `prompt_token_ids` only when the request is new."""
-
-    request_id: str
-    num_tokens: int
-    prompt_token_ids: tuple[int, ...] = ()
-    cache_salt: str = ""
-    is_new: bool = False
-    tenant: str = ""  # a new request's, for the allocator's per-tenant block quota
-    resumed: bool = False  # new at the allocator after a recompute preemption
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,7 +83,7 @@ class LoopbackAllocator:
 async def cache(link: PoolLink, request_id: str, prompt: list[int], salt: str = "") -> None:
     """Prefill `prompt` in one step, commit all of it and free it: its full blocks stay cached
     (free, revivable) until evicted."""
-    item = StepItem(request_id, len(prompt), tuple(prompt), salt, is_new=True)
+    item = StepItem(request_id, len(prompt), tuple(prompt), salt)
     await link.step(StepCall(commits=(), free_request_ids=(), abort_request_ids=(),
                              items=(item,)))
     await link.free([Commit(request_id, len(prompt))], [request_id], 0)

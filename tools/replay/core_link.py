@@ -7,7 +7,6 @@ from __future__ import annotations
 from allocator_svc.core.step import (
     Appends,
     PreemptionMode,
-    StepItem,
     StepResult,
 )
 from allocator_svc.core.step import StepCall as CoreStepCall
@@ -26,9 +25,7 @@ def core_call(pool_id: str, epoch: int, call: StepCall) -> CoreStepCall:
         appends = Appends(list(call.append_request_ids), list(call.append_token_ids))
     return CoreStepCall(
         pool_id, epoch, None,
-        [StepItem(i.request_id, i.num_tokens, list(i.prompt_token_ids) if i.is_new else None,
-                  i.cache_salt, i.tenant, i.resumed)
-         for i in call.items],
+        list(call.items),
         PreemptionMode.SWAP if call.swap else PreemptionMode.RECOMPUTE,
         list(call.commits),  # (one Commit record on both sides: common/step_records.py)
         list(call.free_request_ids), list(call.abort_request_ids),
