@@ -33,10 +33,16 @@ E2E_FOLDERS = ("e2e", "client", "conformance")  # each of their tests starts ser
 
 
 # Test files (from the repository root) -> the session-scoped stack they share.
-SHARED_STACKS = dict.fromkeys(
-    ("tests/client/test_client_blocking.py", "tests/client/test_client_asyncio.py",
-     "tests/e2e/test_generate.py", "tests/e2e/test_beam_search_stack.py",
-     "tests/e2e/test_openai_api.py"), "tiny_stack")
+SHARED_STACKS = {
+    **dict.fromkeys(
+        ("tests/client/test_client_blocking.py", "tests/client/test_client_asyncio.py",
+         "tests/e2e/test_generate.py", "tests/e2e/test_beam_search_stack.py",
+         "tests/e2e/test_openai_api.py"), "tiny_stack"),
+    # Their executors (tests/conformance/conftest.py, session fixtures).
+    **dict.fromkeys(
+        (f"tests/conformance/test_executor_{name}.py"
+         for name in ("auth", "contract", "errors", "handoff")), "conformance executors"),
+}
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import KINDS, UnitTestStartedSomething, _NoPythonPopen, _refuse
+from tests.conftest import KINDS, SHARED_STACKS, UnitTestStartedSomething, _NoPythonPopen, _refuse
 
 
 def test_a_python_subprocess_is_refused_naming_what_was_started():
@@ -31,3 +32,10 @@ def test_every_collected_test_has_exactly_one_kind(request: pytest.FixtureReques
              for item in request.session.items}
     assert kinds[request.node.nodeid] == {"unit"}  # this one starts nothing: left unmarked
     assert {nodeid: k for nodeid, k in kinds.items() if len(k) != 1} == {}
+
+
+def test_every_file_said_to_share_a_stack_exists():
+    # A renamed file would silently leave its group (and start its stack again).
+    root = Path(__file__).resolve().parent.parent
+    missing = [path for path in SHARED_STACKS if not (root / path).is_file()]
+    assert not missing, f"SHARED_STACKS names files that do not exist: {missing}"
