@@ -8,9 +8,9 @@ from allocator_svc.core.hashing import hash_profile
 from allocator_svc.core.pins import PinStatus
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import Grant, Request
-from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem, StepResult
+from allocator_svc.core.step import StepResult
 from common.errors import InvalidArgument
-from common.step_records import BlockCopy, Commit
+from common.step_records import BlockCopy, Commit, PreemptionMode, StepCall, StepItem
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 
 _MODES: dict[int, PreemptionMode] = {
@@ -71,20 +71,16 @@ def commits(msgs: list[pb.Commit]) -> list[Commit]:
 
 
 def step_call(msg: pb.StepRequest) -> StepCall:
-    appends = None
-    if msg.append_request_ids or msg.append_token_ids:
-        appends = Appends(list(msg.append_request_ids), list(msg.append_token_ids))
+    """The call (its pool, epoch and lease are the request's own fields)."""
     return StepCall(
-        pool_id=msg.pool_id,
-        epoch=msg.epoch,
-        lease_id=msg.lease_id or None,
         items=step_items(msg),
         mode=preemption_mode(msg.preemption_mode),
         commits=commits(msg.commits),
         free_request_ids=list(msg.free_request_ids),
         abort_request_ids=list(msg.abort_request_ids),
-        appends=appends,
         decode_request_ids=list(msg.decode_request_ids),
+        append_request_ids=list(msg.append_request_ids),
+        append_token_ids=list(msg.append_token_ids),
         step_id=msg.step_id,
         commit_through_step_id=msg.commit_through_step_id,
     )

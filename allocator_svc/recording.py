@@ -70,9 +70,10 @@ import structlog
 
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import Request
-from allocator_svc.core.step import PreemptionMode, StepCall, StepResult
+from allocator_svc.core.step import StepResult
 from allocator_svc.recording_file import RecordingFile, RecordingOpenError
 from common.block_hash import HASH_VERSION
+from common.step_records import PreemptionMode, StepCall
 
 __all__ = ["FORMAT", "HASH_PREFIX_BYTES", "VERSION", "Recorder", "RecordingOpenError",
            "RecordingSettings", "flush_periodically"]
@@ -158,11 +159,12 @@ class Recorder:
         held = pool.requests
         return [held[i] for i in request_ids if i in held]
 
-    def before_step(self, pools: Mapping[str, Pool], call: StepCall) -> list[Request]:
+    def before_step(self, pools: Mapping[str, Pool], pool_id: str,
+                    call: StepCall) -> list[Request]:
         if not (call.free_request_ids or call.abort_request_ids):
             return []  # most steps
         released = (*call.free_request_ids, *call.abort_request_ids)
-        return self.before_free(pools, call.pool_id, released)
+        return self.before_free(pools, pool_id, released)
 
     def step(self, pool: Pool, call: StepCall, result: StepResult,
              ending: list[Request]) -> None:
@@ -175,7 +177,8 @@ class Recorder:
                 return
             # Most steps: decodes only. One line, formatted inline (this is the hot path).
             rows = len(call.items) + len(call.decode_request_ids)
-            key = self.pool_keys.get(call.pool_id) or self._pool(call.pool_id)
+            pool_id = pool.config.pool_id
+            key = self.pool_keys.get(pool_id) or self._pool(pool_id)
             used = pool.config.num_blocks - pool.blocks.num_free
             if not self.file.write(f'{{"k":"step","t":{self.clock() - self.origin:.4f},'
                                    f'"pool":{key},"rows":{rows},"used":{used}}}\n'):
@@ -227,13 +230,13 @@ class Recorder:
               ending: list[Request]) -> None:
         """A step that admits, defers, preempts, swaps or ends requests: the general line."""
         rows = len(call.items) + len(call.decode_request_ids)
-        parts = [f'{{"k":"step","t":{self._now()},"pool":{self._pool(call.pool_id)},'
+        parts = [f'{{"k":"step","t":{self._now()},"pool":{self._pool(pool.config.pool_id)},'
                  f'"rows":{rows},"used":{pool.config.num_blocks - pool.blocks.num_free},'
                  f'"tokens":{_tokens(call, result, rows)}']
         grants, preempted, deferred = result.grants, result.preempted, result.deferred
         if call.mode is _SWAP:
             parts.append(',"swap":1')
-        waiting = self.waiting.setdefault(call.pool_id, set())
+        waiting = self.waiting.setdefault(pool.config.pool_id, set())
         admitted = [g for g in grants if g.new_request]
         if admitted:
             resumed = {i.request_id for i in call.items if i.resumed}

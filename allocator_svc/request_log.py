@@ -16,8 +16,9 @@ from collections.abc import Iterable
 import structlog
 
 from allocator_svc.core.request import Request
-from allocator_svc.core.step import StepCall, StepResult
+from allocator_svc.core.step import StepResult
 from common.interceptor import client_request_id
+from common.step_records import StepCall
 
 log = structlog.get_logger("allocator_svc.requests")
 

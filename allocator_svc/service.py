@@ -130,8 +130,10 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
         _require_lease(request.lease_id, "Step")
         call = convert.step_call(request)
         recorder = self.recorder
-        ending = recorder.before_step(self.allocator.pools, call) if recorder else []
-        result = self.allocator.step(call)
+        ending = (recorder.before_step(self.allocator.pools, request.pool_id, call)
+                  if recorder else [])
+        result = self.allocator.step(request.pool_id, request.epoch, request.lease_id or None,
+                                     call)
         request_log.step_applied(request.pool_id, call, result)
         pool = self.allocator.pools[request.pool_id]
         if recorder is not None:

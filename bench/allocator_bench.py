@@ -22,9 +22,8 @@ import grpc
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
-from allocator_svc.core.step import Appends, StepCall, StepItem
 from bench.common import markdown_table, median, percentile, write_results
-from common.step_records import Commit
+from common.step_records import Commit, StepCall, StepItem
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
 
@@ -53,24 +52,26 @@ def decode_step_us(num_running: int, num_steps: int, columns: bool = False) -> l
     allocator, epoch = make_pool()
     lease = allocator.create_lease(600.0).lease_id
     ids = [f"r{i}" for i in range(num_running)]
-    allocator.step(StepCall(
+    allocator.step(
         "bench", epoch, lease,
-        [StepItem(r, 128, list(range(i, i + 128))) for i, r in enumerate(ids)], step_id=1,
-    ))
+        StepCall([StepItem(r, 128, list(range(i, i + 128))) for i, r in enumerate(ids)], step_id=1))
     samples = []
     for token in range(num_steps):
         start = time.perf_counter()
         # Each step confirms the one before, as the gateway's do.
         step_id = token + 2
         if columns:
-            allocator.step(StepCall("bench", epoch, lease, decode_request_ids=list(ids),
-                                    appends=Appends(list(ids), [token] * num_running),
-                                    step_id=step_id, commit_through_step_id=step_id - 1))
+            allocator.step(
+                "bench", epoch, lease,
+                StepCall(decode_request_ids=list(ids), append_request_ids=list(ids),
+                    append_token_ids=[token] * num_running, step_id=step_id,
+                    commit_through_step_id=step_id - 1))
         else:
             items = [StepItem(r, 1) for r in ids]
-            allocator.step(StepCall("bench", epoch, lease, items, step_id=step_id,
-                                    appends=Appends(list(ids), [token] * num_running),
-                                    commit_through_step_id=step_id - 1))
+            allocator.step(
+                "bench", epoch, lease,
+                StepCall(items, step_id=step_id, append_request_ids=list(ids),
+                    append_token_ids=[token] * num_running, commit_through_step_id=step_id - 1))
         samples.append((time.perf_counter() - start) * 1e6)
     return samples
 
@@ -87,7 +88,7 @@ def admit_us(repeat: int) -> tuple[list[float], list[float]]:
     """Prefix lookup alone, and admission (lookup + allocation) of a 1,024-token prompt."""
     allocator, epoch = make_pool()
     prompts = shared_prompts(repeat + 1)
-    allocator.step(StepCall("bench", epoch, None, [StepItem("warm", PROMPT_LEN, prompts[0])]))
+    allocator.step("bench", epoch, None, StepCall([StepItem("warm", PROMPT_LEN, prompts[0])]))
     allocator.free("bench", epoch, [Commit("warm", PROMPT_LEN)], ["warm"])
     pool = allocator.pools["bench"]
     lookups, admits = [], []
@@ -98,7 +99,7 @@ def admit_us(repeat: int) -> tuple[list[float], list[float]]:
         assert len(hits) * BLOCK_SIZE == SHARED_LEN
         item = StepItem(f"a{i}", PROMPT_LEN, prompt)
         start = time.perf_counter()
-        allocator.step(StepCall("bench", epoch, None, [item]))
+        allocator.step("bench", epoch, None, StepCall([item]))
         admits.append((time.perf_counter() - start) * 1e6)
         allocator.abort("bench", epoch, [f"a{i}"])
     return lookups, admits
@@ -111,7 +112,7 @@ def lifecycles_per_s(num_requests: int) -> float:
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         rid = f"l{i}"
-        allocator.step(StepCall("bench", epoch, None, [StepItem(rid, PROMPT_LEN, prompt)]))
+        allocator.step("bench", epoch, None, StepCall([StepItem(rid, PROMPT_LEN, prompt)]))
         allocator.free("bench", epoch, [Commit(rid, PROMPT_LEN)], [rid])
     return num_requests / (time.perf_counter() - start)
 

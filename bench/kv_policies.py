@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
-from allocator_svc.core.step import Appends, StepCall, StepItem
+from common.step_records import StepCall, StepItem
 
 
 @dataclass(slots=True, eq=False)
@@ -107,8 +107,9 @@ class PagedPolicy:
         if not items and not decode_ids:
             return StepOutcome()
         result = self.allocator.step(
-            StepCall("sim", self.pool.epoch, None, items, decode_request_ids=decode_ids,
-                     appends=Appends(decode_ids, [0] * len(decode_ids))))
+            "sim", self.pool.epoch, None,
+            StepCall(items, decode_request_ids=decode_ids, append_request_ids=decode_ids,
+                append_token_ids=[0] * len(decode_ids)))
         outcome = StepOutcome()
         deferred = set(result.deferred)
         outcome.admitted = [r for r in waiting if r.request_id not in deferred]

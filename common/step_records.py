@@ -6,6 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
+
+
+class PreemptionMode(Enum):
+    """What a step does to the requests it pushes out when the pool is short."""
+
+    RECOMPUTE = "recompute"  # free everything; the gateway readmits with prompt + output
+    SWAP = "swap"  # move the blocks to CPU; falls back to recompute without swap space
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,3 +51,28 @@ class StepItem:
     @property
     def is_new(self) -> bool:
         return self.prompt_token_ids is not None
+
+
+@dataclass(slots=True)  # not frozen: one a step on the allocator's hot path, 0.8 us cheaper
+class StepCall:
+    """One Step: everything a caller asks of one pool in one scheduling step (the pool, its
+    epoch and the caller's lease go beside it).
+
+    Applied in this order: appends (request append_request_ids[i] learns the value
+    append_token_ids[i]), commits through `commit_through_step_id` (the lease's numbered
+    steps whose batches executed), `commits`, frees, aborts; then scheduling in priority
+    order: `decode_request_ids` (one more token each, on the hot path as a column), `items`."""
+
+    items: Sequence[StepItem] = ()
+    mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    commits: Sequence[Commit] = ()
+    free_request_ids: Sequence[str] = ()
+    abort_request_ids: Sequence[str] = ()
+    decode_request_ids: Sequence[str] = ()
+    append_request_ids: Sequence[str] = ()
+    append_token_ids: Sequence[int] = ()
+    step_id: int = 0  # increasing per lease; 0: nothing kept for commit_through_step_id
+    commit_through_step_id: int = 0
+
+    def has_items(self) -> bool:
+        return bool(self.decode_request_ids or self.items)

@@ -20,7 +20,7 @@ from allocator_svc.core.limits import Limits
 from allocator_svc.core.pins import Pin, PinStatus, pin_budget
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import Request
-from allocator_svc.core.step import StepCall, StepResult, run_step
+from allocator_svc.core.step import Appends, StepResult, run_step
 from allocator_svc.core.validation import (
     check_appends,
     check_commits,
@@ -43,7 +43,7 @@ from common.errors import (
     NotFound,
     ResourceExhausted,
 )
-from common.step_records import BlockCopy, Commit
+from common.step_records import BlockCopy, Commit, StepCall
 
 _NONE_RELEASED: frozenset[str] = frozenset()
 _TOKENS = attrgetter("token_ids")
@@ -102,15 +102,16 @@ class Allocator:
         return pool
 
     # The hot path.
-    def step(self, call: StepCall) -> StepResult:
-        """One scheduling step (StepCall says in which order its parts apply)."""
-        pool = self.pools.get(call.pool_id)
-        if pool is None or pool.epoch != call.epoch:
-            pool = self.pool(call.pool_id, call.epoch)  # raises, with the message
-        items, decode_ids, lease_id = call.items, call.decode_request_ids, call.lease_id
+    def step(self, pool_id: str, epoch: int, lease_id: str | None, call: StepCall) -> StepResult:
+        """One scheduling step of the pool `pool_id` at `epoch`, for the caller's lease
+        (StepCall says in which order its parts apply)."""
+        pool = self.pools.get(pool_id)
+        if pool is None or pool.epoch != epoch:
+            pool = self.pool(pool_id, epoch)  # raises, with the message
+        items, decode_ids = call.items, call.decode_request_ids
         commits, free_ids, abort_ids = call.commits, call.free_request_ids, call.abort_request_ids
-        appends = call.appends if call.appends is not None and (
-            call.appends.request_ids or call.appends.token_ids) else None
+        appends = (Appends(call.append_request_ids, call.append_token_ids)
+                   if call.append_request_ids or call.append_token_ids else None)
         num_items = len(items) + len(decode_ids)
         commit_through = call.commit_through_step_id
         if not (num_items or commits or free_ids or abort_ids or appends or commit_through):

@@ -15,17 +15,12 @@ value: slots depend on counts, and values arrive in `Appends` once known (reques
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from enum import Enum
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from allocator_svc.core.pool import Pool
 from allocator_svc.core.request import Grant, Request
-from common.step_records import BlockCopy, Commit, StepItem
-
-
-class PreemptionMode(Enum):
-    RECOMPUTE = "recompute"  # free everything; the gateway readmits with prompt + output
-    SWAP = "swap"  # move the blocks to CPU; falls back to recompute without swap space
+from common.step_records import BlockCopy, PreemptionMode, StepItem
 
 
 @dataclass(slots=True)
@@ -33,30 +28,8 @@ class Appends:
     """Token values the caller has learned: request `request_ids[i]` appends `token_ids[i]`
     (one request's rows in order). Columns: a step carries one per decoding request."""
 
-    request_ids: list[str]
-    token_ids: list[int]
-
-
-@dataclass(slots=True)
-class StepCall:
-    """One Step: everything a caller asks of one pool in one scheduling step.
-
-    Applied in this order: appends, commits through `commit_through_step_id` (its lease's
-    numbered steps), `commits`, frees, aborts; then scheduling in priority order:
-    `decode_request_ids` (one more token each), `items`. (The names are the proto's.)"""
-
-    pool_id: str
-    epoch: int
-    lease_id: str | None = None
-    items: list[StepItem] = field(default_factory=list)
-    mode: PreemptionMode = PreemptionMode.RECOMPUTE
-    commits: list[Commit] = field(default_factory=list)
-    free_request_ids: list[str] = field(default_factory=list)
-    abort_request_ids: list[str] = field(default_factory=list)
-    appends: Appends | None = None
-    decode_request_ids: list[str] = field(default_factory=list)
-    step_id: int = 0  # increasing per lease; 0: nothing kept for commit_through_step_id
-    commit_through_step_id: int = 0  # every numbered step up to this one executed
+    request_ids: Sequence[str]
+    token_ids: Sequence[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +85,7 @@ class StepResult:
 
 def run_step(
     pool: Pool,
-    items: list[StepItem],
+    items: Sequence[StepItem],
     mode: PreemptionMode,
     lease_id: str | None,
     decode_requests: list[Request] | None = None,
@@ -128,7 +101,7 @@ def run_step(
     if decode_requests:
         if not _run_plain_decodes(pool, decode_requests, result):
             decode_items = [StepItem(r.request_id, 1, decode=True) for r in decode_requests]
-            items = decode_items + items
+            items = [*decode_items, *items]
         elif not items:  # the common step: served
             _finish(pool, lease_id, step_id, decode_requests, result)
             return result

@@ -9,7 +9,7 @@ from collections.abc import Set as AbstractSet
 from allocator_svc.core.limits import Limits
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import Request
-from allocator_svc.core.step import Appends, StepItem
+from allocator_svc.core.step import Appends
 from common.credentials import lease_tag
 from common.errors import (
     AlreadyExists,
@@ -19,7 +19,7 @@ from common.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from common.step_records import Commit
+from common.step_records import Commit, StepItem
 
 
 def check_pool_config(config: PoolConfig, limits: Limits) -> None:
@@ -69,7 +69,7 @@ def check_owner(pool: Pool, request_ids: Iterable[str], lease_id: str | None) ->
             )
 
 
-def check_releases(pool: Pool, free_ids: list[str], abort_ids: list[str]) -> set[str]:
+def check_releases(pool: Pool, free_ids: Sequence[str], abort_ids: Sequence[str]) -> set[str]:
     released = set()
     for request_id in (*free_ids, *abort_ids):
         if request_id not in pool.requests:
@@ -80,7 +80,7 @@ def check_releases(pool: Pool, free_ids: list[str], abort_ids: list[str]) -> set
     return released
 
 
-def check_commits(pool: Pool, commits: list[Commit]) -> None:
+def check_commits(pool: Pool, commits: Sequence[Commit]) -> None:
     for commit in commits:
         request = pool.requests.get(commit.request_id)
         if request is None:
@@ -93,7 +93,7 @@ def check_commits(pool: Pool, commits: list[Commit]) -> None:
 
 
 def check_items(
-    pool: Pool, items: list[StepItem], released: AbstractSet[str], limits: Limits
+    pool: Pool, items: Sequence[StepItem], released: AbstractSet[str], limits: Limits
 ) -> None:
     seen = {item.request_id for item in items}
     if len(seen) != len(items) or "" in seen:
@@ -133,8 +133,8 @@ def check_items(
 
 def check_decodes(
     pool: Pool,
-    ids: list[str],
-    items: list[StepItem],
+    ids: Sequence[str],
+    items: Sequence[StepItem],
     released: AbstractSet[str],
     lease_id: str | None,
     one_value_each: bool,
@@ -203,7 +203,7 @@ def check_appends(
     return requests
 
 
-def _appended(pool: Pool, ids: list[str], lease_id: str | None) -> list[Request]:
+def _appended(pool: Pool, ids: Sequence[str], lease_id: str | None) -> list[Request]:
     """The requests of appends not one a decode: known, of the lease, within the pool."""
     requests = pool.requests
     if not requests.keys() >= set(ids):

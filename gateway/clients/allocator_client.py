@@ -13,16 +13,9 @@ from dataclasses import dataclass
 
 from common.channel import InternalChannel
 from common.credentials import InternalAuth
+from common.step_records import BlockCopy, Commit, PreemptionMode, StepCall
 from gateway.clients.call_failures import translated
-from gateway.core.step import (
-    BlockCopy,
-    Commit,
-    Grant,
-    Preemption,
-    StepCall,
-    StepOutcome,
-    TableDelta,
-)
+from gateway.core.step import Grant, Preemption, StepOutcome, TableDelta
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -206,7 +199,8 @@ class AllocatorClient(InternalChannel):
             abort_request_ids=call.abort_request_ids,
             items=items,
             preemption_mode=(
-                pb.PREEMPTION_MODE_SWAP if call.swap else pb.PREEMPTION_MODE_RECOMPUTE
+                pb.PREEMPTION_MODE_SWAP if call.mode is PreemptionMode.SWAP
+                else pb.PREEMPTION_MODE_RECOMPUTE
             ),
             decode_request_ids=call.decode_request_ids,
             append_request_ids=call.append_request_ids,

@@ -11,15 +11,9 @@ from dataclasses import dataclass
 from common.channel import InternalChannel
 from common.credentials import InternalAuth
 from common.executor_description import ExecutorDescription
+from common.step_records import BlockCopy
 from gateway.clients.call_failures import Rejected, translated
-from gateway.core.step import (
-    BlockCopy,
-    ExecSampling,
-    ExecuteCall,
-    ExecuteResult,
-    Sampled,
-    SeqWork,
-)
+from gateway.core.step import ExecSampling, ExecuteCall, ExecuteResult, Sampled, SeqWork
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 

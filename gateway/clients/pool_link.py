@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import structlog
 
 from common.executor_description import ExecutorDescription
+from common.step_records import Commit, StepCall
 from gateway.clients.allocator_client import AllocatorClient, HandOffReservation, PoolSpec
 from gateway.clients.executor_client import ExecutorClient, KVImport
 from gateway.clients.lease import Lease
-from gateway.core.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome, TableDelta
+from gateway.core.step import ExecuteCall, ExecuteResult, StepOutcome, TableDelta
 
 log = structlog.get_logger(__name__)
 

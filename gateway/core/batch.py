@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from common.step_records import StepCall
 from gateway.core.request_state import Sequence
-from gateway.core.step import ExecuteCall, ExecuteResult, StepCall
+from gateway.core.step import ExecuteCall, ExecuteResult
 
 
 @dataclass(frozen=True, slots=True)

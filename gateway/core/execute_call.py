@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.step_records import BlockCopy
 from gateway.core.request_state import Sequence
-from gateway.core.step import BlockCopy, ExecuteCall, SeqWork, TableDelta
+from gateway.core.step import ExecuteCall, SeqWork, TableDelta
 
 
 @dataclass(slots=True)

@@ -39,19 +39,13 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import chain
 
+from common.step_records import Commit, PreemptionMode, StepCall, StepItem
 from gateway.core.batch import Batch, Budget, ScheduledStep
 from gateway.core.execute_call import ExecuteCallBuilder, is_plain_decode
 from gateway.core.overlap import BatchLanding
 from gateway.core.queues import SequenceQueues, priority_level
 from gateway.core.request_state import SeqStatus, Sequence, priority
-from gateway.core.step import (
-    Commit,
-    Grant,
-    StepCall,
-    StepItem,
-    StepOutcome,
-    TableDelta,
-)
+from gateway.core.step import Grant, StepOutcome, TableDelta
 
 
 @dataclass(slots=True)
@@ -177,7 +171,7 @@ class Scheduler(SequenceQueues, BatchLanding):
             free_request_ids=tuple(pending.free_request_ids),
             abort_request_ids=tuple(pending.abort_request_ids),
             items=tuple(plan.items),
-            swap=self.swap,
+            mode=PreemptionMode.SWAP if self.swap else PreemptionMode.RECOMPUTE,
             decode_request_ids=tuple(plan.decode_ids),
             # (Only a Step carries values: an idle engine's housekeeping goes as Free.)
             append_request_ids=tuple(appends.request_ids) if has_items else (),

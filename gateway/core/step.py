@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.step_records import BlockCopy, Commit, StepItem
+from common.step_records import BlockCopy
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,29 +25,6 @@ class TableDelta:
         )
         del table[self.start_index :]
         table.extend(self.block_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class StepCall:
-    commits: tuple[Commit, ...]
-    free_request_ids: tuple[str, ...]
-    abort_request_ids: tuple[str, ...]
-    items: tuple[StepItem, ...]  # after the decodes in priority order
-    swap: bool = False
-    # Running sequences computing one more token each, first in priority order (no StepItem
-    # per decoding sequence on the hot path). At depth 2 its value may be in flight.
-    decode_request_ids: tuple[str, ...] = ()
-    # Token values the allocator has not been sent: request append_request_ids[i] appends
-    # append_token_ids[i] (applied before anything else).
-    append_request_ids: tuple[str, ...] = ()
-    append_token_ids: tuple[int, ...] = ()
-    # This Step's number (increasing per engine; 0: housekeeping, not a step), and the newest
-    # step whose batch executed: the allocator commits what the steps up to it granted.
-    step_id: int = 0
-    commit_through_step_id: int = 0
-
-    def has_items(self) -> bool:
-        return bool(self.decode_request_ids or self.items)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,14 +10,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
-from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem, StepResult
+from allocator_svc.core.step import Appends, StepResult
 from common.credentials import ROLES, RoleTokens
-from common.step_records import Commit
+from common.step_records import Commit, PreemptionMode, StepCall, StepItem
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
 
@@ -42,6 +43,14 @@ def as_call_parts(rows: list[StepItem | Decode]) -> tuple[list[StepItem], Append
     if not values:
         return items, None
     return items, Appends([r.request_id for r in values], [r.token for r in values])
+
+
+def append_columns(appends: Appends | None) -> dict[str, list[Any]]:
+    """An Appends as a StepCall's two append columns (keyword arguments)."""
+    if appends is None:
+        return {}
+    return {"append_request_ids": list(appends.request_ids),
+            "append_token_ids": list(appends.token_ids)}
 
 
 @dataclass
@@ -73,16 +82,15 @@ class Harness:
         if row_values is not None:
             ids += row_values.request_ids
             tokens += row_values.token_ids
-        result = self.allocator.step(StepCall(
-            self.pool.config.pool_id,
-            self.pool.epoch,
-            self.lease_id,
+        result = self.allocator.step(self.pool.config.pool_id, self.pool.epoch, self.lease_id,
+                                     StepCall(
             rows,
             self.mode,
             commits=[Commit(k, v) for k, v in (commits or {}).items()],
             free_request_ids=free or [],
             abort_request_ids=abort or [],
-            appends=Appends(ids, tokens) if ids else None,
+            append_request_ids=ids,
+            append_token_ids=tokens,
             decode_request_ids=decode_ids or [],
             step_id=step_id,
             commit_through_step_id=commit_through,

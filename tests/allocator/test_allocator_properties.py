@@ -25,8 +25,7 @@ from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.events import EventKind
 from allocator_svc.core.hashing import hash_block
 from allocator_svc.core.pool import PoolConfig
-from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem
-from common.step_records import Commit
+from common.step_records import Commit, PreemptionMode, StepCall, StepItem
 from tests.budget import examples
 
 BLOCK_SIZE = 2
@@ -176,18 +175,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         # Every batch executes before the next Step: it may confirm the previous step by id
         # (commit_through_step_id) or by one commit per request.
         self.step_id += 1
-        result = self.allocator.step(StepCall(
-            "p",
-            self.pool.epoch,
-            None,
-            [i for i in items if i.request_id not in decode_ids],
-            mode,
-            [] if commit_previous else commits,
-            appends=Appends(appended, [self.requests[r].tokens[-1] for r in appended]),
-            decode_request_ids=decode_ids,
-            step_id=self.step_id,
-            commit_through_step_id=self.step_id - 1 if commit_previous else 0,
-        ))
+        result = self.allocator.step(
+            "p", self.pool.epoch, None,
+            StepCall([i for i in items if i.request_id not in decode_ids], mode,
+                [] if commit_previous else commits, append_request_ids=appended,
+                append_token_ids=[self.requests[r].tokens[-1] for r in appended],
+                decode_request_ids=decode_ids, step_id=self.step_id,
+                commit_through_step_id=self.step_id - 1 if commit_previous else 0))
         self._apply(result, scheduled, items)
 
     @precondition(lambda self: self.requests)

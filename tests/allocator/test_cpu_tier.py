@@ -4,9 +4,8 @@ import pytest
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
-from allocator_svc.core.step import PreemptionMode
 from common.errors import InvalidArgument
-from common.step_records import BlockCopy
+from common.step_records import BlockCopy, PreemptionMode
 from tests.allocator.conftest import decode, make_harness, new
 
 A = list(range(9))  # two full blocks of 4, and one token

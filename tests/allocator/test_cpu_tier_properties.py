@@ -25,7 +25,7 @@ from test_pin_properties import FRACTION, PinnedAllocatorMachine
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
-from allocator_svc.core.step import PreemptionMode, StepCall, StepItem
+from common.step_records import PreemptionMode, StepCall, StepItem
 from tests.budget import examples
 
 NUM_CPU_CACHE_BLOCKS = 4  # of the 6 CPU blocks: swap-outs may take them all
@@ -60,9 +60,9 @@ class CpuTierMachine(PinnedAllocatorMachine):
             self.requests[rid] = Mirror(prompt_salt, list(prompt))
             items = [StepItem(rid, len(prompt), list(prompt), prompt_salt)]
             self.leases[lease_id] += 1
-            result = self.allocator.step(StepCall("p", self.pool.epoch, lease_id, items,
-                                                  PreemptionMode.RECOMPUTE,
-                                                  step_id=self.leases[lease_id]))
+            result = self.allocator.step(
+                "p", self.pool.epoch, lease_id,
+                StepCall(items, PreemptionMode.RECOMPUTE, step_id=self.leases[lease_id]))
             planned.append((lease_id, result, items))
         for _, result, items in reversed(planned):
             self._apply(result, {}, items)
@@ -105,8 +105,9 @@ class CpuTierMachine(PinnedAllocatorMachine):
             return
         self.step_id += 1
         mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
-        result = self.allocator.step(StepCall("p", self.pool.epoch, None, items, mode,
-                                              step_id=self.step_id))
+        result = self.allocator.step(
+            "p", self.pool.epoch, None,
+            StepCall(items, mode, step_id=self.step_id))
         deferred = set(result.deferred)  # new ones never held; swapped ones stay swapped
         skipped = {i.request_id for i in items if i.request_id in deferred
                    and i.prompt_token_ids} | {p.request_id for p in result.preempted

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
-from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem, StepResult
+from allocator_svc.core.step import StepResult
 from common.errors import InvalidArgument, NotFound
+from common.step_records import PreemptionMode, StepCall, StepItem
 from tests.allocator.conftest import make_harness, new
 
 BLOCK_SIZE = 2
@@ -129,7 +130,8 @@ def test_columns_and_items_agree(operations):
                 continue
             mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
             step_id += 1
-            common = dict(mode=mode, step_id=step_id, appends=Appends(ids, toks),
+            common = dict(mode=mode, step_id=step_id, append_request_ids=ids,
+                          append_token_ids=toks,
                           commit_through_step_id=step_id - 1 if commit_previous else 0,
                           **{"abort_request_ids" if abort else "free_request_ids": released})
             as_items = [StepItem(r, 1) for r in ids]
@@ -159,7 +161,7 @@ def test_columns_and_items_agree(operations):
         for (allocator, pool, lease), kwargs in calls:
             step_items = kwargs.pop("items", [])
             outcomes.append(
-                _outcome(allocator.step(StepCall("p", pool.epoch, lease, step_items, **kwargs)))
+                _outcome(allocator.step("p", pool.epoch, lease, StepCall(step_items, **kwargs)))
             )
             allocator.check_invariants()
         assert outcomes[0] == outcomes[1]
@@ -173,10 +175,10 @@ def _decode_columns_harness():
 
 
 def _columns(h, ids, tokens, items=(), free=()):
-    return h.allocator.step(StepCall(
-        "pool-a", h.pool.epoch, None, list(items), free_request_ids=list(free),
-        decode_request_ids=list(ids), appends=Appends(list(ids), list(tokens)),
-    ))
+    return h.allocator.step(
+        "pool-a", h.pool.epoch, None,
+        StepCall(list(items), free_request_ids=list(free), decode_request_ids=list(ids),
+            append_request_ids=list(ids), append_token_ids=list(tokens)))
 
 
 def test_boundary_decodes_in_columns_get_their_block_in_columns():
@@ -249,12 +251,14 @@ def test_a_decode_only_step_checks_its_lease_and_the_batch_limit():
     pool, _ = allocator.register_pool(PoolConfig("p", 8, 2, 0, "m", "i", True))
     lease = allocator.create_lease(5.0).lease_id
     items = [StepItem(r, 2, [1, 2]) for r in ("a", "b")]
-    allocator.step(StepCall("p", pool.epoch, lease, items))
+    allocator.step("p", pool.epoch, lease, StepCall(items))
     before = _state(pool)
 
     def decode(ids: list[str]) -> StepResult:
-        return allocator.step(StepCall("p", pool.epoch, lease, decode_request_ids=ids,
-                                       appends=Appends(ids, [3] * len(ids))))
+        return allocator.step(
+            "p", pool.epoch, lease,
+            StepCall(decode_request_ids=ids, append_request_ids=ids,
+                append_token_ids=[3] * len(ids)))
 
     with pytest.raises(InvalidArgument, match="3 items exceed the maximum batch of 2"):
         decode(["a", "b", "c"])

@@ -15,7 +15,6 @@ from allocator_svc.core.events import EventKind
 from allocator_svc.core.hand_off import HandOff
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import Request
-from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem
 from allocator_svc.metrics import AllocatorCollector
 from common.block_hash import hash_chain, root_hash
 from common.credentials import lease_tag
@@ -27,7 +26,7 @@ from common.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from common.step_records import BlockCopy, Commit
+from common.step_records import BlockCopy, Commit, PreemptionMode, StepCall, StepItem
 from tests.allocator.conftest import Harness, decode, make_harness, new
 
 BS = 4
@@ -119,9 +118,9 @@ def test_hand_off_commit_caches_the_hashes_an_admission_and_compute_would():
     a, _ = allocator.register_pool(PoolConfig("pool-a", 8, BS, 0, "fp", "i", True))
     b, _ = allocator.register_pool(PoolConfig("pool-b", 8, BS, 0, "fp", "i", True))
     tokens = HANDED + [95, 96, 97]  # 16 tokens: four full blocks
-    allocator.step(StepCall("pool-b", b.epoch, None, [StepItem("n", 16, tokens, "s")]))
+    allocator.step("pool-b", b.epoch, None, StepCall([StepItem("n", 16, tokens, "s")]))
     allocator.free("pool-b", b.epoch, [Commit("n", 16)], [])
-    allocator.step(StepCall("pool-a", a.epoch, None, [StepItem("a", 9, A, "s")]))
+    allocator.step("pool-a", a.epoch, None, StepCall([StepItem("a", 9, A, "s")]))
     allocator.free("pool-a", a.epoch, [Commit("a", 9)], ["a"])
     seq = a.events.last_seq
     reserved = allocator.reserve_hand_off(
@@ -144,12 +143,14 @@ def test_hand_off_then_decodes_and_commits_through_a_later_step():
     tokens = list(range(50, 62))
     hand_off(h, "h", tokens)
     assert h.table("h") == [0, 1, 2]
-    result = h.allocator.step(StepCall("pool-a", h.pool.epoch, None, decode_request_ids=["h"],
-                                       step_id=1))
+    result = h.allocator.step(
+        "pool-a", h.pool.epoch, None,
+        StepCall(decode_request_ids=["h"], step_id=1))
     assert (result.appended_request_ids, result.appended_block_ids) == (["h"], [3])
-    h.allocator.step(StepCall("pool-a", h.pool.epoch, None, decode_request_ids=["h"],
-                              appends=Appends(["h", "h"], [6, 7]), step_id=2,
-                              commit_through_step_id=1))
+    h.allocator.step(
+        "pool-a", h.pool.epoch, None,
+        StepCall(decode_request_ids=["h"], append_request_ids=["h", "h"], append_token_ids=[6, 7],
+            step_id=2, commit_through_step_id=1))
     h.allocator.check_invariants()
     request = h.pool.requests["h"]
     assert request.token_ids == tokens + [6, 7] and request.num_computed == 14
@@ -258,8 +259,9 @@ def test_hand_off_over_the_tenants_block_quota_is_refused():
     # or none it goes in; a tenant holding nothing gets in even past the quota.
     allocator = Allocator(Limits(max_batch_items=64, max_blocks_per_tenant=4))
     pool, _ = allocator.register_pool(PoolConfig("pool-a", 16, BS, 0, "fp", "i", True))
-    allocator.step(StepCall("pool-a", pool.epoch, None,
-                            [StepItem("t1", 12, [1] * 12, "", tenant="t")]))
+    allocator.step(
+        "pool-a", pool.epoch, None,
+        StepCall([StepItem("t1", 12, [1] * 12, "", tenant="t")]))
     h = Harness(allocator, pool)
     before = snapshot(pool)
     with pytest.raises(ResourceExhausted, match="tenant 't' holds 3 blocks.*quota of 4"):

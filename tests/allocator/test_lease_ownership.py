@@ -7,10 +7,17 @@ from __future__ import annotations
 
 import pytest
 
-from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem
+from allocator_svc.core.step import Appends
 from common.errors import NotFound, PermissionDenied
-from common.step_records import Commit
-from tests.allocator.conftest import Harness, as_call_parts, decode, make_harness, new
+from common.step_records import Commit, PreemptionMode, StepCall, StepItem
+from tests.allocator.conftest import (
+    Harness,
+    append_columns,
+    as_call_parts,
+    decode,
+    make_harness,
+    new,
+)
 
 
 def _two_leases() -> tuple[Harness, str, str]:
@@ -38,12 +45,11 @@ def _step(h: Harness, lease: str, **kwargs) -> None:
     decodes = kwargs.get("decodes")
     if decodes:
         appends = Appends(list(decodes), list(decodes.values()))
-    h.allocator.step(StepCall(
-        "pool-a", h.pool.epoch, lease, items, PreemptionMode.RECOMPUTE,
-        kwargs.get("commits", []), kwargs.get("free", []), kwargs.get("abort", []),
-        appends, list(decodes or ()), step_id=kwargs.get("step_id", 0),
-        commit_through_step_id=kwargs.get("commit_through", 0),
-    ))
+    h.allocator.step("pool-a", h.pool.epoch, lease, StepCall(
+        items, PreemptionMode.RECOMPUTE, kwargs.get("commits", []), kwargs.get("free", []),
+        kwargs.get("abort", []), decode_request_ids=list(decodes or ()),
+        step_id=kwargs.get("step_id", 0),
+        commit_through_step_id=kwargs.get("commit_through", 0), **append_columns(appends)))
 
 
 @pytest.mark.parametrize(

@@ -10,10 +10,11 @@ import pytest
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
-from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem, StepResult
+from allocator_svc.core.step import Appends, StepResult
 from common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from common.step_records import Commit
+from common.step_records import Commit, PreemptionMode, StepCall, StepItem
 from pagedkv.allocator.v1 import allocator_pb2 as pb
+from tests.allocator.conftest import append_columns
 from tests.allocator.test_service import expect_error, new, register
 
 BS = 2
@@ -54,20 +55,18 @@ class Driver:
         if appends is None and values:
             appends = Appends([r for r, v in values.items() for _ in v],
                               [t for v in values.values() for t in v])
-        result = self.allocator.step(StepCall(
-            "p",
-            self.pool.epoch,
-            self.lease if lease == "own" else lease,
-            items or [],
-            PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE,
-            commits or [],
-            free or [],
-            abort or [],
-            appends,
-            decode or [],
-            step_id,
-            commit_through,
-        ))
+        result = self.allocator.step(
+            "p", self.pool.epoch, self.lease if lease == "own" else lease, StepCall(
+                items or [],
+                PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE,
+                commits or [],
+                free or [],
+                abort or [],
+                decode or [],
+                step_id=step_id,
+                commit_through_step_id=commit_through,
+                **append_columns(appends),
+            ))
         self.step_id = step_id  # (a refused call took no number)
         self.allocator.check_invariants()
         return result

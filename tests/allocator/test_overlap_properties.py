@@ -33,7 +33,7 @@ from no_leak import free_all_and_check_no_leak
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
-from allocator_svc.core.step import Appends, PreemptionMode, StepCall, StepItem
+from common.step_records import PreemptionMode, StepCall, StepItem
 from tests.budget import examples
 
 BLOCK_SIZE = 2
@@ -158,19 +158,13 @@ class OverlapMachine(RuleBasedStateMachine):
         if not (items or decode_ids or append_ids or free_ids or abort_ids or commit_through):
             return  # nothing to send (an empty Step is refused): the batch keeps executing
         self.step_id += 1
-        result = self.allocator.step(StepCall(
-            "p",
-            self.pool.epoch,
-            self.lease_id,
-            items,
-            PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE,
-            free_request_ids=free_ids,
-            abort_request_ids=abort_ids,
-            appends=Appends(append_ids, append_tokens),
-            decode_request_ids=decode_ids,
-            step_id=self.step_id,
-            commit_through_step_id=commit_through,
-        ))
+        result = self.allocator.step(
+            "p", self.pool.epoch, self.lease_id,
+            StepCall(items, PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE,
+                free_request_ids=free_ids, abort_request_ids=abort_ids,
+                append_request_ids=append_ids, append_token_ids=append_tokens,
+                decode_request_ids=decode_ids, step_id=self.step_id,
+                commit_through_step_id=commit_through))
         for request_id, num in sent.items():
             self.requests[request_id].known_to_allocator += num
         for request_id in free_ids:

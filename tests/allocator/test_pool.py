@@ -1,6 +1,6 @@
 """Per-request operations: admission with prefix hits, commit, copy-on-write, swap, free order."""
 
-from allocator_svc.core.step import PreemptionMode, StepItem
+from common.step_records import PreemptionMode, StepItem
 from tests.allocator.conftest import decode, make_harness, new
 
 

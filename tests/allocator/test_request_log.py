@@ -10,8 +10,8 @@ import pytest
 import structlog
 
 from allocator_svc import request_log
-from allocator_svc.core.step import StepCall
-from tests.allocator.conftest import as_call_parts, decode, make_harness, new
+from common.step_records import StepCall
+from tests.allocator.conftest import append_columns, as_call_parts, decode, make_harness, new
 
 NS = "0a1b2c3d/"
 
@@ -33,8 +33,8 @@ def test_request_log_at_info_keeps_lifecycle_events_only(at_level) -> None:
     harness = make_harness(num_blocks=2, block_size=4)
     harness.step([new(NS + "a", [1, 2, 3, 4]), new(NS + "b", [5, 6, 7, 8])])
     items, appends = as_call_parts([decode(NS + "a", 9), decode(NS + "b", 9), new(NS + "c", [1])])
-    call = StepCall("pool-a", harness.pool.epoch, None, items, appends=appends)
-    result = harness.allocator.step(call)
+    call = StepCall(items, **append_columns(appends))
+    result = harness.allocator.step("pool-a", harness.pool.epoch, None, call)
     request_log.step_applied("pool-a", call, result)
     assert not request_log.debug_enabled()
     assert [(e["event"], e["log_level"], e["request_id"], e["seq_id"]) for e in at_level] == [

@@ -1,6 +1,6 @@
 """The batched step: preemption from the tail, admission from free space only, atomicity."""
 
-from allocator_svc.core.step import PreemptionMode, StepItem
+from common.step_records import PreemptionMode, StepItem
 from tests.allocator.conftest import decode, make_harness, new
 
 

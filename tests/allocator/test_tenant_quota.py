@@ -8,7 +8,7 @@ import pytest
 
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import PoolConfig
-from allocator_svc.core.step import StepCall, StepItem
+from common.step_records import StepCall, StepItem
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 from pagedkv.allocator.v1 import allocator_pb2_grpc
 from tests.allocator.conftest import AUTH, start_allocator, stop_process
@@ -28,22 +28,23 @@ def _new(request_id: str, tenant: str, num_tokens: int) -> StepItem:
 def test_a_tenant_at_its_quota_waits_while_another_is_admitted_behind_it():
     allocator, epoch, lease = _allocator(quota=4)
     # a1 (2 blocks), a2 (2 blocks: a at 4), a3 (over: waits), b1 (behind a3: admitted).
-    result = allocator.step(StepCall("p", epoch, lease, [
+    result = allocator.step("p", epoch, lease, StepCall([
         _new("a1", "a", 8), _new("a2", "a", 8), _new("a3", "a", 8), _new("b1", "b", 8)]))
     allocator.check_invariants()
     assert {g.request_id for g in result.grants} == {"a1", "a2", "b1"}
     assert result.deferred == ["a3"]
     # Still at its quota: a3 waits again; once a1 is freed, it gets in.
-    assert allocator.step(StepCall("p", epoch, lease, [_new("a3", "a", 8)])).deferred == ["a3"]
-    result = allocator.step(StepCall("p", epoch, lease, [_new("a3", "a", 8)],
-                                     free_request_ids=["a1"]))
+    assert allocator.step("p", epoch, lease, StepCall([_new("a3", "a", 8)])).deferred == ["a3"]
+    result = allocator.step(
+        "p", epoch, lease,
+        StepCall([_new("a3", "a", 8)], free_request_ids=["a1"]))
     assert [g.request_id for g in result.grants] == ["a3"] and not result.deferred
     allocator.check_invariants()
 
 
 def test_a_tenant_holding_nothing_is_admitted_even_past_its_quota_and_no_tenant_no_quota():
     allocator, epoch, lease = _allocator(quota=2)
-    result = allocator.step(StepCall("p", epoch, lease, [
+    result = allocator.step("p", epoch, lease, StepCall([
         _new("big", "a", 20), _new("free-rider", "", 20), _new("next", "a", 4)]))
     assert {g.request_id for g in result.grants} == {"big", "free-rider"}
     assert result.deferred == ["next"]
@@ -52,17 +53,19 @@ def test_a_tenant_holding_nothing_is_admitted_even_past_its_quota_and_no_tenant_
 def test_forked_children_count_against_their_parents_tenant():
     # n > 1: the children share the parent's blocks and keep counting once it is freed.
     allocator, epoch, lease = _allocator(quota=4)
-    allocator.step(StepCall("p", epoch, lease, [_new("parent", "a", 16)]))
+    allocator.step("p", epoch, lease, StepCall([_new("parent", "a", 16)]))
     allocator.fork("p", epoch, "parent", ["c0", "c1"], lease)
-    allocator.step(StepCall("p", epoch, lease, free_request_ids=["parent"],
-                            commits=[], abort_request_ids=[], items=[_new("b1", "b", 4)]))
+    allocator.step(
+        "p", epoch, lease,
+        StepCall(free_request_ids=["parent"], commits=[], abort_request_ids=[],
+            items=[_new("b1", "b", 4)]))
     assert {r.tenant for r in allocator.pools["p"].requests.values()} == {"a", "b"}
-    assert allocator.step(StepCall("p", epoch, lease, [_new("a2", "a", 4)])).deferred == ["a2"]
+    assert allocator.step("p", epoch, lease, StepCall([_new("a2", "a", 4)])).deferred == ["a2"]
 
 
 def test_without_a_quota_tenants_change_nothing():
     allocator, epoch, lease = _allocator(quota=0)
-    result = allocator.step(StepCall("p", epoch, lease, [_new(f"a{i}", "a", 8) for i in range(4)]))
+    result = allocator.step("p", epoch, lease, StepCall([_new(f"a{i}", "a", 8) for i in range(4)]))
     assert len(result.grants) == 4 and not result.deferred
 
 

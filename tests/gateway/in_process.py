@@ -20,20 +20,11 @@ from allocator_svc.core import step as core_step
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
 from common.errors import FailedPrecondition, InvalidArgument, ServiceError
+from common.step_records import Commit, StepCall
 from gateway.clients import allocator_client
 from gateway.clients.call_failures import CallFailed, failure
-from gateway.core.step import (
-    Commit,
-    ExecuteCall,
-    ExecuteResult,
-    Sampled,
-    SeqWork,
-    StepCall,
-    StepOutcome,
-    TableDelta,
-)
+from gateway.core.step import ExecuteCall, ExecuteResult, Sampled, SeqWork, StepOutcome, TableDelta
 from pagedkv.allocator.v1 import allocator_pb2 as pb
-from tools.replay.core_link import core_call
 
 POOL_ID = "pool-0"
 
@@ -79,7 +70,7 @@ class CorePool:
 
     def step(self, call: StepCall) -> StepOutcome:
         try:
-            result = self.allocator.step(core_call(POOL_ID, self.epoch, call))
+            result = self.allocator.step(POOL_ID, self.epoch, None, call)
         except ServiceError as exc:
             raise rpc_error(exc) from exc
         self.pool.check_invariants()

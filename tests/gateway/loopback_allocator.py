@@ -13,11 +13,11 @@ from allocator_svc.service import AllocatorServicer
 from common.executor_description import ExecutorDescription
 from common.metrics import RpcMetrics
 from common.server import Server, start_server
+from common.step_records import Commit, StepCall, StepItem
 from gateway.clients.allocator_client import AllocatorClient
 from gateway.clients.executor_client import ExecutorClient
 from gateway.clients.lease import Lease
 from gateway.clients.pool_link import PoolLink
-from gateway.core.step import Commit, StepCall, StepItem
 
 SERVICE = "pagedkv.allocator.v1.AllocatorService"
 

@@ -16,6 +16,7 @@ import pytest
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.service import AllocatorServicer
 from common.server import start_server
+from common.step_records import StepCall
 from gateway.clients.allocator_client import AllocatorClient, PoolSpec
 from gateway.clients.call_failures import (
     CallFailed,
@@ -28,7 +29,7 @@ from gateway.clients.call_failures import (
     translated,
 )
 from gateway.clients.executor_client import ExecutorClient
-from gateway.core.step import ExecuteCall, SeqWork, StepCall, TableDelta
+from gateway.core.step import ExecuteCall, SeqWork, TableDelta
 from pagedkv.executor.v1 import executor_pb2 as epb
 from pagedkv.executor.v1 import executor_pb2_grpc as epb_grpc
 

@@ -14,13 +14,14 @@ import structlog
 from in_process import CorePool, FakeModel
 
 from common.errors import Unavailable
+from common.step_records import Commit, StepCall
 from gateway.api.sampling import SamplingOptions
 from gateway.clients.call_failures import CallFailed, failure
 from gateway.core.batch import Budget
 from gateway.core.finish_rules import FinishRules
 from gateway.core.request_state import CompletionDelta, FinishReason, Request
 from gateway.core.scheduler import Scheduler
-from gateway.core.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome, TableDelta
+from gateway.core.step import ExecuteCall, ExecuteResult, StepOutcome, TableDelta
 from gateway.engine import recovery
 from gateway.engine.loop import Engine
 from gateway.engine.recovery import Recovery

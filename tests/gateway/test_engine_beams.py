@@ -17,11 +17,12 @@ from test_engine import tokenizer as tokenizer  # the module-scoped fixture
 
 from bench.beam_search import SearchSteps, tally
 from common.errors import Unavailable
+from common.step_records import StepCall
 from gateway.api.sampling import SamplingOptions
 from gateway.clients.call_failures import failure
 from gateway.core.beam_search import BeamConfig, BeamSearch, EarlyStopping
 from gateway.core.request_state import FinishReason, Request
-from gateway.core.step import ExecuteCall, ExecuteResult, Sampled, StepCall, StepOutcome
+from gateway.core.step import ExecuteCall, ExecuteResult, Sampled, StepOutcome
 from gateway.engine.loop import Engine
 from gateway.engine.router import initial_sequences
 from gateway.text.tokenizer import Tokenizer

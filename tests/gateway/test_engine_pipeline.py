@@ -16,10 +16,11 @@ from in_process import CorePool
 from test_engine import BLOCK, FakeLink, drain, engine, run_until_idle, submit
 from test_engine import tokenizer as tokenizer  # the module-scoped fixture
 
+from common.step_records import Commit, StepCall
 from gateway.clients.call_failures import failure
 from gateway.core.batch import ScheduledStep
 from gateway.core.request_state import Request, Sequence
-from gateway.core.step import Commit, ExecuteCall, ExecuteResult, StepCall, StepOutcome
+from gateway.core.step import ExecuteCall, ExecuteResult, StepOutcome
 from gateway.engine.loop import Engine
 from gateway.text.tokenizer import Tokenizer
 
@@ -295,7 +296,7 @@ def test_a_refused_call_has_its_housekeeping_sent_again(tokenizer: Tokenizer):
     # executed step it confirmed ride on the next call (confirming again is idempotent).
     eng, _ = engine(tokenizer, num_blocks=64)
     eng.scheduler.pending.executed_through = eng.scheduler.pending.sent_through = 5
-    call = StepCall((Commit("b", 4),), (), ("a",), (), commit_through_step_id=5)
+    call = StepCall(commits=(Commit("b", 4),), abort_request_ids=("a",), commit_through_step_id=5)
     eng.recovery.restore_housekeeping(ScheduledStep(call=call, seqs={}))
     pending = eng.scheduler.pending
     assert pending.commits == {"b": 4} and pending.abort_request_ids == ["a"]

@@ -97,10 +97,10 @@ def drive(
 
 
 def _empty_step(sched: Scheduler):  # type: ignore[no-untyped-def]
+    from common.step_records import StepCall
     from gateway.core.batch import ScheduledStep
-    from gateway.core.step import StepCall
 
-    return ScheduledStep(call=StepCall((), (), (), ()), seqs={}), StepOutcome()
+    return ScheduledStep(call=StepCall(), seqs={}), StepOutcome()
 
 
 def launch_then_allocate(

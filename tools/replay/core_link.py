@@ -1,36 +1,17 @@
-"""The gateway's step records to the allocator core's and back, in process: what
-gateway/clients/allocator_client.py and allocator_svc/convert.py do across the wire, without
-the wire."""
+"""The allocator core's step result as the gateway's outcome, in process: what
+allocator_svc/convert.py and gateway/clients/allocator_client.py do across the wire, without
+the wire. (The call needs no conversion: both sides share common/step_records.py.)"""
 
 from __future__ import annotations
 
-from allocator_svc.core.step import (
-    Appends,
-    PreemptionMode,
-    StepResult,
-)
-from allocator_svc.core.step import StepCall as CoreStepCall
+from allocator_svc.core.step import StepResult
+from common.step_records import PreemptionMode
 from gateway.core.step import (
     Grant,
     Preemption,
-    StepCall,
     StepOutcome,
     TableDelta,
 )
-
-
-def core_call(pool_id: str, epoch: int, call: StepCall) -> CoreStepCall:
-    appends = None
-    if call.append_request_ids:
-        appends = Appends(list(call.append_request_ids), list(call.append_token_ids))
-    return CoreStepCall(
-        pool_id, epoch, None,
-        list(call.items),
-        PreemptionMode.SWAP if call.swap else PreemptionMode.RECOMPUTE,
-        list(call.commits),  # (one Commit record on both sides: common/step_records.py)
-        list(call.free_request_ids), list(call.abort_request_ids),
-        appends, list(call.decode_request_ids), call.step_id, call.commit_through_step_id,
-    )
 
 
 def outcome(result: StepResult, block_size: int) -> StepOutcome:

@@ -154,13 +154,13 @@ class _Run:
                 if landed is not None:  # nothing to overlap it with: it lands first
                     self.land(landed)
                 if plan is not None:  # frees and commits only
-                    self.allocator.step(core_link.core_call(POOL_ID, self.epoch, plan.call))
+                    self.allocator.step(POOL_ID, self.epoch, None, plan.call)
                 elif landed is None:
                     if arrived == len(jobs):
                         return
                     self.now = max(self.now, jobs[arrived].arrival_s)
                 continue
-            result = self.allocator.step(core_link.core_call(POOL_ID, self.epoch, plan.call))
+            result = self.allocator.step(POOL_ID, self.epoch, None, plan.call)
             if in_flight is not None:
                 scheduler.advance(in_flight)
             batch = scheduler.apply_outcome(plan, core_link.outcome(result,
