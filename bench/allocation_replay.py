@@ -131,10 +131,10 @@ class TimedRecorder(Recorder):
 
     spent_s = 0.0
 
-    def before_step(self, pools: Any, call: Any) -> Any:
+    def before_step(self, pools: Any, pool_id: str, call: Any) -> Any:
         started = time.thread_time()
         try:
-            return super().before_step(pools, call)
+            return super().before_step(pools, pool_id, call)
         finally:
             self.spent_s += time.thread_time() - started
 

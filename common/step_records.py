@@ -1,6 +1,7 @@
-"""The records a step's calls carry between the services, declared once: the gateway sends them
-(gateway/core/step.py), the allocator core applies them, the executor copies blocks by them.
-Each side's codec turns them into its own proto's messages of the same fields."""
+"""The records a step's calls carry between the services, declared once: the gateway's
+scheduler plans them (gateway/core/scheduler.py), the allocator core applies them, the
+executor copies blocks by them. Each side's codec (gateway/clients/allocator_client.py,
+allocator_svc/convert.py) turns them into its proto's messages of the same fields."""
 
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ class StepCall:
     Applied in this order: appends (request append_request_ids[i] learns the value
     append_token_ids[i]), commits through `commit_through_step_id` (the lease's numbered
     steps whose batches executed), `commits`, frees, aborts; then scheduling in priority
-    order: `decode_request_ids` (one more token each, on the hot path as a column), `items`."""
+    order: `decode_request_ids` (one more token each, on the hot path as a column), `items`.
+    The allocator's fast path compares `append_request_ids` with `decode_request_ids` whole:
+    give them one type (lists from the wire, tuples from the gateway)."""
 
     items: Sequence[StepItem] = ()
     mode: PreemptionMode = PreemptionMode.RECOMPUTE

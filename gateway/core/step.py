@@ -1,8 +1,9 @@
 """What one scheduling step sends and receives, as plain values (the protos stay at the edge).
 
-A step is one allocator `Step` call (a `StepCall` in, a `StepOutcome` out) followed by one
-executor `Execute` call (an `ExecuteCall` in, `Sampled` tokens out). The conversion to and
-from protobuf lives in allocator_client.py and executor_client.py.
+A step is one allocator `Step` call (a `StepCall` in, declared with the allocator in
+common/step_records.py; a `StepOutcome` out) followed by one executor `Execute` call (an
+`ExecuteCall` in, `Sampled` tokens out). The conversion to and from protobuf lives in
+allocator_client.py and executor_client.py.
 """
 
 from __future__ import annotations

@@ -92,12 +92,14 @@ class CpuTierMachine(PinnedAllocatorMachine):
         aborts what it scheduled and what it swapped out; the next step confirms through it.
         `launched_ahead`: the step after it, returning conversations only, was planned before
         the refusal was known, and runs."""
-        items = []
+        items, append_ids, append_tokens = [], [], []
         for rid, token in zip(sorted(self.requests), decode_tokens, strict=False):
             mirror = self.requests[rid]
-            append = [token] if mirror.computed == len(mirror.tokens) else []
-            mirror.tokens.extend(append)
-            items.append(StepItem(rid, 1, None, "", append))
+            if mirror.computed == len(mirror.tokens):  # its next token's value, now known
+                mirror.tokens.append(token)
+                append_ids.append(rid)
+                append_tokens.append(token)
+            items.append(StepItem(rid, 1))
         for prompt, salt, chunk in prompts:
             items.append(StepItem(f"r{self.next_id}", chunk, list(prompt), salt))
             self.next_id += 1
@@ -107,7 +109,8 @@ class CpuTierMachine(PinnedAllocatorMachine):
         mode = PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
         result = self.allocator.step(
             "p", self.pool.epoch, None,
-            StepCall(items, mode, step_id=self.step_id))
+            StepCall(items, mode, append_request_ids=append_ids, append_token_ids=append_tokens,
+                     step_id=self.step_id))
         deferred = set(result.deferred)  # new ones never held; swapped ones stay swapped
         skipped = {i.request_id for i in items if i.request_id in deferred
                    and i.prompt_token_ids} | {p.request_id for p in result.preempted

@@ -20,11 +20,10 @@ import structlog
 from in_process import FakeModel
 
 from allocator_svc.core.allocator import Allocator, Limits
-from allocator_svc.core.step import StepItem
 from allocator_svc.service import AllocatorServicer
 from common.executor_description import ExecutorDescription
 from common.interceptor import guarded_handler
-from common.step_records import StepCall as CoreStepCall
+from common.step_records import StepCall, StepItem
 from gateway.api.sampling import SamplingOptions
 from gateway.clients.allocator_client import AllocatorClient
 from gateway.clients.call_failures import failure
@@ -409,7 +408,7 @@ def test_orphan_aborts_cannot_touch_another_leases_request_with_the_same_id(
             core = r.allocator.allocator
             other = core.create_lease(60.0).lease_id
             pool = core.pools["pool-0"]
-            core.step("pool-0", pool.epoch, other, CoreStepCall([StepItem("shared", 3, [5, 6, 7])]))
+            core.step("pool-0", pool.epoch, other, StepCall([StepItem("shared", 3, [5, 6, 7])]))
             r.engine.orphans.note({"shared", "ghost"})
             with structlog.testing.capture_logs() as logs:
                 error = await r.engine.orphans.abort(r.engine.link)
