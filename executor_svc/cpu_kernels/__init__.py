@@ -7,11 +7,12 @@
 - bindings.cpp: the Python module that exposes them.
 
 `make setup` builds them (`python -m executor_svc.cpu_kernels`) into
-build/cpu_kernels/<digest>/, named by a digest of their sources and flags: two checkouts that
-share a build directory never rebuild or load each other's library. An executor then loads
-the built library in milliseconds. They are compiled for the machine that builds them
-(-march=native unless PAGEDKV_KERNEL_MARCH says otherwise): a build directory is never shared
-between machines of different kinds.
+build/cpu_kernels/<digest>/, named by a digest of their sources, their flags and, built for
+this machine (-march=native unless PAGEDKV_KERNEL_MARCH names a portable level), this CPU's
+model and instruction-set flags: two checkouts that share a build directory never rebuild or
+load each other's library, and a checkout moved to another kind of CPU builds its own instead
+of loading instructions that could be illegal there. An executor then loads the built library
+in milliseconds.
 Where no compiler is at hand the kernels are unavailable and the executor falls back to the
 torch reference path, with a WARNING that says so.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import platform
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -40,18 +42,39 @@ BUILD_DIR = REPO_ROOT / "build" / "cpu_kernels"
 # sums; the kernel produces no infinities or NaNs for it to mishandle (scores are finite and
 # the softmax subtracts the row's max first).
 # PAGEDKV_KERNEL_MARCH picks another target, e.g. x86-64-v3 for an image that runs elsewhere.
-CFLAGS = ("-O3", f"-march={os.environ.get('PAGEDKV_KERNEL_MARCH', 'native')}", "-ffast-math",
-          "-fopenmp")
+MARCH = os.environ.get("PAGEDKV_KERNEL_MARCH", "native")
+CFLAGS = ("-O3", f"-march={MARCH}", "-ffast-math", "-fopenmp")
 LDFLAGS = ("-lm", "-fopenmp")
 
 
-def source_digest() -> str:
-    """12 hex digits of the sources, the header and the flags: the build's directory name."""
+def source_digest(cpu: str | None = None) -> str:
+    """12 hex digits of the sources, the header, the flags and (built for this machine) the
+    CPU they are built for: the build's directory name."""
     digest = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(" ".join((*CFLAGS, *LDFLAGS)).encode())
+    if MARCH == "native":
+        digest.update(b"\0" + (native_cpu() if cpu is None else cpu).encode())
     return digest.hexdigest()[:12]
+
+
+@lru_cache(maxsize=1)
+def native_cpu() -> str:
+    """What -march=native resolves from: this CPU's model and feature flags (/proc/cpuinfo's
+    first processor; elsewhere the platform's machine name)."""
+    model = flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = " ".join(sorted(value.split()))
+                break
+    except OSError:
+        return platform.machine()
+    return f"{model}\0{flags}"
 
 
 @lru_cache(maxsize=1)
