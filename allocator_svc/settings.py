@@ -95,9 +95,7 @@ class AllocatorSettings:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        problem = self.metrics.problem(self.port)
-        if problem:
-            raise SettingsError(problem)
+        self.metrics.check(self.port)
         if not 0 <= self.shard_index < self.num_shards:
             raise SettingsError(f"--shard-index must be in 0..{self.num_shards - 1} "
                                 f"(--num-shards {self.num_shards})")

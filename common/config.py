@@ -149,17 +149,6 @@ def check_settings(settings: Any) -> None:
                                 f"not {value!r}")
 
 
-def settings_table(cls: type) -> list[tuple[str, str, Any, str]]:
-    """(flag, environment variable, default, help) of each declared field: for docs and tests."""
-    rows = []
-    for f in fields(cls):
-        declared: _Declared | None = f.metadata.get(_SETTING)
-        if declared is not None:
-            flag = flag_of(f.name, declared)
-            rows.append((flag, env_name(flag), f.default, declared.help))
-    return rows
-
-
 def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
     """Add `flag`; its default comes from the environment variable when that is set. An
     environment value that does not parse is the same usage error (exit 2, naming the

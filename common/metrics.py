@@ -29,7 +29,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from common.config import add_flag, env_name
+from common.config import SettingsError, add_flag, env_name
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +61,12 @@ class MetricsEndpoint:
         if self.port > 0 and self.port == grpc_port:
             return f"--metrics-port {self.port} is the gRPC --port too: give it another one"
         return None
+
+    def check(self, grpc_port: int) -> None:
+        """Raise SettingsError, naming the flag, when the endpoint cannot work beside it."""
+        problem = self.problem(grpc_port)
+        if problem is not None:
+            raise SettingsError(problem)
 
 
 class _SetByFlag(argparse.Action):

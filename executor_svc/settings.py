@@ -107,9 +107,7 @@ class ServingSettings:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        problem = self.metrics.problem(self.port)
-        if problem:
-            raise SettingsError(problem)
+        self.metrics.check(self.port)
 
 
 @dataclass(frozen=True, slots=True)
