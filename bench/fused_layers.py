@@ -62,11 +62,13 @@ def plain_prompts(plain: bool) -> Iterator[None]:
         torch_backend.FRESH_PAD_FACTOR, torch_backend.FRESH_PAD_ALLOWANCE_TOKENS = saved
 
 
-def build(model: str, fused: bool = True, packed: bool = True) -> ModelRunner:
+def build(model: str, fused: bool = True, packed: bool = True,
+          dtype: str = "float32") -> ModelRunner:
     """The executor's runner; without `fused`, transformers' modules; without `packed`, float32
     linear layers on F.linear."""
     settings = ExecutorSettings(
-        model=model, seed=0, kv_cache_memory=2**30, swap_space=0.0, max_num_batched_tokens=2048
+        model=model, seed=0, dtype=dtype, kv_cache_memory=2**30, swap_space=0.0,
+        max_num_batched_tokens=2048,
     )
     real_fuse, real_pack = model_loader.fuse_layers, model_loader.pack_linears
     if not fused:

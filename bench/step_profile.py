@@ -37,7 +37,8 @@ from executor_svc.step import SequenceWork, StepRequest  # noqa: E402
 STEPS = 4
 TOP = 14
 # The C++ kernels the layers call (executor_svc/cpu_kernels), named for the profiler.
-KERNELS = ("paged_decode_attention", "rms_norm", "silu_mul", "rotary_", "mkl_packed_linear")
+KERNELS = ("paged_decode_attention", "rms_norm", "silu_mul", "rotary_", "argmax_logsumexp",
+           "mkl_packed_linear")
 
 
 def name_kernels() -> None:

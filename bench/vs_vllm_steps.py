@@ -1,9 +1,10 @@
 """The executor's steps in process against vLLM CPU's offline engine on the same shapes.
 
-    .venv/bin/python -m bench.vs_vllm_steps [--repeats 3]
+    .venv/bin/python -m bench.vs_vllm_steps [--repeats 3] [--dtype bfloat16]
 
 Where `bench.vs_vllm` compares whole systems, this asks whether the gap is in the model's
-steps or around them. Same model (the embedded SmolLM2-135M, fp32), same prompts, greedy:
+steps or around them. Same model (the embedded SmolLM2-135M, fp32 or `--dtype bfloat16`),
+same prompts, greedy:
   prefill   16 prompts x 128 tokens, one output token: one step of 2,048 tokens in both
   decode N  N prompts of 160 tokens (N = 1, 16, 64): the time of one decode step of N
             sequences
@@ -140,15 +141,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.vs_vllm_steps", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="both engines' dtype (bfloat16: results/vs_vllm_steps_bf16.json)")
     args = parser.parse_args()
     if not VLLM_PYTHON.exists():
         print("vLLM CPU's virtualenv is missing: run `make bench-vllm` (it creates "
               ".venv-vllm)", file=sys.stderr)
         return 2
     torch.set_num_threads(2)
-    runner = fused_layers.build(str(DEFAULT_MODEL))
+    runner = fused_layers.build(str(DEFAULT_MODEL), dtype=args.dtype)
     log = Path(tempfile.mkdtemp(prefix="pagedkv-vs-vllm-steps-")) / "vllm.log"
-    vllm = VllmOffline(str(DEFAULT_MODEL), "float32", log)
+    vllm = VllmOffline(str(DEFAULT_MODEL), args.dtype, log)
     times: dict[str, dict[str, list[float]]] = {"vllm": {}, "pagedkv": {}}
     rates: dict[str, dict[str, list[float]]] = {"vllm": {}, "pagedkv": {}}
     outputs: dict[str, dict[str, list[list[int]]]] = {"vllm": {}, "pagedkv": {}}
@@ -198,8 +201,9 @@ def main() -> int:
                            f"{r['pagedkv/vllm']:.2f}x",
                            f"{r['agreement']['full']}/{r['agreement']['requests']}"]
                           for r in workload_rows]))
-    write_results("vs_vllm_steps", {
-        "model": str(DEFAULT_MODEL), "threads": 2, "repeats": args.repeats,
+    name = "vs_vllm_steps" if args.dtype == "float32" else "vs_vllm_steps_bf16"
+    write_results(name, {
+        "model": str(DEFAULT_MODEL), "dtype": args.dtype, "threads": 2, "repeats": args.repeats,
         "decode_tokens": DECODE_TOKENS, "context": fused_layers.CONTEXT, "rows": rows,
         "samples_ms": {system: {step: [round(v * 1e3, 2) for v in values]
                                 for step, values in steps.items()}
