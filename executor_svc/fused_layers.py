@@ -23,12 +23,13 @@ import torch
 from transformers import PreTrainedModel
 
 from executor_svc.attention import ATTENTION_NAME, paged_attention_forward
+from executor_svc.packed_linear import OneDnnWeight, PackedLinear, pack_concatenated
 
 # transformers' classes whose forward is exactly LlamaRMSNorm's / LlamaMLP's.
 RMS_NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
 MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP"})
 ATTENTION_CLASSES = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention"})
-NORM_DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what fused_ops.cpp computes in
 
 
 class FusedRMSNorm(torch.nn.Module):
@@ -44,7 +45,9 @@ class FusedRMSNorm(torch.nn.Module):
 
 
 class FusedSiluMLP(torch.nn.Module):
-    """down(silu(gate(x)) * up(x)) with the product in one pass (float32; else torch's ops)."""
+    """down(silu(gate(x)) * up(x)) with its elementwise work fused: into the gate and up
+    matmuls' epilogues where both are oneDNN-packed without bias (bfloat16 on CPU), else into
+    one pass (float32 and bfloat16); other dtypes run torch's ops."""
 
     def __init__(self, mlp: Any, kernel: ModuleType) -> None:
         super().__init__()
@@ -53,19 +56,35 @@ class FusedSiluMLP(torch.nn.Module):
         self.down_proj = mlp.down_proj
         self.act_fn = mlp.act_fn
         self.kernel = kernel
+        gate, up = _onednn_weight(mlp.gate_proj), _onednn_weight(mlp.up_proj)
+        # NOTE: the epilogues round once where transformers rounds gate, silu and the product
+        # each to bf16: closer to the exact value, within bf16's tolerance of transformers'.
+        self.epilogues = (gate, up) if gate is not None and up is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.epilogues is not None:
+            gate, up = self.epilogues
+            return self.down_proj(up.linear_times(x, gate.linear_silu(x)))
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if gate.dtype != torch.float32:
+        if gate.dtype not in KERNEL_DTYPES:
             return self.down_proj(self.act_fn(gate) * up)
         width = gate.shape[-1]
         product = self.kernel.silu_mul(gate.reshape(-1, width), up.reshape(-1, width))
         return self.down_proj(product.view(gate.shape))
 
 
+def _onednn_weight(linear: Any) -> OneDnnWeight | None:
+    """A linear layer's oneDNN-packed weight when it has one for every row count and no bias."""
+    if isinstance(linear, PackedLinear) and linear.bias is None:
+        return linear.onednn_weight()
+    return None
+
+
 class FusedRotaryAttention(torch.nn.Module):
     """q, k, v projections -> rotary in place (one kernel call for q and k) -> the executor's
-    paged attention -> o projection. float32, full-width rotary only (fuse_layers checks)."""
+    paged attention -> o projection. float32 or bfloat16, full-width rotary only (fuse_layers
+    checks). Where the three projections are oneDNN-packed (bfloat16 on CPU) they run as one
+    matmul on their weights side by side, q, k and v being views of its output."""
 
     def __init__(self, attention: Any, kernel: ModuleType) -> None:
         super().__init__()
@@ -78,6 +97,9 @@ class FusedRotaryAttention(torch.nn.Module):
         self.v_proj = attention.v_proj
         self.o_proj = attention.o_proj
         self.kernel = kernel
+        self.qkv = pack_concatenated([self.q_proj, self.k_proj, self.v_proj])
+        widths = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
+        self.qkv_widths = widths
 
     def forward(
         self,
@@ -93,13 +115,18 @@ class FusedRotaryAttention(torch.nn.Module):
             )
         batch, tokens, _ = hidden_states.shape
         heads = (batch, tokens, -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(heads)  # [1, T, Hq, D]
-        key = self.k_proj(hidden_states).view(heads)
-        value = self.v_proj(hidden_states).view(heads)
+        if self.qkv is not None:
+            weight, bias = self.qkv
+            projected = weight.linear(hidden_states, bias).split(self.qkv_widths, dim=-1)
+            query, key, value = (p.unflatten(-1, (-1, self.head_dim)) for p in projected)
+        else:
+            query = self.q_proj(hidden_states).view(heads)  # [1, T, Hq, D]
+            key = self.k_proj(hidden_states).view(heads)
+            value = self.v_proj(hidden_states).view(heads)
         cos, sin = position_embeddings
         self.kernel.rotary_(
-            query.view(batch * tokens, -1, self.head_dim),
-            key.view(batch * tokens, -1, self.head_dim),
+            query.flatten(0, 1),  # [T, Hq, D], tokens maybe strided
+            key.flatten(0, 1),
             cos.reshape(batch * tokens, self.head_dim),
             sin.reshape(batch * tokens, self.head_dim),
         )
@@ -135,13 +162,13 @@ def fuse_layers(model: PreTrainedModel, kernel: ModuleType) -> int:
         children: list[tuple[str, Any]] = list(parent.named_children())
         for name, child in children:
             kind = type(child).__name__
-            if kind in RMS_NORM_CLASSES and child.weight.dtype in NORM_DTYPES:
+            if kind in RMS_NORM_CLASSES and child.weight.dtype in KERNEL_DTYPES:
                 setattr(parent, name, FusedRMSNorm(child, kernel))
             elif kind in MLP_CLASSES and _is_silu(child.act_fn):
                 setattr(parent, name, FusedSiluMLP(child, kernel))
             elif (
                 kind in ATTENTION_CLASSES
-                and child.q_proj.weight.dtype == torch.float32
+                and child.q_proj.weight.dtype in KERNEL_DTYPES
                 and _full_width_rotary(child)
             ):
                 setattr(parent, name, FusedRotaryAttention(child, kernel))

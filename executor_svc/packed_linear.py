@@ -6,7 +6,8 @@ time). A weight packed once skips that:
 - float32: MKL's packed GEMM (`cblas_sgemm_pack` / `cblas_sgemm_compute`, through the CPU
   kernels: cpu_kernels/csrc/packed_gemm.cpp) for 2 to MKL_PACKED_MAX_ROWS rows;
 - bfloat16: oneDNN's `_linear_pointwise` on a weight reordered once (`_reorder_linear_weight`,
-  the ops inductor's freezing pass uses) up to ONEDNN_PACKED_MAX_ROWS rows.
+  the ops inductor's freezing pass uses) for every row count; its epilogue can also apply
+  SiLU, or multiply by another tensor, as the product is written (fused_layers.py's MLP).
 
 Measured on this project's CPU (two threads, SmolLM2-135M's seven shapes in each of 30 layers
 cycled, so that weights come from DRAM as in the model; ms for all 210, F.linear / packed):
@@ -35,7 +36,6 @@ from transformers import PreTrainedModel
 log = structlog.get_logger(__name__)
 
 ONEDNN_PACK_FOR_ROWS = 64  # the row count oneDNN lays the weight out for (16..256 the same)
-ONEDNN_PACKED_MAX_ROWS = 128  # bfloat16: more rows than this (prefill) take F.linear
 MKL_PACKED_MIN_ROWS = 2  # one row: F.linear was as fast (above), and batch-1 stays bit-equal
 MKL_PACKED_MAX_ROWS = 512  # float32: more rows (prefill chunks) take F.linear
 # The packed product's agreement with F.linear, checked once per weight at load.
@@ -53,6 +53,14 @@ class OneDnnWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    def linear_silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x @ weight^T), the SiLU applied in float32 before the product is rounded."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "swish", [], "")
+
+    def linear_times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """(x @ weight^T) * other, multiplied in float32 before the product is rounded."""
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, None, "mul")
 
 
 @dataclass(frozen=True)
@@ -86,15 +94,45 @@ class PackedLinear(torch.nn.Module):
         self.out_features = linear.out_features
         self.weight = linear.weight  # [out, in] (a view of another layout, maybe)
         self.bias = linear.bias
-        self.packed = packed  # a plain attribute: never saved or loaded
+        self.packed: PackedWeight | None = packed  # a plain attribute: never saved or loaded
         self.min_rows = min_rows
         self.max_rows = max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.numel() // self.in_features
-        if rows < self.min_rows or (self.max_rows is not None and rows > self.max_rows):
+        if (
+            self.packed is None
+            or rows < self.min_rows
+            or (self.max_rows is not None and rows > self.max_rows)
+        ):
             return F.linear(x, self.weight, self.bias)
         return self.packed.linear(x, self.bias)
+
+    def onednn_weight(self) -> OneDnnWeight | None:
+        """Its oneDNN-packed weight when that serves every row count."""
+        if isinstance(self.packed, OneDnnWeight) and self.min_rows <= 1 and self.max_rows is None:
+            return self.packed
+        return None
+
+
+def pack_concatenated(
+    linears: list[torch.nn.Module],
+) -> tuple[OneDnnWeight, torch.Tensor | None] | None:
+    """One oneDNN-packed weight (and bias) for layers that read the same input, their outputs
+    side by side, where each is packed for oneDNN: one matmul instead of several (a call costs
+    ~20 us besides its bytes). Their own packed copies are dropped (they keep F.linear)."""
+    layers = [m for m in linears if isinstance(m, PackedLinear) and m.onednn_weight() is not None]
+    biases = [m.bias for m in layers]
+    if len(layers) != len(linears) or len({b is None for b in biases}) > 1:
+        return None
+    packed = pack_weight(torch.cat([m.weight.detach() for m in layers]))
+    if packed is None:
+        return None
+    for m in layers:
+        m.packed = None
+    if biases[0] is None:
+        return packed, None
+    return packed, torch.cat([b.detach() for b in biases if b is not None])
 
 
 def _agrees(packed: PackedWeight, weight: torch.Tensor) -> bool:
@@ -150,7 +188,7 @@ def pack_linears(model: PreTrainedModel, kernels: ModuleType | None) -> int:
                 continue  # the lm_head is a PackedLinear already (lm_head.py)
             if child.weight.dtype == torch.bfloat16:
                 packed: PackedWeight | None = pack_weight(child.weight)
-                rows: tuple[int, int] = (1, ONEDNN_PACKED_MAX_ROWS)
+                rows: tuple[int, int | None] = (1, None)
             elif child.weight.dtype == torch.float32 and kernels is not None:
                 packed = mkl_pack_weight(child.weight, kernels)
                 rows = (MKL_PACKED_MIN_ROWS, MKL_PACKED_MAX_ROWS)

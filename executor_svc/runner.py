@@ -20,6 +20,7 @@ import torch
 
 from common.executor_description import ExecutorDescription
 from executor_svc.attention import AttentionBackend, SeqSpan, StepMetadata, make_backend
+from executor_svc.cpu_kernels import load as load_cpu_kernels
 from executor_svc.held_requests import HeldRequests
 from executor_svc.kv_blocks import TorchKVBlocks
 from executor_svc.kv_cache import KVCache, KVCacheSpec
@@ -64,7 +65,9 @@ class ModelRunner(HeldRequests):
         self.kv_blocks: KVBlockStore = TorchKVBlocks(cache)
         self.backend = backend
         self.limits = limits
-        self.sampler = Sampler(seed, loaded.device)
+        self.sampler = Sampler(
+            seed, loaded.device, load_cpu_kernels() if loaded.device.type == "cpu" else None
+        )
         super().__init__(idle_release_s, clock)
         self.info = ExecutorDescription(
             instance_id=uuid.uuid4().hex,

@@ -5,7 +5,10 @@ penalties; only requests that use them have one), then, unless greedy, temperatu
 top_k and top_p. Greedy takes the argmax after the processor.
 
 The reported log-probability (and the top log-probabilities) are the raw distribution's: the
-log-softmax of the logits before any processing, as vLLM reports by default.
+log-softmax of the logits before any processing, as vLLM reports by default. The sampled
+token's is its logit less the row's log-sum-exp, taken with the raw argmax in one pass (a C++
+kernel on CPU); a full log-softmax is computed only for the rows that ask for top
+log-probabilities (and their sampled token's comes from it).
 A request with a seed samples from its own generator, so the same seed and the same logits
 reproduce the same tokens; the others share the executor's generator (seeded by --seed).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -65,6 +69,26 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S]
     return best * ARGMAX_CHUNK + within
 
 
+def argmax_and_lse(
+    logits: torch.Tensor, kernel: ModuleType | None
+) -> tuple[torch.Tensor, torch.Tensor]:  # [S, V] -> [S] long, [S] float32
+    """Each row's first maximal id and its log-sum-exp (in float32).
+
+    The CPU kernel reads the logits once, in their own dtype; elsewhere a float32 copy goes
+    through greedy_tokens and torch.logsumexp.
+    """
+    if (
+        kernel is not None
+        and logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.stride(-1) == 1
+    ):
+        ids, lse = kernel.argmax_logsumexp(logits)
+        return ids, lse
+    floats = logits.float()
+    return greedy_tokens(floats), torch.logsumexp(floats, dim=-1)
+
+
 def new_generator(seed: int, device: torch.device) -> torch.Generator:
     # manual_seed takes an unsigned 64-bit value; fold any Python int into that range.
     return torch.Generator(device=device).manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
@@ -94,15 +118,22 @@ def _draw(
 
 
 def top_logprobs(
-    logprobs: torch.Tensor, params: Sequence[SamplingParams]
-) -> list[tuple[tuple[int, float], ...]]:  # [S, V] -> S tuples of (token id, logprob)
+    logits: torch.Tensor,  # [S, V] raw
+    params: Sequence[SamplingParams],
+    tokens: torch.Tensor,  # [S] the sampled tokens
+    chosen: torch.Tensor,  # [S] their log-probabilities, rewritten for the asking rows
+) -> list[tuple[tuple[int, float], ...]]:  # S tuples of (token id, logprob)
+    """The top log-probabilities of the rows that ask; their sampled token's log-probability
+    is taken from the same log-softmax, so it equals its entry there exactly."""
     counts = [p.top_logprobs for p in params]
     out: list[tuple[tuple[int, float], ...]] = [()] * len(counts)
     rows = [row for row, k in enumerate(counts) if k]
     if not rows:
         return out
-    k = min(max(counts), logprobs.shape[-1])
-    values, ids = torch.topk(logprobs[rows], k, dim=-1)  # [R, k], [R, k]
+    k = min(max(counts), logits.shape[-1])
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)  # [R, V]: the asking rows only
+    chosen[rows] = logprobs.gather(1, tokens[rows][:, None])[:, 0]
+    values, ids = torch.topk(logprobs, k, dim=-1)  # [R, k], [R, k]
     for row, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
         n = counts[row]
         out[row] = tuple(zip(row_ids[:n], row_values[:n], strict=True))
@@ -116,7 +147,7 @@ def _edited_rows(
     edited: dict[int, torch.Tensor] = {}
     for row, processor in enumerate(processors):
         if processor is not None:
-            edited[row] = logits[row].clone()
+            edited[row] = logits[row].to(torch.float32, copy=True)
             processor.apply(edited[row])
     return edited
 
@@ -124,8 +155,9 @@ def _edited_rows(
 class Sampler:
     """Samples one token per row of logits; state is only the shared fallback generator."""
 
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(self, seed: int, device: torch.device, kernel: ModuleType | None = None) -> None:
         self._shared = new_generator(seed, device)
+        self._kernel = kernel  # the CPU kernels (argmax_logsumexp), or None: torch
 
     def sample(
         self,
@@ -136,16 +168,16 @@ class Sampler:
     ) -> Samples:
         if logits.shape[0] == 0:
             return Samples([], [], [])
-        logits = logits.float()
-        logprobs = torch.log_softmax(logits, dim=-1)  # [S, V] raw: what is reported
-        tokens = greedy_tokens(logits)  # [S] greedy choice; ties pick the lowest id
+        # [S] the raw greedy choice (ties pick the lowest id) and each row's normaliser
+        tokens, lse = argmax_and_lse(logits, self._kernel)
         edited = _edited_rows(logits, processors)
         if edited:
             tokens[list(edited)] = greedy_tokens(torch.stack(list(edited.values())))
         for row, (param, generator) in enumerate(zip(params, generators, strict=True)):
             if param.greedy:
                 continue
-            source = edited[row] if row in edited else logits[row]  # [V]
+            source = edited[row] if row in edited else logits[row].float()  # [V]
             tokens[row] = _draw(source, param, generator or self._shared)
-        chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [S]
-        return Samples(tokens.tolist(), chosen.tolist(), top_logprobs(logprobs, params))
+        chosen = logits.gather(1, tokens[:, None])[:, 0].float() - lse  # [S] raw log-softmax
+        tops = top_logprobs(logits, params, tokens, chosen)
+        return Samples(tokens.tolist(), chosen.tolist(), tops)

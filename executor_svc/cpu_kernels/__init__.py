@@ -3,7 +3,9 @@
 - paged_decode.cpp: decode attention over the paged cache, read in place
   (attention/cpu_backend.py);
 - fused_ops.cpp: RMSNorm, silu(gate) * up and rotary q/k in one pass each (fused_layers.py);
+- sampling.cpp: each row's argmax and log-sum-exp in one pass for the sampler (sampler.py);
 - packed_gemm.cpp: float32 linear layers through MKL's packed GEMM (packed_linear.py);
+- vec16.h: float32 vectors and bfloat16 conversions that compile for any x86 level;
 - bindings.cpp: the Python module that exposes them.
 
 `make setup` builds them (`python -m executor_svc.cpu_kernels`) into
@@ -35,8 +37,8 @@ from common.model_dirs import REPO_ROOT
 log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp", CSRC / "packed_gemm.cpp",
-           CSRC / "bindings.cpp"]
+SOURCES = [CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp", CSRC / "sampling.cpp",
+           CSRC / "packed_gemm.cpp", CSRC / "bindings.cpp"]
 BUILD_DIR = REPO_ROOT / "build" / "cpu_kernels"
 # NOTE: fast-math lets gcc vectorise expf (glibc's libmvec) and reorder the dot products'
 # sums; the kernel produces no infinities or NaNs for it to mishandle (scores are finite and

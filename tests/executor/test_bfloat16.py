@@ -18,13 +18,16 @@ from executor_svc.step import StepRequest
 from .oracle import Driver, random_prompts, reference_logits, reference_model
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize(
+    ("preset", "backend"), [("tiny-llama", "cpu"), ("tiny-llama", "torch"), ("tiny-qwen2", "cpu")]
+)
 def test_bfloat16_decode_logits_track_transformers_in_bfloat16(
-    make_runner: Callable[..., ModelRunner], backend: str
+    make_runner: Callable[..., ModelRunner], preset: str, backend: str
 ) -> None:
     # Three prompts prefilled, then four decode steps fed transformers' own greedy tokens: at
-    # every step each row's logits are within bf16 rounding of the dense bf16 forward.
-    runner = make_runner("tiny-llama", dtype="bfloat16", backend=backend)
+    # every step each row's logits are within bf16 rounding of the dense bf16 forward. (Qwen2:
+    # q/k/v biases, summed into the fused q/k/v projection's.)
+    runner = make_runner(preset, dtype="bfloat16", backend=backend)
     reference = reference_model(runner).to(torch.bfloat16)
     prompts = random_prompts(runner.info.vocab_size, [5, 33, 20], seed=2)
     driver = Driver.scattered(runner)

@@ -55,18 +55,26 @@ def _decode_both(
 def test_cpu_backend_decode_kernel_matches_reference(
     num_kv_heads: int, group: int, head_dim: int, block_size: int
 ) -> None:
-    # Grouped heads, head dims with and without a 16-lane remainder, block sizes 1..32,
-    # contexts of 1 token up to several blocks: within float rounding of gather + SDPA.
+    # Grouped heads, head dims with and without a 16-lane remainder (64 and 128: the kernel's
+    # fixed-size path), block sizes 1..32, contexts of 1 token up to several blocks: within
+    # float rounding of gather + SDPA.
     lengths = [1, 5, block_size, block_size + 1, 3 * block_size - 1, 200]
     reference, kernel = _decode_both(num_kv_heads, group, head_dim, block_size, lengths, seed=3)
     torch.testing.assert_close(kernel, reference, atol=2e-5, rtol=1e-5)
 
 
-def test_cpu_backend_decode_kernel_bfloat16_within_bf16_rounding_of_reference() -> None:
+@pytest.mark.parametrize(
+    ("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 4, 128), (2, 2, 24)]
+)
+def test_cpu_backend_decode_kernel_bfloat16_within_bf16_rounding_of_reference(
+    num_kv_heads: int, group: int, head_dim: int
+) -> None:
     # bfloat16 cache and queries: the kernel sums in float32, the reference SDPA in bf16; both
-    # agree to bf16's resolution (8 bits of mantissa) on outputs of magnitude ~1.
+    # agree to bf16's resolution (8 bits of mantissa) on outputs of magnitude ~1. Head dims 64
+    # and 128 take the kernel's fixed-size path, 24 its general one.
     lengths = [1, 7, 16, 17, 120, 300]
-    reference, kernel = _decode_both(3, 3, 64, 16, lengths, seed=4, dtype=torch.bfloat16)
+    reference, kernel = _decode_both(num_kv_heads, group, head_dim, 16, lengths, seed=4,
+                                     dtype=torch.bfloat16)
     assert kernel.dtype == torch.bfloat16
     torch.testing.assert_close(kernel.float(), reference.float(), atol=2e-2, rtol=2e-2)
 

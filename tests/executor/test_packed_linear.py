@@ -18,7 +18,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from executor_svc.packed_linear import (
     MKL_PACKED_MAX_ROWS,
     MKL_PACKED_MIN_ROWS,
-    ONEDNN_PACKED_MAX_ROWS,
     PackedLinear,
     mkl_pack_weight,
     onednn_packs_bfloat16,
@@ -112,9 +111,9 @@ def test_float32_linears_keep_f_linear_without_the_kernels() -> None:
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
-def test_bfloat16_linears_are_packed_for_decode_rows_and_agree_with_linear() -> None:
-    # bfloat16: every linear layer (the head included) gets a oneDNN-packed copy used up to
-    # ONEDNN_PACKED_MAX_ROWS rows; more rows take F.linear itself. Parameters are unchanged.
+def test_bfloat16_linears_are_packed_for_every_row_count_and_agree_with_linear() -> None:
+    # bfloat16: every linear layer (the head included) gets a oneDNN-packed copy used for any
+    # number of rows, decode to prefill. Parameters are unchanged.
     # A CPU without oneDNN's bf16 kernels (AVX2 only) keeps every layer as it is.
     model = _model(torch.bfloat16)
     plain = _linears(model)
@@ -130,13 +129,12 @@ def test_bfloat16_linears_are_packed_for_decode_rows_and_agree_with_linear() -> 
     assert list(state) == list(expected_state)
     assert all(torch.equal(state[k], v) for k, v in expected_state.items())
     for name, linear in plain.items():
-        for rows in (1, 16, ONEDNN_PACKED_MAX_ROWS):
+        assert packed[name].max_rows is None
+        for rows in (1, 16, 129, 700):
             x = torch.randn(1, rows, linear.in_features, dtype=torch.bfloat16)
             got, want = packed[name](x).float(), linear(x).float()
             # Both accumulate in float32 and round once to bf16: one bf16 step apart at most.
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-        x = torch.randn(1, ONEDNN_PACKED_MAX_ROWS + 1, linear.in_features, dtype=torch.bfloat16)
-        assert torch.equal(packed[name](x), linear(x))  # prefill rows: F.linear itself
 
 
 _AVX2_ONLY = """

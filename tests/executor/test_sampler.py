@@ -5,10 +5,17 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from executor_svc.runner import ModelRunner
-from executor_svc.sampler import ARGMAX_CHUNK, Sampler, greedy_tokens, new_generator
+from executor_svc.sampler import (
+    ARGMAX_CHUNK,
+    Sampler,
+    argmax_and_lse,
+    greedy_tokens,
+    new_generator,
+)
 from executor_svc.step import SamplingParams, SequenceWork, StepRequest
 
 from .oracle import Driver, random_prompts
@@ -32,6 +39,51 @@ def test_sampler_greedy_picks_argmax_and_raw_logprob() -> None:
     assert samples.top_logprobs == [(), ()]
     expected = torch.log_softmax(logits, dim=-1)[[0, 1], [1, 0]]
     torch.testing.assert_close(torch.tensor(samples.logprobs), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_argmax_and_lse_match_torch(kernel, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    # The CPU kernel's one pass against torch.argmax and torch.logsumexp in float32: the same
+    # ids (ties, planted here and frequent in bf16, to the lowest), sums within float rounding.
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(9, 49_153, generator=gen) * 4).to(dtype)  # odd width: a tail
+    logits[3, [10, 400, 49_000]] = logits[3].max() + 1  # three ids share the row's max
+    logits[4, -1] = logits[4].max() + 1  # the max in the last column
+    ids, lse = argmax_and_lse(logits, kernel)
+    assert ids.dtype == torch.long and lse.dtype == torch.float32
+    assert ids.tolist() == logits.float().argmax(dim=-1).tolist()
+    assert ids[3] == 10 and ids[4] == 49_152
+    torch.testing.assert_close(lse, torch.logsumexp(logits.float(), dim=-1), rtol=1e-6, atol=1e-5)
+    strided = logits[:, :100]  # rows 49,153 apart: read by stride
+    assert argmax_and_lse(strided, kernel)[0].tolist() == strided.float().argmax(-1).tolist()
+
+
+def test_kernel_argmax_and_lse_refuses_what_it_cannot_read(kernel) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernel.argmax_logsumexp(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="unit-strided"):
+        kernel.argmax_logsumexp(torch.zeros(8, 2).t())
+    with pytest.raises(RuntimeError, match="vocab > 0"):
+        kernel.argmax_logsumexp(torch.zeros(2, 0))
+
+
+def test_sampler_with_the_kernel_reports_what_torch_reports(kernel) -> None:  # type: ignore[no-untyped-def]
+    # The runner's sampler (with the kernel) and the torch path: same tokens, log-probabilities
+    # within float rounding, the same top log-probabilities; greedy, drawn and processed rows.
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 1_000, generator=gen) * 3
+    params = [SamplingParams(), SamplingParams(top_logprobs=3),
+              SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, seed=1)]
+    results = []
+    for with_kernel in (kernel, None):
+        generators = [None, None, new_generator(1, CPU), new_generator(1, CPU)]
+        results.append(Sampler(0, CPU, with_kernel).sample(logits, params, generators))
+    fast, plain = results
+    assert fast.token_ids == plain.token_ids and fast.top_logprobs == plain.top_logprobs
+    assert fast.logprobs[1] == fast.top_logprobs[1][0][1]  # greedy: its own top entry, exactly
+    torch.testing.assert_close(torch.tensor(fast.logprobs), torch.tensor(plain.logprobs))
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(fast.token_ids)[:, None])
+    torch.testing.assert_close(torch.tensor(fast.logprobs), expected[:, 0])
 
 
 def test_sampler_same_seed_reproduces_and_other_seed_differs() -> None:

@@ -6,8 +6,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Decode attention over a paged KV cache, read in place (float32 or bfloat16)");
   m.def("rms_norm", &rms_norm,
         "weight * (x * rsqrt(mean(x^2) + eps)) over each row, as LlamaRMSNorm (float32 or bfloat16)");
-  m.def("rotary_", &rotary_, "rotary position embedding of q and k, in place (float32)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up, row by row (float32)");
+  m.def("rotary_", &rotary_,
+        "rotary position embedding of q and k, in place (float32 or bfloat16)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up, row by row (float32 or bfloat16)");
+  m.def("argmax_logsumexp", &argmax_logsumexp,
+        "each row's first maximal id and its log-sum-exp (float32 or bfloat16 logits)");
   m.def("mkl_packed_gemm_available", &mkl_packed_gemm_available,
         "whether torch's build exports MKL's packed GEMM");
   m.def("mkl_pack_weight", &mkl_pack_weight, "a [out, in] float32 weight packed for MKL once");

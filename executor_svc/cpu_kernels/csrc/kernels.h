@@ -13,6 +13,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 
+// sampling.cpp
+std::vector<torch::Tensor> argmax_logsumexp(torch::Tensor logits);
+
 // packed_gemm.cpp
 bool mkl_packed_gemm_available();
 torch::Tensor mkl_pack_weight(torch::Tensor weight);
