@@ -5,7 +5,7 @@
 - fused_ops.cpp: RMSNorm, silu(gate) * up and rotary q/k in one pass each (fused_layers.py);
 - sampling.cpp: each row's argmax and log-sum-exp in one pass for the sampler (sampler.py);
 - packed_gemm.cpp: float32 linear layers through MKL's packed GEMM (packed_linear.py);
-- vec16.h: float32 vectors and bfloat16 conversions that compile for any x86 level;
+- simd.h: float32 vectors and bfloat16 conversions that compile for any x86 level;
 - bindings.cpp: the Python module that exposes them.
 
 `make setup` builds them (`python -m executor_svc.cpu_kernels`) into

@@ -20,7 +20,7 @@
 // Rows may be strided (a view of a wider tensor) but each row is unit-strided. Rows are split
 // across torch's threads.
 #include "kernels.h"
-#include "vec16.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
 
@@ -30,9 +30,9 @@
 
 namespace {
 
-using vec16::narrow;
-using vec16::rounded;
-using vec16::widen;
+using simd::narrow;
+using simd::rounded;
+using simd::widen;
 
 // Rows per task: below this many rows one thread does all of them (a hidden row is ~0.3 us).
 constexpr int64_t kNormRowsPerTask = 16;

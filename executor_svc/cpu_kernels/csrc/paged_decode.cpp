@@ -17,7 +17,7 @@
 // row is widened to float32 once, into registers, for all the query heads of its group (a
 // bfloat16 row used to be widened element by element, once per query head).
 #include "kernels.h"
-#include "vec16.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
 
@@ -27,8 +27,8 @@
 
 namespace {
 
-using vec16::kLanes;
-using vec16::f32x16;
+using simd::kLanes;
+using simd::f32v;
 
 // Token rows ahead: far enough to hide a DRAM access (4 rows measured ~4% slower in bf16).
 constexpr int64_t kPrefetchAhead = 16;
@@ -143,8 +143,8 @@ void decode_one(Rows<scalar_t> q, const scalar_t* key, const scalar_t* value,
   }
 }
 
-// decode_one for a head dim known at compile time (a multiple of 16): a head row is kDim / 16
-// vectors, held in registers while every query head of its group uses it.
+// decode_one for a head dim known at compile time (a multiple of kLanes): a head row is
+// kDim / kLanes vectors, held in registers while every query head of its group uses it.
 template <typename scalar_t, int kDim>
 void decode_one_fixed(Rows<scalar_t> q, const scalar_t* key, const scalar_t* value,
                       const int32_t* table, int64_t context_len, int64_t block_size,
@@ -165,20 +165,20 @@ void decode_one_fixed(Rows<scalar_t> q, const scalar_t* key, const scalar_t* val
   float* acc = scratch.out.data();
   for (int64_t row = 0; row < num_heads; ++row) {  // widened and scaled once per sequence
     for (int c = 0; c < kChunks; ++c) {
-      vec16::store(query + row * kDim + c * kLanes, vec16::load(q.head(row) + c * kLanes) * scale);
+      simd::store(query + row * kDim + c * kLanes, simd::load(q.head(row) + c * kLanes) * scale);
     }
   }
   for (int64_t t = 0; t < context_len; ++t) {
     if (t + kPrefetchAhead < context_len) prefetch_row(row_at(key, t + kPrefetchAhead), token_stride);
     const scalar_t* k_t = row_at(key, t);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      f32x16 k[kChunks];
-      for (int c = 0; c < kChunks; ++c) k[c] = vec16::load(k_t + h * kDim + c * kLanes);
+      f32v k[kChunks];
+      for (int c = 0; c < kChunks; ++c) k[c] = simd::load(k_t + h * kDim + c * kLanes);
       for (int64_t row = h * group; row < (h + 1) * group; ++row) {
         const float* q_row = query + row * kDim;
-        f32x16 dot = k[0] * vec16::load(q_row);
-        for (int c = 1; c < kChunks; ++c) dot += k[c] * vec16::load(q_row + c * kLanes);
-        scores[row * context_len + t] = vec16::sum(dot);
+        f32v dot = k[0] * simd::load(q_row);
+        for (int c = 1; c < kChunks; ++c) dot += k[c] * simd::load(q_row + c * kLanes);
+        scores[row * context_len + t] = simd::sum(dot);
       }
     }
   }
@@ -189,13 +189,13 @@ void decode_one_fixed(Rows<scalar_t> q, const scalar_t* key, const scalar_t* val
     }
     const scalar_t* v_t = row_at(value, t);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      f32x16 v[kChunks];
-      for (int c = 0; c < kChunks; ++c) v[c] = vec16::load(v_t + h * kDim + c * kLanes);
+      f32v v[kChunks];
+      for (int c = 0; c < kChunks; ++c) v[c] = simd::load(v_t + h * kDim + c * kLanes);
       for (int64_t row = h * group; row < (h + 1) * group; ++row) {
         const float p = scores[row * context_len + t];
         float* o = acc + row * kDim;
         for (int c = 0; c < kChunks; ++c) {
-          vec16::store(o + c * kLanes, vec16::load(o + c * kLanes) + p * v[c]);
+          simd::store(o + c * kLanes, simd::load(o + c * kLanes) + p * v[c]);
         }
       }
     }

@@ -9,7 +9,7 @@
 // took ~4 ms of a ~66 ms bf16 decode step. float32 or bfloat16; rows unit-strided; one row per
 // task on torch's threads.
 #include "kernels.h"
-#include "vec16.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
 
@@ -27,12 +27,12 @@ void reduce_rows(const torch::Tensor& logits, int64_t* ids, float* lse) {
       const scalar_t* row = base + r * stride;
       float peak = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : peak)
-      for (int64_t i = 0; i < vocab; ++i) peak = std::max(peak, vec16::widen(row[i]));
+      for (int64_t i = 0; i < vocab; ++i) peak = std::max(peak, simd::widen(row[i]));
       int64_t first = 0;
-      while (first + 1 < vocab && vec16::widen(row[first]) != peak) ++first;
+      while (first + 1 < vocab && simd::widen(row[first]) != peak) ++first;
       float total = 0.f;
 #pragma omp simd reduction(+ : total)
-      for (int64_t i = 0; i < vocab; ++i) total += std::exp(vec16::widen(row[i]) - peak);
+      for (int64_t i = 0; i < vocab; ++i) total += std::exp(simd::widen(row[i]) - peak);
       ids[r] = first;
       lse[r] = peak + std::log(total);
     }

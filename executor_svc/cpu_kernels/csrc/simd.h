@@ -1,6 +1,9 @@
-// Sixteen float32 lanes in gcc's vector extensions, with loads and stores that widen and
-// round bfloat16: one source that gcc compiles for whatever the build targets (AVX-512 as one
-// register, AVX2 as two, SSE as four), so the kernels need no per-instruction-set copies.
+// float32 vectors of the target's register width in gcc's vector extensions (16 lanes with
+// AVX-512, else 8: AVX2's register, SSE's two), with loads and stores that widen and round
+// bfloat16: one source that gcc compiles for whatever the build targets, so the kernels need
+// no per-instruction-set copies. (16 lanes on an AVX2 build, two registers each, ran the
+// decode attention 2.5x slower than 8: the fixed-size path's K rows no longer fit the 16
+// registers.)
 // Below them, the same conversions one element at a time, for loops gcc vectorises itself
 // (bf16 handled as its bits: c10::BFloat16's own conversions it does not vectorise).
 #pragma once
@@ -10,46 +13,53 @@
 #include <cstdint>
 #include <cstring>
 
-namespace vec16 {
+namespace simd {
 
-typedef float f32x16 __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+typedef float f32v __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t u16v __attribute__((vector_size(kLanes * 2)));
+typedef uint32_t u32v __attribute__((vector_size(kLanes * 4)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-constexpr int64_t kLanes = 16;
-
-inline f32x16 load(const float* p) {
-  f32x16 v;
+inline f32v load(const float* p) {
+  f32v v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline f32x16 load(const c10::BFloat16* p) {  // bfloat16 is float32's upper half: exact
-  u16x16 bits;
+inline f32v load(const c10::BFloat16* p) {  // bfloat16 is float32's upper half: exact
+  u16v bits;
   std::memcpy(&bits, p, sizeof bits);
-  const u32x16 wide = __builtin_convertvector(bits, u32x16) << 16;
-  f32x16 v;
+  const u32v wide = __builtin_convertvector(bits, u32v) << 16;
+  f32v v;
   std::memcpy(&v, &wide, sizeof v);
   return v;
 }
 
-inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+inline void store(float* p, f32v v) { std::memcpy(p, &v, sizeof v); }
 
 // Rounded to the nearest bfloat16, ties to even, as c10::BFloat16(float) rounds (finite values:
 // the kernels make no NaNs, and fast-math assumes none).
-inline void store(c10::BFloat16* p, f32x16 v) {
-  u32x16 bits;
+inline void store(c10::BFloat16* p, f32v v) {
+  u32v bits;
   std::memcpy(&bits, &v, sizeof bits);
   bits += ((bits >> 16) & 1) + 0x7fff;
-  const u16x16 narrow = __builtin_convertvector(bits >> 16, u16x16);
+  const u16v narrow = __builtin_convertvector(bits >> 16, u16v);
   std::memcpy(p, &narrow, sizeof narrow);
 }
 
-inline float sum(f32x16 v) {
+inline float sum(f32v v) {
+#if defined(__AVX512F__)
   const f32x8 eight = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const f32x8 eight = v;
+#endif
   const f32x4 four = __builtin_shufflevector(eight, eight, 0, 1, 2, 3) +
                      __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
   return (four[0] + four[2]) + (four[1] + four[3]);
@@ -82,4 +92,4 @@ inline float rounded(float f, c10::BFloat16) {
 inline void narrow(float f, float* dst) { *dst = f; }
 inline void narrow(float f, c10::BFloat16* dst) { dst->x = static_cast<uint16_t>(bf16_bits(f)); }
 
-}  // namespace vec16
+}  // namespace simd
