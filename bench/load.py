@@ -206,7 +206,11 @@ def _has_step_log(tree: str) -> bool:
 
 
 def _gateway_flag(tree: str, flag: str) -> bool:
-    return f'"{flag}"' in (Path(tree) / "gateway" / "settings.py").read_text()
+    """Whether that checkout's gateway takes `flag`: named in its settings, as a string (before
+    settings were declared once) or as the field it comes from (`--http-port`: `http_port:`)."""
+    text = (Path(tree) / "gateway" / "settings.py").read_text()
+    field = flag.removeprefix("--").replace("-", "_")
+    return f'"{flag}"' in text or f"\n    {field}: " in text
 
 
 # The gateway's own step records (gateway/engine/step_stats.py) under the short names the

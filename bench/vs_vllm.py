@@ -150,14 +150,16 @@ class VllmOffline:
 
 
 @contextmanager
-def vllm_server(model: str, log_path: Path) -> Iterator[str]:
+def vllm_server(model: str, log_path: Path, dtype: str = "float32",
+                served_name: str | None = None) -> Iterator[str]:
     port = _free_port()
+    named = ("--served-model-name", served_name) if served_name else ()
     with log_path.open("w") as log:
         process = subprocess.Popen(
             [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-             "--dtype", "float32", "--max-model-len", "2048", "--seed", "0",
+             "--dtype", dtype, "--max-model-len", "2048", "--seed", "0",
              "--kv-cache-memory-bytes", str(2 << 30), "--host", "127.0.0.1",
-             "--port", str(port)],
+             "--port", str(port), *named],
             stdout=log, stderr=subprocess.STDOUT, env=vllm_env(), cwd=REPO_ROOT,
             start_new_session=True,
         )

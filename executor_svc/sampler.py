@@ -9,8 +9,11 @@ log-softmax of the logits before any processing, as vLLM reports by default. The
 token's is its logit less the row's log-sum-exp, taken with the raw argmax in one pass (a C++
 kernel on CPU); a full log-softmax is computed only for the rows that ask for top
 log-probabilities (and their sampled token's comes from it).
-A request with a seed samples from its own generator, so the same seed and the same logits
-reproduce the same tokens; the others share the executor's generator (seeded by --seed).
+A request with a seed samples from its own generator with torch.multinomial, as transformers'
+generate draws, so the same seed and the same logits reproduce the same tokens (and
+transformers' own). The others share the executor's generator (seeded by --seed) and are drawn
+together by inverse CDF, one uniform number a row: torch.multinomial draws an exponential for
+every id of the vocabulary (~1 ms a row at 49k ids, 64 ms for a 64-row step).
 """
 
 from __future__ import annotations
@@ -117,6 +120,27 @@ def _draw(
     return torch.multinomial(probs, 1, generator=generator)[0]
 
 
+def draw_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generator: torch.Generator
+) -> torch.Tensor:  # [R, V] float32 -> [R] long
+    """One categorical draw per row, all rows at once: the first id whose cumulative
+    probability passes a uniform number (one per row, from `generator`)."""
+    temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
+                                device=logits.device)
+    scaled = logits / temperatures[:, None]  # [R, V]
+    for row, param in enumerate(params):  # only the rows that filter pay for it
+        if param.min_p > 0.0 or param.top_k > 0 or param.top_p < 1.0:
+            scaled[row] = _apply_top_p(
+                _apply_top_k(_apply_min_p(scaled[row], param.min_p), param.top_k), param.top_p
+            )
+    cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)  # [R, V]
+    targets = torch.rand(len(params), 1, generator=generator, dtype=cdf.dtype,
+                         device=cdf.device) * cdf[:, -1:]  # [R, 1] within each row's total
+    # `right`: the first id whose cumulative sum exceeds the target, so never an id of
+    # probability 0 (its sum equals the one before it).
+    return torch.searchsorted(cdf, targets, right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
+
+
 def top_logprobs(
     logits: torch.Tensor,  # [S, V] raw
     params: Sequence[SamplingParams],
@@ -173,11 +197,18 @@ class Sampler:
         edited = _edited_rows(logits, processors)
         if edited:
             tokens[list(edited)] = greedy_tokens(torch.stack(list(edited.values())))
+        shared: list[int] = []  # drawn together from the executor's generator
         for row, (param, generator) in enumerate(zip(params, generators, strict=True)):
             if param.greedy:
                 continue
+            if generator is None:
+                shared.append(row)
+                continue
             source = edited[row] if row in edited else logits[row].float()  # [V]
-            tokens[row] = _draw(source, param, generator or self._shared)
+            tokens[row] = _draw(source, param, generator)
+        if shared:
+            rows = torch.stack([edited[r] if r in edited else logits[r].float() for r in shared])
+            tokens[shared] = draw_rows(rows, [params[r] for r in shared], self._shared)
         chosen = logits.gather(1, tokens[:, None])[:, 0].float() - lse  # [S] raw log-softmax
         tops = top_logprobs(logits, params, tokens, chosen)
         return Samples(tokens.tolist(), chosen.tolist(), tops)

@@ -158,3 +158,34 @@ def test_sampler_greedy_tokens_equal_argmax_with_ties_across_chunks() -> None:
     assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
     odd = torch.randn(3, ARGMAX_CHUNK + 5)
     assert torch.equal(greedy_tokens(odd), odd.argmax(dim=-1))
+
+
+def _shared_draws(params: SamplingParams, num: int, seed: int = 0) -> list[int]:
+    """Draws of a request without a seed: the executor's own generator, drawn in batches."""
+    sampler = Sampler(seed=seed, device=CPU)
+    return [token for _ in range(num // 8)
+            for token in sampler.sample(LOGITS.expand(8, -1), [params] * 8, [None] * 8).token_ids]
+
+
+def test_unseeded_rows_follow_the_distribution_and_its_filters() -> None:
+    # Rows without a seed are drawn together by inverse CDF from the executor's generator: 4,000
+    # draws land within 3 points of each probability; top_k, top_p and min_p still cut.
+    counts = Counter(_shared_draws(SamplingParams(temperature=1.0), 4000, seed=5))
+    for token, p in enumerate(PROBS.tolist()):
+        assert abs(counts[token] / 4000 - p) < 0.03, (token, counts)
+    assert set(_shared_draws(SamplingParams(temperature=1.0, top_k=2), 400)) == {0, 1}
+    assert set(_shared_draws(SamplingParams(temperature=1.0, top_p=0.5), 80)) == {0}
+    assert set(_shared_draws(SamplingParams(temperature=1.0, min_p=0.5), 400)) == {0, 1}
+
+
+def test_unseeded_rows_each_draw_from_their_own_row() -> None:
+    # One batch: a row whose mass is on id 3 and a row whose mass is on id 1 (the rest -inf, so
+    # never drawn) each get their own; the same executor seed gives the same draws.
+    logits = torch.full((2, 5), float("-inf"))
+    logits[0, 3], logits[1, [1, 2]] = 0.0, torch.tensor([5.0, -30.0])
+    params, none = [SamplingParams(temperature=0.7)] * 2, [None, None]
+    draws = [Sampler(3, CPU).sample(logits, params, none).token_ids for _ in range(2)]
+    assert draws[0] == draws[1] == [3, 1]
+    sampler = Sampler(4, CPU)
+    many = [sampler.sample(logits, params, none).token_ids for _ in range(200)]
+    assert {tuple(d) for d in many} == {(3, 1)}  # id 2's probability is e-35: never
