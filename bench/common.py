@@ -17,6 +17,8 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 def machine() -> dict[str, Any]:
     import torch
 
+    from executor_svc.cpu_kernels import MARCH
+
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -24,6 +26,10 @@ def machine() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        # The instruction set torch's own CPU kernels dispatch to here, and the level the
+        # executor's C++ kernels are built for (-march).
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "kernel_march": MARCH,
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
