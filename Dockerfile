@@ -28,8 +28,8 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /app
 
 # A compiler for the executor's C++ CPU kernels, built below once for a portable level: AVX2 and
-# FMA (x86-64-v3), which every CPU the project runs on has and which measured as fast as a
-# native AVX-512 build on the kernels (bench/README.md). Pass native for the build machine's
+# FMA (x86-64-v3), which every CPU the project runs on has; on the AMX machine a bf16 decode
+# step with kernels built so was within 3% of a native AVX-512 build (bench/README.md). Pass native for the build machine's
 # own CPU, or x86-64-v2 for CPUs older than AVX2.
 ARG PAGEDKV_KERNEL_MARCH=x86-64-v3
 ENV PAGEDKV_KERNEL_MARCH=${PAGEDKV_KERNEL_MARCH}

@@ -32,7 +32,7 @@ import json, sys
 from executor_svc.malloc_tuning import tune_malloc
 tune_malloc()
 import torch
-from bench import fused_layers, vs_vllm_steps
+from bench import vs_vllm_steps
 from bench.vs_vllm import REQUESTS_PER_RUN
 from executor_svc.runner import build_runner
 from executor_svc.settings import ExecutorSettings

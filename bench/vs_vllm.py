@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     table = render(rows, latency_rows)
     print(table)
     payload = {
-        "benchmark": "vs_vllm", "model": DEFAULT_MODEL.name, "dtype": "float32",
+        "benchmark": "vs_vllm", "model": DEFAULT_MODEL.name, "dtype": args.dtypes,
         "repeats": repeats, "quick": args.quick, "machine": machine(),
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         "vllm_env": {k: vllm_env().get(k, "") for k in ("LD_PRELOAD",

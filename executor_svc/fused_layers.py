@@ -57,8 +57,8 @@ class FusedSiluMLP(torch.nn.Module):
         self.act_fn = mlp.act_fn
         self.kernel = kernel
         gate, up = _onednn_weight(mlp.gate_proj), _onednn_weight(mlp.up_proj)
-        # NOTE: the epilogues round once where transformers rounds gate, silu and the product
-        # each to bf16: closer to the exact value, within bf16's tolerance of transformers'.
+        # NOTE: the epilogues round twice (silu(gate), then the product) where transformers
+        # rounds four times (gate, up, silu, product): within bf16's tolerance of its output.
         self.epilogues = (gate, up) if gate is not None and up is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,8 @@ class MklWeight:
 
 class PackedLinear(torch.nn.Module):
     """Replaces an nn.Linear; same parameters (state_dict unchanged) plus a packed copy used
-    for inputs of `min_rows` to `max_rows` rows (None: no limit).
+    for inputs of `min_rows` to `max_rows` rows (None: no limit). `packed` becomes None when a
+    fused copy replaces it (pack_concatenated): F.linear then serves every call.
 
     The packed copy is made once: loading other weights into this module would leave it stale
     (the executor never does; tests load the executor's weights into other models).
@@ -178,9 +179,10 @@ def mkl_pack_weight(weight: torch.Tensor, kernels: ModuleType) -> MklWeight | No
 
 
 def pack_linears(model: PreTrainedModel, kernels: ModuleType | None) -> int:
-    """On CPU, every nn.Linear becomes a PackedLinear for decode-sized inputs: bfloat16
-    through oneDNN; float32 through MKL when the CPU kernels are built (`kernels`) and torch's
-    build has it. Returns how many were packed (0 otherwise, logged when MKL is missing)."""
+    """On CPU, every nn.Linear becomes a PackedLinear: bfloat16 through oneDNN at every row
+    count; float32 through MKL for decode-sized inputs when the CPU kernels are built
+    (`kernels`) and torch's build has it. Returns how many were packed (0 otherwise, logged
+    when MKL is missing)."""
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):

@@ -109,8 +109,13 @@ class Samples:
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # [V] -> [V]
     """A row that does not sample greedily: temperature, then min_p, top_k, top_p (-inf out)."""
-    scaled = _apply_min_p(logits / params.temperature, params.min_p)  # [V]
-    return _apply_top_p(_apply_top_k(scaled, params.top_k), params.top_p)  # [V]
+    return _filter(logits / params.temperature, params)
+
+
+def _filter(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # [V] -> [V]
+    """min_p, top_k, top_p on a temperature-scaled row (-inf out)."""
+    filtered = _apply_top_k(_apply_min_p(scaled, params.min_p), params.top_k)
+    return _apply_top_p(filtered, params.top_p)
 
 
 def _draw(
@@ -130,10 +135,10 @@ def draw_rows(
     scaled = logits / temperatures[:, None]  # [R, V]
     for row, param in enumerate(params):  # only the rows that filter pay for it
         if param.min_p > 0.0 or param.top_k > 0 or param.top_p < 1.0:
-            scaled[row] = _apply_top_p(
-                _apply_top_k(_apply_min_p(scaled[row], param.min_p), param.top_k), param.top_p
-            )
+            scaled[row] = _filter(scaled[row], param)
     cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)  # [R, V]
+    if not bool(torch.isfinite(cdf[:, -1]).all()):  # torch.multinomial refuses these too
+        raise RuntimeError("a row to sample has no token of positive, finite probability")
     targets = torch.rand(len(params), 1, generator=generator, dtype=cdf.dtype,
                          device=cdf.device) * cdf[:, -1:]  # [R, 1] within each row's total
     # `right`: the first id whose cumulative sum exceeds the target, so never an id of

@@ -26,7 +26,7 @@ def test_bfloat16_decode_logits_track_transformers_in_bfloat16(
 ) -> None:
     # Three prompts prefilled, then four decode steps fed transformers' own greedy tokens: at
     # every step each row's logits are within bf16 rounding of the dense bf16 forward. (Qwen2:
-    # q/k/v biases, summed into the fused q/k/v projection's.)
+    # q/k/v biases, concatenated into the fused q/k/v projection's.)
     runner = make_runner(preset, dtype="bfloat16", backend=backend)
     reference = reference_model(runner).to(torch.bfloat16)
     prompts = random_prompts(runner.info.vocab_size, [5, 33, 20], seed=2)

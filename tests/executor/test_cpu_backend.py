@@ -79,6 +79,35 @@ def test_cpu_backend_decode_kernel_bfloat16_within_bf16_rounding_of_reference(
     torch.testing.assert_close(kernel.float(), reference.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_reads_and_writes_rows_by_stride(head_dim: int, dtype: torch.dtype) -> None:
+    # The model hands the kernel q as a view of the fused q/k/v projection and out as rows of
+    # a wider buffer: the fixed-size path reads and writes them by stride, equal to the same
+    # rows made contiguous, and leaves the rest of each row alone.
+    num_kv_heads, group, block_size, lengths = 2, 3, 16, [1, 17, 90]
+    gen = torch.Generator().manual_seed(9)
+    spec = KVCacheSpec(1, num_kv_heads, head_dim, block_size, dtype)
+    cache = KVCache.allocate(spec, 12, 0, torch.device("cpu"))
+    cache.kv.normal_(generator=gen)
+    spans, start = [], 0
+    for i, n in enumerate(lengths):
+        count = -(-n // block_size)
+        spans.append(SeqSpan(i, 1, n, tuple(range(start, start + count))))
+        start += count
+    width = num_kv_heads * group * head_dim
+    fused = torch.randn(len(lengths), width + 2 * num_kv_heads * head_dim, generator=gen).to(dtype)
+    q = fused[:, :width].unflatten(-1, (-1, head_dim))  # [N, Hq, D], rows fused.shape[1] apart
+    wide_out = torch.full((len(lengths), width + 5), float("nan"), dtype=dtype)
+    out = wide_out[:, :width].unflatten(-1, (-1, head_dim))
+    decode = CpuBackend(built_kernels()).plan_decode(spans, block_size, cache)
+    decode.run(cache.layer_kv(0), q, out, head_dim**-0.5)
+    packed = torch.empty(q.shape, dtype=dtype)
+    decode.run(cache.layer_kv(0), q.contiguous(), packed, head_dim**-0.5)
+    assert torch.equal(out, packed)
+    assert bool(wide_out[:, width:].isnan().all())
+
+
 def test_cpu_backend_is_the_default_on_cpu(make_runner: Callable[..., ModelRunner]) -> None:
     # --backend auto picks the kernel backend on CPU (it builds here: make setup built it).
     assert make_runner("tiny-llama").info.backend == "cpu"

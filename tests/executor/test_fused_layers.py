@@ -59,7 +59,8 @@ def test_rms_norm_reads_strided_rows_and_keeps_leading_dims(kernel) -> None:  # 
 
 def test_rotary_reads_q_and_k_as_views_of_one_projection(kernel) -> None:  # type: ignore[no-untyped-def]
     # q, k and v side by side in one [T, (Hq + 2 Hkv) D] buffer (the fused projection): the
-    # kernel rotates q and k in place through their token stride and leaves v alone.
+    # kernel rotates q and k in place through their token stride, as it rotates contiguous
+    # copies (tested against transformers above), and leaves v alone.
     gen = _generator(11)
     tokens, q_heads, k_heads, dim = 5, 4, 2, 16
     fused = torch.randn(tokens, (q_heads + 2 * k_heads) * dim, generator=gen)
@@ -162,7 +163,7 @@ def test_executor_model_is_fused_and_keeps_its_state_dict(preset: str) -> None:
 
 def test_bfloat16_fuses_every_layer_kind_within_bf16_rounding_of_transformers(kernel) -> None:  # type: ignore[no-untyped-def]
     # The MLP's SiLU and product run in the oneDNN matmuls' epilogues where this CPU has
-    # oneDNN's bf16 kernels (else in silu_mul): one rounding where transformers has three, so
+    # oneDNN's bf16 kernels (else in silu_mul): two roundings where transformers has four, so
     # within a bf16 step or two of LlamaMLP's own forward, decode and prefill row counts.
     runner = build_runner(make_settings("tiny-llama", dtype="bfloat16"))
     kinds = [type(m) for m in runner.loaded.model.modules()]

@@ -21,7 +21,9 @@ from executor_svc.packed_linear import (
     PackedLinear,
     mkl_pack_weight,
     onednn_packs_bfloat16,
+    pack_concatenated,
     pack_linears,
+    pack_weight,
 )
 
 from .oracle import MODELS
@@ -135,6 +137,40 @@ def test_bfloat16_linears_are_packed_for_every_row_count_and_agree_with_linear()
             got, want = packed[name](x).float(), linear(x).float()
             # Both accumulate in float32 and round once to bf16: one bf16 step apart at most.
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not onednn_packs_bfloat16(), reason="this CPU has no oneDNN bf16 kernels: "
+                    "nothing is packed for oneDNN, so nothing can be concatenated")
+def test_linears_side_by_side_become_one_packed_matmul() -> None:
+    # q, k and v (with biases, as Qwen2's) as one matmul: its output is theirs side by side;
+    # their own packed copies go (they keep F.linear, with the same results).
+    gen = torch.Generator().manual_seed(2)
+    layers = [torch.nn.Linear(64, out, bias=True).to(torch.bfloat16) for out in (64, 32, 32)]
+    for layer in layers:
+        layer.weight.data = torch.randn(layer.weight.shape, generator=gen).bfloat16()
+        layer.bias.data = torch.randn(layer.bias.shape, generator=gen).bfloat16()
+    plain = [layer(torch.zeros(1, 64, dtype=torch.bfloat16)) for layer in layers]  # biases
+    packed = [PackedLinear(layer, pack_weight(layer.weight), 1, None) for layer in layers]
+    fused = pack_concatenated(list(packed))
+    assert fused is not None and all(p.packed is None for p in packed)
+    weight, bias = fused
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    got = weight.linear(x, bias).split([64, 32, 32], dim=-1)
+    for part, layer, linear in zip(got, packed, layers, strict=True):
+        torch.testing.assert_close(part.float(), linear(x).float(), rtol=2e-2, atol=2e-2)
+        assert torch.equal(layer(x), linear(x))  # F.linear now: the same parameters
+    assert all(torch.equal(p[0], layer.bias) for p, layer in zip(plain, layers, strict=True))
+
+
+def test_only_layers_packed_alike_are_concatenated() -> None:
+    # A plain nn.Linear among them, or biases on some but not all: nothing is fused and every
+    # layer keeps its own packed copy.
+    layers = [torch.nn.Linear(16, 16, bias=b).to(torch.bfloat16) for b in (True, False)]
+    packed = [PackedLinear(layer, pack_weight(layer.weight), 1, None) for layer in layers]
+    if onednn_packs_bfloat16():
+        assert pack_concatenated(list(packed)) is None  # one bias, one not
+        assert all(p.packed is not None for p in packed)
+    assert pack_concatenated([layers[0], packed[0]]) is None  # a plain nn.Linear
 
 
 _AVX2_ONLY = """

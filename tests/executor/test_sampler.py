@@ -55,7 +55,9 @@ def test_kernel_argmax_and_lse_match_torch(kernel, dtype: torch.dtype) -> None: 
     assert ids[3] == 10 and ids[4] == 49_152
     torch.testing.assert_close(lse, torch.logsumexp(logits.float(), dim=-1), rtol=1e-6, atol=1e-5)
     strided = logits[:, :100]  # rows 49,153 apart: read by stride
-    assert argmax_and_lse(strided, kernel)[0].tolist() == strided.float().argmax(-1).tolist()
+    ids, lse = argmax_and_lse(strided, kernel)
+    assert ids.tolist() == strided.float().argmax(-1).tolist()
+    torch.testing.assert_close(lse, torch.logsumexp(strided.float(), dim=-1))
 
 
 def test_kernel_argmax_and_lse_refuses_what_it_cannot_read(kernel) -> None:  # type: ignore[no-untyped-def]
@@ -65,18 +67,25 @@ def test_kernel_argmax_and_lse_refuses_what_it_cannot_read(kernel) -> None:  # t
         kernel.argmax_logsumexp(torch.zeros(8, 2).t())
     with pytest.raises(RuntimeError, match="vocab > 0"):
         kernel.argmax_logsumexp(torch.zeros(2, 0))
+    for shape in ((8,), (2, 3, 8)):
+        with pytest.raises(RuntimeError, match=r"\[rows, vocab\]"):
+            kernel.argmax_logsumexp(torch.zeros(shape))
+    ids, lse = kernel.argmax_logsumexp(torch.zeros(0, 8))  # a step with nothing to sample
+    assert ids.shape == lse.shape == (0,)
 
 
 def test_sampler_with_the_kernel_reports_what_torch_reports(kernel) -> None:  # type: ignore[no-untyped-def]
     # The runner's sampler (with the kernel) and the torch path: same tokens, log-probabilities
-    # within float rounding, the same top log-probabilities; greedy, drawn and processed rows.
+    # within float rounding, the same top log-probabilities; greedy rows, seeded rows and rows
+    # drawn together from the executor's generator (one of them with top_k).
     gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(4, 1_000, generator=gen) * 3
+    logits = torch.randn(6, 1_000, generator=gen) * 3
     params = [SamplingParams(), SamplingParams(top_logprobs=3),
-              SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, seed=1)]
+              SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.3, seed=2),
+              SamplingParams(temperature=0.9), SamplingParams(temperature=1.0, top_k=5)]
     results = []
     for with_kernel in (kernel, None):
-        generators = [None, None, new_generator(1, CPU), new_generator(1, CPU)]
+        generators = [None, None, new_generator(1, CPU), new_generator(2, CPU), None, None]
         results.append(Sampler(0, CPU, with_kernel).sample(logits, params, generators))
     fast, plain = results
     assert fast.token_ids == plain.token_ids and fast.top_logprobs == plain.top_logprobs
@@ -189,3 +198,13 @@ def test_unseeded_rows_each_draw_from_their_own_row() -> None:
     sampler = Sampler(4, CPU)
     many = [sampler.sample(logits, params, none).token_ids for _ in range(200)]
     assert {tuple(d) for d in many} == {(3, 1)}  # id 2's probability is e-35: never
+
+
+def test_an_unseeded_row_without_any_probability_is_refused() -> None:
+    # Every id banned (a processor's doing): no token can be drawn, and the step fails as
+    # torch.multinomial's did, instead of returning an id the row banned.
+    logits = torch.full((2, 6), float("-inf"))
+    logits[0, 2] = 1.0
+    params = [SamplingParams(temperature=1.0)] * 2
+    with pytest.raises(RuntimeError, match="no token of positive, finite probability"):
+        Sampler(0, CPU).sample(logits, params, [None, None])

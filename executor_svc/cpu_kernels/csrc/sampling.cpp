@@ -7,7 +7,8 @@
 // so a sampled token's log-probability is logit - lse, and no [S, V] log-softmax (nor a float32
 // copy of bfloat16 logits) is written: at 64 rows of a 49,152-token vocabulary those passes
 // took ~4 ms of a ~66 ms bf16 decode step. float32 or bfloat16; rows unit-strided; one row per
-// task on torch's threads.
+// task on torch's threads. Logits are finite (a model's raw output; fast-math assumes it): a
+// row of -inf or a +inf would not get torch's answer.
 #include "kernels.h"
 #include "simd.h"
 
@@ -42,6 +43,7 @@ void reduce_rows(const torch::Tensor& logits, int64_t* ids, float* lse) {
 }  // namespace
 
 std::vector<torch::Tensor> argmax_logsumexp(torch::Tensor logits) {
+  TORCH_CHECK(logits.device().is_cpu(), "argmax_logsumexp reads CPU tensors");
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.stride(1) == 1,
               "logits must be [rows, vocab], unit-strided rows, vocab > 0");
   TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,

@@ -1,6 +1,5 @@
 // float32 vectors of the target's register width in gcc's vector extensions (16 lanes with
-// AVX-512, else 8: AVX2's register, SSE's two), with loads and stores that widen and round
-// bfloat16: one source that gcc compiles for whatever the build targets, so the kernels need
+// AVX-512, else 8: AVX2's register, SSE's two), with loads that widen bfloat16: one source that gcc compiles for whatever the build targets, so the kernels need
 // no per-instruction-set copies. (16 lanes on an AVX2 build, two registers each, ran the
 // decode attention 2.5x slower than 8: the fixed-size path's K rows no longer fit the 16
 // registers.)
@@ -42,16 +41,6 @@ inline f32v load(const c10::BFloat16* p) {  // bfloat16 is float32's upper half:
 }
 
 inline void store(float* p, f32v v) { std::memcpy(p, &v, sizeof v); }
-
-// Rounded to the nearest bfloat16, ties to even, as c10::BFloat16(float) rounds (finite values:
-// the kernels make no NaNs, and fast-math assumes none).
-inline void store(c10::BFloat16* p, f32v v) {
-  u32v bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  bits += ((bits >> 16) & 1) + 0x7fff;
-  const u16v narrow = __builtin_convertvector(bits >> 16, u16v);
-  std::memcpy(p, &narrow, sizeof narrow);
-}
 
 inline float sum(f32v v) {
 #if defined(__AVX512F__)
