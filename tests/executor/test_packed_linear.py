@@ -139,8 +139,13 @@ def test_bfloat16_linears_are_packed_for_every_row_count_and_agree_with_linear()
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.skipif(not onednn_packs_bfloat16(), reason="this CPU has no oneDNN bf16 kernels: "
-                    "nothing is packed for oneDNN, so nothing can be concatenated")
+@pytest.mark.skipif(
+    not onednn_packs_bfloat16(),
+    reason="needs a CPU with oneDNN's bf16 kernels (AVX-512 BW/VL/DQ or AVX-NE-CONVERT, e.g. an "
+    "Intel Xeon with AMX): elsewhere nothing is packed for oneDNN, so nothing is concatenated "
+    "(test_only_layers_packed_alike_are_concatenated covers that). There run: .venv/bin/python "
+    "-m pytest tests/executor/test_packed_linear.py",
+)
 def test_linears_side_by_side_become_one_packed_matmul() -> None:
     # q, k and v (with biases, as Qwen2's) as one matmul: its output is theirs side by side;
     # their own packed copies go (they keep F.linear, with the same results).
