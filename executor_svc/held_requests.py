@@ -5,17 +5,39 @@ computed. Imports no torch."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import structlog
 
-from executor_svc.plan import PlannedSeq, RequestState, idle_request_ids
-from executor_svc.step import SequenceWork, StepRequest
+from common.errors import ServiceError
+from executor_svc.merged_calls import MergedPlan
+from executor_svc.plan import (
+    Limits,
+    PlannedSeq,
+    RequestState,
+    StepPlan,
+    idle_request_ids,
+    plan_step,
+)
+from executor_svc.step import BlockCopy, SequenceWork, StepRequest
 
 log = structlog.get_logger(__name__)
 
 
+class BlockOps(Protocol):
+    """A step's block moves, in the device KV cache or the simulated one."""
+
+    def swap_out(self, copies: tuple[BlockCopy, ...]) -> None: ...
+
+    def swap_in(self, copies: tuple[BlockCopy, ...]) -> None: ...
+
+    def copy_blocks(self, copies: tuple[BlockCopy, ...]) -> None: ...
+
+
 class HeldRequests:
+    limits: Limits  # set by the runner
+
     def __init__(self, idle_release_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.requests: dict[str, RequestState] = {}
@@ -30,18 +52,38 @@ class HeldRequests:
         """Drop the requests' state; unknown ids are ignored. Returns how many were held."""
         return sum(self.requests.pop(rid, None) is not None for rid in request_ids)
 
-    def release_idle(self, step: StepRequest) -> int:
-        """Drop the requests no step has used for idle_release_s, never one that `step`
-        names (it is alive); returns how many."""
+    def release_idle(self, steps: Sequence[StepRequest]) -> int:
+        """Drop the requests no step has used for idle_release_s, never one that `steps`
+        name (they are alive); returns how many."""
         now = self.clock()
         if not self.idle_release_s or now < self.next_idle_check:
             return 0
         self.next_idle_check = now + self.idle_release_s / 10
-        idle = idle_request_ids(self.requests, step, now, self.idle_release_s)
+        idle = idle_request_ids(self.requests, steps, now, self.idle_release_s)
         if idle:
             log.warning("idle_requests_released", num_requests=len(idle),
                         idle_s=self.idle_release_s)
         return self.release(idle)
+
+    def prepare(self, steps: Sequence[StepRequest], blocks: BlockOps) -> MergedPlan:
+        """Each call planned, then its releases, swaps and copies applied, one call after
+        another in queue order (merged_calls.py says why that is safe); a refused call
+        changes nothing and the others go on. Before planning, the idle requests go: the
+        plans hold the states they looked up."""
+        self.release_idle(steps)
+        outcomes: list[StepPlan | ServiceError] = []
+        for step in steps:
+            try:
+                plan = plan_step(step, self.requests, self.limits)
+            except ServiceError as refused:
+                outcomes.append(refused)
+                continue
+            self.release(plan.release_request_ids)
+            blocks.swap_out(step.swap_out)
+            blocks.swap_in(step.swap_in)
+            blocks.copy_blocks(step.copies)
+            outcomes.append(plan)
+        return MergedPlan(outcomes)
 
     def new_state(self, work: SequenceWork) -> RequestState:
         """A new request's state (its first step carries its sampling)."""

@@ -7,7 +7,7 @@ a rejected Execute leaves every request, block table and KV block as it was.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -210,10 +210,10 @@ def plan_step(step: StepRequest, requests: Mapping[str, RequestState], limits: L
     return StepPlan(release_request_ids=released, seqs=seqs)
 
 
-def idle_request_ids(requests: Mapping[str, RequestState], step: StepRequest, now: float,
-                     idle_release_s: float) -> tuple[str, ...]:
+def idle_request_ids(requests: Mapping[str, RequestState], steps: Sequence[StepRequest],
+                     now: float, idle_release_s: float) -> tuple[str, ...]:
     """The requests no step has used for idle_release_s (on the runner's clock), never one
-    that `step` names (it is alive)."""
-    named = {w.request_id for w in step.seqs}
+    that `steps` name (they are alive)."""
+    named = {w.request_id for step in steps for w in step.seqs}
     return tuple(rid for rid, state in requests.items()
                  if now - state.last_used >= idle_release_s and rid not in named)

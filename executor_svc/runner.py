@@ -1,7 +1,8 @@
 """The model runner: one Execute step, from a validated plan to sampled tokens.
 
 A step: plan (validate everything; nothing changes on rejection) -> releases -> swap_out ->
-swap_in -> copies -> one forward pass over a packed [1, num_tokens] row with explicit
+swap_in -> copies (each call's in turn, when several callers' calls merge: merged_calls.py) ->
+one forward pass over a packed [1, num_tokens] row with explicit
 position_ids (each layer writes its new K/V before attending) -> commit request state ->
 sample one token for each sequence whose prompt is complete.
 
@@ -12,12 +13,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
 import torch
 
+from common.errors import ServiceError
 from common.executor_description import ExecutorDescription
 from executor_svc.attention import AttentionBackend, SeqSpan, StepMetadata, make_backend
 from executor_svc.cpu_kernels import load as load_cpu_kernels
@@ -27,8 +29,9 @@ from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.kv_transfer import TORCH_FORMAT, KVBlockStore, KVLayout
 from executor_svc.logits_processor import LogitsProcessor
 from executor_svc.memory import count_blocks, forward_once
+from executor_svc.merged_calls import MergedPlan, only
 from executor_svc.model_loader import LoadedModel, dtype_name, load_model
-from executor_svc.plan import Limits, PlannedSeq, RequestState, plan_step
+from executor_svc.plan import Limits, PlannedSeq, RequestState
 from executor_svc.sampler import Sampler, new_generator
 from executor_svc.settings import ExecutorSettings, SettingsError
 from executor_svc.step import SampledToken, SequenceWork, StepRequest, StepResult, Timings
@@ -91,41 +94,52 @@ class ModelRunner(HeldRequests):
         )
 
     def execute(self, step: StepRequest) -> StepResult:
+        """One call alone; its refusal raised."""
+        return only(self.execute_merged((step,)))
+
+    def execute_merged(self, steps: Sequence[StepRequest]) -> list[StepResult | ServiceError]:
+        """Several callers' calls in one forward (merged_calls.py); each call's result or
+        refusal, in order."""
         start = time.perf_counter()
-        forward = self.run_forward(step)
+        merged, forward = self._prepare_and_forward(steps)
         forward_end = time.perf_counter()
         tokens = self._sample(forward.sampling_request_ids, forward.logits)
         end = time.perf_counter()
         timings = Timings(_ms(start, forward_end), _ms(forward_end, end), _ms(start, end))
         log.debug(
             "step_executed",
+            num_calls=len(steps),
             num_tokens=forward.num_tokens,
             num_sampled=len(tokens),
             forward_ms=round(timings.forward_ms, 3),
             total_ms=round(timings.total_ms, 3),
         )
-        return StepResult(tokens=tokens, timings=timings, num_tokens=forward.num_tokens)
+        return merged.results(tokens, timings)
 
     def run_forward(self, step: StepRequest) -> ForwardOutput:
         """The step up to the logits (validate, apply, forward, commit); no sampling.
 
         `execute` adds sampling; tests call this to compare logits with transformers.
         """
-        self.release_idle(step)  # before planning: the plan holds the states it looked up
-        plan = plan_step(step, self.requests, self.limits)
-        self.release(plan.release_request_ids)
-        self.cache.swap_out(step.swap_out)
-        self.cache.swap_in(step.swap_in)
-        self.cache.copy_blocks(step.copies)
-        if not plan.seqs:
+        merged, forward = self._prepare_and_forward((step,))
+        (outcome,) = merged.outcomes
+        if isinstance(outcome, ServiceError):
+            raise outcome
+        return forward
+
+    def _prepare_and_forward(self, steps: Sequence[StepRequest]
+                             ) -> tuple[MergedPlan, ForwardOutput]:
+        merged = self.prepare(steps, self.cache)
+        seqs = merged.seqs
+        if not seqs:
             empty = torch.empty(0, self.loaded.vocab_size, device=self.loaded.device)
-            return ForwardOutput(logits=empty, sampling_request_ids=(), num_tokens=0)
-        logits = self._forward(plan.seqs)  # [S, V]
-        self.commit(plan.seqs)
-        return ForwardOutput(
+            return merged, ForwardOutput(logits=empty, sampling_request_ids=(), num_tokens=0)
+        logits = self._forward(seqs)  # [S, V]
+        self.commit(seqs)
+        return merged, ForwardOutput(
             logits=logits,
-            sampling_request_ids=tuple(p.work.request_id for p in plan.seqs if p.work.sample),
-            num_tokens=sum(len(p.token_ids) for p in plan.seqs),
+            sampling_request_ids=tuple(p.work.request_id for p in seqs if p.work.sample),
+            num_tokens=sum(len(p.token_ids) for p in seqs),
         )
 
     def _forward(self, seqs: tuple[PlannedSeq, ...]) -> torch.Tensor:

@@ -7,9 +7,10 @@ and plan.py without importing torch (~300 MB a process).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from common.errors import ServiceError
 from common.executor_description import ExecutorDescription
 from executor_svc.kv_transfer import KVBlockStore
 from executor_svc.plan import RequestState
@@ -27,5 +28,9 @@ class StepRunner(Protocol):
     kv_blocks: KVBlockStore  # read and written by KV hand-off (ImportKV, ExportKV)
 
     def execute(self, step: StepRequest) -> StepResult: ...
+
+    def execute_merged(self, steps: Sequence[StepRequest]) -> list[StepResult | ServiceError]:
+        """Several callers' calls in one forward: each one's result, or its refusal."""
+        ...
 
     def release(self, request_ids: tuple[str, ...]) -> int: ...

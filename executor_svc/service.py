@@ -1,17 +1,19 @@
 """The gRPC servicer: decode the proto, call the runner, encode the answer.
 
-Steps (and Releases) run one at a time, in the order they are queued, in the executor's compute
-thread (compute_thread.py: the thread that loaded the model), so the event loop keeps
-answering health checks and Describe while the model computes. A step
-that arrives while another computes (the gateway launches ahead) is decoded meanwhile and
-waits in the worker's queue: the worker starts it the moment the one before ends, with no hop
-through the event loop. A step naming a `previous_step_id` not taken yet waits for it first,
-and is refused if it never comes (step_order.py). Domain exceptions raised by the runner
-reach common.interceptor, which maps them to their status codes.
+Steps (and Releases) run in the executor's compute thread (compute_thread.py: the thread that
+loaded the model), in the order they are queued, so the event loop keeps answering health
+checks and Describe while the model computes. Execute calls waiting together, from any
+callers (several gateways may schedule onto one executor), merge into one forward pass, and
+each caller gets its own rows (merged_calls.py). A step that arrives while another computes
+(the gateway launches ahead) is decoded meanwhile and waits in the queue: the compute thread
+takes it the moment the turn before ends, with no hop through the event loop. A step naming a
+`previous_step_id` not taken yet waits for it first, and is refused if it never comes
+(step_order.py); one taken but still waiting runs in the forward after it. Domain exceptions
+raised by the runner reach common.interceptor, which maps them to their status codes.
 
 A request's lifecycle is logged here, each line naming it (`seq_id` on the wire, the
 client's `request_id`: common.interceptor.client_request_id): started (its first step),
-released, idle-released. Steps record their metrics (StepMetrics) from the StepResult.
+released, idle-released. Each forward records its metrics (StepMetrics) from the results.
 
 ImportKV and ExportKV (KV hand-off between executors) are kv_handoff.py's: they run beside
 the steps, not in the compute thread's queue.
@@ -20,12 +22,11 @@ the steps, not in the compute thread's queue.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -34,11 +35,11 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from common.credentials import InternalAuth
-from common.errors import FailedPrecondition, InvalidArgument
+from common.errors import FailedPrecondition, InvalidArgument, ServiceError
 from common.interceptor import client_request_id
 from common.server import Registration
 from executor_svc import convert
-from executor_svc.compute_thread import compute_thread
+from executor_svc.compute_thread import ComputeQueue, compute_thread
 from executor_svc.kv_handoff import HandOffMetrics, KVHandOff
 from executor_svc.runner_api import StepRunner
 from executor_svc.step import SequenceWork, StepRequest, StepResult
@@ -54,11 +55,12 @@ log = structlog.get_logger(__name__)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                 0.75, 1.0, 2.5, 5.0, 10.0)
 SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+CALL_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class StepMetrics:
-    """What Execute records per step: about 6 us (five observations, three increments)."""
+    """What a step records: about 6 us (six observations, three increments) per forward."""
 
     def __init__(self, registry: CollectorRegistry, runner: StepRunner) -> None:
         def histogram(name: str, text: str, buckets: Sequence[float]) -> Histogram:
@@ -75,6 +77,9 @@ class StepMetrics:
                                    "Sequences in a step", SEQ_BUCKETS)
         self.tokens = histogram("pagedkv_executor_batch_tokens",
                                 "Tokens computed in a step", TOKEN_BUCKETS)
+        self.calls = histogram("pagedkv_executor_batch_calls",
+                               "Execute calls (from any callers) merged into a step's forward",
+                               CALL_BUCKETS)
         self.steps = Counter("pagedkv_executor_steps", "Execute steps run", registry=registry)
         self.computed = Counter("pagedkv_executor_tokens", "Tokens computed (prompt and "
                                 "decode)", registry=registry)
@@ -89,18 +94,26 @@ class StepMetrics:
         self.handoff = HandOffMetrics(registry)
         registry.register(_RunnerCollector(runner))
 
-    def observe(self, num_seqs: int, result: StepResult) -> None:
-        self.steps.inc()
-        if not num_seqs:  # releases or copies only: no batch
+    def observe(self, steps: Sequence[StepRequest],
+                results: Sequence[StepResult | ServiceError]) -> None:
+        """One turn of the compute thread: every call that ran counts as a step; their
+        merged forward, if they had sequences, is one batch."""
+        ran = [(s, r) for s, r in zip(steps, results, strict=True)
+               if not isinstance(r, ServiceError)]
+        self.steps.inc(len(ran))
+        batch = [(s, r) for s, r in ran if s.seqs]
+        if not batch:  # releases or copies only: no batch
             return
-        timings = result.timings
+        timings = batch[0][1].timings  # the merged forward's, the same in every result
+        num_tokens = sum(r.num_tokens for _, r in batch)
         self.forward.observe(timings.forward_ms / 1000)
         self.sample.observe(timings.sample_ms / 1000)
         self.step.observe(timings.total_ms / 1000)
-        self.sequences.observe(num_seqs)
-        self.tokens.observe(result.num_tokens)
-        self.computed.inc(result.num_tokens)
-        self.sampled.inc(len(result.tokens))
+        self.sequences.observe(sum(len(s.seqs) for s, _ in batch))
+        self.tokens.observe(num_tokens)
+        self.calls.observe(len(batch))
+        self.computed.inc(num_tokens)
+        self.sampled.inc(sum(len(r.tokens) for _, r in batch))
 
 
 class _RunnerCollector(Collector):
@@ -148,10 +161,12 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self._runner = runner
         self._pool_name = pool_name
         # One thread: the runner is not thread-safe, and its queue keeps the order.
-        self._worker = worker or compute_thread()
+        info = runner.info
+        self.queue = ComputeQueue(worker or compute_thread(), self._execute_merged,
+                                   info.max_num_seqs, info.max_num_batched_tokens)
         self._order = StepOrder()
         self._metrics = metrics
-        self._handoff = KVHandOff(runner, self._in_worker, self._order, auth,
+        self._handoff = KVHandOff(runner, self.queue.run, self._order, auth,
                                   metrics.handoff if metrics else None)
 
     async def close(self) -> None:
@@ -175,22 +190,24 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
                     f"previous_step_id {previous}: no such call reached this executor within "
                     f"{ORDER_WAIT_S:g} s; this call builds on it, so it does not run"
                 )
-            # A cancelled RPC (client gone) drops its step if it has not started; one that has
-            # runs to its end, before anything queued behind it.
-            executed = self._in_worker(self._execute, step)
+            executed = self.queue.execute(step, request.step_id, previous)
         finally:
             self._order.take(request.step_id)  # queued, refused or given up: the next goes on
-        done = await executed
+        try:
+            done: _Executed = await executed
+        except asyncio.CancelledError:
+            # Its caller went away: a call whose turn has not come is dropped; one that has
+            # runs to its end with the others merged with it.
+            self.queue.withdraw(executed)
+            raise
         num_compact = len(request.decode_request_ids)
         self._log_step(request.step_id, step, num_compact, done)
-        if self._metrics is not None:
-            self._metrics.observe(len(step.seqs), done.result)
         return convert.result_to_proto(done.result, num_compact)
 
     async def Release(  # noqa: N802
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
-        released = await self._in_worker(self._release, tuple(request.request_ids))
+        released = await self.queue.run(self._release, tuple(request.request_ids))
         self._log_released(released)
         return pb.ReleaseResponse(num_released=len(released))
 
@@ -205,20 +222,24 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         async for block in self._handoff.export(request):
             yield block
 
-    # In the worker: the runner's state is read there, between steps.
-    def _execute(self, step: StepRequest) -> _Executed:
+    # In the compute thread: the runner's state is read there, between turns.
+    def _execute_merged(self, steps: list[StepRequest]) -> list[_Executed | ServiceError]:
         runner = self._runner
         held = runner.requests
-        released = [r for r in step.release_request_ids if r in held]
+        released = [[r for r in s.release_request_ids if r in held] for s in steps]
         # NOTE: the runner drops idle requests itself, at most every idle_release_s / 10, and
-        # says how many, not which: the held ids are compared only on a step that checks.
+        # says how many, not which: the held ids are compared only on a turn that checks.
         checks_idle = runner.idle_release_s and runner.clock() >= runner.next_idle_check
         before = set(held) if checks_idle else None
         try:
-            return _Executed(runner.execute(step), released)
+            results = runner.execute_merged(steps)
         finally:  # the idle ones are gone even when the step is then refused
             if before is not None:
-                self._log_idle(before - held.keys() - set(released))
+                self._log_idle(before - held.keys() - {r for rs in released for r in rs})
+        if self._metrics is not None:
+            self._metrics.observe(steps, results)
+        return [r if isinstance(r, ServiceError) else _Executed(r, rel)
+                for r, rel in zip(results, released, strict=True)]
 
     def _release(self, request_ids: tuple[str, ...]) -> list[str]:
         held = [r for r in dict.fromkeys(request_ids) if r in self._runner.requests]
@@ -254,12 +275,6 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
             log.info("request_idle_released", **_ids(seq_id))
         if idle and self._metrics is not None:
             self._metrics.idle_released.inc(len(idle))
-
-    def _in_worker(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """Queue `fn(*args)` for the worker, in the caller's context (its log bindings)."""
-        context = contextvars.copy_context()
-        return asyncio.get_running_loop().run_in_executor(self._worker, context.run, fn, *args)
-
 
 def registration(runner: StepRunner, worker: ThreadPoolExecutor | None = None,
                  metrics: StepMetrics | None = None, pool_name: str = "",

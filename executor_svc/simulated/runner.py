@@ -1,7 +1,8 @@
 """The simulated runner: ModelRunner's interface (runner_api.StepRunner), without a model.
 
 A step: plan (plan.py, the real executor's validation: nothing changes when any part is
-wrong) -> releases -> swap_out -> swap_in -> copies -> "forward": each sequence reads the
+wrong) -> releases -> swap_out -> swap_in -> copies (each merged call's in turn:
+merged_calls.py) -> "forward": each sequence reads the
 digest before its first token from the slot cache through its block table, extends it by
 its tokens and writes each one to its slot -> commit request state -> sample candidate 0 of
 the token model -> sleep out the rest of the modelled step time. Greedy always: temperature,
@@ -17,14 +18,16 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 
+from common.errors import ServiceError
 from common.executor_description import ExecutorDescription
 from executor_svc.held_requests import HeldRequests
 from executor_svc.kv_transfer import SIMULATED_FORMAT, KVBlockStore, KVLayout
-from executor_svc.plan import Limits, PlannedSeq, plan_step
+from executor_svc.merged_calls import only
+from executor_svc.plan import Limits, PlannedSeq
 from executor_svc.settings import SettingsError
 from executor_svc.simulated.model_config import read_model_config
 from executor_svc.simulated.profiles import PROFILES, Profile, StepShape
@@ -63,22 +66,25 @@ class SimulatedRunner(HeldRequests):
         super().__init__(idle_release_s, clock)
 
     def execute(self, step: StepRequest) -> StepResult:
+        """One call alone; its refusal raised."""
+        return only(self.execute_merged((step,)))
+
+    def execute_merged(self, steps: Sequence[StepRequest]) -> list[StepResult | ServiceError]:
+        """Several callers' calls as one modelled step (merged_calls.py)."""
         start = time.perf_counter()
-        self.release_idle(step)  # before planning: the plan holds the states it looked up
-        plan = plan_step(step, self.requests, self.limits)
-        self.release(plan.release_request_ids)
-        self.cache.swap_out(step.swap_out)
-        self.cache.swap_in(step.swap_in)
-        self.cache.copy_blocks(step.copies)
-        digests = [self._forward(planned) for planned in plan.seqs]
-        self.commit(plan.seqs)
+        merged = self.prepare(steps, self.cache)
+        seqs = merged.seqs
+        digests = [self._forward(planned) for planned in seqs]
+        self.commit(seqs)
         sample_start = time.perf_counter()
-        tokens = self._sample(plan.seqs, digests)
+        tokens = self._sample(seqs, digests)
         sample_end = time.perf_counter()
+        accepted = [s for s, o in zip(steps, merged.outcomes, strict=True)
+                    if not isinstance(o, ServiceError)]
         shape = StepShape(
-            num_tokens=sum(len(p.token_ids) for p in plan.seqs),
-            num_context_tokens=sum(p.work.start_position + len(p.token_ids) for p in plan.seqs),
-            num_swapped_blocks=len(step.swap_out) + len(step.swap_in),
+            num_tokens=sum(len(p.token_ids) for p in seqs),
+            num_context_tokens=sum(p.work.start_position + len(p.token_ids) for p in seqs),
+            num_swapped_blocks=sum(len(s.swap_out) + len(s.swap_in) for s in accepted),
         )
         modelled_s = self.profile.step_ms(shape, self.limits.block_size) / 1e3 * self.time_scale
         if (wait := start + modelled_s - time.perf_counter()) > 0:
@@ -86,8 +92,7 @@ class SimulatedRunner(HeldRequests):
         end = time.perf_counter()
         sample_ms = (sample_end - sample_start) * 1e3
         total_ms = (end - start) * 1e3
-        return StepResult(tokens=tokens, timings=Timings(total_ms - sample_ms, sample_ms, total_ms),
-                          num_tokens=shape.num_tokens)
+        return merged.results(tokens, Timings(total_ms - sample_ms, sample_ms, total_ms))
 
     def _forward(self, planned: PlannedSeq) -> int:
         """Write the sequence's digests to its slots; return its last one."""

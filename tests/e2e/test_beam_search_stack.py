@@ -11,22 +11,18 @@ import time
 import grpc
 import httpx
 import pytest
-import torch
 from e2e_stack import (
+    EOS,
     Clients,
+    beam_request,
     generate,
     generate_many,
     prompts,
-    reference_model,
+    reference_beams,
     tokenizer,
 )
-from transformers import GenerationConfig
 
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
-
-EOS = 2
-EARLY = {False: gpb.EARLY_STOPPING_HEURISTIC, True: gpb.EARLY_STOPPING_WHEN_FULL,
-         "never": gpb.EARLY_STOPPING_NEVER}
 
 
 @pytest.fixture(scope="module")
@@ -39,33 +35,6 @@ def stack_clients(tiny_stack: Clients) -> tuple[Clients, str]:
 @pytest.fixture(scope="module")
 def clients(stack_clients: tuple[Clients, str]) -> Clients:
     return stack_clients[0]
-
-
-def reference_beams(prompt: list[int], width: int, n: int, max_tokens: int,
-                    length_penalty: float, early: bool | str, stops: tuple[int, ...] = (EOS,)
-                    ) -> list[tuple[int, ...]]:
-    """transformers' beam search on the executor's dummy weights: the n best, in order, each
-    cut after its stop token (transformers pads the shorter ones)."""
-    config = GenerationConfig(
-        max_new_tokens=max_tokens, do_sample=False, num_beams=width, num_return_sequences=n,
-        length_penalty=length_penalty, early_stopping=early, pad_token_id=0, bos_token_id=1,
-        eos_token_id=list(stops))
-    with torch.no_grad():
-        out = reference_model().generate(torch.tensor([prompt]), generation_config=config)
-    hypotheses = []
-    for row in out[:, len(prompt):].tolist():
-        end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
-        hypotheses.append(tuple(row[:end]))
-    return hypotheses
-
-
-def beam_request(prompt: list[int], width: int, n: int, max_tokens: int,
-                 length_penalty: float = 1.0, early: bool | str = False,
-                 stop_token_ids: tuple[int, ...] = ()) -> gpb.GenerateRequest:
-    return gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=prompt), sampling=gpb.SamplingParams(
-        max_tokens=max_tokens, n=n, use_beam_search=True, beam_width=width,
-        length_penalty=length_penalty, early_stopping=EARLY[early],
-        stop_token_ids=stop_token_ids))
 
 
 CASES = [  # width, n, length_penalty, early_stopping

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
@@ -14,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.server import Server, start_server
 from executor_svc.runner import ModelRunner
-from executor_svc.service import SERVICE_NAME, registration
+from executor_svc.service import SERVICE_NAME, ExecutorServicer, registration
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -26,16 +27,19 @@ Served = tuple[pb_grpc.ExecutorServiceStub, grpc.Channel, ModelRunner]
 
 
 @pytest.fixture
-def served(make_runner: Callable[..., ModelRunner]) -> Iterator[Served]:
+def served_with_servicer(
+    make_runner: Callable[..., ModelRunner],
+) -> Iterator[tuple[Served, ExecutorServicer]]:
     """An in-process server on its own event loop thread; a sync client channel."""
     runner = make_runner(num_blocks=64, max_num_seqs=4)
     loop = asyncio.new_event_loop()
     started: Future[Server] = Future()
+    servicer, name = registration(runner)
 
     def serve() -> None:
         asyncio.set_event_loop(loop)
         started.set_result(
-            loop.run_until_complete(start_server([registration(runner)], "127.0.0.1", 0))
+            loop.run_until_complete(start_server([(servicer, name)], "127.0.0.1", 0))
         )
         loop.run_forever()
 
@@ -43,11 +47,16 @@ def served(make_runner: Callable[..., ModelRunner]) -> Iterator[Served]:
     thread.start()
     server = started.result(timeout=30)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    yield pb_grpc.ExecutorServiceStub(channel), channel, runner
+    yield (pb_grpc.ExecutorServiceStub(channel), channel, runner), servicer
     channel.close()
     asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(timeout=10)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(timeout=10)
+
+
+@pytest.fixture
+def served(served_with_servicer: tuple[Served, ExecutorServicer]) -> Served:
+    return served_with_servicer[0]
 
 
 def _first_step(request_id: str, tokens: list[int], blocks: list[int]) -> pb.ExecuteRequest:
@@ -114,40 +123,45 @@ def test_service_release_counts_held_requests(served: Served) -> None:
     assert reply.num_released == 1 and runner.requests == {}
 
 
-def test_service_queues_a_step_that_arrives_while_one_computes(served: Served) -> None:
-    # Steps run one at a time in arrival order, in the worker: a step sent while another
-    # computes starts once that one ends; one whose caller gave up before it started never
-    # runs; Describe is answered meanwhile.
-    stub, _, runner = served
-    original = runner.execute
+def test_service_merges_the_steps_that_arrive_while_one_computes(
+    served_with_servicer: tuple[Served, ExecutorServicer],
+) -> None:
+    # Steps run in the worker, in turns: the steps sent while one computes wait, and merge
+    # into the next forward, each caller getting its own rows; one whose caller gave up
+    # before its turn never runs; Describe is answered meanwhile.
+    (stub, _, runner), servicer = served_with_servicer
+    original = runner.execute_merged
     started, release = threading.Event(), threading.Event()
-    order: list[tuple[str, str]] = []
+    turns: list[list[str]] = []
 
-    def execute(step):  # type: ignore[no-untyped-def]
-        rid = step.seqs[0].request_id
-        order.append(("start", rid))
-        if rid == "first":
+    def execute_merged(steps):  # type: ignore[no-untyped-def]
+        rids = [step.seqs[0].request_id for step in steps]
+        turns.append(rids)
+        if rids == ["first"]:
             started.set()
             assert release.wait(timeout=30)
-        try:
-            return original(step)
-        finally:
-            order.append(("end", rid))
+        return original(steps)
 
-    runner.execute = execute  # type: ignore[method-assign]
+    runner.execute_merged = execute_merged  # type: ignore[method-assign]
     first = stub.Execute.future(_first_step("first", [5, 6, 7], [1]))
     assert started.wait(timeout=30)
     second = stub.Execute.future(_first_step("second", [8, 9], [2]))
     with pytest.raises(grpc.RpcError) as err:
         stub.Execute(_first_step("gave-up", [4], [3]), timeout=0.2)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    third = stub.Execute.future(_first_step("third", [4, 8, 9, 5], [4]))
     assert stub.Describe(pb.DescribeRequest(), timeout=5).num_blocks == 64
+    deadline = time.monotonic() + 30
+    while servicer.queue.num_waiting() < 2:  # second and third
+        assert time.monotonic() < deadline, "the steps never reached the queue"
+        time.sleep(0.01)
     release.set()
-    assert first.result(timeout=30).tokens[0].request_id == "first"
-    assert second.result(timeout=30).tokens[0].request_id == "second"
-    assert order == [("start", "first"), ("end", "first"), ("start", "second"),
-                     ("end", "second")]
-    assert set(runner.requests) == {"first", "second"}
+    replies = [f.result(timeout=30) for f in (first, second, third)]
+    assert [[t.request_id for t in r.tokens] for r in replies] == [["first"], ["second"],
+                                                                    ["third"]]
+    assert [r.num_tokens for r in replies] == [3, 2, 4]
+    assert turns == [["first"], ["second", "third"]]
+    assert set(runner.requests) == {"first", "second", "third"}
 
 
 def test_service_orders_calls_by_previous_step_id(served: Served) -> None:

@@ -1,0 +1,118 @@
+"""Four gateways scheduling onto one executor: it merges their calls into shared forwards,
+and every output is still transformers' greedy continuation, through chunked prefills,
+copy-on-write forks, preemptions, beam searches and overlapped steps; every block comes back.
+
+Preemption by recompute: swap across gateways on one pool races in the allocator (a
+swapped-out block goes to another gateway's step before the swap-out copy has run; one run
+in three diverged, with and without merging), gateway/README.md says so."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from e2e_stack import (
+    Clients,
+    beam_request,
+    generate,
+    prompts,
+    reference_beams,
+    reference_greedy,
+    sampling,
+    start_stack,
+)
+
+from pagedkv.gateway.v1 import gateway_pb2 as gpb
+from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
+from tools.launch import Stack
+
+NUM_BLOCKS = 40  # 640 tokens for about 1,100 wanted at once: preemptions
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[tuple[Clients, list[gpb_grpc.GatewayServiceStub], Stack]]:
+    log_dir: Path = tmp_path_factory.mktemp("four-gateways")
+    stack = start_stack(
+        log_dir,
+        executor_args=("--load-format", "dummy", "--num-blocks", str(NUM_BLOCKS)),
+        gateway_args=("--preemption-mode", "recompute", "--max-num-batched-tokens", "64"),
+    )
+    clients = Clients(stack)
+    channels = [grpc.insecure_channel(stack.start_gateway(f"gateway-{i}").address)
+                for i in (2, 3, 4)]
+    try:
+        yield clients, [clients.gateway, *map(gpb_grpc.GatewayServiceStub, channels)], stack
+    finally:
+        for channel in channels:
+            channel.close()
+        clients.close()
+        stack.stop()
+
+
+def _executor_metric(stack: Stack, name: str) -> float:
+    port = stack.by_name("executor-0").http_ports["--metrics-port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert found, f"{name} not exported"
+    return float(found.group(1))
+
+
+def test_four_gateways_on_one_executor_give_the_reference_tokens(
+    four: tuple[Clients, list[gpb_grpc.GatewayServiceStub], Stack],
+):
+    # Twelve requests through four gateways at once: prompts of 40 to 90 tokens (prefills
+    # chunked at 64 tokens a step), two of them n=2 (forks: copy-on-write copies), 40 blocks
+    # for them all (preemptions). Every output equals the reference; the executor ran
+    # forwards that merged several gateways' calls; every block comes back.
+    clients, stubs, stack = four
+    calls_before = _executor_metric(stack, "pagedkv_executor_batch_calls_sum")
+    forwards_before = _executor_metric(stack, "pagedkv_executor_batch_calls_count")
+    batch = [list(p) for i in range(3) for p in prompts(4, 40 + 25 * i, seed=801 + i)]
+    jobs = [(stubs[i % 4], gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=prompt), request_id=f"four-{i}",
+        sampling=sampling(32, n=2 if i in (1, 6) else 1, ignore_eos=True)), prompt)
+        for i, prompt in enumerate(batch)]
+    before = clients.pools()[0].num_preemptions
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: generate(job[0], job[1]), jobs))
+    for (_, request, prompt), done in zip(jobs, results, strict=True):
+        expected = reference_greedy(tuple(prompt), 32, ignore_eos=True)
+        assert [tuple(done[i].token_ids) for i in range(request.sampling.n or 1)] == [
+            expected] * (request.sampling.n or 1), request.request_id
+    pools = clients.wait_all_blocks_back()
+    assert pools[0].num_preemptions > before, "the pool was meant to be too small"
+    calls = _executor_metric(stack, "pagedkv_executor_batch_calls_sum") - calls_before
+    forwards = _executor_metric(stack, "pagedkv_executor_batch_calls_count") - forwards_before
+    assert calls > forwards, "no forward merged two gateways' calls"
+
+
+def test_beam_searches_through_four_gateways_equal_transformers(
+    four: tuple[Clients, list[gpb_grpc.GatewayServiceStub], Stack],
+):
+    # Beam searches (forks and frees every step) through the four gateways at once, beside
+    # greedy requests: each hypothesis equals transformers' generate(num_beams=k).
+    clients, stubs, _ = four
+    cases = [(2, 2, 1.0, False), (3, 1, 0.5, True), (2, 1, 1.5, "never"), (3, 2, 0.0, False)]
+    jobs = [(stubs[i], beam_request(prompt, w, n, 12, lp, e), prompt, (w, n, lp, e))
+            for i, ((w, n, lp, e), prompt) in enumerate(
+                zip(cases, prompts(4, 13, seed=811), strict=True))]
+    greedy = [(stubs[i % 4], gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=p), sampling=sampling(20, ignore_eos=True)), p, None)
+        for i, p in enumerate(prompts(4, 30, seed=812))]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda job: generate(job[0], job[1]), [*jobs, *greedy]))
+    for (_, _, prompt, case), done in zip([*jobs, *greedy], results, strict=True):
+        if case is None:
+            assert tuple(done[0].token_ids) == reference_greedy(tuple(prompt), 20,
+                                                                ignore_eos=True)
+            continue
+        width, n, penalty, early = case
+        expected = reference_beams(prompt, width, n, 12, penalty, early)
+        assert [tuple(done[i].token_ids) for i in range(n)] == expected, case
+    clients.wait_all_blocks_back()
