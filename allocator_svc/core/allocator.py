@@ -244,7 +244,7 @@ class Allocator:
         if request.swapped:
             raise FailedPrecondition(f"request {request_id!r} is already swapped out")
         copies = pool.swap_out(request)
-        pool.cpu.end_step()  # nothing else is in this "step": its blocks are not busy after it
+        pool.end_step(numbered=False)  # nothing else is in this "step": nothing stays busy
         if copies is None:
             raise ResourceExhausted(
                 f"pool {pool_id!r} has {len(pool.free_cpu_block_ids)} free CPU blocks; "

@@ -178,6 +178,11 @@ class CpuBlocks:
         self.busy.update(cpu_block_ids)
         self.returning.extend(cpu_block_ids)
 
+    def take_returning(self) -> list[int]:
+        """The swapped-in requests' blocks this step reads: the caller frees or holds them."""
+        returning, self.returning = self.returning, []
+        return returning
+
     def end_step(self) -> tuple[list[BlockCopy], TierOps | None] | None:
         """The step is built: its eviction copies and what it did to the tier, to settle when
         it is confirmed (None: it used no CPU block, as most steps); nothing is busy now."""

@@ -13,13 +13,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from allocator_svc.core.block_pool import BlockPool
-from allocator_svc.core.cpu_blocks import CpuBlocks, CpuEntry
+from allocator_svc.core.cpu_blocks import CpuBlocks, CpuEntry, TierOps
 from allocator_svc.core.events import EventLog
 from allocator_svc.core.free_queue import Block
 from allocator_svc.core.hashing import BlockHasher, pack_tokens, root_hash
 from allocator_svc.core.pins import PinTable
 from allocator_svc.core.request import Grant, Request
-from allocator_svc.core.scheduled_steps import ScheduledSteps
+from allocator_svc.core.scheduled_steps import ScheduledSteps, StepHolds
 from common.step_records import BlockCopy
 
 MAX_CACHED_ROOTS = 4096
@@ -69,7 +69,9 @@ class Pool:
         self._roots: dict[str, bytes] = {}  # cache_salt -> chain root
         self.hash_block = BlockHasher(config.block_size)
         # Per lease, what its steps granted and no call has committed yet (scheduled_steps.py).
-        self.scheduled = ScheduledSteps(self.cpu)
+        self.scheduled = ScheduledSteps(self.cpu, self.blocks)
+        # The step being built: the device blocks its swap-outs copy from (StepHolds).
+        self.swapped_out_sources: list[Block] = []
 
     def root(self, cache_salt: str) -> bytes:
         root = self._roots.get(cache_salt)
@@ -359,6 +361,7 @@ class Pool:
         if cpu_ids is None:
             return None
         copies = [BlockCopy(b.block_id, c) for b, c in zip(request.blocks, cpu_ids, strict=True)]
+        self.swapped_out_sources.extend(request.blocks)
         self.blocks.free(reversed(request.blocks))
         request.blocks = []
         request.cpu_block_ids = cpu_ids
@@ -389,15 +392,35 @@ class Pool:
         request.num_computed += num_tokens
         return Grant(request.request_id, 0, [b.block_id for b in fresh], num_tokens, start)
 
+    def end_step(self, numbered: bool) -> tuple[list[BlockCopy], TierOps | None, StepHolds | None]:
+        """The step is built: its CPU-tier copies and work (cpu_blocks.py), and, for a
+        numbered step, the blocks its copies read that it gave up and no one took since,
+        held until it is settled (scheduled_steps.py says why)."""
+        sources, self.swapped_out_sources = self.swapped_out_sources, []
+        returning = self.cpu.take_returning()
+        holds = None
+        if numbered and (sources or returning):
+            device = [b for b in dict.fromkeys(sources) if b.ref_count == 0]
+            self.blocks.touch(device)
+            holds = StepHolds(device, returning)
+        else:
+            self.cpu.release(returning)
+        ended = self.cpu.end_step()
+        copies, tier = ended if ended is not None else ([], None)
+        return copies, tier, holds
+
     def check_invariants(self) -> None:
-        self.blocks.check_invariants(r.blocks for r in self.requests.values())
+        held = self.scheduled.held()
+        self.blocks.check_invariants([*(r.blocks for r in self.requests.values()),
+                                      *(h.device for h in held)])
         self.pins.check_invariants()
         for key, block in self.blocks.by_key.items():
             assert hashlib.sha256(key).digest() == block.block_hash, (
                 f"block {block.block_id} is indexed by an input that does not hash to its hash"
             )
         self.cpu.check_invariants(
-            [c for r in self.requests.values() for c in (r.cpu_block_ids or ())],
+            [*(c for r in self.requests.values() for c in (r.cpu_block_ids or ())),
+             *(c for h in held for c in h.cpu)],
             self.scheduled.unsettled(),
         )
         for key, entry in self.cpu.by_key.items():

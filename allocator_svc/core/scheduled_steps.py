@@ -17,6 +17,15 @@ entries it copied back) is kept with it too and settled when it is committed: it
 then written, unless one of its requests was aborted before (the executor may have refused the
 step: they are dropped). A step that is never committed (pushed out of the kept steps, its
 lease expired) drops its entries. An unnumbered step's are settled at once, as written.
+
+NOTE: so are the blocks a step's copies still read (`StepHolds`): the device blocks its
+swap-outs copy from and the CPU blocks its swap-ins copy from, which the step gave up. Two
+leases stepping one pool are not ordered at the executor, so another lease's step, planned
+later, could run first and write them before this step's copy has read them. Each one still
+free when the step is built is held (a device block by one reference, out of the free queue;
+a CPU block out of the free list) until the step is settled. The same step may reuse them: the
+executor applies a step's swap-outs before its swap-ins, copies and forward, and a lease's own
+steps run in order.
 """
 
 from __future__ import annotations
@@ -27,7 +36,9 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Protocol
 
+from allocator_svc.core.block_pool import BlockPool
 from allocator_svc.core.cpu_blocks import CpuBlocks, TierOps
+from allocator_svc.core.free_queue import Block
 from allocator_svc.core.request import Request
 from common.errors import InvalidArgument
 
@@ -44,21 +55,31 @@ class Committer(Protocol):
 
 
 @dataclass(slots=True, eq=False)
+class StepHolds:
+    """Blocks a step gave up that its copies still read, held until it is settled."""
+
+    device: list[Block]  # its swap-outs' sources, one reference each
+    cpu: list[int]  # its swap-ins' sources
+
+
+@dataclass(slots=True, eq=False)
 class KeptStep:
     step_id: int
     requests: list[Request]  # the requests it scheduled ...
     counts: list[int]  # ... each at the count it granted
     tier: TierOps | None = None  # what it did to the CPU tier
+    holds: StepHolds | None = None
 
 
 class ScheduledSteps:
     """Per lease (None: no lease): its numbered steps not yet committed, oldest first, and
     the newest id it has sent. Two leases may step the same pool."""
 
-    __slots__ = ("cpu", "kept", "newest")
+    __slots__ = ("blocks", "cpu", "kept", "newest")
 
-    def __init__(self, cpu: CpuBlocks | None = None) -> None:
+    def __init__(self, cpu: CpuBlocks | None = None, blocks: BlockPool | None = None) -> None:
         self.cpu = cpu  # the CPU tier the kept steps' TierOps settle in
+        self.blocks = blocks  # where held device blocks go back
         self.kept: dict[str | None, deque[KeptStep]] = {}
         self.newest: dict[str | None, int] = {}
 
@@ -78,18 +99,19 @@ class ScheduledSteps:
             )
 
     def record(self, lease_id: str | None, step_id: int, requests: list[Request],
-               tier: TierOps | None = None) -> None:
-        """What step `step_id` granted: each request at its count now, and what it did to
-        the CPU tier. 0: nothing kept (its tier work is settled as done)."""
+               tier: TierOps | None = None, holds: StepHolds | None = None) -> None:
+        """What step `step_id` granted: each request at its count now, what it did to the
+        CPU tier, the blocks it holds. 0: nothing kept (settled at once, as done)."""
+        step = KeptStep(step_id, requests, [r.num_computed for r in requests], tier, holds)
         if not step_id:
-            self._settle(tier, ran=True)
+            self._settle(step, ran=True)
             return
         self.newest[lease_id] = step_id
         kept = self.kept.setdefault(lease_id, deque())
-        kept.append(KeptStep(step_id, requests, [r.num_computed for r in requests], tier))
+        kept.append(step)
         if len(kept) > MAX_KEPT_STEPS:
             # Never committed: its blocks stay out of the prefix cache, its CPU entries go.
-            self._settle(kept.popleft().tier, ran=False)
+            self._settle(kept.popleft(), ran=False)
 
     def commit_through(
         self,
@@ -111,8 +133,7 @@ class ScheduledSteps:
                     step.tier.tainted = True
                 requests, counts = [r for r, _ in pairs], [c for _, c in pairs]
             pool.commit_run(requests, counts)
-            if step.tier is not None:
-                self._settle(step.tier, ran=not step.tier.tainted)
+            self._settle(step, ran=step.tier is None or not step.tier.tainted)
 
     def drop(self, request: Request) -> None:
         """The request's KV moved to blocks that a later batch writes (a swap-in's copies run
@@ -139,14 +160,24 @@ class ScheduledSteps:
 
     def forget(self, lease_id: str | None) -> None:
         for step in self.kept.pop(lease_id, ()):
-            self._settle(step.tier, ran=False)
+            self._settle(step, ran=False)
         self.newest.pop(lease_id, None)
 
     def unsettled(self) -> list[TierOps]:
         """The kept steps' CPU-tier work (for the invariants)."""
         return [s.tier for steps in self.kept.values() for s in steps if s.tier is not None]
 
-    def _settle(self, tier: TierOps | None, ran: bool) -> None:
-        if tier is not None:
+    def held(self) -> list[StepHolds]:
+        """The kept steps' held blocks (for the invariants)."""
+        return [s.holds for steps in self.kept.values() for s in steps if s.holds is not None]
+
+    def _settle(self, step: KeptStep, ran: bool) -> None:
+        """Its tier work settled (`ran`: confirmed); its held blocks go back either way."""
+        if step.tier is not None:
             assert self.cpu is not None, "CPU-tier work without a CPU tier"
-            self.cpu.settle(tier, ran)
+            self.cpu.settle(step.tier, ran)
+        if step.holds is not None:
+            assert self.blocks is not None and self.cpu is not None, "holds without a pool"
+            self.blocks.free(reversed(step.holds.device))
+            self.cpu.release(step.holds.cpu)
+            step.holds = None

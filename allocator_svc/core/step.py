@@ -197,16 +197,12 @@ def _finish(pool: Pool, lease_id: str | None, step_id: int, scheduled: list[Requ
             result: StepResult) -> None:
     """Keep what the step granted for its commit, with the CPU-tier copies of the cached
     blocks it evicted (swap-outs: the executor applies them before anything else)."""
-    ended = pool.cpu.end_step()
-    if ended is None:  # most steps
-        pool.scheduled.record(lease_id, step_id, scheduled)
-        return
-    copies, tier = ended
+    copies, tier, holds = pool.end_step(numbered=bool(step_id))
     if copies:
         result.swap_out.extend(copies)
     if tier is not None and step_id and not scheduled:
         tier.tainted = True  # nothing of it can be aborted: never trusted
-    pool.scheduled.record(lease_id, step_id, scheduled, tier)
+    pool.scheduled.record(lease_id, step_id, scheduled, tier, holds)
 
 
 def _run_plain_decodes(pool: Pool, batch: list[Request], result: StepResult) -> bool:

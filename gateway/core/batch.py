@@ -30,6 +30,14 @@ class Pending:
     # aborts them at the allocator first, and an aborted request is never committed.
     executed_through: int = 0
     sent_through: int = 0  # the newest executed_through an allocator call has carried
+    # The newest step whose batch failed or was abandoned. Once nothing executes it is
+    # confirmed like an executed one (`confirm_failed`): its requests were aborted first, and
+    # the allocator gives back the blocks it held for that step's copies.
+    failed_through: int = 0
+
+    def confirm_failed(self) -> None:
+        """Nothing executes now: the failed steps count as through too."""
+        self.executed_through = max(self.executed_through, self.failed_through)
 
     def has_allocator_work(self) -> bool:
         return bool(

@@ -91,6 +91,7 @@ class BatchLanding:
         """The batch failed or is abandoned: it is no longer executing, and an advanced one's
         placeholders are taken out (its sequences are failed, recomputed or evicted next, so
         its counts do not matter)."""
+        self.pending.failed_through = max(self.pending.failed_through, batch.step_id)
         if batch.stand_ins is None:
             for seq, _ in batch.scheduled:
                 seq.num_in_flight = 0

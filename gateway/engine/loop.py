@@ -203,6 +203,8 @@ class Engine(Landing):
     async def _without_a_step(self, plan: ScheduledStep | None) -> None:
         """Nothing to compute: what is executing lands, housekeeping goes out on its own."""
         await self.settle()  # nothing to overlap with the batch executing
+        if not self.in_flight:
+            self.scheduler.pending.confirm_failed()  # (a later call carries it)
         self.deliver()  # no delta waits behind a call off the hot path
         if plan is None:
             await self.flush_releases()

@@ -331,3 +331,43 @@ def test_a_step_never_commits_a_request_it_aborts(in_flight: bool):
     stored = [e.token_ids for e in d.pool.events.after(0, 1 << 10).events if e.token_ids]
     assert [1, 2] not in stored and [3, 4] not in stored
     assert [7, 8] in stored  # b's block: confirmed by the same id
+
+
+def test_blocks_a_steps_copies_read_reach_another_lease_only_once_it_is_confirmed():
+    # Two leases on one pool are not ordered at the executor: a block a step's swap-out copies
+    # from (device) or its swap-in copies from (CPU) is held until that step is confirmed, so
+    # another lease's step, which may run first, cannot write it before the copy has read it.
+    # The step itself may reuse them (its copies run before its forward).
+    d = Driver(num_blocks=3, num_cpu_blocks=4)
+    other = d.allocator.create_lease(600.0).lease_id
+    d.step([new("a", [1, 2]), new("b", [1, 3, 5, 7])], in_flight=False)  # the pool is full
+    swapped = d.step(decode=["a", "b"], swap=True)  # step 2: b out; a takes one of its blocks
+    sources = {c.src_block_id for c in swapped.swap_out}
+    a_new = d.pool.requests["a"].blocks[-1].block_id
+    assert len(sources) == 2 and a_new in sources
+    assert d.pool.blocks.num_free == 0, "the source block a did not take is held"
+    refused = d.step([new("c", [8, 9])], lease=other, commit_through=0)
+    assert refused.deferred == ["c"]  # no room while step 2 may not have run
+    d.allocator.free("p", d.pool.epoch, [], [], d.lease, commit_through=2)
+    assert d.pool.blocks.num_free == 1
+    admitted = d.step([new("c", [8, 9])], lease=other, commit_through=0)
+    assert [g.block_ids for g in admitted.grants] == [list(sources - {a_new})]
+    # b comes back once a and c are gone: its CPU blocks are held until that step is
+    # confirmed.
+    d.allocator.free("p", d.pool.epoch, [], ["c"], other)
+    d.step([StepItem("b", 4)], free=["a"], values={"a": [9], "b": [2]}, in_flight=False)
+    assert not d.pool.requests["b"].swapped and d.pool.cpu.num_free == 2
+    d.allocator.free("p", d.pool.epoch, [], [], d.lease, commit_through=d.step_id)
+    assert d.pool.cpu.num_free == 4
+    d.allocator.check_invariants()
+
+
+def test_a_lease_that_goes_away_gives_back_what_its_steps_held():
+    d = Driver(num_blocks=3, num_cpu_blocks=4)
+    d.step([new("a", [1, 2]), new("b", [1, 3, 5, 7])], in_flight=False)
+    d.step(decode=["a", "b"], swap=True)
+    d.allocator.free("p", d.pool.epoch, [], ["a", "b"], d.lease)  # no step confirmed
+    assert d.pool.blocks.num_free == 2  # a's two; b's other source block still held
+    d.pool.scheduled.forget(d.lease)  # the lease expired
+    assert d.pool.blocks.num_free == 3 and d.pool.cpu.num_free == 4
+    d.allocator.check_invariants()

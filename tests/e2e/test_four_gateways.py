@@ -1,10 +1,8 @@
 """Four gateways scheduling onto one executor: it merges their calls into shared forwards,
 and every output is still transformers' greedy continuation, through chunked prefills,
-copy-on-write forks, preemptions, beam searches and overlapped steps; every block comes back.
-
-Preemption by recompute: swap across gateways on one pool races in the allocator (a
-swapped-out block goes to another gateway's step before the swap-out copy has run; one run
-in three diverged, with and without merging), gateway/README.md says so."""
+copy-on-write forks, swap preemptions, beam searches and overlapped steps; every block comes
+back. (Before the allocator held the blocks a step's swap copies read until that step was
+confirmed, another gateway's step could overwrite them first: one run in three diverged.)"""
 
 from __future__ import annotations
 
@@ -41,11 +39,12 @@ def four(tmp_path_factory: pytest.TempPathFactory
     stack = start_stack(
         log_dir,
         executor_args=("--load-format", "dummy", "--num-blocks", str(NUM_BLOCKS)),
-        gateway_args=("--preemption-mode", "recompute", "--max-num-batched-tokens", "64"),
+        gateway_args=("--preemption-mode", "swap", "--max-num-batched-tokens", "64"),
     )
     clients = Clients(stack)
-    channels = [grpc.insecure_channel(stack.start_gateway(f"gateway-{i}").address)
-                for i in (2, 3, 4)]
+    with ThreadPoolExecutor(3) as pool:  # (as bench.fleet starts its gateways)
+        started = list(pool.map(stack.start_gateway, ["gateway-2", "gateway-3", "gateway-4"]))
+    channels = [grpc.insecure_channel(service.address) for service in started]
     try:
         yield clients, [clients.gateway, *map(gpb_grpc.GatewayServiceStub, channels)], stack
     finally:
@@ -55,12 +54,13 @@ def four(tmp_path_factory: pytest.TempPathFactory
         stack.stop()
 
 
-def _executor_metric(stack: Stack, name: str) -> float:
-    port = stack.by_name("executor-0").http_ports["--metrics-port"]
+def _metric(stack: Stack, service: str, name: str) -> float:
+    """One counter or histogram series of a service, summed over its labels."""
+    port = stack.by_name(service).http_ports["--metrics-port"]
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-    assert found, f"{name} not exported"
-    return float(found.group(1))
+    found = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    assert found, f"{service} exports no {name}"
+    return sum(float(v) for v in found)
 
 
 def test_four_gateways_on_one_executor_give_the_reference_tokens(
@@ -68,17 +68,18 @@ def test_four_gateways_on_one_executor_give_the_reference_tokens(
 ):
     # Twelve requests through four gateways at once: prompts of 40 to 90 tokens (prefills
     # chunked at 64 tokens a step), two of them n=2 (forks: copy-on-write copies), 40 blocks
-    # for them all (preemptions). Every output equals the reference; the executor ran
+    # for them all (swap preemptions). Every output equals the reference; the executor ran
     # forwards that merged several gateways' calls; every block comes back.
     clients, stubs, stack = four
-    calls_before = _executor_metric(stack, "pagedkv_executor_batch_calls_sum")
-    forwards_before = _executor_metric(stack, "pagedkv_executor_batch_calls_count")
+    calls_before = _metric(stack, "executor-0", "pagedkv_executor_batch_calls_sum")
+    forwards_before = _metric(stack, "executor-0", "pagedkv_executor_batch_calls_count")
     batch = [list(p) for i in range(3) for p in prompts(4, 40 + 25 * i, seed=801 + i)]
     jobs = [(stubs[i % 4], gpb.GenerateRequest(
         token_ids=gpb.TokenIds(ids=prompt), request_id=f"four-{i}",
         sampling=sampling(32, n=2 if i in (1, 6) else 1, ignore_eos=True)), prompt)
         for i, prompt in enumerate(batch)]
     before = clients.pools()[0].num_preemptions
+    swaps_before = _metric(stack, "allocator", "pagedkv_allocator_swap_outs_total")
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda job: generate(job[0], job[1]), jobs))
     for (_, request, prompt), done in zip(jobs, results, strict=True):
@@ -87,8 +88,9 @@ def test_four_gateways_on_one_executor_give_the_reference_tokens(
             expected] * (request.sampling.n or 1), request.request_id
     pools = clients.wait_all_blocks_back()
     assert pools[0].num_preemptions > before, "the pool was meant to be too small"
-    calls = _executor_metric(stack, "pagedkv_executor_batch_calls_sum") - calls_before
-    forwards = _executor_metric(stack, "pagedkv_executor_batch_calls_count") - forwards_before
+    assert _metric(stack, "allocator", "pagedkv_allocator_swap_outs_total") > swaps_before
+    calls = _metric(stack, "executor-0", "pagedkv_executor_batch_calls_sum") - calls_before
+    forwards = _metric(stack, "executor-0", "pagedkv_executor_batch_calls_count") - forwards_before
     assert calls > forwards, "no forward merged two gateways' calls"
 
 
