@@ -41,7 +41,8 @@ SHARED_STACKS = {
     # Their executors (tests/conformance/conftest.py, session fixtures).
     **dict.fromkeys(
         (f"tests/conformance/test_executor_{name}.py"
-         for name in ("auth", "contract", "errors", "handoff")), "conformance executors"),
+         for name in ("auth", "callers", "contract", "errors", "handoff")),
+        "conformance executors"),
 }
 
 

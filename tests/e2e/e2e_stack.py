@@ -228,7 +228,7 @@ def prompts(num: int, length: int, seed: int = 0) -> Iterator[list[int]]:
         yield [1, *body]
 
 
-# Beam search (tests/e2e/test_beam_search_stack.py, test_four_gateways.py).
+# Beam search (tests/e2e/test_beam_search_stack.py, test_preemption.py).
 EOS = 2
 EARLY = {False: gpb.EARLY_STOPPING_HEURISTIC, True: gpb.EARLY_STOPPING_WHEN_FULL,
          "never": gpb.EARLY_STOPPING_NEVER}

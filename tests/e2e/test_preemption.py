@@ -1,16 +1,36 @@
 """A KV pool far too small for the load: preemption happens many times, outputs do not change,
-every block comes back; a request that could never fit is refused up front."""
+every block comes back; a request that could never fit is refused up front. Also through four
+gateways at once onto the one executor, which merges their calls into shared forwards: chunked
+prefills, copy-on-write forks, swap preemptions, beam searches and overlapped steps, every
+output transformers' own. (Before the allocator held the blocks a step's swap copies read
+until that step was confirmed, another gateway's step could overwrite them first: one run in
+three diverged.)"""
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
-from e2e_stack import Clients, generate_many, prompts, reference_greedy, sampling, start_stack
+from e2e_stack import (
+    Clients,
+    beam_request,
+    generate,
+    generate_many,
+    prompts,
+    reference_beams,
+    reference_greedy,
+    sampling,
+    start_stack,
+)
 
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
+from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
+from tools.launch import Stack
 
 NUM_BLOCKS = 16  # 256 tokens for 8 concurrent requests of 40 + 48 tokens (704)
 
@@ -20,8 +40,12 @@ NUM_BLOCKS = 16  # 256 tokens for 8 concurrent requests of 40 + 48 tokens (704)
 # paths through the scheduler and engine, tested in process against the real allocator core
 # (tests/gateway/test_scheduler.py, test_engine.py, test_engine_pipeline.py) and through
 # every restart in tests/e2e/test_restart.py (readmission is recompute).
+Gateways = tuple[Clients, list[gpb_grpc.GatewayServiceStub], Stack]
+
+
 @pytest.fixture(scope="module")
-def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clients]:
+def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateways]:
+    """One executor, four gateways (the first is `clients.gateway`)."""
     log_dir: Path = tmp_path_factory.mktemp("stack-swap")
     stack = start_stack(
         log_dir,
@@ -29,9 +53,23 @@ def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clients]:
         gateway_args=("--preemption-mode", "swap", "--max-num-batched-tokens", "64"),
     )
     clients = Clients(stack)
-    yield clients
-    clients.close()
-    stack.stop()
+    channels = []
+    try:
+        with ThreadPoolExecutor(3) as pool:  # (as bench.fleet starts its gateways)
+            started = list(pool.map(stack.start_gateway, ["gateway-2", "gateway-3",
+                                                          "gateway-4"]))
+        channels = [grpc.insecure_channel(service.address) for service in started]
+        yield clients, [clients.gateway, *map(gpb_grpc.GatewayServiceStub, channels)], stack
+    finally:
+        for channel in channels:
+            channel.close()
+        clients.close()
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def clients(gateways: Gateways) -> Clients:
+    return gateways[0]
 
 
 def test_preemption_keeps_greedy_outputs_and_returns_blocks(clients: Clients):
@@ -70,3 +108,69 @@ def test_request_that_never_fits_the_pool_is_resource_exhausted(clients: Clients
             token_ids=gpb.TokenIds(ids=[1] * 300), sampling=sampling(200)), timeout=10)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_tokens" in (err.value.details() or "")
+
+
+def _metric(stack: Stack, service: str, name: str) -> float:
+    """One counter or histogram series of a service, summed over its labels."""
+    port = stack.by_name(service).http_ports["--metrics-port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    found = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    assert found, f"{service} exports no {name}"
+    return sum(float(v) for v in found)
+
+
+def test_four_gateways_on_one_executor_give_the_reference_tokens(
+    gateways: Gateways,
+):
+    # Eight requests through four gateways at once: prompts of 40 and 65 tokens (prefills
+    # chunked at 64 tokens a step), two of them n=2 (forks: copy-on-write copies), on the 16
+    # blocks (swap preemptions). Every output equals the reference; the executor ran forwards
+    # that merged several gateways' calls; every block comes back.
+    clients, stubs, stack = gateways
+    calls_before = _metric(stack, "executor-0", "pagedkv_executor_batch_calls_sum")
+    forwards_before = _metric(stack, "executor-0", "pagedkv_executor_batch_calls_count")
+    batch = [list(p) for i in range(2) for p in prompts(4, 40 + 25 * i, seed=801 + i)]
+    jobs = [(stubs[i % 4], gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=prompt), request_id=f"four-{i}",
+        sampling=sampling(32, n=2 if i in (1, 6) else 1, ignore_eos=True)), prompt)
+        for i, prompt in enumerate(batch)]
+    before = clients.pools()[0].num_preemptions
+    swaps_before = _metric(stack, "allocator", "pagedkv_allocator_swap_outs_total")
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: generate(job[0], job[1]), jobs))
+    for (_, request, prompt), done in zip(jobs, results, strict=True):
+        expected = reference_greedy(tuple(prompt), 32, ignore_eos=True)
+        assert [tuple(done[i].token_ids) for i in range(request.sampling.n or 1)] == [
+            expected] * (request.sampling.n or 1), request.request_id
+    pools = clients.wait_all_blocks_back()
+    assert pools[0].num_preemptions > before, "the pool was meant to be too small"
+    assert _metric(stack, "allocator", "pagedkv_allocator_swap_outs_total") > swaps_before
+    calls = _metric(stack, "executor-0", "pagedkv_executor_batch_calls_sum") - calls_before
+    forwards = _metric(stack, "executor-0", "pagedkv_executor_batch_calls_count") - forwards_before
+    assert calls > forwards, "no forward merged two gateways' calls"
+
+
+def test_beam_searches_through_four_gateways_equal_transformers(
+    gateways: Gateways,
+):
+    # Beam searches (forks and frees every step) through the four gateways at once, beside
+    # greedy requests: each hypothesis equals transformers' generate(num_beams=k).
+    clients, stubs, _ = gateways
+    cases = [(2, 2, 1.0, False), (3, 1, 0.5, True), (2, 1, 1.5, "never"), (3, 2, 0.0, False)]
+    jobs = [(stubs[i], beam_request(prompt, w, n, 12, lp, e), prompt, (w, n, lp, e))
+            for i, ((w, n, lp, e), prompt) in enumerate(
+                zip(cases, prompts(4, 13, seed=811), strict=True))]
+    greedy = [(stubs[i % 4], gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=p), sampling=sampling(20, ignore_eos=True)), p, None)
+        for i, p in enumerate(prompts(4, 30, seed=812))]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda job: generate(job[0], job[1]), [*jobs, *greedy]))
+    for (_, _, prompt, case), done in zip([*jobs, *greedy], results, strict=True):
+        if case is None:
+            assert tuple(done[0].token_ids) == reference_greedy(tuple(prompt), 20,
+                                                                ignore_eos=True)
+            continue
+        width, n, penalty, early = case
+        expected = reference_beams(prompt, width, n, 12, penalty, early)
+        assert [tuple(done[i].token_ids) for i in range(n)] == expected, case
+    clients.wait_all_blocks_back()
