@@ -260,7 +260,7 @@ def test_generate_request_id_taken_by_another_requests_sequence_is_already_exist
     # n > 1 names its sequences <id>-prefill and <id>-<i> at the allocator: a request whose
     # sequence ids collide with a running one's is refused alone; the running one completes.
     prompt = next(prompts(1, 8, seed=31))
-    max_tokens = 600  # still running through both checks below, on a slow machine too
+    max_tokens = 300  # still running through both checks below (two short calls), when slow
     first = clients.gateway.Generate(gpb.GenerateRequest(
         token_ids=gpb.TokenIds(ids=prompt),
         sampling=sampling(max_tokens, n=first_n, ignore_eos=True), request_id=first_id))

@@ -10,8 +10,10 @@ import re
 import threading
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from e2e_stack import (
@@ -30,6 +32,7 @@ from e2e_stack import (
 from transformers import GenerationConfig
 
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
+from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
 from tools.launch import Stack, StackSpec
 
 
@@ -69,6 +72,28 @@ def test_prefill_and_decode_executors_keep_every_output(split: tuple[Clients, st
     assert {e.address: e.role for e in info.executors} == {prefill: "prefill", decode: "decode"}
     # The decode pool looked up no prompt (it admitted nothing); the prefill pool did.
     assert pools[prefill].num_prefix_queries > 0 and pools[decode].num_prefix_queries == 0
+
+
+def test_two_gateways_hand_off_onto_one_decode_executor(split: tuple[Clients, str, Stack]):
+    # A second gateway on the same executors: both gateways' requests move, KV and all, onto
+    # the one decode executor, whose forwards merge both gateways' calls between their
+    # ImportKV writes. Every output is the reference's; every block comes back.
+    clients, base, stack = split
+    with grpc.insecure_channel(stack.start_gateway("gateway-2").address) as channel:
+        stubs = [clients.gateway, gpb_grpc.GatewayServiceStub(channel)]
+        batch = [list(p) for p in prompts(8, 21, seed=730)]
+        before = hand_offs(base).get("moved", 0.0) + hand_offs(
+            http_base(stack, "gateway-2")).get("moved", 0.0)
+        with ThreadPoolExecutor(len(batch)) as pool:
+            results = list(pool.map(lambda i: generate(stubs[i % 2], gpb.GenerateRequest(
+                token_ids=gpb.TokenIds(ids=batch[i]), sampling=sampling(16, ignore_eos=True))),
+                range(len(batch))))
+        moved = hand_offs(base).get("moved", 0.0) + hand_offs(
+            http_base(stack, "gateway-2")).get("moved", 0.0)
+    for prompt, result in zip(batch, results, strict=True):
+        assert tuple(result[0].token_ids) == reference_greedy(tuple(prompt), 16, ignore_eos=True)
+    assert moved - before == len(batch)
+    clients.wait_all_blocks_back()
 
 
 def test_a_moved_request_keeps_its_penalties_and_n(split: tuple[Clients, str, Stack]):
