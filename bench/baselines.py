@@ -54,11 +54,12 @@ class RequestResult:
 def reference_model(model_dir: str, seed: int = 0, attn: str = "sdpa",
                     dtype: torch.dtype = torch.float32) -> Any:
     """The executor's dummy weights, rebuilt exactly as `--load-format dummy --seed` does."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from executor_svc.model_loader import dummy_model
 
     config = AutoConfig.from_pretrained(str(REPO_ROOT / model_dir), local_files_only=True)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    model = dummy_model(config, dtype, seed, attn_implementation=attn)  # on the CPU
     model.requires_grad_(False)
     model.generation_config.eos_token_id = None
     return model.eval()

@@ -72,9 +72,9 @@ def median(samples: list[float]) -> float:
     return statistics.median(samples)
 
 
-def write_results(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+def write_results(name: str, payload: dict[str, Any], directory: Path = RESULTS_DIR) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
     return path
 

@@ -280,7 +280,7 @@ def gpu_benchmark(batch: int = 128, context: int = 4096, block_size: int = 16) -
     """
     if not torch.cuda.is_available():
         raise SystemExit("--gpu needs a CUDA device (torch.cuda.is_available() is False)")
-    from executor_svc.attention import SeqSpan, StepMetadata
+    from executor_svc.attention import AttentionShape, SeqSpan, plan_step
     from executor_svc.attention.flashinfer_backend import FlashInferBackend
     from executor_svc.attention.torch_backend import TorchBackend
     from executor_svc.kv_cache import KVCache, KVCacheSpec
@@ -296,15 +296,16 @@ def gpu_benchmark(batch: int = 128, context: int = 4096, block_size: int = 16) -
     spans = tuple(
         SeqSpan(i, 1, context, tuple(order[i * pages : (i + 1) * pages])) for i in range(batch)
     )
-    metadata = StepMetadata.build(spans, block_size, device)
     query = torch.randn(1, heads, batch, head_dim, device=device, dtype=dtype)  # [1, Hq, B, D]
     key = torch.randn(1, kv_heads, batch, head_dim, device=device, dtype=dtype)  # [1, Hkv, B, D]
     value = torch.randn_like(key)  # [1, Hkv, B, D]
     scale = head_dim**-0.5
     backend = FlashInferBackend(device)
-    step = backend.plan(metadata, cache)
-    got = step.forward(0, query, key, value, scale)  # plans the wrappers; [1, B, Hq, D]
-    want = TorchBackend().plan(metadata, cache).forward(0, query, key, value, scale)
+    shape = AttentionShape(heads, scale)
+    step = plan_step(backend, spans, block_size, cache, shape)
+    got = step.forward(0, query, key, value, scale)  # [1, B, Hq, D]
+    want = plan_step(TorchBackend(), spans, block_size, cache, shape).forward(
+        0, query, key, value, scale)
     max_err = (got.float() - want.float()).abs().max().item()
     paged = cache.layer(0)
     q = query[0].transpose(0, 1).contiguous()  # [B, Hq, D]

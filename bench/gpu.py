@@ -1,29 +1,34 @@
-"""GPU benchmark (issue 5, part 6), a prepared script for a lent H200: NOT part of bench.run.
+"""GPU benchmark and checks, a prepared script for a lent GPU machine: NOT part of bench.run.
 
-    python -m bench.gpu [--quick] [--skip-e2e] [--skip-kernel]
+    python -m bench.gpu [--stage kernel,e2e,parity,memory] [--quick] [--out DIR]
 
-Needs CUDA and FlashInfer (on the lent machine: the bundle from ../shared/tools, see its
-README; set it up first). Two parts, each stage guarded so one failure does not lose the rest,
-results in bench/results/gpu.json:
+Needs CUDA, and FlashInfer for every stage but parity's fp32 half (on the lent machine: the
+kit of tools/gpu_check.sh, which runs each stage on its own). Each stage writes its JSON
+(gpu_<stage>.json) under --out as soon as it ends (default bench/results; on the lent machine
+a folder under $OUT, the only place whose files come back).
 
-1. Decode attention bandwidth. The executor's own FlashInfer backend
-   (executor_svc.attention.flashinfer_backend) on one layer of Llama-3-8B shapes (32 query
-   heads, 8 KV heads, head_dim 128, bf16, block 16, scattered physical blocks) for batch 32/64
-   and context 2048/4096/8192: decode kernel time, the bytes it must read (sum over requests of
-   2 x context x Hkv x D x 2 bytes), achieved bandwidth, and that as a share of the measured
-   device copy bandwidth (1 GiB device-to-device copy, read + write). Target >= 0.8 at
-   context >= 2048, batch >= 32. Also the whole layer step (append + decode) and the max
-   difference against the torch reference backend.
-2. End-to-end decode throughput. The three services (executor `--device cuda --backend
-   flashinfer --dtype bfloat16 --load-format dummy` on models/llama3-8b-shapes) serve B
-   requests of P random prompt tokens -> N new (greedy, ignore_eos) through the gateway; then
-   the stack stops and transformers `generate` runs the same prompts as one static batch
-   (no padding: equal lengths) on the same GPU with the same dummy weights (seeded init),
-   bf16, sdpa. Reported: output tokens/s over the whole run, and decode tokens/s (B / TPOT).
-   The gateway needs a tokenizer: a temporary preset dir holds the 8B-shapes config and
-   small-llama's tokenizer (prompts are token ids; generated ids above that tokenizer's
-   vocabulary only feed the text stream, which this benchmark ignores).
+- kernel: decode attention bandwidth. The executor's FlashInfer backend on one layer of
+  Llama-3-8B shapes (32 query heads, 8 KV heads, head_dim 128, bf16, block 16, scattered
+  blocks) for batch 32/64 and context 2048/4096/8192: decode kernel time, the KV bytes it must
+  read, achieved bandwidth as a share of a measured 1 GiB device copy (read + write). Target
+  >= 0.8 at context >= 2048, batch >= 32. Also the whole layer (append + decode) and the max
+  difference against the torch backend.
+- e2e: decode throughput. The three services (executor `--device cuda --backend flashinfer
+  --dtype bfloat16 --load-format dummy`) on Llama-3-8B shapes cut to --layers layers serve B
+  requests of P random prompt tokens -> N new (greedy); then transformers `generate` runs the
+  same prompts as one static batch on the same GPU with the same dummy weights (bf16, sdpa).
+  Output tok/s, decode tok/s (B / TPOT), and first-16-token agreement.
+- parity: the whole stack on CUDA against transformers on CUDA, greedy, prompts of mixed
+  lengths sharing prefixes, chunked prefill: fp32 with the torch backend (tiny-llama: must be
+  token-identical) and bf16 with FlashInfer (tiny-llama-hd128, the kernels' head_dim:
+  agreement reported, as bf16 rounding parts ways after near-ties).
+- memory: is the pool sized right? The executor with --gpu-memory-utilization U on the cut
+  8B shapes: its profile (the executor's log), the pool's blocks, the device's used share
+  after start and at its peak while a load fills the pool (polled from this process); the
+  share must stay under U and no request may fail.
 
+The 8B shapes are cut to --layers (default 8) layers: drawing dummy weights on the CPU (so that
+every device gets the same ones) costs about 5 ns a parameter, 40 s for all 32 layers.
 Sized for a few minutes of device time: --quick runs fewer shapes and one e2e size.
 """
 
@@ -40,7 +45,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.common import markdown_table, write_results
+from bench.common import RESULTS_DIR, markdown_table, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "models/llama3-8b-shapes"
@@ -79,7 +84,7 @@ def decode_bandwidth(batch: int, context: int, copy_bw: float, block_size: int =
     import torch
     from transformers import AutoConfig
 
-    from executor_svc.attention import SeqSpan, StepMetadata
+    from executor_svc.attention import AttentionShape, SeqSpan, plan_step
     from executor_svc.attention.flashinfer_backend import FlashInferBackend
     from executor_svc.attention.torch_backend import TorchBackend
     from executor_svc.kv_cache import KVCache, KVCacheSpec
@@ -96,17 +101,18 @@ def decode_bandwidth(batch: int, context: int, copy_bw: float, block_size: int =
     order = torch.randperm(batch * pages, generator=gen).tolist()  # scattered blocks
     spans = tuple(SeqSpan(i, 1, context, tuple(order[i * pages:(i + 1) * pages]))
                   for i in range(batch))
-    metadata = StepMetadata.build(spans, block_size, device)
     query = torch.randn(1, heads, batch, head_dim, device=device, dtype=dtype)
     key = torch.randn(1, kv_heads, batch, head_dim, device=device, dtype=dtype)
     value = torch.randn_like(key)
     scale = head_dim ** -0.5
     backend = FlashInferBackend(device)
-    step = backend.plan(metadata, cache)
+    shape = AttentionShape(heads, scale)
+    step = plan_step(backend, spans, block_size, cache, shape)
     got = step.forward(0, query, key, value, scale)
     max_err = None
     if batch * context <= 64 * 4096:  # the torch reference gathers everything: keep it small
-        want = TorchBackend().plan(metadata, cache).forward(0, query, key, value, scale)
+        want = plan_step(TorchBackend(), spans, block_size, cache, shape).forward(
+            0, query, key, value, scale)
         max_err = float((got.float() - want.float()).abs().max())
     paged = cache.layer(0)
     q = query[0].transpose(0, 1).contiguous()  # [B, Hq, D]
@@ -127,18 +133,22 @@ def decode_bandwidth(batch: int, context: int, copy_bw: float, block_size: int =
     return row
 
 
-def _tokenizer_preset() -> str:
-    """The 8B-shapes config with a tokenizer beside it (the gateway loads one)."""
+def _tokenizer_preset(num_layers: int) -> str:
+    """The 8B-shapes config cut to `num_layers` layers, with a tokenizer beside it (the
+    gateway loads one)."""
     path = Path(tempfile.mkdtemp(prefix="pagedkv-8b-"))
     for source in (ROOT / MODEL).iterdir():
         shutil.copy(source, path / source.name)
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (path / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (ROOT / TOKENIZER_FROM / name).exists():
             shutil.copy(ROOT / TOKENIZER_FROM / name, path / name)
     return str(path)
 
 
-def e2e(batch: int, prompt_len: int, output_len: int) -> dict[str, Any]:
+def e2e(batch: int, prompt_len: int, output_len: int, num_layers: int) -> dict[str, Any]:
     import random
     import statistics
 
@@ -150,8 +160,9 @@ def e2e(batch: int, prompt_len: int, output_len: int) -> dict[str, Any]:
     rng = random.Random(SEED)
     reqs = [BenchRequest([1, *(rng.randrange(3, 32000) for _ in range(prompt_len - 1))],
                          output_len) for _ in range(batch)]
-    row: dict[str, Any] = {"batch": batch, "prompt_len": prompt_len, "output_len": output_len}
-    preset = _tokenizer_preset()
+    row: dict[str, Any] = {"batch": batch, "prompt_len": prompt_len, "output_len": output_len,
+                           "num_layers": num_layers}
+    preset = _tokenizer_preset(num_layers)
     executor_args = ("--device", "cuda", "--backend", "flashinfer", "--dtype", "bfloat16",
                      "--gpu-memory-utilization", "0.6", "--max-num-seqs", "512",
                      "--max-num-batched-tokens", "16384")
@@ -178,9 +189,8 @@ def e2e(batch: int, prompt_len: int, output_len: int) -> dict[str, Any]:
     try:
         from transformers import GenerationConfig
 
-        with torch.device("cuda"):
-            # the executor's recipe: seeded init in bf16 on the device itself
-            model = reference_model(MODEL, SEED, attn="sdpa", dtype=torch.bfloat16)
+        # the executor's recipe: seeded init in bf16 on the CPU, then moved
+        model = reference_model(preset, SEED, attn="sdpa", dtype=torch.bfloat16).to("cuda")
         ids = torch.tensor([r.prompt for r in reqs], device="cuda")
         config = GenerationConfig(max_new_tokens=output_len, do_sample=False, pad_token_id=0,
                                   eos_token_id=None)
@@ -223,80 +233,243 @@ def e2e(batch: int, prompt_len: int, output_len: int) -> dict[str, Any]:
     return row
 
 
+PARITY_RUNS = (
+    # (name, model, dtype, backend, identical required)
+    ("fp32_torch", "models/tiny-llama", "float32", "torch", True),
+    ("bf16_flashinfer", "models/tiny-llama-hd128", "bfloat16", "flashinfer", False),
+)
+
+
+def parity_requests(vocab: int, num: int = 24, output_len: int = 48) -> list[Any]:
+    """Prompts of 3 to 300 tokens, half of them sharing a 64-token prefix (prefix hits)."""
+    import random
+
+    from bench.baselines import BenchRequest
+
+    rng = random.Random(SEED)
+    shared = [1, *(rng.randrange(3, vocab) for _ in range(63))]
+    requests = []
+    for i in range(num):
+        body = [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 300))]
+        prompt = shared + body if i % 2 else [1, *body]
+        requests.append(BenchRequest(prompt, output_len))
+    return requests
+
+
+def stack_parity() -> dict[str, Any]:
+    """Greedy outputs of the stack on CUDA against transformers' generate on CUDA."""
+    import torch
+    from transformers import AutoConfig, GenerationConfig
+
+    from bench.baselines import reference_model
+    from bench.load import run_load, stack
+
+    payload: dict[str, Any] = {}
+    for name, model_dir, dtype, backend, must_match in PARITY_RUNS:
+        row: dict[str, Any] = {"model": model_dir, "dtype": dtype, "backend": backend}
+        payload[name] = row
+        try:
+            vocab = AutoConfig.from_pretrained(ROOT / model_dir).vocab_size
+            reqs = parity_requests(vocab)
+            executor_args = ("--device", "cuda", "--dtype", dtype, "--backend", backend,
+                             "--gpu-memory-utilization", "0.3",
+                             "--max-num-batched-tokens", "256")  # chunked prefill
+            gateway_args = ("--max-num-batched-tokens", "256")
+            with stack(str(ROOT / model_dir), executor_args=executor_args,
+                       gateway_args=gateway_args, seed=SEED) as running:
+                results, _ = run_load(running.gateway_addr, reqs, len(reqs))
+            got = [list(r.tokens) for r in results]
+            model = reference_model(model_dir, SEED, attn="sdpa",
+                                    dtype=getattr(torch, dtype)).to("cuda")
+            config = GenerationConfig(do_sample=False, pad_token_id=0, eos_token_id=None,
+                                      max_new_tokens=reqs[0].output_len)
+            want = []
+            with torch.inference_mode():
+                for r in reqs:
+                    out = model.generate(torch.tensor([r.prompt], device="cuda"),
+                                         generation_config=config)
+                    want.append(out[0, len(r.prompt):].tolist())
+            same = sum(a == b for a, b in zip(got, want, strict=True))
+            prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                               len(b))
+                      for a, b in zip(got, want, strict=True)]
+            pairs = list(zip(got, want, strict=True))
+            row.update(requests=len(reqs), identical=same,
+                       first16_identical=sum(a[:16] == b[:16] for a, b in pairs),
+                       mean_agreeing_prefix=sum(prefix) / len(prefix),
+                       errors=sorted({r.error for r in results if not r.ok})[:3])
+            if must_match:
+                row["ok"] = same == len(reqs)
+            del model
+            torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001 - keep the other run's figures
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+        print(json.dumps({name: row}), file=sys.stderr, flush=True)
+    return payload
+
+
+def memory_profile(num_layers: int, utilization: float = 0.9) -> dict[str, Any]:
+    """The pool --gpu-memory-utilization gives, and the device's use while a load fills it."""
+    import random
+    import threading
+
+    import torch
+
+    from bench.baselines import BenchRequest
+    from bench.load import pool_stats, run_load, stack
+
+    free, total = torch.cuda.mem_get_info()  # this process's context first: the executor counts it
+    row: dict[str, Any] = {"utilization": utilization, "num_layers": num_layers,
+                           "total_bytes": total, "used_before_start": (total - free) / total}
+    preset = _tokenizer_preset(num_layers)
+    log_dir = tempfile.mkdtemp(prefix="pagedkv-memory-")
+    peak = [0.0]
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            free_now, _ = torch.cuda.mem_get_info()
+            peak[0] = max(peak[0], (total - free_now) / total)
+            time.sleep(0.02)
+
+    rng = random.Random(SEED)
+    reqs = [BenchRequest([1, *(rng.randrange(3, 32000) for _ in range(1023))], 128)
+            for _ in range(256)]
+    executor_args = ("--device", "cuda", "--backend", "flashinfer", "--dtype", "bfloat16",
+                     "--gpu-memory-utilization", str(utilization), "--max-num-seqs", "256",
+                     "--max-num-batched-tokens", "8192")
+    gateway_args = ("--max-num-seqs", "256", "--max-num-batched-tokens", "8192")
+    try:
+        with stack(preset, executor_args=executor_args, gateway_args=gateway_args, seed=SEED,
+                   log_dir=log_dir) as running:
+            free_now, _ = torch.cuda.mem_get_info()
+            row["used_after_start"] = (total - free_now) / total
+            (pool,) = pool_stats(running)
+            row["num_blocks"] = pool.num_blocks
+            poller = threading.Thread(target=poll, daemon=True)
+            poller.start()
+            results, wall = run_load(running.gateway_addr, reqs, len(reqs))
+            stop.set()
+            poller.join()
+        row.update(peak_used=peak[0], completed=sum(r.ok for r in results), wall_s=wall,
+                   errors=sorted({r.error for r in results if not r.ok})[:3])
+        row["ok"] = row["completed"] == len(reqs) and peak[0] <= utilization + 0.01
+    except Exception as exc:  # noqa: BLE001
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    finally:
+        stop.set()
+    for line in (Path(log_dir) / "executor.log").read_text().splitlines() if (
+            Path(log_dir) / "executor.log").exists() else []:
+        if "gpu_memory_profiled" in line or "kv_cache_allocated" in line:
+            row.setdefault("executor_log", []).append(line[-600:])
+    shutil.rmtree(preset, ignore_errors=True)
+    return row
+
+
+STAGES = ("kernel", "e2e", "parity", "memory")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage", default=",".join(STAGES),
+                   help=f"comma-separated stages, in the order given: {', '.join(STAGES)}")
     p.add_argument("--quick", action="store_true", help="fewer shapes, one e2e size")
-    p.add_argument("--skip-kernel", action="store_true")
-    p.add_argument("--skip-e2e", action="store_true")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR,
+                   help="folder for gpu_<stage>.json (default bench/results)")
+    p.add_argument("--layers", type=int, default=8,
+                   help="layers of the 8B shapes for the e2e and memory stages")
     p.add_argument("--batches", default="32,64")
     p.add_argument("--contexts", default="2048,4096,8192")
     p.add_argument("--e2e", default="64x512x256",
                    help="comma-separated BATCHxPROMPTxOUTPUT end-to-end sizes")
     args = p.parse_args(argv)
+    stages = [s for s in args.stage.split(",") if s]
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        p.error(f"unknown stage(s) {', '.join(unknown)}: choose from {', '.join(STAGES)}")
     import torch
 
     if not torch.cuda.is_available():
         print("bench.gpu needs a CUDA device (run it on the lent GPU machine)", file=sys.stderr)
         return 2
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    payload: dict[str, Any] = {"benchmark": "gpu", "model": MODEL, "seed": SEED,
-                               "device": torch.cuda.get_device_name(), "quick": args.quick}
+    common = {"benchmark": "gpu", "seed": SEED, "device": torch.cuda.get_device_name(),
+              "quick": args.quick}
+    for stage in stages:
+        payload = {**common, "stage": stage}
+        if stage == "kernel":
+            payload.update(kernel_stage(args))
+        elif stage == "e2e":
+            sizes = args.e2e.split(",")[:1] if args.quick else args.e2e.split(",")
+            payload["e2e"] = []
+            for size in sizes:
+                batch, prompt_len, output_len = (int(x) for x in size.split("x"))
+                payload["e2e"].append(e2e(batch, prompt_len, output_len, args.layers))
+                print(json.dumps(payload["e2e"][-1], default=str), file=sys.stderr, flush=True)
+            print_e2e(payload["e2e"])
+        elif stage == "parity":
+            payload["parity"] = stack_parity()
+        else:
+            payload["memory"] = memory_profile(args.layers)
+        path = write_results(f"gpu_{stage}", payload, args.out)
+        print(f"{stage}: written to {path}", flush=True)
+    return 0
+
+
+def kernel_stage(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     if args.quick:
         batches, contexts = batches[:1], contexts[:2]
-    if not args.skip_kernel:
-        rows = []
-        try:
-            copy_bw = copy_bandwidth()
-            torch.cuda.empty_cache()
-            payload["copy_TBps"] = copy_bw / 1e12
-            for batch in batches:
-                for context in contexts:
-                    try:
-                        rows.append(decode_bandwidth(batch, context, copy_bw))
-                    except Exception as exc:  # noqa: BLE001
-                        rows.append({"batch": batch, "context": context,
-                                     "error": f"{type(exc).__name__}: {exc}"})
-                        traceback.print_exc()
-                    torch.cuda.empty_cache()
-                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        except Exception as exc:  # noqa: BLE001
-            payload["kernel_error"] = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc()
-        payload["decode_attention"] = rows
-        good = [r for r in rows if "share_of_copy_bw" in r]
-        if good:
-            keys = ["batch", "context", "decode_kernel_us", "floor_us", "achieved_TBps",
-                    "copy_TBps", "share_of_copy_bw", "layer_step_us", "max_abs_err_vs_torch"]
-            print("### Decode attention (FlashInfer backend, Llama-3-8B shapes, bf16)\n")
-            print(markdown_table(keys, [[r[k] for k in keys] for r in good]))
-            met = all(r["share_of_copy_bw"] >= 0.8 for r in good
-                      if r["batch"] >= 32 and r["context"] >= 2048)
-            payload["target_share_0_8_met"] = met
-            print(f"\nTarget >= 0.8 of copy bandwidth (batch >= 32, context >= 2048): "
-                  f"{'met' if met else 'MISSED'}\n")
-        write_results("gpu", payload)  # keep the kernel figures even if e2e fails
-    if not args.skip_e2e:
-        sizes = args.e2e.split(",")[:1] if args.quick else args.e2e.split(",")
-        payload["e2e"] = []
-        for size in sizes:
-            batch, prompt_len, output_len = (int(x) for x in size.split("x"))
-            payload["e2e"].append(e2e(batch, prompt_len, output_len))
-            print(json.dumps(payload["e2e"][-1], default=str), file=sys.stderr, flush=True)
-        body = []
-        for r in payload["e2e"]:
-            for system in ("pagedkv", "generate"):
-                m = r.get(system, {})
-                body.append([f"{r['batch']}x{r['prompt_len']}->{r['output_len']}", system,
-                             f"{m['tok_per_s']:.0f}" if "tok_per_s" in m else m.get("error"),
-                             f"{m['decode_tok_per_s']:.0f}" if "decode_tok_per_s" in m else "-"])
-        print("### End-to-end decode throughput on the GPU\n")
-        print(markdown_table(["requests", "system", "tok/s", "decode tok/s"], body))
-    path = write_results("gpu", payload)
-    print(f"\nwritten to {path}")
-    return 0
+    payload: dict[str, Any] = {"model": MODEL}
+    rows: list[dict[str, Any]] = []
+    try:
+        copy_bw = copy_bandwidth()
+        torch.cuda.empty_cache()
+        payload["copy_TBps"] = copy_bw / 1e12
+        for batch in batches:
+            for context in contexts:
+                try:
+                    rows.append(decode_bandwidth(batch, context, copy_bw))
+                except Exception as exc:  # noqa: BLE001
+                    rows.append({"batch": batch, "context": context,
+                                 "error": f"{type(exc).__name__}: {exc}"})
+                    traceback.print_exc()
+                torch.cuda.empty_cache()
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    except Exception as exc:  # noqa: BLE001
+        payload["kernel_error"] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    payload["decode_attention"] = rows
+    good = [r for r in rows if "share_of_copy_bw" in r]
+    if good:
+        keys = ["batch", "context", "decode_kernel_us", "floor_us", "achieved_TBps",
+                "copy_TBps", "share_of_copy_bw", "layer_step_us", "max_abs_err_vs_torch"]
+        print("### Decode attention (FlashInfer backend, Llama-3-8B shapes, bf16)\n")
+        print(markdown_table(keys, [[r[k] for k in keys] for r in good]))
+        met = all(r["share_of_copy_bw"] >= 0.8 for r in good
+                  if r["batch"] >= 32 and r["context"] >= 2048)
+        payload["target_share_0_8_met"] = met
+        print(f"\nTarget >= 0.8 of copy bandwidth (batch >= 32, context >= 2048): "
+              f"{'met' if met else 'MISSED'}\n")
+    return payload
+
+
+def print_e2e(rows: list[dict[str, Any]]) -> None:
+    body = []
+    for r in rows:
+        for system in ("pagedkv", "generate"):
+            m = r.get(system, {})
+            body.append([f"{r['batch']}x{r['prompt_len']}->{r['output_len']}", system,
+                         f"{m['tok_per_s']:.0f}" if "tok_per_s" in m else m.get("error"),
+                         f"{m['decode_tok_per_s']:.0f}" if "decode_tok_per_s" in m else "-"])
+    print("### End-to-end decode throughput on the GPU\n")
+    print(markdown_table(["requests", "system", "tok/s", "decode tok/s"], body))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ the Step that freed them, whose Execute may still write or copy them.
 
 NOTE: on CPU it goes through a numpy view of the cache, no torch op: a torch op in a second
 thread gives OpenMP a second thread team, and every step slows down (compute_thread.py). On
-CUDA it uses a stream of its own, synchronised before it returns, so that it neither waits
-behind nor reorders the steps on the default stream.
+CUDA it uses a stream of its own, synchronised before it returns. That stream first waits for
+the work queued on the steps' stream so far (the runner does not wait for its steps: a read
+must see the blocks the last step wrote, a write must land after the Step that freed its
+blocks has copied them); the steps queued after the write returns come after it anyway.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class TorchKVBlocks:
             return [self._host[:, :, b].tobytes() for b in block_ids]  # a C-order copy each
         assert self._stream is not None
         kv = self.cache.kv
+        self._stream.wait_stream(torch.cuda.default_stream(kv.device))
         with torch.cuda.stream(self._stream):
             index = torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
             blocks = kv[:, :, index].movedim(2, 0).contiguous()  # [n, L, 2, bs, Hkv, D]
@@ -57,6 +60,7 @@ class TorchKVBlocks:
         kv = self.cache.kv
         joined = torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8)
         shape = (len(block_ids), kv.shape[0], kv.shape[1], *kv.shape[3:])  # [n, L, 2, bs, H, D]
+        self._stream.wait_stream(torch.cuda.default_stream(kv.device))
         with torch.cuda.stream(self._stream):
             blocks = joined.to(kv.device).view(kv.dtype).view(shape)
             index = torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)

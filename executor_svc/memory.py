@@ -1,21 +1,26 @@
 """How many KV blocks fit: the CPU budget (--kv-cache-memory) or a profiled GPU budget.
 
-On CUDA, the weights are loaded first; then one forward pass over the largest step
-(max_num_batched_tokens tokens) measures the activation peak, and the blocks fill what
---gpu-memory-utilization leaves: total * utilization - peak.
+On CUDA, the weights are loaded first; then the largest step (max_num_batched_tokens tokens,
+max_num_seqs of them sampled) runs once to measure its transient peak, and the blocks fill
+what --gpu-memory-utilization leaves: total * utilization - (total - free) - peak, where
+total - free (the driver's count) holds the CUDA context, the weights, what is not torch's and
+other processes' memory.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import structlog
 import torch
 
-from executor_svc.attention import STEP_KWARG, AttentionBackend, SeqSpan, StepMetadata
+from executor_svc.attention import STEP_KWARG, AttentionBackend, SeqSpan, plan_step
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.model_loader import LoadedModel
+from executor_svc.sampler import Sampler
 from executor_svc.settings import ExecutorSettings, SettingsError
+from executor_svc.step import SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -38,28 +43,51 @@ def forward_once(
     return output.logits[0]
 
 
-def _profile_peak_bytes(
-    loaded: LoadedModel, spec: KVCacheSpec, backend: AttentionBackend, num_tokens: int
-) -> int:
-    """Peak device memory of one step of `num_tokens` prefill tokens (weights included)."""
+@dataclass(frozen=True, slots=True)
+class GpuMemoryProfile:
+    """What the device holds once the weights are loaded and the largest step has run."""
+
+    total_bytes: int  # the device's memory
+    used_bytes: int  # total - free (mem_get_info): CUDA context, weights, other processes
+    step_peak_bytes: int  # the largest step's transient peak over what stays allocated
+
+    def kv_budget_bytes(self, utilization: float) -> int:
+        """The pool fills the device up to `utilization` of its total, counting everything
+        already there and the room the largest step needs while it runs."""
+        return int(self.total_bytes * utilization) - self.used_bytes - self.step_peak_bytes
+
+
+def profile_gpu_memory(
+    loaded: LoadedModel,
+    spec: KVCacheSpec,
+    backend: AttentionBackend,
+    num_tokens: int,
+    num_seqs: int,
+) -> GpuMemoryProfile:
+    """Run the largest step: `num_tokens` prefill tokens whose last `num_seqs` rows are
+    sampled (the logits of the largest batch, then the sampler's top-logprobs pass)."""
+    device = loaded.device
     num_blocks = -(-num_tokens // spec.block_size)
-    cache = KVCache.allocate(spec, num_blocks, 0, loaded.device)
+    cache = KVCache.allocate(spec, num_blocks, 0, device)
     span = SeqSpan(0, num_tokens, num_tokens, tuple(range(num_blocks)))
-    metadata = StepMetadata.build((span,), spec.block_size, loaded.device)
+    num_rows = min(num_seqs, num_tokens)
+    torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(loaded.device)
-    ids = torch.zeros(num_tokens, dtype=torch.long, device=loaded.device)  # [T]
-    positions = torch.arange(num_tokens, device=loaded.device)  # [T]
-    keep = torch.tensor([num_tokens - 1], device=loaded.device)  # [1]
-    forward_once(loaded, backend.plan(metadata, cache), ids, positions, keep)
-    torch.cuda.synchronize(loaded.device)
-    peak = (
-        int(torch.cuda.max_memory_allocated(loaded.device))
-        - cache.kv.numel() * cache.kv.element_size()
-    )
-    del cache
+    torch.cuda.reset_peak_memory_stats(device)
+    resident = torch.cuda.memory_allocated(device)
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)  # [T]
+    positions = torch.arange(num_tokens, device=device)  # [T]
+    keep = torch.arange(num_tokens - num_rows, num_tokens, device=device)  # [S]
+    attention = plan_step(backend, (span,), spec.block_size, cache, loaded.attention_shape)
+    logits = forward_once(loaded, attention, ids, positions, keep)  # [S, V]
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_logprobs=1)
+    Sampler(0, device).sample(logits, [params] * num_rows, [None] * num_rows, [None] * num_rows)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - resident
+    del logits, attention, cache
     torch.cuda.empty_cache()
-    return peak
+    free, total = torch.cuda.mem_get_info(device)
+    return GpuMemoryProfile(total_bytes=total, used_bytes=total - free, step_peak_bytes=peak)
 
 
 class BlockCounts(NamedTuple):
@@ -87,10 +115,11 @@ def count_blocks(
         return BlockCounts(settings.num_blocks, num_cpu_blocks, num_cpu_cache_blocks)
     if loaded.device.type == "cuda":
         num_tokens = min(settings.max_num_batched_tokens, max_model_len)
-        peak = _profile_peak_bytes(loaded, spec, backend, num_tokens)
-        total = torch.cuda.get_device_properties(loaded.device).total_memory
-        budget = int(total * settings.gpu_memory_utilization) - peak
-        log.info("gpu_memory_profiled", total_bytes=total, peak_bytes=peak, kv_bytes=budget)
+        profile = profile_gpu_memory(loaded, spec, backend, num_tokens, settings.max_num_seqs)
+        budget = profile.kv_budget_bytes(settings.gpu_memory_utilization)
+        log.info("gpu_memory_profiled", total_bytes=profile.total_bytes,
+                 used_bytes=profile.used_bytes, step_peak_bytes=profile.step_peak_bytes,
+                 utilization=settings.gpu_memory_utilization, kv_bytes=budget)
     else:
         budget = settings.kv_cache_memory
     num_blocks = spec.blocks_for(max(budget, 0))

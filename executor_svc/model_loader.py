@@ -28,7 +28,7 @@ from transformers import (
 from transformers.models.auto.auto_factory import _get_model_class
 
 from common.model_dirs import FOREIGN_SUFFIXES, TOKENIZER_FILES, ModelDir
-from executor_svc.attention import ATTENTION_NAME, register_attention
+from executor_svc.attention import ATTENTION_NAME, AttentionShape, register_attention
 from executor_svc.cpu_kernels import load as load_cpu_kernels
 from executor_svc.fused_layers import fuse_layers
 from executor_svc.lm_head import speed_up_lm_head
@@ -61,6 +61,16 @@ class LoadedModel:
     def max_position_embeddings(self) -> int:
         return int(self.config.max_position_embeddings)
 
+    @property
+    def attention_shape(self) -> AttentionShape:
+        """Query heads and the softmax scale of the model's attention layers (the first
+        layer's: every layer of a decoder shares them)."""
+        for module in self.model.modules():
+            scale = getattr(module, "scaling", None)
+            if isinstance(getattr(module, "layer_idx", None), int) and scale is not None:
+                return AttentionShape(int(self.config.num_attention_heads), float(scale))
+        raise ModelLoadError(f"{type(self.model).__name__} has no attention layer with a scale")
+
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
@@ -72,14 +82,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def fingerprint(config: PretrainedConfig, weights: str) -> str:
-    """sha256 over the canonical config and the weights' identity, hex."""
+def fingerprint(config: PretrainedConfig, weights: str, dtype: torch.dtype) -> str:
+    """sha256 over what makes two executors' KV interchangeable: the canonical config, the
+    weights' identity and the dtype they run in (the same checkpoint in bf16 and fp32 computes
+    different keys and values), hex. The device is left out: dummy weights are drawn on the CPU
+    whatever the device (dummy_model), so a CUDA and a CPU executor of one seed share them."""
     digest = hashlib.sha256()
     config_dict = config.to_dict()
     for volatile in ("_name_or_path", "transformers_version", "_attn_implementation"):
         config_dict.pop(volatile, None)
     digest.update(json.dumps(config_dict, sort_keys=True, default=str).encode())
     digest.update(weights.encode())
+    digest.update(dtype_name(dtype).encode())
     return digest.hexdigest()
 
 
@@ -169,6 +183,22 @@ def _check_architecture(config: PretrainedConfig) -> None:
         )
 
 
+def dummy_model(config: PretrainedConfig, dtype: torch.dtype, seed: int,
+                attn_implementation: str = ATTENTION_NAME) -> PreTrainedModel:
+    """The seeded random weights of `--load-format dummy`, on the CPU.
+
+    NOTE: drawn on the CPU whatever the device, then moved: CUDA's generator draws other
+    numbers from the same seed, and a reference built anywhere must get the executor's weights.
+    """
+    register_attention()
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation
+        )
+    return model
+
+
 def own_weights(model: torch.nn.Module) -> None:
     """Copy every parameter into the process's own memory.
 
@@ -207,12 +237,9 @@ def load_model(
     _check_architecture(config)
     found = ModelDir.inspect(directory)
     weights_source = choose_weights(found, load_format)
+    model: Any  # transformers' typed `to` wrapper trips mypy below
     if weights_source == "dummy":
-        torch.manual_seed(seed)
-        with device:  # initialise in place: an 8B model is never built on the CPU first
-            model = AutoModelForCausalLM.from_config(
-                config, dtype=dtype, attn_implementation=ATTENTION_NAME
-            )
+        model = dummy_model(config, dtype, seed)
         weights = f"dummy:seed={seed}"
     else:
         weights = _weights_identity(found.weight_files)
@@ -237,7 +264,7 @@ def load_model(
         model=model,
         config=model.config,
         name=directory.resolve().name,
-        fingerprint=fingerprint(config, weights),
+        fingerprint=fingerprint(config, weights, dtype),
         dtype=dtype,
         device=device,
         eos_token_ids=_eos_ids(directory, config),

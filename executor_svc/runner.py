@@ -21,7 +21,13 @@ import torch
 
 from common.errors import ServiceError
 from common.executor_description import ExecutorDescription
-from executor_svc.attention import AttentionBackend, SeqSpan, StepMetadata, make_backend
+from executor_svc.attention import (
+    AttentionBackend,
+    SeqSpan,
+    StepArrays,
+    StepMetadata,
+    make_backend,
+)
 from executor_svc.cpu_kernels import load as load_cpu_kernels
 from executor_svc.held_requests import HeldRequests
 from executor_svc.kv_blocks import TorchKVBlocks
@@ -46,8 +52,33 @@ class ForwardOutput:
     num_tokens: int
 
 
-def _ms(start: float, end: float) -> float:
-    return (end - start) * 1e3
+class StepClock:
+    """A step's forward and sampling times. On CUDA the forward's end is an event on the
+    stream (the host runs ahead of the device), read once sampling has waited for it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.start = time.perf_counter()
+        self._events = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True),
+                            torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._forward_end = self.start
+
+    def forward_done(self) -> None:
+        self._forward_end = time.perf_counter()
+        if self._events is not None:
+            self._events[1].record()
+
+    def timings(self) -> Timings:
+        total_ms = (time.perf_counter() - self.start) * 1e3
+        if self._events is not None:
+            self._events[1].synchronize()
+            forward_ms = self._events[0].elapsed_time(self._events[1])
+        else:
+            forward_ms = (self._forward_end - self.start) * 1e3
+        forward_ms = min(forward_ms, total_ms)
+        return Timings(forward_ms, total_ms - forward_ms, total_ms)
 
 
 class ModelRunner(HeldRequests):
@@ -67,6 +98,7 @@ class ModelRunner(HeldRequests):
         self.cache = cache
         self.kv_blocks: KVBlockStore = TorchKVBlocks(cache)
         self.backend = backend
+        self.attention_shape = loaded.attention_shape
         self.limits = limits
         self.sampler = Sampler(
             seed, loaded.device, load_cpu_kernels() if loaded.device.type == "cpu" else None
@@ -100,12 +132,11 @@ class ModelRunner(HeldRequests):
     def execute_merged(self, steps: Sequence[StepRequest]) -> list[StepResult | ServiceError]:
         """Several callers' calls in one forward (merged_calls.py); each call's result or
         refusal, in order."""
-        start = time.perf_counter()
+        clock = StepClock(self.loaded.device)
         merged, forward = self._prepare_and_forward(steps)
-        forward_end = time.perf_counter()
-        tokens = self._sample(forward.sampling_request_ids, forward.logits)
-        end = time.perf_counter()
-        timings = Timings(_ms(start, forward_end), _ms(forward_end, end), _ms(start, end))
+        clock.forward_done()
+        tokens = self._sample(forward.sampling_request_ids, forward.logits)  # waits for it
+        timings = clock.timings()
         log.debug(
             "step_executed",
             num_calls=len(steps),
@@ -143,7 +174,8 @@ class ModelRunner(HeldRequests):
         )
 
     def _forward(self, seqs: tuple[PlannedSeq, ...]) -> torch.Tensor:
-        device = self.loaded.device
+        """Build the step's arrays on the host, plan attention, send the arrays in one copy,
+        run the model: nothing here waits for the device."""
         spans: list[SeqSpan] = []
         token_ids: list[int] = []
         positions: list[int] = []
@@ -157,18 +189,12 @@ class ModelRunner(HeldRequests):
             token_ids.extend(planned.token_ids)
             if work.sample:
                 keep.append(len(token_ids) - 1)
-        metadata = StepMetadata.build(tuple(spans), self.limits.block_size, device)
-        attention_step = self.backend.plan(metadata, self.cache)
-        logits = forward_once(
-            self.loaded,
-            attention_step,
-            torch.tensor(token_ids, dtype=torch.long, device=device),  # [T]
-            torch.tensor(positions, dtype=torch.long, device=device),  # [T]
-            torch.tensor(keep, dtype=torch.long, device=device),  # [S]
-        )  # [S, V]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # honest forward timings
-        return logits
+        arrays = StepArrays(self.loaded.device)
+        inputs = [arrays.add(values) for values in (token_ids, positions, keep)]  # [T], [T], [S]
+        metadata = StepMetadata.build(tuple(spans), self.limits.block_size, arrays)
+        attention_step = self.backend.plan(metadata, self.cache, self.attention_shape)
+        arrays.send()
+        return forward_once(self.loaded, attention_step, *(a.tensor for a in inputs))  # [S, V]
 
     def new_state(self, work: SequenceWork) -> RequestState:
         """Its seeded generator and its logits processors, if it uses any."""

@@ -4,7 +4,8 @@ The model is loaded with `attn_implementation=ATTENTION_NAME`; transformers then
 `paged_attention_forward` in every attention layer (after RoPE) with query `[1, Hq, T, D]` and
 key/value `[1, Hkv, T, D]` for the step's packed row. The step's plan travels as an extra
 keyword argument of `model(...)` (STEP_KWARG), never as module state: a backend's `plan()` runs
-once per step, and the returned StepAttention's `forward()` once per layer.
+once per step, before the forward (it adds its device arrays to the step's StepArrays, which
+the runner then sends in one copy), and the returned StepAttention's `forward()` once per layer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any, Protocol
 import torch
 from transformers import AttentionInterface
 
-from executor_svc.attention.metadata import SeqSpan, StepMetadata
+from executor_svc.attention.metadata import AttentionShape, SeqSpan, StepMetadata
+from executor_svc.attention.step_arrays import StepArrays
 from executor_svc.kv_cache import KVCache
 
 ATTENTION_NAME = "pagedkv"
@@ -24,10 +26,13 @@ __all__ = [
     "ATTENTION_NAME",
     "STEP_KWARG",
     "AttentionBackend",
+    "AttentionShape",
     "SeqSpan",
     "StepAttention",
+    "StepArrays",
     "StepMetadata",
     "make_backend",
+    "plan_step",
     "register_attention",
 ]
 
@@ -48,9 +53,26 @@ class StepAttention(Protocol):
 class AttentionBackend(Protocol):
     name: str
 
-    def plan(self, metadata: StepMetadata, cache: KVCache) -> StepAttention:
-        """Prepare everything the layers share (once per step)."""
+    def plan(
+        self, metadata: StepMetadata, cache: KVCache, shape: AttentionShape
+    ) -> StepAttention:
+        """Prepare everything the layers share (once per step, outside the forward)."""
         ...
+
+
+def plan_step(
+    backend: AttentionBackend,
+    spans: tuple[SeqSpan, ...],
+    block_size: int,
+    cache: KVCache,
+    shape: AttentionShape,
+) -> StepAttention:
+    """A step planned and its arrays sent, for callers with no arrays of their own (profiling,
+    benchmarks, tests)."""
+    metadata = StepMetadata.build(spans, block_size, StepArrays(cache.device))
+    step = backend.plan(metadata, cache, shape)
+    metadata.arrays.send()
+    return step
 
 
 def paged_attention_forward(

@@ -1,26 +1,29 @@
 """FlashInfer backend (CUDA only): paged prefill and decode kernels fed from the block tables.
 
-Per step, `plan()` builds CSR page tables (int32 on the device) for the step's sequences:
+Per step, `plan()` (once, before the forward) builds CSR page tables on the host:
 
     kv_indptr [B + 1]    kv_indices [sum(num_pages)]    kv_last_page_len [B] in 1..block_size
 
-once for every sequence (used to append the new K/V with `append_paged_kv_cache`), and once for
-each of the two subsets: decode spans (one new token) run the decode wrapper
+for each of the two subsets: decode spans (one new token) run the decode wrapper
 (`use_tensor_cores=True`, right for grouped-query attention), the others the prefill wrapper
 (`causal=True`, bottom-right aligned, so a chunk after a cached prefix sees the whole prefix).
-The wrappers are planned at the first layer of the step (when the model's softmax scale is
-known) and run once per layer. The cache is the KVCache's (k, v) pair, NHD:
-`[num_blocks, block_size, Hkv, D]` each. `flashinfer` is imported here only, on demand.
+Both wrappers are planned there from pinned host tables, which they copy to the device
+themselves without waiting (given device tables, `plan()` would read them back and wait for
+the queue); the tables of every sequence, which `append_paged_kv_cache` writes the new K/V
+through, and the rows of each subset go with the step's other arrays in its one copy
+(step_arrays.py). The cache is the KVCache's (k, v) pair, NHD: `[num_blocks, block_size, Hkv,
+D]` each. `flashinfer` is imported here only, on demand.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from executor_svc.attention.metadata import SeqSpan, StepMetadata
+from executor_svc.attention.metadata import AttentionShape, SeqSpan, StepMetadata
+from executor_svc.attention.step_arrays import DeviceArray, StepArrays
 from executor_svc.kv_cache import KVCache
 
 WORKSPACE_BYTES = 256 * 2**20
@@ -38,17 +41,17 @@ def _import_flashinfer() -> Any:
 
 
 @dataclass(frozen=True, slots=True)
-class PageTable:
-    """CSR page tables for a subset of the step's sequences."""
+class HostPageTable:
+    """CSR page tables for a subset of the step's sequences, as host lists."""
 
-    rows: torch.Tensor  # [N] long: packed-row indices of this subset's new tokens
-    qo_indptr: torch.Tensor  # [B + 1] int32
-    kv_indptr: torch.Tensor  # [B + 1] int32
-    kv_indices: torch.Tensor  # [num_pages] int32
-    kv_last_page_len: torch.Tensor  # [B] int32
+    rows: list[int]  # packed-row indices of this subset's new tokens
+    qo_indptr: list[int]  # [B + 1]
+    kv_indptr: list[int]  # [B + 1]
+    kv_indices: list[int]  # [num_pages]
+    kv_last_page_len: list[int]  # [B]
 
     @classmethod
-    def build(cls, spans: list[SeqSpan], block_size: int, device: torch.device) -> PageTable:
+    def build(cls, spans: list[SeqSpan], block_size: int) -> HostPageTable:
         rows: list[int] = []
         qo, kv, last = [0], [0], []
         indices: list[int] = []
@@ -59,58 +62,52 @@ class PageTable:
             qo.append(qo[-1] + span.query_len)
             kv.append(kv[-1] + num_pages)
             last.append(span.context_len - (num_pages - 1) * block_size)
+        return cls(rows, qo, kv, indices, last)
 
-        def i32(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
-
-        return cls(
-            rows=torch.tensor(rows, dtype=torch.long, device=device),
-            qo_indptr=i32(qo),
-            kv_indptr=i32(kv),
-            kv_indices=i32(indices),
-            kv_last_page_len=i32(last),
+    def pinned(self) -> tuple[torch.Tensor, ...]:
+        """(qo_indptr, kv_indptr, kv_indices, kv_last_page_len): int32, pinned, for plan()."""
+        return tuple(
+            torch.tensor(values, dtype=torch.int32).pin_memory()
+            for values in (self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len)
         )
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class AppendTables:
+    """Where `append_paged_kv_cache` writes each new token: its sequence, its position, and
+    every sequence's page table (device arrays of the step)."""
+
+    batch_indices: DeviceArray  # [T] int32: sequence of each new token
+    positions: DeviceArray  # [T] int32: its position in that sequence
+    kv_indptr: DeviceArray  # [B + 1] int32
+    kv_indices: DeviceArray  # [num_pages] int32
+    kv_last_page_len: DeviceArray  # [B] int32
+
+    @classmethod
+    def add(cls, spans: list[SeqSpan], table: HostPageTable, arrays: StepArrays) -> AppendTables:
+        batch_indices: list[int] = []
+        positions: list[int] = []
+        for index, span in enumerate(spans):
+            batch_indices.extend([index] * span.query_len)
+            positions.extend(range(span.start_position, span.context_len))
+        i32 = torch.int32
+        return cls(
+            batch_indices=arrays.add(batch_indices, i32),
+            positions=arrays.add(positions, i32),
+            kv_indptr=arrays.add(table.kv_indptr, i32),
+            kv_indices=arrays.add(table.kv_indices, i32),
+            kv_last_page_len=arrays.add(table.kv_last_page_len, i32),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class FlashInferStepAttention:
     backend: FlashInferBackend
     cache: KVCache
-    all_seqs: PageTable
-    batch_indices: torch.Tensor  # [T] int32: sequence of each new token
-    positions: torch.Tensor  # [T] int32: its position in that sequence
-    decode: PageTable | None
-    prefill: PageTable | None
-    planned_scale: float | None = field(default=None)
-
-    def _plan(self, scale: float, num_q_heads: int) -> None:
-        spec = self.cache.spec
-        common = dict(q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=scale)
-        if self.decode is not None:
-            self.backend.decode_wrapper.plan(
-                self.decode.kv_indptr,
-                self.decode.kv_indices,
-                self.decode.kv_last_page_len,
-                num_q_heads,
-                spec.num_kv_heads,
-                spec.head_dim,
-                spec.block_size,
-                **common,
-            )
-        if self.prefill is not None:
-            self.backend.prefill_wrapper.plan(
-                self.prefill.qo_indptr,
-                self.prefill.kv_indptr,
-                self.prefill.kv_indices,
-                self.prefill.kv_last_page_len,
-                num_q_heads,
-                spec.num_kv_heads,
-                spec.head_dim,
-                spec.block_size,
-                causal=True,
-                **common,
-            )
-        self.planned_scale = scale
+    append: AppendTables
+    scale: float  # the planned softmax scale
+    decode_rows: DeviceArray | None  # [Bd] long: packed rows of the decode spans
+    prefill_rows: DeviceArray | None  # [Np] long: packed rows of the other spans
 
     def forward(
         self,
@@ -120,29 +117,27 @@ class FlashInferStepAttention:
         value: torch.Tensor,
         scaling: float,
     ) -> torch.Tensor:
-        if self.planned_scale is None:
-            self._plan(scaling, query.shape[1])
-        assert self.planned_scale == scaling, "every layer of a step must share its softmax scale"
+        assert scaling == self.scale, "every layer of a step must share its planned scale"
         paged = self.cache.layer(layer_idx)  # ([NB, S, Hkv, D], [NB, S, Hkv, D])
+        append = self.append
         self.backend.flashinfer.append_paged_kv_cache(
             key[0].transpose(0, 1).contiguous(),  # [T, Hkv, D]
             value[0].transpose(0, 1).contiguous(),  # [T, Hkv, D]
-            self.batch_indices,
-            self.positions,
+            append.batch_indices.tensor,
+            append.positions.tensor,
             paged,
-            self.all_seqs.kv_indices,
-            self.all_seqs.kv_indptr,
-            self.all_seqs.kv_last_page_len,
+            append.kv_indices.tensor,
+            append.kv_indptr.tensor,
+            append.kv_last_page_len.tensor,
             kv_layout="NHD",
         )
         q = query[0].transpose(0, 1)  # [T, Hq, D]
         out = torch.empty_like(q)  # [T, Hq, D]
-        if self.decode is not None:
-            qd = q[self.decode.rows].contiguous()  # [Bd, Hq, D]
-            out[self.decode.rows] = self.backend.decode_wrapper.run(qd, paged)
-        if self.prefill is not None:
-            qp = q[self.prefill.rows].contiguous()  # [Np, Hq, D]
-            out[self.prefill.rows] = self.backend.prefill_wrapper.run(qp, paged)
+        for rows, wrapper in ((self.decode_rows, self.backend.decode_wrapper),
+                              (self.prefill_rows, self.backend.prefill_wrapper)):
+            if rows is not None:
+                index = rows.tensor
+                out.index_copy_(0, index, wrapper.run(q.index_select(0, index), paged))
         return out.unsqueeze(0)  # [1, T, Hq, D]
 
 
@@ -163,22 +158,33 @@ class FlashInferBackend:
             torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device), "NHD"
         )
 
-    def plan(self, metadata: StepMetadata, cache: KVCache) -> FlashInferStepAttention:
-        device, size = cache.device, metadata.block_size
+    def plan(
+        self, metadata: StepMetadata, cache: KVCache, shape: AttentionShape
+    ) -> FlashInferStepAttention:
+        spec, size = cache.spec, metadata.block_size
         spans = list(metadata.spans)
         decode = [s for s in spans if s.query_len == 1]
         prefill = [s for s in spans if s.query_len > 1]
-        batch_indices: list[int] = []
-        positions: list[int] = []
-        for index, span in enumerate(spans):
-            batch_indices.extend([index] * span.query_len)
-            positions.extend(range(span.start_position, span.context_len))
+        common: dict[str, Any] = dict(
+            q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=shape.scale,
+            non_blocking=True,
+        )
+        heads = (shape.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.block_size)
+        decode_rows = prefill_rows = None
+        if decode:
+            table = HostPageTable.build(decode, size)
+            _, kv_indptr, kv_indices, last_page_len = table.pinned()
+            self.decode_wrapper.plan(kv_indptr, kv_indices, last_page_len, *heads, **common)
+            decode_rows = metadata.arrays.add(table.rows)
+        if prefill:
+            table = HostPageTable.build(prefill, size)
+            self.prefill_wrapper.plan(*table.pinned(), *heads, causal=True, **common)
+            prefill_rows = metadata.arrays.add(table.rows)
         return FlashInferStepAttention(
             backend=self,
             cache=cache,
-            all_seqs=PageTable.build(spans, size, device),
-            batch_indices=torch.tensor(batch_indices, dtype=torch.int32, device=device),
-            positions=torch.tensor(positions, dtype=torch.int32, device=device),
-            decode=PageTable.build(decode, size, device) if decode else None,
-            prefill=PageTable.build(prefill, size, device) if prefill else None,
+            append=AppendTables.add(spans, HostPageTable.build(spans, size), metadata.arrays),
+            scale=shape.scale,
+            decode_rows=decode_rows,
+            prefill_rows=prefill_rows,
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from executor_svc.attention.step_arrays import DeviceArray, StepArrays
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,15 +29,24 @@ class SeqSpan:
 
 
 @dataclass(frozen=True, slots=True)
+class AttentionShape:
+    """What a backend plans a step's kernels with, before any layer runs."""
+
+    num_q_heads: int
+    scale: float  # the model's softmax scale: every layer's
+
+
+@dataclass(frozen=True, slots=True)
 class StepMetadata:
     spans: tuple[SeqSpan, ...]
     block_size: int
     num_tokens: int
-    slot_mapping: torch.Tensor  # [num_tokens] long: block_id * block_size + offset per token
+    arrays: StepArrays  # the step's device arrays: backends add theirs while planning
+    slot_mapping: DeviceArray  # [num_tokens] long: block_id * block_size + offset per token
 
     @classmethod
     def build(
-        cls, spans: tuple[SeqSpan, ...], block_size: int, device: torch.device
+        cls, spans: tuple[SeqSpan, ...], block_size: int, arrays: StepArrays
     ) -> StepMetadata:
         slots: list[int] = []
         for span in spans:
@@ -48,5 +57,6 @@ class StepMetadata:
             spans=spans,
             block_size=block_size,
             num_tokens=len(slots),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            arrays=arrays,
+            slot_mapping=arrays.add(slots),
         )

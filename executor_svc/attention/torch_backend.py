@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc.attention.gather_buffer import GatherBuffer
-from executor_svc.attention.metadata import SeqSpan, StepMetadata
+from executor_svc.attention.metadata import AttentionShape, SeqSpan, StepMetadata
+from executor_svc.attention.step_arrays import DeviceArray
 from executor_svc.kv_cache import KVCache
 
 # A decode group's padded key count may exceed its real key count by this factor plus a fixed
@@ -365,7 +366,7 @@ def _prefill_span(
 class TorchStepAttention:
     cache: KVCache
     gather: GatherBuffer  # the backend's: one step runs at a time
-    slot_mapping: torch.Tensor  # [T] long
+    slot_mapping: DeviceArray  # [T] long
     decode: DecodeAttention | None
     fresh_prefills: list[FreshPrefillGroup]
     prefill_spans: list[MaskedPrefillSpan | SplitPrefillSpan]
@@ -383,8 +384,9 @@ class TorchStepAttention:
         new_k = key[0].transpose(0, 1)  # [T, Hkv, D]
         new_v = value[0].transpose(0, 1)  # [T, Hkv, D]
         flat = (num_blocks * block_size, num_kv_heads, head_dim)
-        layer_kv[0].view(flat).index_copy_(0, self.slot_mapping, new_k)
-        layer_kv[1].view(flat).index_copy_(0, self.slot_mapping, new_v)
+        slots = self.slot_mapping.tensor
+        layer_kv[0].view(flat).index_copy_(0, slots, new_k)
+        layer_kv[1].view(flat).index_copy_(0, slots, new_v)
 
         q = query[0].transpose(0, 1)  # [T, Hq, D]
         out = q.new_empty(q.shape)  # [T, Hq, D] contiguous: the caller reshapes it to [T, Hq * D]
@@ -403,7 +405,10 @@ class TorchBackend:
     def __init__(self) -> None:
         self.gather = GatherBuffer()
 
-    def plan(self, metadata: StepMetadata, cache: KVCache) -> TorchStepAttention:
+    def plan(
+        self, metadata: StepMetadata, cache: KVCache, shape: AttentionShape | None = None
+    ) -> TorchStepAttention:
+        """`shape` is not needed: SDPA takes the scale per call."""
         decode = [s for s in metadata.spans if s.query_len == 1]
         fresh = [s for s in metadata.spans if s.query_len > 1 and s.start_position == 0]
         after_prefix = [s for s in metadata.spans if s.query_len > 1 and s.start_position > 0]

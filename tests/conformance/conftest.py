@@ -17,7 +17,14 @@ credential, and one that tells roles apart refuses an executor's token for Execu
 
 Parity needs a local reference with the executor's weights: `--reference-model DIR` (default:
 models/<model_name from Describe>) loaded from safetensors, or with `--reference-seed N` the
-seeded dummy weights that `--load-format dummy --seed N` gives (the default seed is 0).
+seeded dummy weights that `--load-format dummy --seed N` gives (the default seed is 0; drawn on
+the CPU whatever the device, so a CUDA executor's are the same). The reference runs in float32
+on the device Describe names when this machine has it (seeded draws then come from that
+device's generator, as the executor's do), else on the CPU.
+
+`--executor-device cuda` starts the suite's own executor on CUDA (the real one only: the
+simulated executor has no device), e.g. on a lent GPU machine:
+`python -m pytest -q tests/conformance --executor-device cuda`.
 
 A simulated executor (`python -m executor_svc.simulated`) says so in Describe (backend
 "simulated"): its reference is then its token model (executor_svc/simulated/token_model.py),
@@ -63,6 +70,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="host:port of a second executor like it (KV hand-off cases)")
     group.addoption("--reference-model", default="", help="model directory for the reference")
     group.addoption("--reference-seed", type=int, default=0, help="seed of dummy weights")
+    group.addoption("--executor-device", default="cpu",
+                    help="device of the executor the suite starts itself (cpu or cuda)")
 
 
 @dataclass(slots=True)
@@ -160,14 +169,23 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     once against the address given."""
     if "executor_kind" in metafunc.fixturenames:
         kinds = ["given"] if _remote(metafunc.config) else list(LOCAL_KINDS)
+        if _local_device(metafunc.config) != "cpu":
+            kinds = [k for k in kinds if k != "simulated"]
         metafunc.parametrize("executor_kind", kinds, scope="session")
 
 
+def _local_device(config: pytest.Config) -> str:
+    return str(config.getoption("executor_device"))
+
+
 def _start_local_executor(
-    kind: str, log_path: Path, port_file: Path, env: dict[str, str]
+    kind: str, log_path: Path, port_file: Path, env: dict[str, str], device: str = "cpu"
 ) -> subprocess.Popen[bytes]:
     command = [*LOCAL_KINDS[kind], "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
                "--log-json", "--port", "0", "--port-file", str(port_file)]
+    if device != "cpu":  # the real executor only (pytest_generate_tests)
+        command += ["--device", device, "--dtype", "float32",
+                    "--gpu-memory-utilization", "0.3"]
     env = {**os.environ, **env}
     with log_path.open("wb") as log:
         return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -226,7 +244,7 @@ def executor_addr(
     workdir = tmp_path_factory.mktemp(f"executor-{executor_kind}")
     log_path, port_file = workdir / "executor.log", workdir / "port"
     process = _start_local_executor(executor_kind, log_path, port_file,
-                                    role_tokens.env("executor"))
+                                    role_tokens.env("executor"), _local_device(pytestconfig))
     port = _wait_for_port(process, port_file, log_path)
     yield f"127.0.0.1:{port}"
     process.terminate()
@@ -254,7 +272,7 @@ def second_executor_addr(
     workdir = tmp_path_factory.mktemp(f"executor-2-{executor_kind}")
     log_path, port_file = workdir / "executor.log", workdir / "port"
     process = _start_local_executor(executor_kind, log_path, port_file,
-                                    role_tokens.env("executor"))
+                                    role_tokens.env("executor"), _local_device(pytestconfig))
     port = _wait_for_port(process, port_file, log_path)
     yield f"127.0.0.1:{port}"
     process.terminate()
@@ -333,8 +351,9 @@ def require_model_logits(executor: Executor) -> None:
 
 @pytest.fixture(scope="session")
 def reference(pytestconfig: pytest.Config, executor: Executor) -> Reference:
-    """transformers' own model (sdpa attention) with the executor's weights, on CPU; for a
-    simulated executor, its token model."""
+    """transformers' own model (sdpa attention) with the executor's weights, in float32 on
+    the executor's device when this machine has it, else on the CPU; for a simulated
+    executor, its token model."""
     if is_simulated(executor):
         return SimulatedReference.of(executor.info)
     path = pytestconfig.getoption("reference_model") or str(
@@ -342,8 +361,9 @@ def reference(pytestconfig: pytest.Config, executor: Executor) -> Reference:
     )
     seed = pytestconfig.getoption("reference_seed")
     has_weights = any(Path(path).glob("*.safetensors"))
+    device = _reference_device(executor.info.device)
     loaded = load_model(
-        path, "auto" if has_weights else "dummy", "float32", "cpu", seed, fused_layers=False
+        path, "auto" if has_weights else "dummy", "float32", device, seed, fused_layers=False
     )
     model = loaded.model
     model.set_attn_implementation("sdpa")
@@ -352,20 +372,30 @@ def reference(pytestconfig: pytest.Config, executor: Executor) -> Reference:
     return model
 
 
+def _reference_device(described: str) -> str:
+    """The executor's device if this machine has one like it, else the CPU."""
+    if described.startswith("cuda") and torch.cuda.is_available():
+        return described
+    return "cpu"
+
+
 def reference_generate(model: Reference, prompt: list[int], num_new: int) -> list[int]:
     if isinstance(model, SimulatedReference):
         return model.tokens.generate(prompt, num_new)
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False)
+        out = model.generate(torch.tensor([prompt], device=model.device),
+                             max_new_tokens=num_new, do_sample=False)
     return out[0, len(prompt) :].tolist()
 
 
 def reference_logprobs(model: Reference, tokens: list[int]) -> torch.Tensor:
-    if isinstance(model, SimulatedReference):  # [T, V]: row t after tokens[: t + 1]
+    """[T, V] on the CPU: row t after tokens[: t + 1]."""
+    if isinstance(model, SimulatedReference):
         rows = [model.tokens.logits(digest_of(tokens[: t + 1])) for t in range(len(tokens))]
         return torch.log_softmax(torch.tensor(rows, dtype=torch.float64), dim=-1).float()
     with torch.inference_mode():
-        return torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)  # [T, V]
+        logits = model(torch.tensor([tokens], device=model.device)).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1).cpu()
 
 
 def require_uses_sampled_tokens(executor: Executor) -> None:

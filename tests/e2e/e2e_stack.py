@@ -15,8 +15,9 @@ from typing import Any
 
 import grpc
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from executor_svc.model_loader import dummy_model
 from executor_svc.simulated.token_model import TokenModel
 from pagedkv.allocator.v1 import allocator_pb2 as apb
 from pagedkv.allocator.v1 import allocator_pb2_grpc as apb_grpc
@@ -197,9 +198,7 @@ def reference_model() -> Any:
 
 def _build_reference_model() -> Any:
     config = AutoConfig.from_pretrained(MODEL, local_files_only=True)
-    torch.manual_seed(DUMMY_SEED)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                             attn_implementation="eager")
+    model = dummy_model(config, torch.float32, DUMMY_SEED, attn_implementation="eager")
     model.generation_config.eos_token_id = None  # per call: see reference_greedy
     return model.eval()
 

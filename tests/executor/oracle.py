@@ -69,15 +69,17 @@ def reference_model(runner: ModelRunner) -> PreTrainedModel:
 def reference_generate(model: PreTrainedModel, prompt: list[int], num_new: int) -> list[int]:
     """Greedy continuation from model.generate, one prompt at a time (no padding effects)."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False)
+        out = model.generate(torch.tensor([prompt], device=model.device),
+                             max_new_tokens=num_new, do_sample=False)
     continuation = out[0, len(prompt) :].tolist()
     assert len(continuation) == num_new
     return continuation
 
 
 def reference_logits(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    """[T, V] on the model's device."""
     with torch.inference_mode():
-        return model(torch.tensor([tokens]), use_cache=False).logits[0]  # [T, V]
+        return model(torch.tensor([tokens], device=model.device), use_cache=False).logits[0]
 
 
 class OpenAIPenalties(LogitsProcessor):
@@ -130,10 +132,11 @@ def reference_sample(
     forward, transformers' processors, then argmax or a draw from the request's generator."""
     tokens = list(tokens)
     processors = reference_processors(params, num_prompt_tokens)
-    generator = new_generator(params.seed or 0, torch.device("cpu"))
+    # On the model's device, as the executor under test draws on its own.
+    generator = new_generator(params.seed or 0, model.device)
     for _ in range(num_new):
         logits = reference_logits(model, tokens)[-1:].float()  # [1, V]
-        scores = processors(torch.tensor([tokens]), logits)[0]  # [V]
+        scores = processors(torch.tensor([tokens], device=model.device), logits)[0]  # [V]
         if params.greedy:
             tokens.append(int(scores.argmax()))
         else:

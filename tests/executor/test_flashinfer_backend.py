@@ -6,13 +6,16 @@ flashinfer installed: `.venv/bin/python -m pytest -q -m gpu tests/executor`.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from executor_svc.attention import SeqSpan
-from executor_svc.attention.flashinfer_backend import PageTable
+from executor_svc.attention import SeqSpan, StepArrays, StepMetadata
+from executor_svc.attention.flashinfer_backend import AppendTables, HostPageTable
 from executor_svc.runner import ModelRunner
 from executor_svc.step import StepRequest
 
@@ -41,13 +44,46 @@ def test_flashinfer_page_table_is_csr_of_the_block_tables() -> None:
         SeqSpan(query_start=1, query_len=16, context_len=16, block_ids=(3,)),
         SeqSpan(query_start=17, query_len=2, context_len=17, block_ids=(5, 2)),
     ]
-    table = PageTable.build(spans, 16, torch.device("cpu"))
-    assert table.kv_indptr.tolist() == [0, 1, 2, 4]
-    assert table.kv_indices.tolist() == [7, 3, 5, 2]
-    assert table.kv_last_page_len.tolist() == [1, 16, 1]
-    assert table.qo_indptr.tolist() == [0, 1, 17, 19]
-    assert table.rows.tolist() == list(range(19))
-    assert table.kv_indptr.dtype == torch.int32
+    table = HostPageTable.build(spans, 16)
+    assert table.kv_indptr == [0, 1, 2, 4]
+    assert table.kv_indices == [7, 3, 5, 2]
+    assert table.kv_last_page_len == [1, 16, 1]
+    assert table.qo_indptr == [0, 1, 17, 19]
+    assert table.rows == list(range(19))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 70)), min_size=1, max_size=6),
+       st.sampled_from([1, 4, 16]), st.randoms(use_true_random=False))
+def test_flashinfer_append_tables_address_the_slots_the_torch_backend_writes(
+    shapes: list[tuple[int, int]], block_size: int, rng: random.Random
+) -> None:
+    # Each new token's (sequence, position) looked up through the CSR tables that
+    # append_paged_kv_cache gets names the slot the torch backend's slot_mapping writes; the
+    # tables are built on the host and sent in the step's one copy (StepArrays).
+    spans, start, free = [], 0, list(range(1000))
+    rng.shuffle(free)
+    for query_len, cached in shapes:
+        context = cached + query_len
+        blocks = tuple(free.pop() for _ in range(-(-context // block_size)))
+        spans.append(SeqSpan(start, query_len, context, blocks))
+        start += query_len
+    arrays = StepArrays(torch.device("cpu"))
+    metadata = StepMetadata.build(tuple(spans), block_size, arrays)
+    append = AppendTables.add(spans, HostPageTable.build(spans, block_size), arrays)
+    arrays.send()
+    indptr, indices = append.kv_indptr.tensor.tolist(), append.kv_indices.tensor.tolist()
+    addressed = [
+        indices[indptr[seq] + pos // block_size] * block_size + pos % block_size
+        for seq, pos in zip(append.batch_indices.tensor.tolist(),
+                            append.positions.tensor.tolist(), strict=True)
+    ]
+    assert addressed == metadata.slot_mapping.tensor.tolist()
+    assert append.batch_indices.tensor.dtype == torch.int32
+    last = append.kv_last_page_len.tensor.tolist()
+    for seq, span in enumerate(spans):  # the last page holds the context's tail
+        pages = indptr[seq + 1] - indptr[seq]
+        assert (pages - 1) * block_size + last[seq] == span.context_len
 
 
 def _teacher_forced_logits(runner: ModelRunner, steps: int) -> list[torch.Tensor]:

@@ -1,10 +1,13 @@
-"""How many KV blocks an executor gets from its CPU budget."""
+"""How many KV blocks an executor gets: its CPU budget, and the GPU arithmetic with a
+fake device (the profile itself runs on a lent GPU: python -m bench.gpu --stage memory)."""
 
 from __future__ import annotations
 
+import torch
+
 from executor_svc.attention import make_backend
 from executor_svc.kv_cache import KVCacheSpec
-from executor_svc.memory import count_blocks
+from executor_svc.memory import GpuMemoryProfile, count_blocks
 from executor_svc.model_loader import load_model
 
 from .oracle import make_settings
@@ -21,3 +24,19 @@ def test_count_blocks_fills_the_budget_up_to_what_max_num_seqs_can_use() -> None
     assert count_blocks(small, loaded, spec, backend, max_model_len=2048)[0] == 128
     large = make_settings(num_blocks=None, kv_cache_memory=2 * 2**30, max_num_seqs=4)
     assert count_blocks(large, loaded, spec, backend, max_model_len=64)[0] == 16
+
+
+def test_gpu_budget_fills_the_device_up_to_the_utilization_with_what_is_there() -> None:
+    # An 80 GiB device: 20 GiB already used (CUDA context, 16 GiB of weights, another
+    # process), the largest step peaks 3 GiB over what stays allocated. At 0.9 the pool gets
+    # 72 - 20 - 3 = 49 GiB; at 0.25 the budget is below zero (no block: the executor refuses
+    # to start, as with a CPU budget too small for one block).
+    gib = 2**30
+    profile = GpuMemoryProfile(total_bytes=80 * gib, used_bytes=20 * gib,
+                               step_peak_bytes=3 * gib)
+    assert profile.kv_budget_bytes(0.9) == 49 * gib
+    assert profile.kv_budget_bytes(0.25) < 0
+    spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
+                       dtype=torch.bfloat16)
+    assert spec.bytes_per_block == 2 * gib // 1024  # 2 MiB: 49 GiB hold 25,088 blocks
+    assert spec.blocks_for(profile.kv_budget_bytes(0.9)) == 25_088

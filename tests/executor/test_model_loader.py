@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import structlog
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.model_dirs import DEFAULT_MODEL, PRESETS_DIR
-from executor_svc.model_loader import ModelLoadError, load_model
+from executor_svc.model_loader import ModelLoadError, dummy_model, load_model
 
 from .oracle import MODELS
 
@@ -153,3 +153,28 @@ def test_main_exits_with_one_line_for_a_directory_that_cannot_serve(tmp_path: Pa
     errors = [line for line in result.stderr.splitlines() if "executor_failed_to_start" in line]
     assert len(errors) == 1 and "--load-format dummy" in errors[0]
     assert "Traceback" not in result.stderr
+
+
+def test_dummy_weights_are_drawn_on_the_cpu_whatever_the_default_device() -> None:
+    # A CUDA executor builds its dummy weights under its device; CUDA's generator would draw
+    # other numbers from the same seed. Under another default device (meta here, where no
+    # number is drawn at all) the weights are the CPU's, equal to a plain CPU draw.
+    config = AutoConfig.from_pretrained(TINY)
+    with torch.device("meta"):
+        elsewhere = dummy_model(config, torch.float32, seed=3)
+    here = dummy_model(config, torch.float32, seed=3)
+    pairs = list(zip(elsewhere.state_dict().items(), here.state_dict().items(), strict=True))
+    assert all(a.device.type == "cpu" and a.equal(b) for (_, a), (_, b) in pairs)
+    other_seed = dummy_model(config, torch.float32, seed=4)
+    assert not other_seed.lm_head.weight.equal(here.lm_head.weight)
+
+
+def test_fingerprint_names_weights_and_dtype_never_the_device() -> None:
+    # Two executors' KV is interchangeable only with the same weights in the same dtype.
+    def fp(seed: int, dtype: str) -> str:
+        return load_model(str(TINY), "dummy", dtype, "cpu", seed).fingerprint
+
+    assert fp(0, "float32") == fp(0, "float32")
+    assert len({fp(0, "float32"), fp(0, "bfloat16"), fp(1, "float32")}) == 3
+    config = AutoConfig.from_pretrained(TINY)
+    assert "cuda" not in json.dumps(config.to_dict(), default=str)  # nothing device-bound in it
