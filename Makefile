@@ -16,7 +16,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 # The executor's C++ CPU kernels, compiled once for this machine (executor_svc/cpu_kernels/csrc).
 KERNELS_STAMP := build/cpu_kernels/.built
 
-.PHONY: setup model kernels protos certs lint flags-doc typecheck test test-fast conformance run run-allocator bench bench-full bench-executor bench-vllm bench-fleet compose-check compose-e2e k8s-check clean
+.PHONY: setup model kernels protos certs lint flags-doc typecheck test test-fast conformance run run-allocator bench bench-full bench-executor bench-vllm bench-fleet compose-check compose-e2e k8s-check gpu-kit clean
 
 setup: $(VENV)/.installed model kernels
 $(VENV)/.installed: pyproject.toml setup.py
@@ -132,6 +132,16 @@ k8s-check: protos
 	kubectl kustomize deploy/k8s/overlays/gpu > /dev/null
 	kubectl kustomize deploy/k8s/overlays/cpu-sharded > /dev/null
 	$(PY) -m pytest -q tests/deploy
+
+# What the one prepared device run carries (tools/gpu_check.py): cp312 wheels of what
+# the device lacks, the FlashInfer bundle (about 10 minutes on two cores, built once), the stubs;
+# fails when the device call would exceed its 64 MiB. Then: bash tools/gpu_check.sh, carry
+# [".gpu_kit", ".fi_bundle", "pagedkv"]; here: OUT=/tmp/out bash tools/gpu_check.sh --dry-run
+SHARED_TOOLS ?= ../shared/tools
+gpu-kit: protos
+	test -f .fi_bundle/flashinfer_trimmed.zip || \
+		bash $(SHARED_TOOLS)/flashinfer_bundle.sh $(CURDIR)/.fi_bundle
+	$(PY) -m tools.gpu_kit --shared-tools $(SHARED_TOOLS)
 
 clean:
 	rm -rf pagedkv $(VENV) build .pytest_cache .mypy_cache .ruff_cache
