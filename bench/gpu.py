@@ -23,9 +23,10 @@ a folder under $OUT, the only place whose files come back).
   token-identical) and bf16 with FlashInfer (tiny-llama-hd128, the kernels' head_dim:
   agreement reported, as bf16 rounding parts ways after near-ties).
 - memory: is the pool sized right? The executor with --gpu-memory-utilization U on the cut
-  8B shapes: its profile (the executor's log), the pool's blocks, the device's used share
-  after start and at its peak while a load fills the pool (polled from this process); the
-  share must stay under U and no request may fail.
+  8B shapes: its profile (the executor's log), the pool's blocks (allocated at start), the
+  device's used share after start and at its peak while the largest steps run (8,192-token
+  prefills, 1,024-row decodes; polled from this process); the share must stay under U and no
+  request may fail.
 
 The 8B shapes are cut to --layers (default 8) layers: drawing dummy weights on the CPU (so that
 every device gets the same ones) costs about 5 ns a parameter, 40 s for all 32 layers.
@@ -133,6 +134,14 @@ def decode_bandwidth(batch: int, context: int, copy_bw: float, block_size: int =
     return row
 
 
+def _print_log_tails(log_dir: str, lines: int = 40) -> None:
+    """The services' last log lines, into this stage's output: on the lent machine only what
+    is under $OUT comes back, and a failed stack's traceback is in its logs."""
+    for path in sorted(Path(log_dir).glob("*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        print(f"---- {path.name} (last {len(tail)} lines)", *tail, sep="\n", file=sys.stderr)
+
+
 def _tokenizer_preset(num_layers: int) -> str:
     """The 8B-shapes config cut to `num_layers` layers, with a tokenizer beside it (the
     gateway loads one)."""
@@ -167,9 +176,10 @@ def e2e(batch: int, prompt_len: int, output_len: int, num_layers: int) -> dict[s
                      "--gpu-memory-utilization", "0.6", "--max-num-seqs", "512",
                      "--max-num-batched-tokens", "16384")
     gateway_args = ("--max-num-seqs", "512", "--max-num-batched-tokens", "16384")
+    log_dir = tempfile.mkdtemp(prefix="pagedkv-e2e-")
     try:
         with stack(preset, executor_args=executor_args, gateway_args=gateway_args,
-                   seed=SEED) as running:
+                   seed=SEED, log_dir=log_dir) as running:
             run_load(running.gateway_addr, reqs[:4], 4)  # warm-up
             results, wall = run_load(running.gateway_addr, reqs, batch)
         ok = [r for r in results if r.ok]
@@ -186,6 +196,7 @@ def e2e(batch: int, prompt_len: int, output_len: int, num_layers: int) -> dict[s
         row["pagedkv"] = {"error": f"{type(exc).__name__}: {exc}"}
         pagedkv_tokens = None
         traceback.print_exc()
+        _print_log_tails(log_dir)
     try:
         from transformers import GenerationConfig
 
@@ -268,6 +279,7 @@ def stack_parity() -> dict[str, Any]:
     for name, model_dir, dtype, backend, must_match in PARITY_RUNS:
         row: dict[str, Any] = {"model": model_dir, "dtype": dtype, "backend": backend}
         payload[name] = row
+        log_dir = ""
         try:
             vocab = AutoConfig.from_pretrained(ROOT / model_dir).vocab_size
             reqs = parity_requests(vocab)
@@ -275,8 +287,9 @@ def stack_parity() -> dict[str, Any]:
                              "--gpu-memory-utilization", "0.3",
                              "--max-num-batched-tokens", "256")  # chunked prefill
             gateway_args = ("--max-num-batched-tokens", "256")
+            log_dir = tempfile.mkdtemp(prefix=f"pagedkv-parity-{name}-")
             with stack(str(ROOT / model_dir), executor_args=executor_args,
-                       gateway_args=gateway_args, seed=SEED) as running:
+                       gateway_args=gateway_args, seed=SEED, log_dir=log_dir) as running:
                 results, _ = run_load(running.gateway_addr, reqs, len(reqs))
             got = [list(r.tokens) for r in results]
             model = reference_model(model_dir, SEED, attn="sdpa",
@@ -305,6 +318,8 @@ def stack_parity() -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - keep the other run's figures
             row["error"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
+            if log_dir:
+                _print_log_tails(log_dir)
         print(json.dumps({name: row}), file=sys.stderr, flush=True)
     return payload
 
@@ -334,12 +349,15 @@ def memory_profile(num_layers: int, utilization: float = 0.9) -> dict[str, Any]:
             time.sleep(0.02)
 
     rng = random.Random(SEED)
-    reqs = [BenchRequest([1, *(rng.randrange(3, 32000) for _ in range(1023))], 128)
-            for _ in range(256)]
+    # 1,024 sequences: the pool is not capped by what they can use (1,024 x 8,192 tokens is
+    # more than the budget holds), the largest steps run (8,192-token prefills, 1,024-row
+    # decodes whose logits and sampling the profile must have counted).
+    reqs = [BenchRequest([1, *(rng.randrange(3, 32000) for _ in range(1023))], 32)
+            for _ in range(1024)]
     executor_args = ("--device", "cuda", "--backend", "flashinfer", "--dtype", "bfloat16",
-                     "--gpu-memory-utilization", str(utilization), "--max-num-seqs", "256",
+                     "--gpu-memory-utilization", str(utilization), "--max-num-seqs", "1024",
                      "--max-num-batched-tokens", "8192")
-    gateway_args = ("--max-num-seqs", "256", "--max-num-batched-tokens", "8192")
+    gateway_args = ("--max-num-seqs", "1024", "--max-num-batched-tokens", "8192")
     try:
         with stack(preset, executor_args=executor_args, gateway_args=gateway_args, seed=SEED,
                    log_dir=log_dir) as running:
@@ -358,11 +376,13 @@ def memory_profile(num_layers: int, utilization: float = 0.9) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001
         row["error"] = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
+        _print_log_tails(log_dir)
     finally:
         stop.set()
     for line in (Path(log_dir) / "executor.log").read_text().splitlines() if (
             Path(log_dir) / "executor.log").exists() else []:
-        if "gpu_memory_profiled" in line or "kv_cache_allocated" in line:
+        if any(event in line for event in ("gpu_memory_profiled", "kv_cache_allocated",
+                                           "kv_blocks_capped")):
             row.setdefault("executor_log", []).append(line[-600:])
     shutil.rmtree(preset, ignore_errors=True)
     return row

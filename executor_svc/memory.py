@@ -1,7 +1,8 @@
 """How many KV blocks fit: the CPU budget (--kv-cache-memory) or a profiled GPU budget.
 
-On CUDA, the weights are loaded first; then the largest step (max_num_batched_tokens tokens,
-max_num_seqs of them sampled) runs once to measure its transient peak, and the blocks fill
+On CUDA, the weights are loaded first; then the largest step (max_num_batched_tokens tokens in
+sequences of at most max_model_len, max_num_seqs rows sampled) runs once to measure its
+transient peak, and the blocks fill
 what --gpu-memory-utilization leaves: total * utilization - (total - free) - peak, where
 total - free (the driver's count) holds the CUDA context, the weights, what is not torch's and
 other processes' memory.
@@ -57,28 +58,47 @@ class GpuMemoryProfile:
         return int(self.total_bytes * utilization) - self.used_bytes - self.step_peak_bytes
 
 
+def profile_spans(num_tokens: int, max_model_len: int, block_size: int) -> tuple[SeqSpan, ...]:
+    """Fresh prompts of at most max_model_len tokens filling num_tokens, on blocks 0, 1, ..."""
+    spans: list[SeqSpan] = []
+    start = next_block = 0
+    while start < num_tokens:
+        length = min(max_model_len, num_tokens - start)
+        blocks = -(-length // block_size)
+        spans.append(SeqSpan(start, length, length, tuple(range(next_block, next_block + blocks))))
+        start, next_block = start + length, next_block + blocks
+    return tuple(spans)
+
+
 def profile_gpu_memory(
     loaded: LoadedModel,
     spec: KVCacheSpec,
     backend: AttentionBackend,
     num_tokens: int,
     num_seqs: int,
+    max_model_len: int,
 ) -> GpuMemoryProfile:
-    """Run the largest step: `num_tokens` prefill tokens whose last `num_seqs` rows are
-    sampled (the logits of the largest batch, then the sampler's top-logprobs pass)."""
+    """Run the largest step: `num_tokens` prefill tokens in sequences of at most
+    `max_model_len`, whose last `num_seqs` rows are sampled (the logits of the largest batch,
+    then the sampler's top-logprobs pass).
+
+    NOTE: the torch backend's decode gather buffer (the reference path on CUDA) grows with the
+    largest decode group, which no prefill shows: on CUDA serve with --backend flashinfer.
+    """
     device = loaded.device
-    num_blocks = -(-num_tokens // spec.block_size)
+    spans = profile_spans(num_tokens, max_model_len, spec.block_size)
+    lengths = [span.query_len for span in spans]
+    num_blocks = sum(len(span.block_ids) for span in spans)
     cache = KVCache.allocate(spec, num_blocks, 0, device)
-    span = SeqSpan(0, num_tokens, num_tokens, tuple(range(num_blocks)))
     num_rows = min(num_seqs, num_tokens)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     resident = torch.cuda.memory_allocated(device)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)  # [T]
-    positions = torch.arange(num_tokens, device=device)  # [T]
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])  # [T]
     keep = torch.arange(num_tokens - num_rows, num_tokens, device=device)  # [S]
-    attention = plan_step(backend, (span,), spec.block_size, cache, loaded.attention_shape)
+    attention = plan_step(backend, spans, spec.block_size, cache, loaded.attention_shape)
     logits = forward_once(loaded, attention, ids, positions, keep)  # [S, V]
     params = SamplingParams(temperature=1.0, top_p=0.9, top_logprobs=1)
     Sampler(0, device).sample(logits, [params] * num_rows, [None] * num_rows, [None] * num_rows)
@@ -114,8 +134,8 @@ def count_blocks(
     if settings.num_blocks is not None:
         return BlockCounts(settings.num_blocks, num_cpu_blocks, num_cpu_cache_blocks)
     if loaded.device.type == "cuda":
-        num_tokens = min(settings.max_num_batched_tokens, max_model_len)
-        profile = profile_gpu_memory(loaded, spec, backend, num_tokens, settings.max_num_seqs)
+        profile = profile_gpu_memory(loaded, spec, backend, settings.max_num_batched_tokens,
+                                     settings.max_num_seqs, max_model_len)
         budget = profile.kv_budget_bytes(settings.gpu_memory_utilization)
         log.info("gpu_memory_profiled", total_bytes=profile.total_bytes,
                  used_bytes=profile.used_bytes, step_peak_bytes=profile.step_peak_bytes,

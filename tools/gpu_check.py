@@ -2,7 +2,8 @@
 
 A task lent a GPU machine has about 15 minutes of it in all, no network, 64 MiB of the working
 tree, and only the files written under $OUT come back (8 at most). So one call runs STAGES in
-order of value, each under its own timeout and all within 8 minutes (a rerun still fits). Each
+order of value, each under its own timeout and all within 8 minutes (a second call still fits
+for the stages that failed: --only). Each
 stage appends one JSON line to $OUT/stages.jsonl as soon as it ends and its output to
 $OUT/stages.log, and writes its results under $OUT/results/: a cut-off loses the least.
 
@@ -10,6 +11,8 @@ Build the kit here with `make gpu-kit` (wheels, the FlashInfer bundle, the stubs
 device call is
 
     command: bash tools/gpu_check.sh        carry: [".gpu_kit", ".fi_bundle", "pagedkv"]
+
+with timeout_s 600 and kind nvidia-h200.
 
 `OUT=/tmp/out bash tools/gpu_check.sh --dry-run` runs the same table here on the CPU, each
 command replaced by one that proves it would start (pytest --collect-only, bench --help, the
@@ -54,17 +57,17 @@ class Stage:
 # -k matches substrings: "not float16" alone would drop the bfloat16 cases too.
 BF16_ONLY = "float16 cases deselected: the bundle holds bf16 kernels only"
 STAGES = (
-    Stage("environment", "python3 -m tools.gpu_check --environment", 30, reports_json=True),
-    Stage("flashinfer_kernels", "python3 .gpu_kit/flashinfer_gpu_check.py --hd 128", 60,
+    Stage("environment", "python3 -m tools.gpu_check --environment", 20, reports_json=True),
+    Stage("flashinfer_kernels", "python3 .gpu_kit/flashinfer_gpu_check.py --hd 128", 45,
           dry_command="python3 .gpu_kit/flashinfer_gpu_check.py --cpu-selftest"),
     Stage("flashinfer_vs_torch", "python3 -m pytest -q -x -m gpu "
-          "tests/executor/test_flashinfer_backend.py -k \"bfloat16 or not float16\"", 60,
+          "tests/executor/test_flashinfer_backend.py -k \"bfloat16 or not float16\"", 45,
           note=BF16_ONLY),
-    Stage("stack_parity", "python3 -m bench.gpu --stage parity --out {results}", 90),
-    Stage("conformance", "python3 -m pytest -q -x tests/conformance --executor-device cuda", 90),
-    Stage("memory_profile", "python3 -m bench.gpu --stage memory --out {results}", 60),
-    Stage("decode_bandwidth", "python3 -m bench.gpu --stage kernel --quick --out {results}", 60),
-    Stage("e2e_decode", "python3 -m bench.gpu --stage e2e --quick --out {results}", 90),
+    Stage("stack_parity", "python3 -m bench.gpu --stage parity --out {results}", 80),
+    Stage("conformance", "python3 -m pytest -q -x tests/conformance --executor-device cuda", 80),
+    Stage("memory_profile", "python3 -m bench.gpu --stage memory --out {results}", 90),
+    Stage("decode_bandwidth", "python3 -m bench.gpu --stage kernel --quick --out {results}", 45),
+    Stage("e2e_decode", "python3 -m bench.gpu --stage e2e --quick --out {results}", 75),
     Stage("gpu_tests", "python3 -m pytest -q -m gpu tests/executor tests/e2e "
           "-k \"bfloat16 or not float16\"", 60, note=BF16_ONLY),
 )
@@ -191,14 +194,26 @@ def run_stages(stages: tuple[Stage, ...], out: Path, *, dry: bool = False,
     return records
 
 
-def unmet_requirements(site: Path) -> list[str]:
-    """What the kit's wheels in `site` need that this interpreter lacks or has too old."""
+# The device's own packages the stages use: the kit's wheels come first on PYTHONPATH, so
+# their needs are checked against the kit's versions too.
+DEVICE_PACKAGES = ("torch", "triton", "transformers", "tokenizers", "huggingface-hub",
+                   "safetensors")
+
+
+def unmet_requirements(site: Path | None = None,
+                       names: tuple[str, ...] = ()) -> list[str]:
+    """What the kit's wheels in `site`, and the installed packages `names`, need that this
+    interpreter (the kit first) lacks or has at another version."""
     from importlib import metadata
 
     from packaging.requirements import Requirement
 
+    dists = list(metadata.distributions(path=[str(site)])) if site else []
+    for name in names:
+        with suppress(metadata.PackageNotFoundError):
+            dists.append(metadata.distribution(name))
     unmet = []
-    for dist in metadata.distributions(path=[str(site)]):
+    for dist in dists:
         for text in dist.requires or []:
             requirement = Requirement(text)
             if requirement.marker and not requirement.marker.evaluate({"extra": ""}):
@@ -210,7 +225,7 @@ def unmet_requirements(site: Path) -> list[str]:
                 continue
             if not requirement.specifier.contains(have, prereleases=True):
                 unmet.append(f"{dist.metadata['Name']}: {text} (have {have})")
-    return sorted(unmet)
+    return sorted(set(unmet))
 
 
 def environment() -> dict[str, Any]:
@@ -236,6 +251,7 @@ def environment() -> dict[str, Any]:
         info["stubs"] = f"{type(error).__name__}: {error}"
     site = os.environ.get("GPU_KIT_SITE")
     info["kit_unmet_requirements"] = unmet_requirements(Path(site)) if site else None
+    info["device_unmet_requirements"] = unmet_requirements(names=DEVICE_PACKAGES)
     try:
         import torch
     except Exception as error:  # noqa: BLE001 - the kit's wheels shadow some of torch's needs

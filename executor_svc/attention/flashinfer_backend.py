@@ -13,6 +13,11 @@ the queue); the tables of every sequence, which `append_paged_kv_cache` writes t
 through, and the rows of each subset go with the step's other arrays in its one copy
 (step_arrays.py). The cache is the KVCache's (k, v) pair, NHD: `[num_blocks, block_size, Hkv,
 D]` each. `flashinfer` is imported here only, on demand.
+
+NOTE: `plan()` rewrites each wrapper's own page-locked workspace and queues its copy to the
+device; that is safe because every step ends with the host waiting for its sampled tokens.
+Steps planned ahead of the device (overlapped scheduling, CUDA graphs) need a wrapper, and
+its buffers, per step in flight.
 """
 
 from __future__ import annotations

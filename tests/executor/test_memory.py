@@ -7,7 +7,7 @@ import torch
 
 from executor_svc.attention import make_backend
 from executor_svc.kv_cache import KVCacheSpec
-from executor_svc.memory import GpuMemoryProfile, count_blocks
+from executor_svc.memory import GpuMemoryProfile, count_blocks, profile_spans
 from executor_svc.model_loader import load_model
 
 from .oracle import make_settings
@@ -40,3 +40,13 @@ def test_gpu_budget_fills_the_device_up_to_the_utilization_with_what_is_there() 
                        dtype=torch.bfloat16)
     assert spec.bytes_per_block == 2 * gib // 1024  # 2 MiB: 49 GiB hold 25,088 blocks
     assert spec.blocks_for(profile.kv_budget_bytes(0.9)) == 25_088
+
+
+def test_the_profiled_step_splits_its_tokens_into_prompts_the_model_can_take() -> None:
+    # 16,384 batched tokens at max_model_len 8,192: two full prompts; 700 at 256: 256+256+188.
+    assert [s.query_len for s in profile_spans(16_384, 8_192, 16)] == [8_192, 8_192]
+    spans = profile_spans(700, 256, 16)
+    assert [(s.query_start, s.query_len, s.context_len) for s in spans] == [
+        (0, 256, 256), (256, 256, 256), (512, 188, 188)]
+    blocks = [b for s in spans for b in s.block_ids]
+    assert blocks == list(range(16 + 16 + 12))  # each prompt on blocks of its own
