@@ -19,6 +19,7 @@ lands before the forward reads it); a host reader of the CPU pool waits for `swa
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -74,6 +75,25 @@ class KVCacheSpec:
         return int(num_bytes // self.bytes_per_block)
 
 
+def page_locked(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's own memory registered with CUDA as page-locked (copies from and to it need
+    not wait), unregistered when the tensor goes.
+
+    NOTE: not `pin_memory=True`: torch's pinned allocator rounds each allocation up to a power
+    of two, so 20 GiB of CPU blocks would lock 32. Where registering fails, that allocator.
+    """
+    cudart = torch.cuda.cudart()
+    ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    try:
+        error = cudart.cudaHostRegister(ptr, size, 0)
+    except (AttributeError, RuntimeError):
+        return tensor.pin_memory()
+    if int(getattr(error, "value", error)) != 0:
+        return tensor.pin_memory()
+    weakref.finalize(tensor, cudart.cudaHostUnregister, ptr)
+    return tensor
+
+
 def runs(ids: list[int]) -> Iterator[tuple[int, int, int]]:
     """(position in ids, first id, length) of each run of consecutive ids, in order."""
     start = 0
@@ -87,7 +107,7 @@ def runs(ids: list[int]) -> Iterator[tuple[int, int, int]]:
 class KVCache:
     spec: KVCacheSpec
     kv: torch.Tensor  # [L, 2, num_blocks, block_size, Hkv, D] on the device
-    cpu_kv: torch.Tensor  # [num_cpu_blocks, L, 2, block_size, Hkv, D] on the CPU (pinned on CUDA)
+    cpu_kv: torch.Tensor  # [num_cpu_blocks, L, 2, block_size, Hkv, D], page-locked on CUDA
     swapped_out: torch.cuda.Event | None = field(default=None)  # CUDA: after the last swap-out
 
     @classmethod
@@ -96,9 +116,9 @@ class KVCache:
     ) -> KVCache:
         # Zeros, not empty: padded attention reads masked slots, and 0 * NaN would leak.
         kv = torch.zeros(spec.shape(num_blocks), dtype=spec.dtype, device=device)
-        cpu_kv = torch.zeros(
-            spec.cpu_shape(num_cpu_blocks), dtype=spec.dtype, pin_memory=device.type == "cuda"
-        )
+        cpu_kv = torch.zeros(spec.cpu_shape(num_cpu_blocks), dtype=spec.dtype)
+        if device.type == "cuda" and cpu_kv.numel():
+            cpu_kv = page_locked(cpu_kv)
         return cls(spec=spec, kv=kv, cpu_kv=cpu_kv)
 
     @property
