@@ -72,7 +72,10 @@ def median(samples: list[float]) -> float:
     return statistics.median(samples)
 
 
-def write_results(name: str, payload: dict[str, Any], directory: Path = RESULTS_DIR) -> Path:
+def write_results(name: str, payload: dict[str, Any], directory: Path | None = None) -> Path:
+    """<directory>/<name>.json with the machine's description; RESULTS_DIR by default (read
+    at call time: tests point it elsewhere)."""
+    directory = directory or RESULTS_DIR
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))

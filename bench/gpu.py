@@ -46,7 +46,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, markdown_table, write_results
+from bench.common import markdown_table, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "models/llama3-8b-shapes"
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage", default=",".join(STAGES),
                    help=f"comma-separated stages, in the order given: {', '.join(STAGES)}")
     p.add_argument("--quick", action="store_true", help="fewer shapes, one e2e size")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR,
+    p.add_argument("--out", type=Path, default=None,
                    help="folder for gpu_<stage>.json (default bench/results)")
     p.add_argument("--layers", type=int, default=8,
                    help="layers of the 8B shapes for the e2e and memory stages")

@@ -15,6 +15,8 @@ def test_a_results_file_records_its_cpu_threads_and_kernel_targets(  # type: ign
 ) -> None:
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     path = common.write_results("probe", {"figure": 1})
+    assert path == tmp_path / "probe.json"  # never into the repository's bench/results
+    assert common.write_results("other", {}, tmp_path / "out") == tmp_path / "out" / "other.json"
     written = json.loads(path.read_text())
     assert written["figure"] == 1
     recorded = written["machine"]
