@@ -229,6 +229,7 @@ def cpu_benchmark(quick: bool, threads: int) -> None:
     settings = ExecutorSettings(
         model=str(PRESET),
         load_format="dummy",
+        dtype="float32",  # the dense reference below is float32
         seed=0,
         kv_cache_memory=512 * 2**20,
         swap_space=0.0,

@@ -48,7 +48,8 @@ def _start(model: Path, workdir: Path, name: str, num_blocks: int, tokens: RoleT
     port_file, log_path = workdir / f"{name}.port", workdir / f"{name}.log"
     weights = "auto" if any(model.glob("*.safetensors")) else "dummy"
     command = [sys.executable, "-m", "executor_svc", "--model", str(model), "--load-format",
-               weights, "--num-blocks", str(num_blocks), "--swap-space", "0", "--port", "0",
+               weights, "--dtype", "float32", "--num-blocks", str(num_blocks), "--swap-space", "0",
+               "--port", "0",
                "--port-file", str(port_file), "--metrics-port", "-1", "--log-level", "warning"]
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,

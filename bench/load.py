@@ -154,7 +154,10 @@ def stack(model: str, executor_args: Sequence[str] = (), gateway_args: Sequence[
     spec = StackSpec(
         model=model, allocator_port=0, executor_port=0, gateway_port=0,
         num_executors=num_executors, allocator_args=tuple(allocator_args),
-        executor_args=("--load-format", load_format, "--seed", str(seed), *executor_args),
+        # float32 unless the caller names a dtype (a later flag wins): the figures in
+        # bench/README.md are float32 ones, whatever `auto` picks on this CPU.
+        executor_args=("--load-format", load_format, "--seed", str(seed), "--dtype", "float32",
+                       *executor_args),
         gateway_args=tuple(gateway_args),
         log_dir=log_dir or tempfile.mkdtemp(prefix="pagedkv-bench-"),
     )

@@ -117,7 +117,8 @@ class ExecutorSettings(ServingSettings):
     load_format: str = setting("auto", "weights: the directory's (auto) or seeded random "
                                "ones (dummy)", choices=("auto", "dummy"))
     seed: int = setting(0, "seed for dummy weights and sampling")
-    dtype: str = setting("auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 "
+    dtype: str = setting("auto", "auto (bfloat16 on CUDA and on CPUs with bfloat16 hardware, "
+                         "AVX512-BF16 or AMX; else float32), float32, bfloat16 "
                          "or float16", choices=DTYPES)
     device: str = setting("cpu", "cpu or cuda[:N]",
                           check=lambda d: d == "cpu" or d.startswith("cuda"),

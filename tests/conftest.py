@@ -18,6 +18,7 @@ that the session-scoped stack they share starts once too.
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -27,6 +28,12 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
+
+# The suite's references are float32 (transformers' own models, token-identical): every
+# executor it starts computes in float32 unless a test names another dtype, whatever
+# `--dtype auto` would pick on this CPU (bfloat16 where the CPU has bfloat16 hardware).
+# PAGEDKV_DTYPE is --dtype's environment equivalent; the subprocesses inherit it.
+os.environ.setdefault("PAGEDKV_DTYPE", "float32")
 
 KINDS = ("unit", "service", "e2e")
 E2E_FOLDERS = ("e2e", "client", "conformance")  # each of their tests starts services

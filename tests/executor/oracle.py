@@ -47,6 +47,7 @@ def make_settings(preset: str = "tiny-llama", **overrides: object) -> ExecutorSe
     base: dict[str, object] = {
         "model": str(MODELS / preset),
         "load_format": "dummy",
+        "dtype": "float32",  # the references are float32 (tests/conftest.py)
         "seed": 1234,
         "block_size": 16,
         "num_blocks": 256,

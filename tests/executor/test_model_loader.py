@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.model_dirs import DEFAULT_MODEL, PRESETS_DIR
-from executor_svc.model_loader import ModelLoadError, dummy_model, load_model
+from executor_svc.model_loader import ModelLoadError, dummy_model, load_model, resolve_dtype
 
 from .oracle import MODELS
 
@@ -178,3 +178,23 @@ def test_fingerprint_names_weights_and_dtype_never_the_device() -> None:
     assert len({fp(0, "float32"), fp(0, "bfloat16"), fp(1, "float32")}) == 3
     config = AutoConfig.from_pretrained(TINY)
     assert "cuda" not in json.dumps(config.to_dict(), default=str)  # nothing device-bound in it
+
+
+@pytest.mark.parametrize(("avx512_bf16", "amx", "onednn", "expected"), [
+    (True, False, True, torch.bfloat16),  # e.g. Cooper Lake, Zen 4
+    (False, True, True, torch.bfloat16),  # Sapphire Rapids and later
+    (False, False, True, torch.float32),  # AVX-512 or AVX2 alone: bf16 converted in software
+    (True, True, False, torch.float32),  # a torch without oneDNN
+])
+def test_auto_dtype_is_bfloat16_where_the_cpu_computes_it_in_hardware(
+    monkeypatch: pytest.MonkeyPatch, avx512_bf16: bool, amx: bool, onednn: bool,
+    expected: torch.dtype,
+) -> None:
+    # bench.auto_dtype measured bfloat16 1.25x (one sequence) to 5x (a 2,048-token prefill)
+    # faster on an AMX Xeon; without the hardware the conversions cost more than they save.
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: onednn)
+    assert resolve_dtype("auto", torch.device("cpu")) == expected
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
