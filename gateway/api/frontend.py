@@ -149,6 +149,37 @@ class Frontend:
             return await self._encode(prompt.text)
         return list(prompt.token_ids or [])
 
+    async def tokenize_input(self, prompt: PromptInput, tenant: str = SINGLE_TENANT,
+                             add_special_tokens: bool = True,
+                             add_generation_prompt: bool = True) -> list[int]:
+        """HTTP /tokenize: a text's or a chat's token ids as the tokenizer gives them (with the
+        defaults, a chat's are the ones a chat completion computes), one of the tenant's
+        in-flight sequences while it runs. Unlike a request's, a text longer than
+        max_model_len tokens is counted, not refused: the caller asks how long it is (the
+        byte limit bounds the work)."""
+        self._check_open()
+        self._take_seqs(tenant, 1)
+        try:
+            return await self._tokens_of(prompt, add_special_tokens, add_generation_prompt)
+        finally:
+            self.tenant_seqs[tenant] -= 1
+
+    async def _tokens_of(self, prompt: PromptInput, add_special_tokens: bool,
+                         add_generation_prompt: bool) -> list[int]:
+        if prompt.chat is not None:
+            if len(prompt.chat) > MAX_CHAT_MESSAGES:
+                raise InvalidArgument(
+                    f"chat has {len(prompt.chat)} messages; at most {MAX_CHAT_MESSAGES}")
+            size = sum(_utf8_len(t.content) + _utf8_len(t.role) for t in prompt.chat)
+            check_prompt_bytes(size, self.max_prompt_bytes, "chat content")
+            text = await self._off_loop(size, self.tokenizer.chat_text, prompt.chat,
+                                        add_generation_prompt)
+            return await self._off_loop(size, self.tokenizer.encode_rendered, text)
+        text = prompt.text or ""
+        num_bytes = _utf8_len(text)
+        check_prompt_bytes(num_bytes, self.max_prompt_bytes)
+        return await self._off_loop(num_bytes, self.tokenizer.encode, text, add_special_tokens)
+
     async def _off_loop(self, num_bytes: int, fn: Callable[..., T], *args: object) -> T:
         lane = self.short_lane if num_bytes <= SHORT_PROMPT_BYTES else self.long_lane
         return await asyncio.get_running_loop().run_in_executor(lane, fn, *args)

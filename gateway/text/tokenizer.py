@@ -62,9 +62,9 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
-            return [int(t) for t in self.hf.encode(text)]
+            return [int(t) for t in self.hf.encode(text, add_special_tokens=add_special_tokens)]
         except Exception as exc:  # noqa: BLE001 - a tokenizer error is the caller's input
             raise InvalidArgument(f"prompt text could not be tokenized: {exc}") from exc
 
@@ -72,8 +72,9 @@ class Tokenizer:
         """Token ids of a conversation in the model's chat template, ready for the reply."""
         return self.encode_rendered(self.chat_text(turns))
 
-    def chat_text(self, turns: list[ChatTurn]) -> str:
-        """A conversation in the model's chat template, as text (not yet tokenized)."""
+    def chat_text(self, turns: list[ChatTurn], add_generation_prompt: bool = True) -> str:
+        """A conversation in the model's chat template, as text (not yet tokenized); with
+        `add_generation_prompt`, ready for the reply."""
         if not turns:
             raise InvalidArgument("chat: messages is empty; send at least one message")
         bad = next((t.role for t in turns if t.role not in CHAT_ROLES), None)
@@ -86,7 +87,7 @@ class Tokenizer:
         messages = [{"role": t.role, "content": t.content} for t in turns]
         try:
             return str(self.hf.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
             ))
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
             raise InvalidArgument(

@@ -293,6 +293,61 @@ def test_malformed_json_wrong_type_and_unknown_model(base: str, client: openai.O
         client.completions.create(model=SERVED, prompt="x", temperature=-2)
 
 
+def test_tokenize_a_text_as_the_tokenizer_does_and_detokenize_it_back(base: str):
+    # vLLM's /tokenize and /detokenize: transformers' own tokenizer is the reference; special
+    # tokens by default (add_special_tokens: false leaves them out); a text longer than
+    # max_model_len tokens is counted, not refused.
+    tok = tokenizer()
+    text = "The paged cache holds 16 tokens a block, and blocks are shared."
+    got = httpx.post(f"{base}/tokenize", json={"model": SERVED, "prompt": text}).json()
+    assert got == {"count": len(tok.encode(text)), "max_model_len": 1024,
+                   "tokens": tok.encode(text), "token_strs": None}
+    bare = httpx.post(f"{base}/tokenize", json={"prompt": text, "add_special_tokens": False,
+                                               "return_token_strs": True}).json()
+    assert bare["tokens"] == tok.encode(text, add_special_tokens=False) != got["tokens"]
+    assert bare["token_strs"] == tok.convert_ids_to_tokens(bare["tokens"])
+    back = httpx.post(f"{base}/detokenize", json={"model": SERVED, "tokens": got["tokens"]})
+    assert back.json() == {"prompt": tok.decode(got["tokens"])}  # the BOS token included
+    long = httpx.post(f"{base}/tokenize", json={"prompt": "block " * 1500}).json()
+    assert long["count"] == len(tok.encode("block " * 1500)) > long["max_model_len"]
+
+
+def test_tokenize_a_chat_gives_what_a_chat_completion_is_given(
+        base: str, client: openai.OpenAI, clients: Clients):
+    from transformers import AutoTokenizer
+
+    chat_tok = AutoTokenizer.from_pretrained(clients.stack.spec.model)  # the template's copy
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    got = httpx.post(f"{base}/tokenize", json={"model": SERVED, "messages": messages}).json()
+    rendered = chat_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert got["tokens"] == chat_tok.encode(rendered, add_special_tokens=False)
+    completion = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=1)
+    assert completion.usage.prompt_tokens == got["count"]
+    open_turn = httpx.post(f"{base}/tokenize", json={"messages": messages,
+                                                     "add_generation_prompt": False}).json()
+    without = chat_tok.apply_chat_template(messages, add_generation_prompt=False,
+                                           tokenize=False)
+    assert open_turn["tokens"] == chat_tok.encode(without, add_special_tokens=False)
+    assert open_turn["count"] < got["count"]
+
+
+def test_tokenize_and_detokenize_refuse_bad_bodies_by_name(base: str):
+    text, chat = {"prompt": "x"}, {"messages": [{"role": "user", "content": "x"}]}
+    for path, body, status, words in [
+        ("/tokenize", {}, 400, "prompt (a text) or messages"),
+        ("/tokenize", {**text, **chat}, 400, "one of the two"),
+        ("/tokenize", {**chat, "add_special_tokens": True}, 400, "add_special_tokens"),
+        ("/tokenize", {**text, "model": "gpt-4"}, 404, "does not exist"),
+        ("/tokenize", {**text, "truncate": 3}, 400, "unsupported parameter: truncate"),
+        ("/detokenize", {"tokens": [1, 512]}, 400, "token id 512 is outside the vocabulary"),
+        ("/detokenize", {"tokens": [-1]}, 400, "token id -1"),
+        ("/detokenize", {"tokens": "12"}, 400, "tokens"),
+        ("/detokenize", {"model": "gpt-4", "tokens": [1]}, 404, "does not exist"),
+    ]:
+        assert words in str(_error(httpx.post(f"{base}{path}", json=body), status)["message"])
+    assert httpx.get(f"{base}/health").status_code == 200
+
+
 def test_oversized_body_is_413_before_it_is_read(base: str):
     big = b"x" * (3 * (1 << 20) + 10)  # over 2 x --max-prompt-bytes (1 MiB) + 1 MiB
     _error(httpx.post(f"{base}/v1/completions", content=big,

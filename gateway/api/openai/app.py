@@ -41,7 +41,12 @@ from starlette.types import Receive, Scope, Send
 from common.errors import ServiceError
 from gateway.api.frontend import Frontend
 from gateway.api.openai.errors import error_body, error_response, message_of, status_of
-from gateway.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.api.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from gateway.api.sampling import MAX_REQUEST_ID_CHARS
 from gateway.api.tenants import Tenancy
 from gateway.core.request_state import CompletionDelta, FinishReason, TokenLogprob
@@ -195,6 +200,36 @@ def create_app(api: HttpApi) -> FastAPI:
         body = await api.body(request, ChatCompletionRequest)
         api.check_model(body.model)
         return await _serve(api, request, body, tenant, ChatCompletions(api, body))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        tenant = api.tenant(request)
+        body = await api.body(request, TokenizeRequest)
+        if body.model is not None:
+            api.check_model(body.model)
+        prompt = body.prompt_input()
+        add_special = body.add_special_tokens
+        ids = await api.frontend.tokenize_input(
+            prompt, tenant, add_special_tokens=True if add_special is None else add_special,
+            add_generation_prompt=body.add_generation_prompt)
+        tokenizer = api.frontend.tokenizer.hf
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": api.frontend.info.max_model_len,
+                             "tokens": ids, "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        api.tenant(request)
+        body = await api.body(request, DetokenizeRequest)
+        if body.model is not None:
+            api.check_model(body.model)
+        vocab = api.frontend.tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise HttpError(400, f"token id {bad} is outside the vocabulary [0, {vocab})",
+                            "tokens")
+        text = api.frontend.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return JSONResponse({"prompt": text})
 
     return app
 

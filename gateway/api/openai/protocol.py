@@ -172,12 +172,7 @@ class ChatCompletionRequest(_Common):
     response_format: dict[str, str] | None = None
 
     def prompt_input(self) -> PromptInput:
-        turns = []
-        for message in self.messages:
-            content = message.content
-            text = content if isinstance(content, str) else "".join(p.text for p in content)
-            turns.append(ChatTurn(CHAT_ROLE_ALIASES.get(message.role, message.role), text))
-        return PromptInput(chat=turns)
+        return PromptInput(chat=chat_turns(self.messages))
 
     def sampling(self) -> RawSampling:
         if self.response_format not in (None, {"type": "text"}):
@@ -191,6 +186,15 @@ class ChatCompletionRequest(_Common):
             max_tokens = 0  # refused by name below, not taken as unset
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.raw_sampling(max_tokens, logprobs, fill_context=max_tokens is None)
+
+
+def chat_turns(messages: list[ChatMessage]) -> list[ChatTurn]:
+    turns = []
+    for message in messages:
+        content = message.content
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
+        turns.append(ChatTurn(CHAT_ROLE_ALIASES.get(message.role, message.role), text))
+    return turns
 
 
 def _early_stopping(value: bool | str | None) -> EarlyStopping | None:
@@ -211,3 +215,33 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
             raise InvalidArgument(f"logit_bias key {key[:32]!r} is not a token id") from None
         items.append((token_id, value))
     return tuple(sorted(items))
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text (`prompt`) or a conversation (`messages`), one of the two."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # unset: true for a text, false for a chat
+    add_generation_prompt: bool = True  # a chat: end with the assistant's turn opening
+    return_token_strs: bool = False
+
+    def prompt_input(self) -> PromptInput:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidArgument("send prompt (a text) or messages (a chat), one of the two")
+        if self.messages is not None:
+            if self.add_special_tokens:
+                raise InvalidArgument("add_special_tokens: a chat's template writes its own "
+                                      "special tokens; leave it unset or false")
+            return PromptInput(chat=chat_turns(self.messages))
+        return PromptInput(text=self.prompt)
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids back to text, special tokens included."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
