@@ -164,6 +164,15 @@ class Frontend:
         finally:
             self.tenant_seqs[tenant] -= 1
 
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """HTTP /detokenize: the ids' text, special tokens included, off the event loop (a
+        body's worth of ids takes a while to decode)."""
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        return await self._off_loop(4 * len(token_ids), self.tokenizer.decode, token_ids, False)
+
     async def _tokens_of(self, prompt: PromptInput, add_special_tokens: bool,
                          add_generation_prompt: bool) -> list[int]:
         if prompt.chat is not None:

@@ -223,13 +223,7 @@ def create_app(api: HttpApi) -> FastAPI:
         body = await api.body(request, DetokenizeRequest)
         if body.model is not None:
             api.check_model(body.model)
-        vocab = api.frontend.tokenizer.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise HttpError(400, f"token id {bad} is outside the vocabulary [0, {vocab})",
-                            "tokens")
-        text = api.frontend.tokenizer.decode(body.tokens, skip_special_tokens=False)
-        return JSONResponse({"prompt": text})
+        return JSONResponse({"prompt": await api.frontend.detokenize(body.tokens)})
 
     return app
 
