@@ -108,6 +108,12 @@ $(VLLM_VENV)/.installed:
 # CPU pin; every request completed, every token accounted for. Here a missing virtualenv or
 # tool fails the test (PAGEDKV_LOADGEN_REQUIRED=1) instead of skipping it.
 GUIDELLM_VENV := .venv-guidellm
+# The GPU device run's stages, each proven to start here on the CPU (tools/gpu_check.sh
+# --dry-run, tests/tools/test_gpu_check.py): out of make test's 5 minutes, in CI.
+.PHONY: gpu-check-dry
+gpu-check-dry: protos
+	$(PY) -m pytest -q -m gpu_kit tests/tools/test_gpu_check.py
+
 .PHONY: loadgen-e2e
 loadgen-e2e: protos $(VLLM_VENV)/.installed $(GUIDELLM_VENV)/.installed
 	PAGEDKV_LOADGEN_REQUIRED=1 $(PY) -m pytest -q -m loadgen tests/e2e/test_load_generators.py

@@ -84,7 +84,8 @@ def record(path: Path, seconds: float, rate: float) -> dict[str, Any]:
     requests = make_requests(seconds, rate)
     spec = StackSpec(model=MODEL, allocator_port=0, executor_port=0, gateway_port=0,
                      allocator_args=("--record-allocations", str(path)),
-                     executor_args=("--load-format", "dummy", "--seed", str(SEED),
+                     executor_args=("--load-format", "dummy", "--dtype", "float32",
+                                    "--seed", str(SEED),
                                     "--num-blocks", str(NUM_BLOCKS), "--block-size",
                                     str(BLOCK_SIZE)),
                      log_dir=tempfile.mkdtemp(prefix="pagedkv-replay-bench-"))

@@ -73,7 +73,7 @@ def main() -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="pagedkv-bench-"))
     spec = StackSpec(
         model=args.model, allocator_port=0, executor_port=0, gateway_port=0, log_dir=str(log_dir),
-        executor_args=("--load-format", "dummy", "--num-blocks", "8192",
+        executor_args=("--load-format", "dummy", "--dtype", "float32", "--num-blocks", "8192",
                        "--max-num-seqs", "512"),
         gateway_args=("--log-json", "--stats-every-steps", str(WINDOW), "--max-num-seqs", "512",
                       "--max-num-batched-tokens", "8192"),

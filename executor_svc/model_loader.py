@@ -32,7 +32,7 @@ from executor_svc.attention import ATTENTION_NAME, AttentionShape, register_atte
 from executor_svc.cpu_kernels import load as load_cpu_kernels
 from executor_svc.fused_layers import fuse_layers
 from executor_svc.lm_head import speed_up_lm_head
-from executor_svc.packed_linear import pack_linears
+from executor_svc.packed_linear import onednn_packs_bfloat16, pack_linears
 
 log = structlog.get_logger(__name__)
 
@@ -78,8 +78,7 @@ def cpu_computes_bfloat16() -> bool:
     faster in bfloat16 than in float32 (bench/README.md, bench.auto_dtype). Elsewhere bfloat16
     is converted element by element, and float32 is the faster one."""
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return bool(native and torch.backends.mkldnn.is_available()
-                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(native and onednn_packs_bfloat16())
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

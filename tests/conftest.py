@@ -33,7 +33,7 @@ import pytest
 # executor it starts computes in float32 unless a test names another dtype, whatever
 # `--dtype auto` would pick on this CPU (bfloat16 where the CPU has bfloat16 hardware).
 # PAGEDKV_DTYPE is --dtype's environment equivalent; the subprocesses inherit it.
-os.environ.setdefault("PAGEDKV_DTYPE", "float32")
+os.environ["PAGEDKV_DTYPE"] = "float32"  # not setdefault: a shell's own value must not win
 
 KINDS = ("unit", "service", "e2e")
 E2E_FOLDERS = ("e2e", "client", "conformance")  # each of their tests starts services
@@ -81,7 +81,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests_root = Path(__file__).parent
-    rank: dict[str, int] = {}  # per file: 0 it starts processes, 1 servers, 2 neither
     for item in items:
         kinds = [k for k in KINDS if item.get_closest_marker(k) is not None]
         folder = Path(item.path).relative_to(tests_root).parts[0]
@@ -90,13 +89,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             kinds.append("e2e")
         if not kinds:
             item.add_marker(pytest.mark.unit)
-        path = item.nodeid.split("::", 1)[0]
-        kind_rank = 0 if "e2e" in kinds else 1 if "service" in kinds else 2
-        rank[path] = min(rank.get(path, 2), kind_rank)
-    # Longest work first: --dist loadfile hands files out in this order, and a long e2e file
-    # handed out last keeps one worker busy while the other idles. Stable: each file's tests
-    # keep their order (and stay together).
-    items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])
 
 
 class UnitTestStartedSomething(AssertionError):

@@ -167,11 +167,16 @@ class Frontend:
     async def detokenize(self, token_ids: list[int]) -> str:
         """HTTP /detokenize: the ids' text, special tokens included, off the event loop (a
         body's worth of ids takes a while to decode)."""
-        vocab = self.tokenizer.vocab_size
+        vocab = self.limits.vocab_size  # the model's, as for a prompt's ids (may be padded)
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidArgument(f"token id {bad} is outside the vocabulary [0, {vocab})")
         return await self._off_loop(4 * len(token_ids), self.tokenizer.decode, token_ids, False)
+
+    async def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each id's token as the tokenizer spells it (/tokenize's return_token_strs)."""
+        return await self._off_loop(4 * len(token_ids),
+                                    self.tokenizer.hf.convert_ids_to_tokens, token_ids)
 
     async def _tokens_of(self, prompt: PromptInput, add_special_tokens: bool,
                          add_generation_prompt: bool) -> list[int]:

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.model_dirs import DEFAULT_MODEL, PRESETS_DIR
+from executor_svc import model_loader
 from executor_svc.model_loader import ModelLoadError, dummy_model, load_model, resolve_dtype
 
 from .oracle import MODELS
@@ -194,7 +195,7 @@ def test_auto_dtype_is_bfloat16_where_the_cpu_computes_it_in_hardware(
     # faster on an AMX Xeon; without the hardware the conversions cost more than they save.
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: onednn)
+    monkeypatch.setattr(model_loader, "onednn_packs_bfloat16", lambda: onednn)
     assert resolve_dtype("auto", torch.device("cpu")) == expected
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32

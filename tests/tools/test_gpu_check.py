@@ -174,6 +174,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comple
 
 
 @pytest.mark.e2e
+@pytest.mark.gpu_kit  # make gpu-check-dry
 def test_gpu_check_dry_run_records_every_stage_in_out(
         dry_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     done, out = dry_run
@@ -193,6 +194,7 @@ def test_gpu_check_dry_run_records_every_stage_in_out(
 
 
 @pytest.mark.e2e
+@pytest.mark.gpu_kit  # make gpu-check-dry
 def test_gpu_check_dry_run_collects_the_gpu_tests_and_finds_the_flags(
         dry_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     # Every stage but the bundle's kernel check (which needs `make gpu-kit`) starts here: its

@@ -212,8 +212,7 @@ def create_app(api: HttpApi) -> FastAPI:
         ids = await api.frontend.tokenize_input(
             prompt, tenant, add_special_tokens=True if add_special is None else add_special,
             add_generation_prompt=body.add_generation_prompt)
-        tokenizer = api.frontend.tokenizer.hf
-        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        strs = await api.frontend.token_strs(ids) if body.return_token_strs else None
         return JSONResponse({"count": len(ids), "max_model_len": api.frontend.info.max_model_len,
                              "tokens": ids, "token_strs": strs})
 
