@@ -249,6 +249,6 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=examples(600), stateful_step_count=30, deadline=None
+    max_examples=examples(400), stateful_step_count=30, deadline=None
 )
 test_allocator_random_operation_sequences = AllocatorMachine.TestCase

@@ -191,6 +191,6 @@ class CpuTierMachine(PinnedAllocatorMachine):
 
 
 CpuTierMachine.TestCase.settings = settings(
-    max_examples=examples(600), stateful_step_count=30, deadline=None
+    max_examples=examples(400), stateful_step_count=30, deadline=None
 )
 test_cpu_tier_random_operation_sequences = CpuTierMachine.TestCase

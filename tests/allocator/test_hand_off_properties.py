@@ -91,7 +91,7 @@ class HandOffMachine(AllocatorMachine):
             raise AssertionError(f"{request_id} reserved twice")
 
 
-HandOffMachine.TestCase.settings = settings(max_examples=examples(500), stateful_step_count=30,
+HandOffMachine.TestCase.settings = settings(max_examples=examples(350), stateful_step_count=30,
                                             deadline=None)
 test_hand_off_random_operation_sequences = HandOffMachine.TestCase
 

@@ -273,6 +273,6 @@ class OverlapMachine(RuleBasedStateMachine):
 
 
 OverlapMachine.TestCase.settings = settings(
-    max_examples=examples(400), stateful_step_count=30, deadline=None
+    max_examples=examples(300), stateful_step_count=30, deadline=None
 )
 test_overlapped_steps_against_a_reference = OverlapMachine.TestCase
