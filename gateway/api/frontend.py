@@ -18,8 +18,9 @@ import hashlib
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -111,10 +112,16 @@ class Frontend:
 
     async def tokenize(self, text: str, tenant: str = SINGLE_TENANT) -> list[int]:
         """The Tokenize RPC: one of the tenant's in-flight sequences while it runs."""
+        with self._one_seq(tenant):
+            return await self._encode(text)
+
+    @contextmanager
+    def _one_seq(self, tenant: str) -> Iterator[None]:
+        """One of the tenant's in-flight sequences, held while a tokenizer call runs."""
         self._check_open()
         self._take_seqs(tenant, 1)
         try:
-            return await self._encode(text)
+            yield
         finally:
             self.tenant_seqs[tenant] -= 1
 
@@ -137,13 +144,17 @@ class Frontend:
         self._check_can_fit(text, _utf8_len(text))
         return self.tokenizer.encode_rendered(text)
 
+    def _chat_bytes(self, chat: list[ChatTurn]) -> int:
+        """A chat's size in bytes, once its message count and size are within the limits."""
+        if len(chat) > MAX_CHAT_MESSAGES:
+            raise InvalidArgument(f"chat has {len(chat)} messages; at most {MAX_CHAT_MESSAGES}")
+        size = sum(_utf8_len(t.content) + _utf8_len(t.role) for t in chat)
+        check_prompt_bytes(size, self.max_prompt_bytes, "chat content")
+        return size
+
     async def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
         if prompt.chat is not None:
-            if len(prompt.chat) > MAX_CHAT_MESSAGES:
-                raise InvalidArgument(
-                    f"chat has {len(prompt.chat)} messages; at most {MAX_CHAT_MESSAGES}")
-            size = sum(_utf8_len(t.content) + _utf8_len(t.role) for t in prompt.chat)
-            check_prompt_bytes(size, self.max_prompt_bytes, "chat content")
+            size = self._chat_bytes(prompt.chat)
             return await self._off_loop(size, self._chat_ids, prompt.chat)
         if prompt.text:  # empty text is an empty prompt, not a lone BOS token
             return await self._encode(prompt.text)
@@ -157,12 +168,8 @@ class Frontend:
         in-flight sequences while it runs. Unlike a request's, a text longer than
         max_model_len tokens is counted, not refused: the caller asks how long it is (the
         byte limit bounds the work)."""
-        self._check_open()
-        self._take_seqs(tenant, 1)
-        try:
+        with self._one_seq(tenant):
             return await self._tokens_of(prompt, add_special_tokens, add_generation_prompt)
-        finally:
-            self.tenant_seqs[tenant] -= 1
 
     async def detokenize(self, token_ids: list[int]) -> str:
         """HTTP /detokenize: the ids' text, special tokens included, off the event loop (a
@@ -181,18 +188,18 @@ class Frontend:
     async def _tokens_of(self, prompt: PromptInput, add_special_tokens: bool,
                          add_generation_prompt: bool) -> list[int]:
         if prompt.chat is not None:
-            if len(prompt.chat) > MAX_CHAT_MESSAGES:
-                raise InvalidArgument(
-                    f"chat has {len(prompt.chat)} messages; at most {MAX_CHAT_MESSAGES}")
-            size = sum(_utf8_len(t.content) + _utf8_len(t.role) for t in prompt.chat)
-            check_prompt_bytes(size, self.max_prompt_bytes, "chat content")
-            text = await self._off_loop(size, self.tokenizer.chat_text, prompt.chat,
+            size = self._chat_bytes(prompt.chat)
+            return await self._off_loop(size, self._rendered_ids, prompt.chat,
                                         add_generation_prompt)
-            return await self._off_loop(size, self.tokenizer.encode_rendered, text)
         text = prompt.text or ""
         num_bytes = _utf8_len(text)
         check_prompt_bytes(num_bytes, self.max_prompt_bytes)
         return await self._off_loop(num_bytes, self.tokenizer.encode, text, add_special_tokens)
+
+    def _rendered_ids(self, turns: list[ChatTurn], add_generation_prompt: bool) -> list[int]:
+        """On a tokenizer thread: render and tokenize, however long (/tokenize counts)."""
+        return self.tokenizer.encode_rendered(
+            self.tokenizer.chat_text(turns, add_generation_prompt))
 
     async def _off_loop(self, num_bytes: int, fn: Callable[..., T], *args: object) -> T:
         lane = self.short_lane if num_bytes <= SHORT_PROMPT_BYTES else self.long_lane

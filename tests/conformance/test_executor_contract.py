@@ -250,7 +250,11 @@ def test_sampled_tokens_are_used_before_they_return(
     rids = [f"ahead-{i}" for i in range(3)]
     block_size = executor.info.block_size
     prefill = [executor.work(r, p) for r, p in zip(rids, prompts, strict=True)]
-    calls = [([], executor.stub.Execute.future(pb.ExecuteRequest(seqs=prefill)))]
+    # gRPC does not order two calls in flight: each step names the one it builds on, as a
+    # gateway does (ids unlike any other caller's).
+    base_id = time.time_ns()
+    calls = [([], executor.stub.Execute.future(pb.ExecuteRequest(seqs=prefill,
+                                                                  step_id=base_id)))]
     for step in range(20):
         columns = [r for r in rids if executor.held[r] % block_size != 0]
         seqs = [executor.work(r, [0]) for r in rids if r not in columns]
@@ -260,6 +264,7 @@ def test_sampled_tokens_are_used_before_they_return(
             seqs=seqs, decode_request_ids=columns, decode_token_ids=[0] * len(columns),
             decode_positions=[executor.held[r] for r in columns],
             decode_use_sampled_token=[True] * len(columns),
+            step_id=base_id + step + 1, previous_step_id=base_id + step,
         )
         for rid in columns:
             executor.held[rid] += 1

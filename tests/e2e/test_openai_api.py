@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -310,6 +311,17 @@ def test_tokenize_a_text_as_the_tokenizer_does_and_detokenize_it_back(base: str)
     assert back.json() == {"prompt": tok.decode(got["tokens"])}  # the BOS token included
     long = httpx.post(f"{base}/tokenize", json={"prompt": "block " * 1500}).json()
     assert long["count"] == len(tok.encode("block " * 1500)) > long["max_model_len"]
+    # 32 callers at once: each gets its own text's ids, and the gateway serves a completion
+    # afterwards.
+    texts = [f"caller {i} asks about block {i * 7}" for i in range(32)]
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        replies = list(pool.map(
+            lambda t: httpx.post(f"{base}/tokenize", json={"prompt": t}, timeout=60).json(),
+            texts))
+    assert [r["tokens"] for r in replies] == [tok.encode(t) for t in texts]
+    done = httpx.post(f"{base}/v1/completions", timeout=60,
+                      json={"model": SERVED, "prompt": "x", "max_tokens": 2, "n": 4})
+    assert done.status_code == 200 and len(done.json()["choices"]) == 4
 
 
 def test_tokenize_a_chat_gives_what_a_chat_completion_is_given(
