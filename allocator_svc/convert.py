@@ -99,6 +99,7 @@ def step_items(msg: pb.StepRequest) -> list[StepItem]:
                 m.cache_salt,
                 m.tenant,
                 m.resumed,
+                m.skip_prefix_lookup,
             )
         )
     return items

@@ -46,6 +46,7 @@ class StepItem:
     cache_salt: str = ""
     tenant: str = ""  # a new request's, for the allocator's per-tenant block quota
     resumed: bool = False  # new again after a recompute preemption (counted apart)
+    skip_prefix_lookup: bool = False  # a new request that reads no cached prefix
     # The allocator core's own: a decode row sent the general way (its token may be unknown).
     decode: bool = False
 

@@ -6,6 +6,7 @@ from common.errors import InvalidArgument
 from executor_svc.step import (
     BlockCopy,
     BlockTableDelta,
+    PromptLogprobs,
     SampledToken,
     SamplingParams,
     SequenceWork,
@@ -31,6 +32,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         num_prompt_tokens=msg.num_prompt_tokens,
         top_logprobs=msg.top_logprobs,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -50,6 +52,7 @@ def sequence_from_proto(msg: pb.SequenceWork) -> SequenceWork:
         sample=msg.sample,
         use_sampled_token=msg.use_sampled_token,
         history_token_ids=tuple(msg.history_token_ids),
+        prompt_token_ids=tuple(msg.prompt_token_ids),
     )
 
 
@@ -118,4 +121,14 @@ def result_to_proto(result: StepResult, num_compact_decodes: int = 0) -> pb.Exec
             total_ms=result.timings.total_ms,
         ),
         num_tokens=result.num_tokens,
+        prompt_logprobs=[_prompt_logprobs(p) for p in result.prompt_logprobs],
     )
+
+
+def _prompt_logprobs(run: PromptLogprobs) -> pb.PromptLogprobs:
+    k = len(run.top_logprobs[0]) if run.top_logprobs else 0
+    return pb.PromptLogprobs(
+        request_id=run.request_id, first_position=run.first_position, logprobs=run.logprobs,
+        ranks=run.ranks, num_top_logprobs=k,
+        top_token_ids=[t for top in run.top_logprobs for t, _ in top],
+        top_logprobs=[lp for top in run.top_logprobs for _, lp in top])

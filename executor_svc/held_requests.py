@@ -89,7 +89,8 @@ class HeldRequests:
         """A new request's state (its first step carries its sampling)."""
         assert work.sampling is not None, "plan_step admits new requests with sampling"
         return RequestState(request_id=work.request_id, sampling=work.sampling,
-                            generator=None, block_table=[], num_tokens=0)
+                            generator=None, block_table=[], num_tokens=0,
+                            prompt_token_ids=work.prompt_token_ids or None)
 
     def commit(self, seqs: tuple[PlannedSeq, ...]) -> None:
         """The step computed these: new requests held, tables and counts as planned."""

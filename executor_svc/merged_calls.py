@@ -30,7 +30,7 @@ from itertools import chain
 
 from common.errors import ServiceError
 from executor_svc.plan import PlannedSeq, StepPlan
-from executor_svc.step import SampledToken, StepRequest, StepResult, Timings
+from executor_svc.step import PromptLogprobs, SampledToken, StepRequest, StepResult, Timings
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +87,11 @@ class MergedPlan:
     def seqs(self) -> tuple[PlannedSeq, ...]:
         return tuple(chain.from_iterable(plan.seqs for plan in self.plans()))
 
-    def results(self, tokens: Sequence[SampledToken], timings: Timings
+    def results(self, tokens: Sequence[SampledToken], timings: Timings,
+                prompt_logprobs: Sequence[PromptLogprobs] = ()
                 ) -> list[StepResult | ServiceError]:
         """Each call's rows of the forward's sampled `tokens` (one per sampling sequence, in
-        the forward's order), or its refusal."""
+        the forward's order) and its requests' prompt logprobs, or its refusal."""
         results: list[StepResult | ServiceError] = []
         first = 0
         for outcome in self.outcomes:
@@ -98,9 +99,11 @@ class MergedPlan:
                 results.append(outcome)
                 continue
             num_sampled = sum(1 for p in outcome.seqs if p.work.sample)
+            mine = {p.work.request_id for p in outcome.seqs} if prompt_logprobs else set()
             results.append(StepResult(
                 tokens=tuple(tokens[first:first + num_sampled]), timings=timings,
-                num_tokens=sum(len(p.token_ids) for p in outcome.seqs)))
+                num_tokens=sum(len(p.token_ids) for p in outcome.seqs),
+                prompt_logprobs=tuple(p for p in prompt_logprobs if p.request_id in mine)))
             first += num_sampled
         assert first == len(tokens), f"{len(tokens)} tokens sampled for {first} rows"
         return results

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.errors import FailedPrecondition, InvalidArgument, NotFound
-from executor_svc.sampling_checks import check_history, check_sampling
+from executor_svc.sampling_checks import check_history, check_prompt, check_sampling
 from executor_svc.step import (
     BlockCopy,
     BlockTableDelta,
@@ -43,6 +43,9 @@ class RequestState:
     # min_tokens, logit_bias, penalties and the token history they read; None (most
     # requests) when the request uses none of them.
     processor: LogitsProcessor | None = None
+    # With SamplingParams.prompt_logprobs: the whole prompt, whose log-probabilities the
+    # steps that compute it report.
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,16 @@ class PlannedSeq:
     block_table: tuple[int, ...]  # the table once this step's delta is applied
     is_new: bool
     token_ids: tuple[int, ...]  # work.token_ids, the sampled token in place (use_sampled_token)
+    # The prompt whose log-probabilities this step reports (SamplingParams.prompt_logprobs).
+    prompt_token_ids: tuple[int, ...] | None = None
+    num_prompt_logprobs: int = 0  # the top entries per prompt token
+
+    def prompt_rows(self) -> range:
+        """The positions computed here whose next token is a prompt token."""
+        if self.prompt_token_ids is None:
+            return range(0)
+        start = self.work.start_position
+        return range(start, min(start + len(self.token_ids), len(self.prompt_token_ids) - 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +154,7 @@ def _plan_seq(work: SequenceWork, held: RequestState | None, limits: Limits) -> 
         )
     if work.sampling is not None or work.history_token_ids:
         check_history(work, limits.vocab_size)
+    check_prompt(work, held.prompt_token_ids if held is not None else None, limits.vocab_size)
     expected = held.num_tokens if held is not None else None
     if expected is not None and work.start_position != expected:
         raise InvalidArgument(
@@ -176,7 +190,11 @@ def _plan_seq(work: SequenceWork, held: RequestState | None, limits: Limits) -> 
             f"request {rid!r}: its {len(new_table)} blocks hold {capacity} tokens but the step "
             f"reaches position {end}; send the missing blocks in delta"
         )
-    return PlannedSeq(work=work, block_table=new_table, is_new=held is None, token_ids=token_ids)
+    sampling = work.sampling or (held.sampling if held is not None else None)
+    prompt = work.prompt_token_ids or (held.prompt_token_ids if held is not None else None)
+    return PlannedSeq(work=work, block_table=new_table, is_new=held is None, token_ids=token_ids,
+                      prompt_token_ids=prompt or None,
+                      num_prompt_logprobs=(sampling.prompt_logprobs or 0) if sampling else 0)
 
 
 def _sampled_token(rid: str, held: RequestState | None) -> int:

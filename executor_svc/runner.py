@@ -38,6 +38,7 @@ from executor_svc.memory import count_blocks, forward_once
 from executor_svc.merged_calls import MergedPlan, only
 from executor_svc.model_loader import LoadedModel, dtype_name, load_model
 from executor_svc.plan import Limits, PlannedSeq, RequestState
+from executor_svc.prompt_logprobs import prompt_logprobs
 from executor_svc.sampler import Sampler, new_generator
 from executor_svc.settings import ExecutorSettings, SettingsError
 from executor_svc.step import SampledToken, SequenceWork, StepRequest, StepResult, Timings
@@ -50,6 +51,9 @@ class ForwardOutput:
     logits: torch.Tensor  # [S, V]: one row per sequence that samples, in step order
     sampling_request_ids: tuple[str, ...]
     num_tokens: int
+    # The rows predicting prompt tokens (prompt_logprobs.py), [P, V], in step order.
+    prompt_logits: torch.Tensor | None = None
+    seqs: tuple[PlannedSeq, ...] = ()
 
 
 class StepClock:
@@ -136,6 +140,8 @@ class ModelRunner(HeldRequests):
         merged, forward = self._prepare_and_forward(steps)
         clock.forward_done()
         tokens = self._sample(forward.sampling_request_ids, forward.logits)  # waits for it
+        prompts = (() if forward.prompt_logits is None
+                   else prompt_logprobs(forward.prompt_logits, forward.seqs))
         timings = clock.timings()
         log.debug(
             "step_executed",
@@ -145,7 +151,7 @@ class ModelRunner(HeldRequests):
             forward_ms=round(timings.forward_ms, 3),
             total_ms=round(timings.total_ms, 3),
         )
-        return merged.results(tokens, timings)
+        return merged.results(tokens, timings, prompts)
 
     def run_forward(self, step: StepRequest) -> ForwardOutput:
         """The step up to the logits (validate, apply, forward, commit); no sampling.
@@ -165,30 +171,42 @@ class ModelRunner(HeldRequests):
         if not seqs:
             empty = torch.empty(0, self.loaded.vocab_size, device=self.loaded.device)
             return merged, ForwardOutput(logits=empty, sampling_request_ids=(), num_tokens=0)
-        logits = self._forward(seqs)  # [S, V]
+        logits = self._forward(seqs)  # [S + P, V]
         self.commit(seqs)
+        sampling_ids = tuple(p.work.request_id for p in seqs if p.work.sample)
+        num_sampling = len(sampling_ids)
         return merged, ForwardOutput(
-            logits=logits,
-            sampling_request_ids=tuple(p.work.request_id for p in seqs if p.work.sample),
+            logits=logits[:num_sampling],
+            sampling_request_ids=sampling_ids,
             num_tokens=sum(len(p.token_ids) for p in seqs),
+            prompt_logits=logits[num_sampling:] if logits.shape[0] > num_sampling else None,
+            seqs=seqs,
         )
 
     def _forward(self, seqs: tuple[PlannedSeq, ...]) -> torch.Tensor:
         """Build the step's arrays on the host, plan attention, send the arrays in one copy,
-        run the model: nothing here waits for the device."""
+        run the model: nothing here waits for the device. The logits kept: each sampling
+        row, in step order, then the rows predicting prompt tokens (prompt_logprobs)."""
         spans: list[SeqSpan] = []
         token_ids: list[int] = []
         positions: list[int] = []
         keep: list[int] = []
+        prompt_rows: list[int] = []
         for planned in seqs:
             work = planned.work
             n = len(planned.token_ids)
             end = work.start_position + n
-            spans.append(SeqSpan(len(token_ids), n, end, planned.block_table))
+            first = len(token_ids)
+            spans.append(SeqSpan(first, n, end, planned.block_table))
             positions.extend(range(work.start_position, end))
             token_ids.extend(planned.token_ids)
             if work.sample:
                 keep.append(len(token_ids) - 1)
+            if planned.prompt_token_ids is not None:
+                rows = planned.prompt_rows()
+                offset = first - work.start_position
+                prompt_rows.extend(range(rows.start + offset, rows.stop + offset))
+        keep.extend(prompt_rows)
         arrays = StepArrays(self.loaded.device)
         inputs = [arrays.add(values) for values in (token_ids, positions, keep)]  # [T], [T], [S]
         metadata = StepMetadata.build(tuple(spans), self.limits.block_size, arrays)

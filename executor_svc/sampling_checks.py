@@ -54,10 +54,10 @@ def check_sampling(params: SamplingParams, vocab_size: int, max_model_len: int) 
             f"{max_model_len}; send the prompt's length"
         )
     most = min(MAX_TOP_LOGPROBS, vocab_size)
-    if not 0 <= params.top_logprobs <= most:
-        raise InvalidArgument(
-            f"top_logprobs {params.top_logprobs} is out of range: use a value in [0, {most}]"
-        )
+    for name, count in (("top_logprobs", params.top_logprobs),
+                        ("prompt_logprobs", params.prompt_logprobs or 0)):
+        if not 0 <= count <= most:
+            raise InvalidArgument(f"{name} {count} is out of range: use a value in [0, {most}]")
 
 
 def _check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
@@ -100,16 +100,66 @@ def check_history(work: SequenceWork, vocab_size: int) -> None:
             f"request {rid!r}: history_token_ids has {len(history)} ids for start_position "
             f"{work.start_position}; send the tokens at positions [0, {work.start_position})"
         )
-    bad = [t for t in history if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidArgument(
-            f"request {rid!r}: history_token_ids: token id {bad[0]} is outside the vocabulary "
-            f"[0, {vocab_size})"
-        )
+    _check_ids(rid, "history_token_ids", history, vocab_size)
     sampling = work.sampling
     if not history and sampling is not None and sampling.has_penalties and work.start_position:
         raise InvalidArgument(
             f"request {rid!r}: penalties are on and its first step starts at position "
             f"{work.start_position}: send history_token_ids (the {work.start_position} tokens "
             "before it), which the penalties count"
+        )
+
+
+def _check_ids(rid: str, name: str, ids: tuple[int, ...], vocab_size: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(
+            f"request {rid!r}: {name}: token id {bad[0]} is outside the vocabulary "
+            f"[0, {vocab_size})"
+        )
+
+
+def check_prompt(work: SequenceWork, held_prompt: tuple[int, ...] | None, vocab_size: int) -> None:
+    """prompt_token_ids: with a new request's prompt_logprobs only, the whole prompt; every
+    step's tokens at prompt positions must be the prompt's (its logprobs are read from it)."""
+    rid, prompt, sampling = work.request_id, work.prompt_token_ids, work.sampling
+    if sampling is None and prompt:
+        raise InvalidArgument(
+            f"request {rid!r}: prompt_token_ids on a request already held; send them only "
+            "with its sampling params, on its first step"
+        )
+    if sampling is not None:
+        if sampling.prompt_logprobs is None:
+            if prompt:
+                raise InvalidArgument(
+                    f"request {rid!r}: prompt_token_ids without sampling.prompt_logprobs; "
+                    "send them only to ask for the prompt's logprobs"
+                )
+            return
+        if not prompt:
+            raise InvalidArgument(
+                f"request {rid!r}: sampling.prompt_logprobs needs prompt_token_ids (the whole "
+                "prompt)"
+            )
+        if sampling.num_prompt_tokens and len(prompt) != sampling.num_prompt_tokens:
+            raise InvalidArgument(
+                f"request {rid!r}: prompt_token_ids has {len(prompt)} ids for num_prompt_tokens "
+                f"{sampling.num_prompt_tokens}; send the whole prompt"
+            )
+        _check_ids(rid, "prompt_token_ids", prompt, vocab_size)
+        history = work.history_token_ids
+        if history and tuple(history[: len(prompt)]) != prompt[: len(history)]:
+            raise InvalidArgument(
+                f"request {rid!r}: history_token_ids and prompt_token_ids disagree; send the "
+                "same prompt in both"
+            )
+        held_prompt = prompt
+    if held_prompt is None or work.use_sampled_token:
+        return
+    start = work.start_position
+    sent = work.token_ids[: max(0, len(held_prompt) - start)]
+    if sent and tuple(sent) != held_prompt[start : start + len(sent)]:
+        raise InvalidArgument(
+            f"request {rid!r}: token_ids at positions [{start}, {start + len(sent)}) are not "
+            "its prompt_token_ids there; send the prompt's own tokens"
         )

@@ -28,6 +28,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     num_prompt_tokens: int = 0  # 0: the positions before the request's first sampled token
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's and k top ones
 
     @property
     def greedy(self) -> bool:
@@ -76,6 +77,8 @@ class SequenceWork:
     # count (a cached prefix, a fork child); required when penalties are on and
     # start_position > 0.
     history_token_ids: tuple[int, ...] = ()
+    # With sampling.prompt_logprobs only: the whole prompt (the proto says what is checked).
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +102,18 @@ class SampledToken:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """One request's prompt tokens at positions [first_position, first_position + n): each
+    one's log-probability given the tokens before it, its rank, and the k most likely."""
+
+    request_id: str
+    first_position: int
+    logprobs: tuple[float, ...]
+    ranks: tuple[int, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...]  # per token: k (id, logprob)
+
+
+@dataclass(frozen=True, slots=True)
 class Timings:
     forward_ms: float
     sample_ms: float
@@ -110,3 +125,4 @@ class StepResult:
     tokens: tuple[SampledToken, ...]
     timings: Timings
     num_tokens: int
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # in step order

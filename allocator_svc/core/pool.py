@@ -126,11 +126,13 @@ class Pool:
         num_tokens: int,
         swap_in: list[BlockCopy],
         resumed: bool = False,
+        lookup: bool = True,
     ) -> Grant | None:
         """Admit a new request: cached prefix first (CPU-tier hits copied back by `swap_in`),
         then slots for `num_tokens` more. `resumed`: it was preempted by recompute; its lookup
-        is counted apart."""
-        hits, hashes = self.match_prefix(request.root_hash, request.token_ids)
+        is counted apart. Without `lookup` it computes every token (and counts no query)."""
+        hits, hashes = (self.match_prefix(request.root_hash, request.token_ids) if lookup
+                        else ([], []))
         num_cached = len(hits) * self.block_size
         num_scheduled = min(num_tokens, len(request.token_ids) - num_cached)
         on_device = [b for b in hits if isinstance(b, Block)]
@@ -154,7 +156,7 @@ class Pool:
         request.block_hashes = hashes
         request.num_cached_tokens = request.num_computed = request.num_committed = num_cached
         request.num_cpu_cached_tokens = loaded * self.block_size
-        if self.config.enable_prefix_caching:
+        if self.config.enable_prefix_caching and lookup:
             if resumed:
                 self.num_resumed_prefix_queries += len(request.token_ids)
                 self.num_resumed_prefix_hits += num_cached

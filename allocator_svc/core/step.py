@@ -313,4 +313,5 @@ def _admit(pool: Pool, item: StepItem, lease_id: str | None, result: StepResult)
     prompt = list(item.prompt_token_ids)
     request = Request(item.request_id, lease_id, pool.root(item.cache_salt), prompt, len(prompt),
                       tenant=item.tenant)
-    return pool.admit(request, item.num_tokens, result.swap_in, resumed=item.resumed)
+    return pool.admit(request, item.num_tokens, result.swap_in, resumed=item.resumed,
+                      lookup=not item.skip_prefix_lookup)

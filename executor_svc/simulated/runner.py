@@ -34,7 +34,7 @@ from executor_svc.simulated.profiles import PROFILES, Profile, StepShape
 from executor_svc.simulated.settings import SimulatedSettings
 from executor_svc.simulated.slot_cache import SlotBlocks, SlotCache
 from executor_svc.simulated.token_model import ROOT_DIGEST, TokenModel, extend
-from executor_svc.step import SampledToken, StepRequest, StepResult, Timings
+from executor_svc.step import PromptLogprobs, SampledToken, StepRequest, StepResult, Timings
 
 log = structlog.get_logger(__name__)
 SIMULATED_BACKEND = "simulated"  # Describe's backend: the conformance suite keys on it
@@ -75,6 +75,7 @@ class SimulatedRunner(HeldRequests):
         merged = self.prepare(steps, self.cache)
         seqs = merged.seqs
         digests = [self._forward(planned) for planned in seqs]
+        prompts = tuple(filter(None, (self._prompt_logprobs(planned) for planned in seqs)))
         self.commit(seqs)
         sample_start = time.perf_counter()
         tokens = self._sample(seqs, digests)
@@ -92,7 +93,8 @@ class SimulatedRunner(HeldRequests):
         end = time.perf_counter()
         sample_ms = (sample_end - sample_start) * 1e3
         total_ms = (end - start) * 1e3
-        return merged.results(tokens, Timings(total_ms - sample_ms, sample_ms, total_ms))
+        return merged.results(tokens, Timings(total_ms - sample_ms, sample_ms, total_ms),
+                              prompts)
 
     def _forward(self, planned: PlannedSeq) -> int:
         """Write the sequence's digests to its slots; return its last one."""
@@ -102,6 +104,20 @@ class SimulatedRunner(HeldRequests):
             digest = extend(digest, token_id, position)
             cache.write(table, position, digest)
         return digest
+
+    def _prompt_logprobs(self, planned: PlannedSeq) -> PromptLogprobs | None:
+        """The token model's log-probability of each prompt token this step predicts."""
+        positions, prompt = planned.prompt_rows(), planned.prompt_token_ids
+        if not positions or prompt is None:
+            return None
+        table, k = planned.block_table, planned.num_prompt_logprobs
+        entries = [(self.tokens.token_logprob(self.cache.read(table, p), prompt[p + 1]),
+                    self.tokens.top_logprobs(self.cache.read(table, p), k) if k else ())
+                   for p in positions]
+        return PromptLogprobs(planned.work.request_id, positions.start + 1,
+                              tuple(lp for (lp, _), _ in entries),
+                              tuple(rank for (_, rank), _ in entries),
+                              tuple(top for _, top in entries))
 
     def _sample(self, seqs: tuple[PlannedSeq, ...], digests: list[int]) -> tuple[SampledToken, ...]:
         model, logprob, out = self.tokens, self.tokens.logprob(0), []

@@ -96,6 +96,16 @@ class TokenModel:
         """The log-probability of the `rank`-th candidate (0: the argmax)."""
         return -rank * CANDIDATE_STEP - self.log_normaliser
 
+    def token_logprob(self, digest: int, token_id: int) -> tuple[float, int]:
+        """`token_id`'s log-probability after `digest`, and its rank (1 + the ids more likely)."""
+        candidates = self.candidates(digest, self.num_candidates)
+        if token_id in candidates:
+            rank = candidates.index(token_id)
+            return self.logprob(rank), rank + 1
+        if token_id in self.eos_token_ids:
+            return -math.inf, self.vocab_size
+        return BASE_LOGIT - self.log_normaliser, self.num_candidates + 1
+
     def top_logprobs(self, digest: int, k: int) -> tuple[tuple[int, float], ...]:
         ids = self.candidates(digest, min(k, self.num_candidates))
         return tuple((token_id, self.logprob(rank)) for rank, token_id in enumerate(ids))

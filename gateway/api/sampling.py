@@ -53,6 +53,9 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; k: each token's logprob and the k most likely
+    # None: none; k: each prompt token's logprob and rank, and the k most likely (the whole
+    # prompt is computed: a cached prefix has no logits)
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0  # lower first
@@ -188,6 +191,7 @@ def validate(raw: RawSampling, prompt_len: int, limits: ModelLimits) -> Sampling
         logit_bias=raw.logit_bias,
         min_tokens=raw.min_tokens,
         logprobs=raw.logprobs,
+        prompt_logprobs=raw.prompt_logprobs,
         include_stop_str_in_output=raw.include_stop_str_in_output,
         skip_special_tokens=True if raw.skip_special_tokens is None else raw.skip_special_tokens,
         priority=raw.priority,
@@ -236,7 +240,8 @@ def _check_processors(raw: RawSampling, vocab_size: int) -> None:
         _in_range(f"logit_bias[{token_id}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
     if raw.min_tokens < 0:
         raise InvalidArgument(f"sampling.min_tokens is {raw.min_tokens}; it must be >= 0")
-    if raw.logprobs is not None and not 0 <= raw.logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidArgument(
-            f"sampling.logprobs is {raw.logprobs}; it must be in [0, {MAX_TOP_LOGPROBS}]"
-        )
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(raw, name)
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(
+                f"sampling.{name} is {value}; it must be in [0, {MAX_TOP_LOGPROBS}]")

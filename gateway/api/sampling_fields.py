@@ -28,6 +28,7 @@ class RawSampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool | None = None
     priority: int = 0

@@ -51,6 +51,7 @@ def raw_sampling(params: pb.SamplingParams, priority: int = 0) -> RawSampling:
         logit_bias=tuple(sorted(params.logit_bias.items())),
         min_tokens=params.min_tokens,
         logprobs=params.logprobs if params.HasField("logprobs") else None,
+        prompt_logprobs=params.prompt_logprobs if params.HasField("prompt_logprobs") else None,
         include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=(params.skip_special_tokens
                              if params.HasField("skip_special_tokens") else None),
@@ -93,6 +94,15 @@ def _logprobs(delta: CompletionDelta) -> list[pb.TokenLogprob]:
             for lp in delta.logprobs]
 
 
+def _prompt_logprobs(delta: CompletionDelta) -> list[pb.PromptLogprob] | None:
+    if delta.prompt_logprobs is None:
+        return None
+    return [pb.PromptLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                             top_logprobs=[pb.TopLogprob(token_id=t, logprob=p)
+                                           for t, p in lp.top])
+            for lp in delta.prompt_logprobs[1:] if lp is not None]
+
+
 def _executor_info(engine: Engine) -> pb.ExecutorInfo:
     d = engine.description
     return pb.ExecutorInfo(address=engine.link.executor.address, pool_id=engine.pool_id,
@@ -123,6 +133,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 finish_reason=FINISH_REASONS[delta.finish_reason],
                 usage=_usage(delta.usage),
                 logprobs=_logprobs(delta) if delta.logprobs else None,
+                prompt_logprobs=_prompt_logprobs(delta),
             )
 
     async def Complete(  # noqa: N802
@@ -158,6 +169,8 @@ def _collect(completion: pb.Completion, delta: CompletionDelta) -> None:
     completion.text += delta.text
     if delta.logprobs:
         completion.logprobs.extend(_logprobs(delta))
+    if delta.prompt_logprobs is not None:
+        completion.prompt_logprobs.extend(_prompt_logprobs(delta) or ())
     if delta.finish_reason is not None:
         completion.finish_reason = FINISH_REASONS[delta.finish_reason]
         usage = _usage(delta.usage)

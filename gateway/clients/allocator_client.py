@@ -185,6 +185,7 @@ class AllocatorClient(InternalChannel):
                 tenant=i.tenant,
                 num_tokens=i.num_tokens,
                 resumed=i.resumed,
+                skip_prefix_lookup=i.skip_prefix_lookup,
             )
             if i.is_new
             else pb.StepItem(request_id=i.request_id, num_tokens=i.num_tokens)

@@ -13,7 +13,14 @@ from common.credentials import InternalAuth
 from common.executor_description import ExecutorDescription
 from common.step_records import BlockCopy
 from gateway.clients.call_failures import Rejected, translated
-from gateway.core.step import ExecSampling, ExecuteCall, ExecuteResult, Sampled, SeqWork
+from gateway.core.step import (
+    ExecSampling,
+    ExecuteCall,
+    ExecuteResult,
+    PromptLogprobRun,
+    Sampled,
+    SeqWork,
+)
 from pagedkv.executor.v1 import executor_pb2 as pb
 from pagedkv.executor.v1 import executor_pb2_grpc as pb_grpc
 
@@ -42,6 +49,8 @@ def _sampling(s: ExecSampling, eos_token_ids: tuple[int, ...]) -> pb.SamplingPar
     )
     if s.seed is not None:
         msg.seed = s.seed
+    if s.prompt_logprobs is not None:
+        msg.prompt_logprobs = s.prompt_logprobs
     if s.min_tokens:  # what min_tokens masks: the request's stop ids and (vLLM) EOS
         eos = () if s.ignore_eos else eos_token_ids
         msg.stop_token_ids.extend(sorted({*s.stop_token_ids, *eos}))
@@ -62,6 +71,7 @@ def _seq(work: SeqWork, eos_token_ids: tuple[int, ...]) -> pb.SequenceWork:
     if work.sampling is not None:
         seq.sampling.CopyFrom(_sampling(work.sampling, eos_token_ids))
         seq.history_token_ids.extend(work.sampling.history_token_ids)
+        seq.prompt_token_ids.extend(work.sampling.prompt_token_ids)
     return seq
 
 
@@ -91,6 +101,27 @@ def _decode_tops(
                               strict=True)))
         start += count
     return tuple(rows)
+
+
+def _prompt_runs(response: pb.ExecuteResponse, call: ExecuteCall
+                 ) -> tuple[PromptLogprobRun, ...]:
+    """The prompt logprobs, checked against what the call asked for."""
+    asked = {w.request_id for w in call.seqs}  # (a chunk after the first asks by state)
+    runs = []
+    for run in response.prompt_logprobs:
+        k, n = run.num_top_logprobs, len(run.logprobs)
+        if (run.request_id not in asked or len(run.ranks) != n or run.first_position < 1
+                or not len(run.top_token_ids) == len(run.top_logprobs) == k * n):
+            raise Rejected(
+                "INTERNAL",
+                f"the executor returned malformed prompt logprobs for {run.request_id!r} "
+                "(pagedkv.executor.v1 PromptLogprobs; see tests/conformance)")
+        ids, values = run.top_token_ids, run.top_logprobs
+        tops = tuple(tuple(zip(ids[i * k:(i + 1) * k], values[i * k:(i + 1) * k], strict=True))
+                     for i in range(n))
+        runs.append(PromptLogprobRun(run.request_id, run.first_position, tuple(run.logprobs),
+                                     tuple(run.ranks), tops))
+    return tuple(runs)
 
 
 class ExecutorClient(InternalChannel):
@@ -166,6 +197,7 @@ class ExecutorClient(InternalChannel):
             sample_ms=timings.sample_ms,
             executor_ms=timings.total_ms,
             num_tokens=response.num_tokens,
+            prompt_logprobs=_prompt_runs(response, call),
         )
 
     async def import_kv(

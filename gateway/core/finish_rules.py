@@ -74,11 +74,17 @@ class FinishRules:
         logprobs: tuple[TokenLogprob, ...] = ()
         if seq.last_logprob is not None:
             logprobs, seq.last_logprob = (seq.last_logprob,), None
+        request = seq.request
+        prompt_logprobs = None  # on the completion's first token, when asked for
+        if request.sampling.prompt_logprobs is not None and len(seq.output_token_ids) == 1:
+            prompt_logprobs = request.prompt_logprobs_out()
         if reason is None:
-            return CompletionDelta(index=seq.index, token_ids=(token_id,), logprobs=logprobs)
+            return CompletionDelta(index=seq.index, token_ids=(token_id,), logprobs=logprobs,
+                                   prompt_logprobs=prompt_logprobs)
         seq.finish_reason = reason
         return CompletionDelta(index=seq.index, token_ids=(token_id,), finish_reason=reason,
-                               usage=usage(seq), logprobs=logprobs)
+                               usage=usage(seq), logprobs=logprobs,
+                               prompt_logprobs=prompt_logprobs)
 
 
 def usage(seq: Sequence) -> Usage:

@@ -61,6 +61,8 @@ class BatchLanding:
         self.num_advanced -= 1
         decoded, num_decodes = result.decode_token_ids, batch.num_decodes
         tokens = {t.request_id: t.token_id for t in result.tokens} if result.tokens else {}
+        if result.prompt_logprobs:
+            _record_prompt_logprobs(batch, result)
         # It executed: the allocator may commit what its Step (and every one before) granted.
         self.pending.executed_through = max(self.pending.executed_through, batch.step_id)
         sampled: list[tuple[Sequence, int]] = []
@@ -102,6 +104,16 @@ class BatchLanding:
             seq.num_placeholders = 0
         batch.stand_ins = None  # (landing it again is harmless)
         self.num_advanced -= 1
+
+
+def _record_prompt_logprobs(batch: Batch, result: ExecuteResult) -> None:
+    """The prompt logprobs a batch's rows computed, onto their requests."""
+    by_id = {seq.seq_id: seq for seq, _ in batch.scheduled}
+    for run in result.prompt_logprobs:
+        seq = by_id.get(run.request_id)
+        if seq is not None:
+            seq.request.record_prompt_logprobs(run.first_position, run.logprobs, run.ranks,
+                                               run.top_logprobs)
 
 
 def logprob(result: ExecuteResult, row: int, num_decodes: int, seq_id: str, token: int

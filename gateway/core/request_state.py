@@ -60,6 +60,17 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprob:
+    """A prompt token's log-probability given the tokens before it, its rank (1: the most
+    likely) and the most likely tokens' (as many as sampling.prompt_logprobs asks for)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class CompletionDelta:
     """What one step produced for one completion, queued for the client's stream."""
 
@@ -70,6 +81,9 @@ class CompletionDelta:
     usage: Usage | None = None
     error: ServiceError | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked
+    # On a completion's first delta, when the request asked: one per prompt token (None for
+    # the first, which has no predecessor).
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -101,6 +115,34 @@ class Request:
     thread_id: int = field(default_factory=threading.get_ident)
     # use_beam_search: the search over this request's sequences (engine/beams.py runs it).
     beam_search: BeamSearch[Sequence] | None = None
+    # sampling.prompt_logprobs: each prompt position's entry as the executor reports it (the
+    # first stays None); kept across recomputes, the first report of a position wins.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for its prompt's logprobs and some are still to come: its prefill reads
+        no cached prefix and asks the executor for them."""
+        if self.sampling.prompt_logprobs is None or len(self.prompt_token_ids) < 2:
+            return False
+        got = self.prompt_logprobs
+        return got is None or any(entry is None for entry in got[1:])
+
+    def prompt_logprobs_out(self) -> tuple[PromptLogprob | None, ...]:
+        """What a completion's first delta carries: one entry per prompt token."""
+        return tuple(self.prompt_logprobs or [None] * len(self.prompt_token_ids))
+
+    def record_prompt_logprobs(self, first_position: int, logprobs: Iterable[float],
+                               ranks: Iterable[int],
+                               tops: Iterable[tuple[tuple[int, float], ...]]) -> None:
+        prompt = self.prompt_token_ids
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(prompt)
+        got = self.prompt_logprobs
+        for position, (logprob, rank, top) in enumerate(zip(logprobs, ranks, tops, strict=True),
+                                                        first_position):
+            if 0 < position < len(prompt) and got[position] is None:
+                got[position] = PromptLogprob(prompt[position], logprob, rank, top)
 
     @property
     def num_seqs(self) -> int:
@@ -260,7 +302,15 @@ class Sequence:
             history_token_ids=(
                 tuple(self.token_slice(0, start)) if options.has_penalties and start else ()
             ),
+            **self._prompt_logprobs_fields(),
         )
+
+    def _prompt_logprobs_fields(self) -> dict[str, Any]:
+        request = self.request
+        if not request.needs_prompt_logprobs:
+            return {}
+        return {"prompt_logprobs": request.sampling.prompt_logprobs,
+                "prompt_token_ids": tuple(request.prompt_token_ids)}
 
     def reset_for_recompute(self) -> None:
         """Forget everything the allocator and executor held: readmission starts over."""

@@ -148,6 +148,8 @@ class Scheduler(SequenceQueues, BatchLanding):
                     seq.seq_id, num, prompt_token_ids=tuple(seq.token_ids),
                     cache_salt=request.cache_salt, tenant=request.tenant,
                     resumed=seq.num_preemptions > 0,
+                    # Its prompt's logprobs need every row: a cached prefix has none.
+                    skip_prefix_lookup=request.needs_prompt_logprobs,
                 )
             )
             plan.seqs[seq.seq_id] = seq

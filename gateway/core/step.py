@@ -79,6 +79,10 @@ class ExecSampling:
     ignore_eos: bool = False
     num_prompt_tokens: int = 0
     top_logprobs: int = 0
+    # The prompt's logprobs asked for (SamplingParams.prompt_logprobs; None: not), and then the
+    # whole prompt (SequenceWork.prompt_token_ids).
+    prompt_logprobs: int | None = None
+    prompt_token_ids: tuple[int, ...] = ()
     # Penalties on and the first Execute starting past position 0 (a cached prefix, an n > 1
     # child): the tokens before it, which the penalties count. Sent in SequenceWork.
     history_token_ids: tuple[int, ...] = ()
@@ -145,6 +149,17 @@ class Sampled:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobRun:
+    """A run of one sequence's prompt logprobs: positions [first_position, + len(logprobs))."""
+
+    request_id: str
+    first_position: int
+    logprobs: tuple[float, ...]
+    ranks: tuple[int, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...]  # per token, (id, logprob) pairs
+
+
+@dataclass(frozen=True, slots=True)
 class ExecuteResult:
     tokens: tuple[Sampled, ...]  # for the sequences of `seqs` that sample
     compute_ms: float  # the executor's forward pass + sampling
@@ -158,3 +173,4 @@ class ExecuteResult:
     sample_ms: float = 0.0
     executor_ms: float = 0.0
     num_tokens: int = 0
+    prompt_logprobs: tuple[PromptLogprobRun, ...] = ()

@@ -63,12 +63,13 @@ class RequestOutput:
             out = CompletionDelta(
                 index=delta.index, token_ids=delta.token_ids[:kept], text="".join(pieces),
                 finish_reason=FinishReason.STOP, usage=self._usage(text.num_tokens),
-                logprobs=delta.logprobs[:kept],
+                logprobs=delta.logprobs[:kept], prompt_logprobs=delta.prompt_logprobs,
             )
             return out, Finished(delta.index)
         if delta.finish_reason is None:
             return CompletionDelta(delta.index, delta.token_ids, "".join(pieces),
-                                   logprobs=delta.logprobs), None
+                                   logprobs=delta.logprobs,
+                                   prompt_logprobs=delta.prompt_logprobs), None
         text.finished = True
         pieces.append(detok.flush())
         return replace(delta, text="".join(pieces)), Finished(delta.index)

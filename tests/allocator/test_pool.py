@@ -164,3 +164,18 @@ def test_pool_numbered_steps_never_commit_older_counts_into_swapped_in_blocks():
     assert not h.pool.blocks.by_key  # nothing a prefix lookup could hit
     h.step([], commit_through=3)
     assert all(block.block_hash is not None for block in h.pool.requests["b"].blocks[:2])
+
+
+def test_pool_a_request_that_skips_the_lookup_computes_its_whole_prompt_and_still_caches():
+    # A request asking for its prompt's logprobs reads no cached prefix (and counts no
+    # query); its full blocks are committed as usual, so the next request hits them.
+    harness = make_harness(num_blocks=16)
+    harness.step([new("a", list(range(8)))])
+    harness.step([], commits={"a": 8}, free=["a"])
+    skipping = StepItem("b", 9, list(range(8)) + [50], "", skip_prefix_lookup=True)
+    grant = harness.step([skipping]).grants[0]
+    assert (grant.num_cached_tokens, grant.num_scheduled) == (0, 9)
+    pool = harness.pool
+    assert (pool.num_prefix_queries, pool.num_prefix_hits) == (8, 0)
+    harness.step([], commits={"b": 9}, free=["b"])
+    assert harness.step([new("c", list(range(8)) + [51])]).grants[0].num_cached_tokens == 8

@@ -445,3 +445,59 @@ def test_top_logprobs_are_the_raw_distributions(
     assert list(reply.decode_num_top_logprobs) == [5, 0]
     entries = list(zip(reply.decode_top_token_ids, reply.decode_top_logprobs, strict=True))
     _assert_top(entries, reference_logprobs(reference, [*a, top.token_id])[-1], 5)
+
+
+def _prompt_entries(replies: list[pb.ExecuteResponse], rid: str
+                    ) -> list[tuple[int, float, int, list[tuple[int, float]]]]:
+    """(position, logprob, rank, top) for every prompt token `rid`'s replies carried."""
+    out = []
+    for reply in replies:
+        for run in (r for r in reply.prompt_logprobs if r.request_id == rid):
+            k = run.num_top_logprobs
+            assert len(run.logprobs) == len(run.ranks)
+            assert len(run.top_token_ids) == len(run.top_logprobs) == k * len(run.logprobs)
+            for i, (logprob, rank) in enumerate(zip(run.logprobs, run.ranks, strict=True)):
+                top = list(zip(run.top_token_ids[i * k:(i + 1) * k],
+                               run.top_logprobs[i * k:(i + 1) * k], strict=True))
+                out.append((run.first_position + i, logprob, rank, top))
+    return out
+
+
+def test_prompt_logprobs_are_each_prompt_tokens_under_the_raw_distribution(
+    executor: Executor, reference: Reference
+) -> None:
+    # A prompt in two chunks asking for its logprobs and 2 top ones: one entry per prompt
+    # token after the first, in order, whichever chunk computed the row before it (the
+    # first chunk's last row gives the second chunk's first token); a request starting past
+    # a cached prefix gets entries only for the rows it computes; a plain request none.
+    size = executor.info.block_size
+    a, b, c = _prompts(executor.info.vocab_size, [11, 7, size + 5], seed=17)
+    asking = {"prompt_logprobs": 2, "num_prompt_tokens": len(a)}
+    first = executor.work("prompt-lp", a[:6], sample=False, **asking)
+    first.prompt_token_ids.extend(a)
+    replies = [executor.execute(first, executor.work("plain", b))]
+    replies.append(executor.execute(executor.work("prompt-lp", a[6:])))
+    entries = _prompt_entries(replies, "prompt-lp")
+    assert [e[0] for e in entries] == list(range(1, len(a)))
+    raw = reference_logprobs(reference, a)
+    for position, logprob, rank, top in entries:
+        row = raw[position - 1]
+        assert logprob == pytest.approx(row[a[position]].item(), abs=1e-3)
+        value = row[a[position]]  # its rank, float noise allowed
+        assert int((row > value + 1e-3).sum()) + 1 <= rank <= int((row > value - 1e-3).sum()) + 1
+        _assert_top(top, row, 2)
+    assert _prompt_entries(replies, "plain") == []
+    # Past a one-block prefix that another request computed (its own block after it).
+    executor.execute(executor.work("lp-owner", c[:size], sample=False))
+    own = executor.blocks.take(1)
+    work = pb.SequenceWork(
+        request_id="lp-prefixed", token_ids=c[size:], start_position=size, sample=True,
+        sampling=pb.SamplingParams(prompt_logprobs=0, num_prompt_tokens=len(c)),
+        prompt_token_ids=c,
+        delta=pb.BlockTableDelta(block_ids=[executor.tables["lp-owner"][0], *own]))
+    prefixed = _prompt_entries([executor.execute(work)], "lp-prefixed")
+    executor.blocks.free.extend(own)
+    executor.stub.Release(pb.ReleaseRequest(request_ids=["lp-prefixed"]))
+    executor.forget("prompt-lp", "plain", "lp-owner")
+    assert [e[0] for e in prefixed] == list(range(size + 1, len(c)))
+    assert all(top == [] for *_, top in prefixed)

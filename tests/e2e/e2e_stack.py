@@ -150,6 +150,7 @@ class Streamed:
     finish_reason: int = 0
     usage: gpb.Usage | None = None
     num_responses: int = 0
+    prompt_logprobs: list[gpb.PromptLogprob] = field(default_factory=list)
 
 
 def generate(stub: gpb_grpc.GatewayServiceStub, request: gpb.GenerateRequest,
@@ -164,6 +165,7 @@ def generate(stub: gpb_grpc.GatewayServiceStub, request: gpb.GenerateRequest,
             on_tokens(sum(len(s.token_ids) for s in out.values()))
         done.text += response.text
         done.num_responses += 1
+        done.prompt_logprobs.extend(response.prompt_logprobs)
         if response.finish_reason:
             assert not done.finish_reason, "two final responses for one completion"
             done.finish_reason = response.finish_reason
@@ -176,6 +178,14 @@ def generate_many(stub: gpb_grpc.GatewayServiceStub,
     """Concurrent streaming clients, one thread each."""
     with ThreadPoolExecutor(max_workers=len(requests)) as pool:
         return list(pool.map(lambda r: generate(stub, r), requests))
+
+
+def reference_prompt_logprobs(prompt: list[int]) -> list[float]:
+    """transformers' forward: each prompt token's log-probability after the ones before it."""
+    with _REFERENCE_LOCK, torch.no_grad():
+        logits = reference_model()(torch.tensor([prompt])).logits[0, :-1].float()
+    rows = torch.log_softmax(logits, dim=-1)
+    return rows.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
 
 
 @lru_cache(maxsize=1)

@@ -25,6 +25,7 @@ from e2e_stack import (
     prompts,
     reference_greedy,
     reference_model,
+    reference_prompt_logprobs,
     sampling,
     start_stack,
     wait_for,
@@ -55,16 +56,21 @@ def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Clients, s
 
 
 def test_prefill_and_decode_executors_keep_every_output(split: tuple[Clients, str, Stack]):
-    # Prompts ending inside a block, at a boundary and past one; all concurrent.
+    # Prompts ending inside a block, at a boundary and past one; all concurrent. Two ask for
+    # their prompt's logprobs, which the prefill executor computes before the move.
     clients, base, stack = split
     batch = [list(p) for n, seed in ((5, 1), (16, 2), (17, 3), (31, 4), (48, 5), (64, 6))
              for p in prompts(1, n, seed=700 + seed)]
     before = hand_offs(base).get("moved", 0.0)
     results = generate_many(clients.gateway, [
-        gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=p),
-                            sampling=sampling(20, ignore_eos=True)) for p in batch])
-    for prompt, result in zip(batch, results, strict=True):
+        gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=p), sampling=sampling(
+            20, ignore_eos=True, **({"prompt_logprobs": 0} if i in (2, 5) else {})))
+        for i, p in enumerate(batch)])
+    for i, (prompt, result) in enumerate(zip(batch, results, strict=True)):
         assert tuple(result[0].token_ids) == reference_greedy(tuple(prompt), 20, ignore_eos=True)
+        got = [e.logprob for e in result[0].prompt_logprobs]
+        assert got == pytest.approx(
+            reference_prompt_logprobs(prompt) if i in (2, 5) else [], abs=1e-4)
     assert hand_offs(base).get("moved", 0.0) - before == len(batch)
     pools = {p.pool_id: p for p in clients.wait_all_blocks_back()}
     prefill, decode = stack.executor_addrs()

@@ -245,7 +245,7 @@ def _error(response: httpx.Response, status: int) -> dict[str, object]:
     ({"model": SERVED, "prompt": "x", "presence_penalty": 3}, None, "presence_penalty"),
     ({"model": SERVED, "prompt": "x", "logit_bias": {"abc": 1}}, None, "logit_bias"),
     ({"model": SERVED, "prompt": "x", "logit_bias": {"5": 500}}, None, "logit_bias"),
-    ({"model": SERVED, "prompt": "x", "echo": True}, "echo", "echo"),
+    ({"model": SERVED, "prompt": "x", "echo": 3}, "echo", "echo"),
     ({"model": SERVED, "prompt": ["a", "b"]}, None, "one prompt per request"),
     ({"model": SERVED, "prompt": "x", "stream_options": {"include_usage": True}}, None,
      "stream_options"),

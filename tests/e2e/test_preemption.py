@@ -24,6 +24,7 @@ from e2e_stack import (
     prompts,
     reference_beams,
     reference_greedy,
+    reference_prompt_logprobs,
     sampling,
     start_stack,
 )
@@ -73,14 +74,19 @@ def clients(gateways: Gateways) -> Clients:
 
 
 def test_preemption_keeps_greedy_outputs_and_returns_blocks(clients: Clients):
-    # 8 concurrent clients on 16 blocks: many preemptions, outputs equal transformers'.
+    # 8 concurrent clients on 16 blocks: many preemptions, outputs equal transformers'. Half
+    # ask for their prompt's logprobs, which come once, whole and exact, however their
+    # prefills are chunked, swapped and recomputed.
     before = clients.pools()[0].num_preemptions
     batch = [list(p) for p in prompts(8, 40, seed=31)]
-    requests = [gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=p), sampling=sampling(48))
-                for p in batch]
+    requests = [gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=p), sampling=sampling(
+        48, **({"prompt_logprobs": 0} if i % 2 else {}))) for i, p in enumerate(batch)]
     results = generate_many(clients.gateway, requests)
-    for prompt, result in zip(batch, results, strict=True):
+    for i, (prompt, result) in enumerate(zip(batch, results, strict=True)):
         assert tuple(result[0].token_ids) == reference_greedy(tuple(prompt), 48)
+        got = [e.logprob for e in result[0].prompt_logprobs]
+        assert got == pytest.approx(reference_prompt_logprobs(prompt) if i % 2 else [],
+                                    abs=1e-4)
     pools = clients.wait_all_blocks_back()
     num_preemptions = pools[0].num_preemptions - before
     print(f"preemptions: {num_preemptions}")

@@ -23,7 +23,15 @@ from common.errors import FailedPrecondition, InvalidArgument, ServiceError
 from common.step_records import Commit, StepCall
 from gateway.clients import allocator_client
 from gateway.clients.call_failures import CallFailed, failure
-from gateway.core.step import ExecuteCall, ExecuteResult, Sampled, SeqWork, StepOutcome, TableDelta
+from gateway.core.step import (
+    ExecuteCall,
+    ExecuteResult,
+    PromptLogprobRun,
+    Sampled,
+    SeqWork,
+    StepOutcome,
+    TableDelta,
+)
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 
 POOL_ID = "pool-0"
@@ -114,6 +122,7 @@ class Held:
     num_tokens: int
     table: list[int] = field(default_factory=list)
     sampled: int | None = None  # the last step's sampled token, until a step uses it
+    prompt: tuple[int, ...] | None = None  # when it asked for its prompt's logprobs
 
 
 @dataclass(slots=True)
@@ -131,6 +140,7 @@ class FakeModel:
     gpu: dict[int, list[int | None]] = field(default_factory=dict)  # block_id -> slots
     cpu: dict[int, list[int | None]] = field(default_factory=dict)
     num_swapped_out: int = 0  # blocks
+    prompt_runs: list[PromptLogprobRun] = field(default_factory=list)  # the step's
 
     def next_token(self, tokens: list[int]) -> int:
         acc = 7
@@ -160,6 +170,7 @@ class FakeModel:
         for c in call.copies:
             self.gpu[c.dst_block_id] = list(self._block(c.src_block_id))
         use_sampled = _use_sampled(call)
+        self.prompt_runs = []
         decode_tokens = [
             self._run(SeqWork(rid, (token,), position, None, True, None, chained))
             for rid, token, position, chained in zip(
@@ -170,7 +181,17 @@ class FakeModel:
         sampled = [Sampled(seq.request_id, token) for seq in call.seqs
                    if (token := self._run(seq)) is not None]
         return ExecuteResult(tokens=tuple(sampled), compute_ms=0.0,
-                             decode_token_ids=tuple(t for t in decode_tokens if t is not None))
+                             decode_token_ids=tuple(t for t in decode_tokens if t is not None),
+                             prompt_logprobs=tuple(self.prompt_runs))
+
+    def prompt_logprob(self, before: list[int], token: int) -> tuple[float, int]:
+        """A made-up log-probability and rank of `token` after `before` (read through the
+        block table, as the sampled tokens are)."""
+        rank = 1 + (token - self.next_token(before)) % self.vocab_size
+        return -rank / 10, rank
+
+    def reference_prompt_logprobs(self, prompt: list[int]) -> list[tuple[float, int]]:
+        return [self.prompt_logprob(prompt[:p], prompt[p]) for p in range(1, len(prompt))]
 
     def _check(self, call: ExecuteCall) -> None:
         """What the executor rejects before it changes anything, as the status it sends: a
@@ -198,6 +219,8 @@ class FakeModel:
             assert held is None, f"{seq.request_id} created twice"
             # A prefix-cache hit starts past 0: those tokens are in the cached blocks.
             held = self.held[seq.request_id] = Held(seq.start_position)
+            if seq.sampling.prompt_logprobs is not None:
+                held.prompt = seq.sampling.prompt_token_ids
         assert held is not None, f"{seq.request_id} is not held: sampling params missing"
         assert seq.start_position == held.num_tokens, (
             f"{seq.request_id}: start {seq.start_position}, executor holds {held.num_tokens}"
@@ -214,6 +237,14 @@ class FakeModel:
         for position, token in enumerate(token_ids, start=seq.start_position):
             self._block(held.table[position // bs])[position % bs] = token
         held.num_tokens = end
+        if held.prompt is not None:
+            tokens, prompt = self._read(held), held.prompt
+            rows = range(seq.start_position, min(end, len(prompt) - 1))
+            scored = [self.prompt_logprob(tokens[: p + 1], prompt[p + 1]) for p in rows]
+            if scored:
+                self.prompt_runs.append(PromptLogprobRun(
+                    seq.request_id, rows.start + 1, tuple(lp for lp, _ in scored),
+                    tuple(rank for _, rank in scored), ((),) * len(scored)))
         held.sampled = self.next_token(self._read(held)) if seq.sample else None
         return held.sampled
 

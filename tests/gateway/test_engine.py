@@ -135,10 +135,10 @@ DEPTHS = pytest.mark.parametrize("depth", [2, 1])
 
 
 def submit(eng: Engine, rid: str, prompt: list[int], max_tokens: int, n: int = 1,
-           stop: tuple[str, ...] = ()) -> Request:
+           stop: tuple[str, ...] = (), prompt_logprobs: int | None = None) -> Request:
     req = Request(request_id=rid, prompt_token_ids=prompt, cache_salt="",
                   sampling=SamplingOptions(max_tokens=max_tokens, ignore_eos=True, n=n,
-                                           stop=stop))
+                                           stop=stop, prompt_logprobs=prompt_logprobs))
     for seq in initial_sequences(req):
         eng.submit(seq)
     return req
@@ -232,6 +232,52 @@ def test_engine_fork_and_swap_preemption_give_reference_outputs(
         for index in range(req.sampling.n):
             tokens = [t for d in deltas if d.index == index for t in d.token_ids]
             assert tokens == link.model.reference(req.prompt_token_ids, 8)
+    assert link.pool.all_free() and not link.model.held
+
+
+@pytest.mark.parametrize("num_cpu_blocks", [0, 16])
+@DEPTHS
+def test_engine_prompt_logprobs_come_whole_once_through_preemption(
+    tokenizer: Tokenizer, num_cpu_blocks: int, depth: int
+):
+    # Requests asking for their prompt's logprobs on 8 blocks, in 5-token chunks, swapped
+    # or recomputed, one with n=3, one whose prompt another request has cached: each
+    # completion's first delta carries one entry per prompt token, each as the executor
+    # computed it, and no other delta carries any.
+    eng, link = engine(tokenizer, num_blocks=8, tokens=5, depth=depth)
+    eng.scheduler.swap = True
+    link.pool = CorePool(8, BLOCK, num_cpu_blocks=num_cpu_blocks)
+    cached = submit(eng, "cached", [5] * 12, 1)
+    asyncio.run(run_until_idle(eng))
+    hit = submit(eng, "hit", [5] * 12 + [9], 6, prompt_logprobs=0)  # computes all 13
+    asyncio.run(run_until_idle(eng))
+    assert drain(cached)[-1].usage.cached_prompt_tokens == 0
+    assert drain(hit)[-1].usage.cached_prompt_tokens == 0
+    again = submit(eng, "again", [5] * 12 + [9], 1)  # hits what the one before cached
+    asyncio.run(run_until_idle(eng))
+    assert drain(again)[-1].usage.cached_prompt_tokens == 12
+    hit = submit(eng, "hit-2", [5] * 12 + [9], 6, prompt_logprobs=0)
+    reqs = [submit(eng, "n3", [4] * 9, 8, n=3, prompt_logprobs=0),
+            submit(eng, "a", [6, 7] * 5, 8, prompt_logprobs=1),
+            submit(eng, "b", [8] * 7, 8), hit]
+    asyncio.run(run_until_idle(eng))
+    assert link.pool.num_preemptions > 0
+    for req in reqs:
+        deltas = drain(req)
+        for index in range(req.sampling.n):
+            mine = [d for d in deltas if d.index == index]
+            assert [t for d in mine for t in d.token_ids] == link.model.reference(
+                req.prompt_token_ids, req.sampling.max_tokens)
+            carried = [d.prompt_logprobs for d in mine if d.prompt_logprobs is not None]
+            if req.sampling.prompt_logprobs is None:
+                assert carried == []
+                continue
+            assert len(carried) == 1 and mine[0].prompt_logprobs is not None
+            first, *rest = carried[0]
+            assert first is None
+            assert [(e.logprob, e.rank) for e in rest] == link.model.reference_prompt_logprobs(
+                req.prompt_token_ids)
+            assert [e.token_id for e in rest] == req.prompt_token_ids[1:]
     assert link.pool.all_free() and not link.model.held
 
 

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -49,7 +49,7 @@ from gateway.api.openai.protocol import (
 )
 from gateway.api.sampling import MAX_REQUEST_ID_CHARS
 from gateway.api.tenants import Tenancy
-from gateway.core.request_state import CompletionDelta, FinishReason, TokenLogprob
+from gateway.core.request_state import CompletionDelta, FinishReason, PromptLogprob, TokenLogprob
 from gateway.core.request_state import Request as EngineRequest
 from gateway.metrics import EngineSnapshot, GatewayMetrics
 
@@ -298,6 +298,10 @@ class _Stream(EventSourceResponse):
             self.on_close()
 
 
+# A completion logprobs entry: token id, its logprob (None: the echoed prompt's first), top.
+LogprobEntry = tuple[int, float | None, dict[str, float] | None]
+
+
 @dataclass(slots=True)
 class Choice:
     """One completion as it accumulates (whole responses) or streams (chunks)."""
@@ -307,6 +311,9 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     text_offset: int = 0  # completions' logprobs: where the next token's text starts
+    # sampling.prompt_logprobs: one per prompt token (None first), from the first delta.
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
+    echoed: bool = False  # completions' echo: the prompt went out (stream) or was added
 
 
 async def _collect(api: HttpApi, state: EngineRequest) -> list[Choice]:
@@ -316,6 +323,8 @@ async def _collect(api: HttpApi, state: EngineRequest) -> list[Choice]:
         choice.text += delta.text
         choice.token_ids.extend(delta.token_ids)
         choice.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
     return choices
@@ -375,6 +384,23 @@ class Shape:
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
 
+    def prompt_logprobs(self, choice: Choice) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs`: per prompt token (None first), the token's own entry and
+        the most likely tokens', by token id."""
+        if self.body.prompt_logprobs is None or choice.prompt_logprobs is None:
+            return None
+        out: list[dict[str, Any] | None] = []
+        for lp in choice.prompt_logprobs:
+            if lp is None:
+                out.append(None)
+                continue
+            entries = {str(t): {"logprob": p, "rank": rank, "decoded_token": self.token_text(t)}
+                       for rank, (t, p) in enumerate(lp.top, 1)}
+            entries[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank,
+                                         "decoded_token": self.token_text(lp.token_id)}
+            out.append(entries)
+        return out
+
     def opening(self, state: EngineRequest) -> list[dict[str, Any]]:
         return []
 
@@ -398,32 +424,67 @@ class Shape:
 class Completions(Shape):
     prefix = "cmpl-"
 
-    def _logprobs(self, choice: Choice, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs(self, choice: Choice, logprobs: list[TokenLogprob],
+                  echoed: Sequence[LogprobEntry] = ()) -> dict[str, Any] | None:
+        """OpenAI's completion logprobs, the echoed prompt's entries first."""
         if self.body.logprobs is None:
             return None
+        entries = [*echoed, *((lp.token_id, lp.logprob, {self.token_text(t): p for t, p in lp.top})
+                              for lp in logprobs)]
         tokens, offsets = [], []
-        for lp in logprobs:
-            text = self.token_text(lp.token_id)
+        for token_id, _, _ in entries:
+            text = self.token_text(token_id)
             tokens.append(text)
             offsets.append(choice.text_offset)
             choice.text_offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{self.token_text(t): p for t, p in lp.top} for lp in logprobs],
-                "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [top for _, _, top in entries], "text_offset": offsets}
+
+    def _echo(self, state: EngineRequest, choice: Choice) -> tuple[str, list[LogprobEntry]]:
+        """With echo, once per choice: the prompt's text and, with logprobs, its entries as
+        OpenAI gives them (the first token with none; each one's own among its top)."""
+        if not self.body.echo or choice.echoed:
+            return "", []
+        choice.echoed = True
+        prompt = self.body.prompt
+        while isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one prompt in a list (prompt_input checked that)
+        ids = state.prompt_token_ids
+        text = prompt if isinstance(prompt, str) else self.decode(ids, skip_special_tokens=False)
+        if self.body.logprobs is None:
+            return text, []
+        entries: list[LogprobEntry] = [(ids[0], None, None)]
+        for plp in (choice.prompt_logprobs or ())[1:]:
+            assert plp is not None, "a completion's first delta carries every prompt logprob"
+            top = {self.token_text(t): p for t, p in plp.top[: self.body.logprobs]}
+            top[self.token_text(plp.token_id)] = plp.logprob
+            entries.append((plp.token_id, plp.logprob, top))
+        return text, entries
 
     def whole(self, state: EngineRequest, choices: list[Choice]) -> dict[str, Any]:
-        return {**self.head(state, "text_completion"),
-                "choices": [{"index": i, "text": c.text,
-                             "logprobs": self._logprobs(c, c.logprobs),
-                             "finish_reason": FINISH_REASONS[c.finish_reason]}
-                            for i, c in enumerate(choices)],
+        out = []
+        for i, c in enumerate(choices):
+            prompt_text, echoed = self._echo(state, c)
+            out.append({"index": i, "text": prompt_text + c.text,
+                        "logprobs": self._logprobs(c, c.logprobs, echoed),
+                        "finish_reason": FINISH_REASONS[c.finish_reason],
+                        **self._prompt_logprobs_field(c)})
+        return {**self.head(state, "text_completion"), "choices": out,
                 "usage": usage(state, choices)}
+
+    def _prompt_logprobs_field(self, choice: Choice) -> dict[str, Any]:
+        if self.body.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": self.prompt_logprobs(choice)}
 
     def chunk(self, state: EngineRequest, choice: Choice, delta: CompletionDelta
               ) -> dict[str, Any]:
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = delta.prompt_logprobs
+        prompt_text, echoed = self._echo(state, choice)
         return {**self.head(state, "text_completion"),
-                "choices": [{"index": delta.index, "text": delta.text,
-                             "logprobs": self._logprobs(choice, list(delta.logprobs)),
+                "choices": [{"index": delta.index, "text": prompt_text + delta.text,
+                             "logprobs": self._logprobs(choice, list(delta.logprobs), echoed),
                              "finish_reason": FINISH_REASONS[delta.finish_reason]}]}
 
     def usage_chunk(self, state: EngineRequest, choices: list[Choice]) -> dict[str, Any]:
@@ -460,6 +521,8 @@ class ChatCompletions(Shape):
                              "logprobs": self._logprobs(c.logprobs),
                              "finish_reason": FINISH_REASONS[c.finish_reason]}
                             for i, c in enumerate(choices)],
+                **({"prompt_logprobs": self.prompt_logprobs(choices[0])}
+                   if self.body.prompt_logprobs is not None else {}),
                 "usage": usage(state, choices)}
 
     def chunk(self, state: EngineRequest, choice: Choice, delta: CompletionDelta

@@ -2,7 +2,7 @@
 
 Every field OpenAI (or vLLM, as an extension) defines that we serve is declared here; any other
 field is refused by name (`extra="forbid"`), never ignored. Fields OpenAI has whose other
-values we do not serve (`echo`, `suffix`, ...) accept only their no-op value. Range checks are
+values we do not serve (`suffix`, ...) accept only their no-op value. Range checks are
 the gateway's own (gateway/api/sampling.py), shared with the gRPC API.
 
 Beam search takes vLLM's extension fields: `use_beam_search`, `best_of` (the beam width; unset:
@@ -66,11 +66,15 @@ class _Common(BaseModel):
     use_beam_search: bool = False
     length_penalty: float | None = None
     early_stopping: bool | Literal["never"] | None = None
+    # vLLM's: each prompt token's logprob, rank and this many most likely (whole responses).
+    prompt_logprobs: int | None = None
 
     def raw_sampling(self, max_tokens: int | None, logprobs: int | None,
-                     fill_context: bool) -> RawSampling:
+                     fill_context: bool, prompt_logprobs: int | None = None) -> RawSampling:
         if self.stream_options is not None and not self.stream:
             raise InvalidArgument("stream_options is only allowed with stream: true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidArgument("prompt_logprobs is not available with stream: true")
         if self.n < 1:
             raise InvalidArgument(f"n is {self.n}; it must be >= 1")
         top_k = self.top_k or 0
@@ -106,6 +110,8 @@ class _Common(BaseModel):
             logit_bias=_logit_bias(self.logit_bias),
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None
+            else self.prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             priority=self.priority,
@@ -130,7 +136,9 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = None  # unset: 16, as OpenAI
     logprobs: int | None = None
-    echo: Literal[False] = False
+    # The prompt before the completion, in `text` and (with logprobs) in `logprobs`: its
+    # first token without a logprob, the others' given the tokens before them.
+    echo: bool = False
     suffix: None = None
 
     def prompt_input(self) -> PromptInput:
@@ -148,7 +156,11 @@ class CompletionRequest(_Common):
         return PromptInput(token_ids=ids)  # type: ignore[arg-type]
 
     def sampling(self) -> RawSampling:
-        return self.raw_sampling(self.max_tokens, self.logprobs, fill_context=False)
+        prompt_logprobs = None
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs
+            prompt_logprobs = max(self.prompt_logprobs or 0, self.logprobs)
+        return self.raw_sampling(self.max_tokens, self.logprobs, fill_context=False,
+                                 prompt_logprobs=prompt_logprobs)
 
 
 class ContentPart(BaseModel):
