@@ -18,12 +18,22 @@ KERNELS_STAMP := build/cpu_kernels/.built
 
 .PHONY: setup model kernels protos certs lint flags-doc typecheck test test-fast conformance run run-allocator bench bench-full bench-executor bench-vllm bench-fleet compose-check compose-e2e k8s-check gpu-kit clean
 
-setup: $(VENV)/.installed model kernels
+setup: $(VENV)/.installed model kernels $(CLIENT_WHEELS)
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev,convert]"
+	touch $@
+
+# The client distribution's dependencies as wheels (this venv's grpcio and protobuf, and what
+# they require), for its test in a fresh virtualenv (tests/client/test_client_packaging.py),
+# which installs from them offline.
+CLIENT_WHEELS := .client-wheels/.complete
+$(CLIENT_WHEELS): | $(VENV)/.installed
+	$(PY) -m pip download -q --only-binary=:all: -d .client-wheels \
+		$$($(PY) -c "from importlib.metadata import version as v; \
+		print(*(f'{d}=={v(d)}' for d in ('grpcio', 'protobuf')))")
 	touch $@
 
 kernels: $(KERNELS_STAMP)
@@ -114,12 +124,30 @@ GUIDELLM_VENV := .venv-guidellm
 gpu-check-dry: protos
 	$(PY) -m pytest -q -m gpu_kit tests/tools/test_gpu_check.py
 
+# The wheels, built offline from the sources (the project's, and the client's alone, which a
+# fresh virtualenv installs from .client-wheels): out of make test's 5 minutes, in CI.
+.PHONY: packaging-check
+packaging-check: protos $(CLIENT_WHEELS)
+	$(PY) -m pytest -q -m packaging tests/client/test_client_packaging.py
+
 .PHONY: loadgen-e2e
 loadgen-e2e: protos $(VLLM_VENV)/.installed $(GUIDELLM_VENV)/.installed
 	PAGEDKV_LOADGEN_REQUIRED=1 $(PY) -m pytest -q -m loadgen tests/e2e/test_load_generators.py
 $(GUIDELLM_VENV)/.installed:
 	$(PYTHON) -m venv $(GUIDELLM_VENV)
 	$(GUIDELLM_VENV)/bin/pip install -q guidellm==0.8.1 "$(TORCH)"
+	touch $@
+
+# lm-evaluation-harness against the HTTP API (tests/e2e/test_lm_eval.py): its local-completions
+# and local-chat-completions models score what its own hf model scores, on a task defined in
+# tests/e2e/lm_eval_tasks; lm-eval pinned in its own virtualenv, torch the CPU pin.
+LMEVAL_VENV := .venv-lmeval
+.PHONY: lmeval-e2e
+lmeval-e2e: protos $(LMEVAL_VENV)/.installed
+	PAGEDKV_LMEVAL_REQUIRED=1 $(PY) -m pytest -q -m lmeval tests/e2e/test_lm_eval.py
+$(LMEVAL_VENV)/.installed:
+	$(PYTHON) -m venv $(LMEVAL_VENV)
+	$(LMEVAL_VENV)/bin/pip install -q "lm-eval[api,hf]==0.4.13" "$(TORCH)"
 	touch $@
 
 compose-check:

@@ -11,8 +11,3 @@ from tests.e2e.e2e_stack import Clients
 def clients(tiny_stack: Clients) -> Clients:
     return tiny_stack
 
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "packaging: builds the project's wheel offline (a few seconds; "
-        "-m 'not packaging' skips it)")

@@ -3,6 +3,7 @@ alone (a copy without pagedkv/, as on a clean clone), with no network."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -59,3 +60,58 @@ def test_client_wheel_has_the_stubs_and_the_client_and_imports(tmp_path: Path):
         env={**os.environ, "PYTHONPATH": str(site)})
     assert check.returncode == 0, check.stderr
     assert all(line.startswith(str(site)) for line in check.stdout.split())
+
+
+CLIENT_WHEELS = ROOT / ".client-wheels"  # grpcio and protobuf, fetched by make setup
+
+
+@pytest.mark.packaging
+def test_the_client_distribution_installs_alone_and_answers(tmp_path: Path, tiny_stack):
+    # ./client builds a wheel of the client and the gateway's stubs alone; a fresh
+    # virtualenv takes it with grpcio and protobuf and nothing else (no torch, no
+    # transformers, no server code), and its Client gets the reference's tokens from a real
+    # gateway.
+    from tests.e2e.e2e_stack import reference_greedy
+
+    wheels = sorted(CLIENT_WHEELS.glob("*.whl"))
+    assert wheels, f"{CLIENT_WHEELS} has no wheels: run `make setup`"
+    env = {**os.environ, **PIP_OFFLINE}
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         str(ROOT / "client"), "-w", str(tmp_path / "dist")],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert build.returncode == 0, build.stdout + build.stderr
+    (wheel,) = (tmp_path / "dist").glob("pagedkv_client-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"pagedkv/gateway/v1/gateway_pb2.py", "pagedkv/gateway/v1/gateway_pb2_grpc.py",
+            "pagedkv_client/client.py", "pagedkv_client/py.typed"} <= names
+    assert not any(n.startswith(("pagedkv/executor", "pagedkv/allocator", "gateway/"))
+                   for n in names)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=60)
+    python = venv / "bin" / "python"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--find-links",
+         str(CLIENT_WHEELS), str(wheel)],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert install.returncode == 0, install.stdout + install.stderr
+    prompt = [1, 17, 42, 99, 7]
+    script = (
+        "import importlib.metadata as m, importlib.util as u, json, sys\n"
+        "from pagedkv_client import Client\n"
+        "installed = sorted(d.metadata['Name'].lower() for d in m.distributions())\n"
+        "missing = [n for n in ('torch', 'transformers', 'gateway') if u.find_spec(n)]\n"
+        f"with Client({tiny_stack.stack.gateway_addr!r}) as client:\n"
+        f"    result = client.complete({prompt}, max_tokens=6, temperature=0)\n"
+        "print(json.dumps([installed, missing, list(result.token_ids)]))\n")
+    run = subprocess.run([str(python), "-c", script], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path, env={"PATH": os.environ["PATH"]})
+    assert run.returncode == 0, run.stderr
+    installed, found, tokens = json.loads(run.stdout)
+    # The client, grpcio, protobuf and what they require (the wheelhouse's), nothing more.
+    wanted = {w.name.split("-")[0].replace("_", "-").lower() for w in wheels}
+    assert {n.replace("_", "-") for n in installed} == {"pagedkv-client", *wanted}
+    assert {"grpcio", "protobuf"} <= wanted and "torch" not in wanted
+    assert found == []
+    assert tuple(tokens) == reference_greedy(tuple(prompt), 6)
