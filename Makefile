@@ -15,6 +15,10 @@ PROTO_STAMP := pagedkv/.generated
 MODEL_DIR := models/smollm2-135m-instruct
 # The executor's C++ CPU kernels, compiled once for this machine (executor_svc/cpu_kernels/csrc).
 KERNELS_STAMP := build/cpu_kernels/.built
+# The client distribution's dependencies as wheels (this venv's grpcio and protobuf, and what
+# they require), for its test in a fresh virtualenv (tests/client/test_client_packaging.py),
+# which installs from them offline.
+CLIENT_WHEELS := .client-wheels/.complete
 
 .PHONY: setup model kernels protos certs lint flags-doc typecheck test test-fast conformance run run-allocator bench bench-full bench-executor bench-vllm bench-fleet compose-check compose-e2e k8s-check gpu-kit clean
 
@@ -26,11 +30,8 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m pip install -q -e ".[dev,convert]"
 	touch $@
 
-# The client distribution's dependencies as wheels (this venv's grpcio and protobuf, and what
-# they require), for its test in a fresh virtualenv (tests/client/test_client_packaging.py),
-# which installs from them offline.
-CLIENT_WHEELS := .client-wheels/.complete
-$(CLIENT_WHEELS): | $(VENV)/.installed
+$(CLIENT_WHEELS): $(VENV)/.installed
+	rm -rf .client-wheels
 	$(PY) -m pip download -q --only-binary=:all: -d .client-wheels \
 		$$($(PY) -c "from importlib.metadata import version as v; \
 		print(*(f'{d}=={v(d)}' for d in ('grpcio', 'protobuf')))")
@@ -145,9 +146,11 @@ LMEVAL_VENV := .venv-lmeval
 .PHONY: lmeval-e2e
 lmeval-e2e: protos $(LMEVAL_VENV)/.installed
 	PAGEDKV_LMEVAL_REQUIRED=1 $(PY) -m pytest -q -m lmeval tests/e2e/test_lm_eval.py
-$(LMEVAL_VENV)/.installed:
+$(LMEVAL_VENV)/.installed: | $(VENV)/.installed
 	$(PYTHON) -m venv $(LMEVAL_VENV)
-	$(LMEVAL_VENV)/bin/pip install -q "lm-eval[api,hf]==0.4.13" "$(TORCH)"
+	$(LMEVAL_VENV)/bin/pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
+	$(LMEVAL_VENV)/bin/pip install -q "lm-eval[api,hf]==0.4.13" "$(TORCH)" \
+		"transformers==$$($(PY) -c 'from importlib.metadata import version; print(version("transformers"))')"
 	touch $@
 
 compose-check:
@@ -178,4 +181,4 @@ gpu-kit: protos
 	$(PY) -m tools.gpu_kit --shared-tools $(SHARED_TOOLS)
 
 clean:
-	rm -rf pagedkv $(VENV) build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf pagedkv $(VENV) build .pytest_cache .mypy_cache .ruff_cache .client-wheels client/build

@@ -1,8 +1,7 @@
 """The prompt's log-probabilities (SamplingParams.prompt_logprobs), from the rows a step
 computed for it: the row at position p gives the prompt token at p + 1 its log-probability,
-its rank and the most likely tokens'. The rows are kept past the sampling rows
-(runner.py), and read a bounded number at a time: a 2,048-token chunk's log-softmax over a
-49k vocabulary would be 400 MB at once."""
+its rank and the most likely tokens'. The rows' logits come a bounded number at a time
+(prompt_rows.py): a 2,048-token chunk's over a 49k vocabulary would be 400 MB at once."""
 
 from __future__ import annotations
 
@@ -11,22 +10,27 @@ from collections.abc import Sequence
 import torch
 
 from executor_svc.plan import PlannedSeq
+from executor_svc.prompt_rows import RowLogits
 from executor_svc.step import PromptLogprobs
 
 ROWS_AT_ONCE = 256  # log-softmax rows in memory at a time (~50 MB at a 49k vocabulary)
 
 
-def prompt_logprobs(logits: torch.Tensor, seqs: Sequence[PlannedSeq]) -> tuple[PromptLogprobs, ...]:
-    """`logits` [P, V]: the rows of each sequence's `prompt_rows()`, in `seqs`' order."""
+def prompt_logprobs(row_logits: RowLogits, seqs: Sequence[PlannedSeq]
+                    ) -> tuple[PromptLogprobs, ...]:
+    """`row_logits(first, end)`: rows [first, end) of the logits of each sequence's
+    `prompt_rows()`, in `seqs`' order."""
     targets = [t for planned in seqs for t in _next_tokens(planned)]
-    assert len(targets) == logits.shape[0], f"{logits.shape[0]} rows for {len(targets)} tokens"
     if not targets:
         return ()
     k = max(p.num_prompt_logprobs for p in seqs)
     chosen, ranks, top_ids, top_values = [], [], [], []
-    target = torch.tensor(targets, device=logits.device)
+    target: torch.Tensor | None = None
     for start in range(0, len(targets), ROWS_AT_ONCE):
-        rows = torch.log_softmax(logits[start : start + ROWS_AT_ONCE].float(), dim=-1)  # [R, V]
+        logits = row_logits(start, min(start + ROWS_AT_ONCE, len(targets)))  # [R, V]
+        if target is None:
+            target = torch.tensor(targets, device=logits.device)
+        rows = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
         mine = rows.gather(1, target[start : start + ROWS_AT_ONCE, None])  # [R, 1]
         chosen.append(mine[:, 0])
         ranks.append((rows > mine).sum(dim=-1) + 1)  # [R]

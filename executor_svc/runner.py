@@ -39,6 +39,7 @@ from executor_svc.merged_calls import MergedPlan, only
 from executor_svc.model_loader import LoadedModel, dtype_name, load_model
 from executor_svc.plan import Limits, PlannedSeq, RequestState
 from executor_svc.prompt_logprobs import prompt_logprobs
+from executor_svc.prompt_rows import PromptRows, RowLogits
 from executor_svc.sampler import Sampler, new_generator
 from executor_svc.settings import ExecutorSettings, SettingsError
 from executor_svc.step import SampledToken, SequenceWork, StepRequest, StepResult, Timings
@@ -51,8 +52,9 @@ class ForwardOutput:
     logits: torch.Tensor  # [S, V]: one row per sequence that samples, in step order
     sampling_request_ids: tuple[str, ...]
     num_tokens: int
-    # The rows predicting prompt tokens (prompt_logprobs.py), [P, V], in step order.
-    prompt_logits: torch.Tensor | None = None
+    # The logits of the rows predicting prompt tokens, in step order, by slice (prompt_rows.py);
+    # None when no sequence asked.
+    prompt_logits: RowLogits | None = None
     seqs: tuple[PlannedSeq, ...] = ()
 
 
@@ -104,6 +106,7 @@ class ModelRunner(HeldRequests):
         self.backend = backend
         self.attention_shape = loaded.attention_shape
         self.limits = limits
+        self.prompt_rows = PromptRows(loaded.model)
         self.sampler = Sampler(
             seed, loaded.device, load_cpu_kernels() if loaded.device.type == "cpu" else None
         )
@@ -171,22 +174,21 @@ class ModelRunner(HeldRequests):
         if not seqs:
             empty = torch.empty(0, self.loaded.vocab_size, device=self.loaded.device)
             return merged, ForwardOutput(logits=empty, sampling_request_ids=(), num_tokens=0)
-        logits = self._forward(seqs)  # [S + P, V]
+        logits, prompt_logits = self._forward(seqs)  # [S, V]
         self.commit(seqs)
-        sampling_ids = tuple(p.work.request_id for p in seqs if p.work.sample)
-        num_sampling = len(sampling_ids)
         return merged, ForwardOutput(
-            logits=logits[:num_sampling],
-            sampling_request_ids=sampling_ids,
+            logits=logits,
+            sampling_request_ids=tuple(p.work.request_id for p in seqs if p.work.sample),
             num_tokens=sum(len(p.token_ids) for p in seqs),
-            prompt_logits=logits[num_sampling:] if logits.shape[0] > num_sampling else None,
+            prompt_logits=prompt_logits,
             seqs=seqs,
         )
 
-    def _forward(self, seqs: tuple[PlannedSeq, ...]) -> torch.Tensor:
+    def _forward(self, seqs: tuple[PlannedSeq, ...]) -> tuple[torch.Tensor, RowLogits | None]:
         """Build the step's arrays on the host, plan attention, send the arrays in one copy,
-        run the model: nothing here waits for the device. The logits kept: each sampling
-        row, in step order, then the rows predicting prompt tokens (prompt_logprobs)."""
+        run the model: nothing here waits for the device. Returns each sampling row's
+        logits, in step order, and those of the rows predicting prompt tokens (prompt_rows.py),
+        when a sequence asked for them."""
         spans: list[SeqSpan] = []
         token_ids: list[int] = []
         positions: list[int] = []
@@ -203,16 +205,28 @@ class ModelRunner(HeldRequests):
             if work.sample:
                 keep.append(len(token_ids) - 1)
             if planned.prompt_token_ids is not None:
-                rows = planned.prompt_rows()
+                predicting = planned.prompt_rows()
                 offset = first - work.start_position
-                prompt_rows.extend(range(rows.start + offset, rows.stop + offset))
-        keep.extend(prompt_rows)
+                prompt_rows.extend(range(predicting.start + offset, predicting.stop + offset))
+        num_sampling = len(keep)
+        by_hidden = bool(prompt_rows) and self.prompt_rows.enabled
+        if prompt_rows and not by_hidden:
+            keep.extend(prompt_rows)  # the model's own head scores them (prompt_rows.py)
         arrays = StepArrays(self.loaded.device)
         inputs = [arrays.add(values) for values in (token_ids, positions, keep)]  # [T], [T], [S]
+        rows = arrays.add(prompt_rows) if by_hidden else None  # [P]
         metadata = StepMetadata.build(tuple(spans), self.limits.block_size, arrays)
         attention_step = self.backend.plan(metadata, self.cache, self.attention_shape)
         arrays.send()
-        return forward_once(self.loaded, attention_step, *(a.tensor for a in inputs))  # [S, V]
+        if by_hidden:
+            self.prompt_rows.arm()
+        logits = forward_once(self.loaded, attention_step, *(a.tensor for a in inputs))
+        if rows is not None:
+            return logits, self.prompt_rows.row_logits(rows.tensor)
+        if not prompt_rows:
+            return logits, None
+        kept = logits[num_sampling:]  # [P, V]
+        return logits[:num_sampling], lambda first, end: kept[first:end]
 
     def new_state(self, work: SequenceWork) -> RequestState:
         """Its seeded generator and its logits processors, if it uses any."""

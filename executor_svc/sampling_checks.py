@@ -141,7 +141,7 @@ def check_prompt(work: SequenceWork, held_prompt: tuple[int, ...] | None, vocab_
                 f"request {rid!r}: sampling.prompt_logprobs needs prompt_token_ids (the whole "
                 "prompt)"
             )
-        if sampling.num_prompt_tokens and len(prompt) != sampling.num_prompt_tokens:
+        if len(prompt) != sampling.num_prompt_tokens:
             raise InvalidArgument(
                 f"request {rid!r}: prompt_token_ids has {len(prompt)} ids for num_prompt_tokens "
                 f"{sampling.num_prompt_tokens}; send the whole prompt"
@@ -154,9 +154,13 @@ def check_prompt(work: SequenceWork, held_prompt: tuple[int, ...] | None, vocab_
                 "same prompt in both"
             )
         held_prompt = prompt
-    if held_prompt is None or work.use_sampled_token:
+    if held_prompt is None:
         return
     start = work.start_position
+    if work.use_sampled_token and start < len(held_prompt):
+        raise InvalidArgument(
+            f"request {rid!r}: use_sampled_token at position {start}, inside its prompt_token_ids "
+            "(its logprobs are read from the prompt): send the prompt's own token")
     sent = work.token_ids[: max(0, len(held_prompt) - start)]
     if sent and tuple(sent) != held_prompt[start : start + len(sent)]:
         raise InvalidArgument(

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from common.errors import ServiceError
+from common.errors import Internal, ServiceError
 from common.executor_description import ExecutorDescription
 from gateway.clients.pool_link import PoolLink
 from gateway.core.batch import Batch, InFlight, ScheduledStep
@@ -111,6 +111,14 @@ class EngineState:
         return self.async_depth if self.link.description.uses_sampled_tokens else 1
 
     def emit(self, seq: Sequence, token: int) -> None:
+        request = seq.request
+        if len(seq.output_token_ids) == 1 and request.needs_prompt_logprobs:
+            # Its first token, and some of the prompt's logprobs never came: an executor (or
+            # allocator) that does not implement them. The client is told, not given holes.
+            self.fail(seq, Internal(
+                "the executor returned no logprobs for some prompt tokens: it must implement "
+                "SamplingParams.prompt_logprobs (pagedkv.executor.v1; see tests/conformance)"))
+            return
         delta = self.finish_rules.delta(seq, token)
         self.outbox.append((seq.request, delta))
         if delta.finish_reason is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,6 +88,19 @@ def test_the_client_distribution_installs_alone_and_answers(tmp_path: Path, tiny
             "pagedkv_client/client.py", "pagedkv_client/py.typed"} <= names
     assert not any(n.startswith(("pagedkv/executor", "pagedkv/allocator", "gateway/"))
                    for n in names)
+    # Its requirements are the runtimes its own stubs accept at import, no looser.
+    archive = zipfile.ZipFile(wheel)
+    metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA")))
+    requires = sorted(line.split(": ", 1)[1] for line in metadata.decode().splitlines()
+                      if line.startswith("Requires-Dist: "))
+    grpc_stub = archive.read("pagedkv/gateway/v1/gateway_pb2_grpc.py").decode()
+    grpc_floor = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", grpc_stub)
+    gencode = re.search(r"Protobuf Python Version: (\d+)\.([\d.]+)",
+                        archive.read("pagedkv/gateway/v1/gateway_pb2.py").decode())
+    assert grpc_floor and gencode
+    major = int(gencode.group(1))
+    assert requires == [f"grpcio>={grpc_floor.group(1)}",
+                        f"protobuf<{major + 1},>={major}.{gencode.group(2)}"]
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
                    timeout=60)

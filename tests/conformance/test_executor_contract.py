@@ -501,3 +501,6 @@ def test_prompt_logprobs_are_each_prompt_tokens_under_the_raw_distribution(
     executor.forget("prompt-lp", "plain", "lp-owner")
     assert [e[0] for e in prefixed] == list(range(size + 1, len(c)))
     assert all(top == [] for *_, top in prefixed)
+    raw = reference_logprobs(reference, c)  # read through the shared block, as computed
+    for position, logprob, _, _ in prefixed:
+        assert logprob == pytest.approx(raw[position - 1][c[position]].item(), abs=1e-3)

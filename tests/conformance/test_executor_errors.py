@@ -258,6 +258,25 @@ CASES: dict[str, tuple[Case, grpc.StatusCode]] = {
                                                    start_position=w.start_position + 1)]),
         INVALID,
     ),
+    "prompt_logprobs_without_prompt_token_ids": (
+        lambda e, w: pb.ExecuteRequest(seqs=[w, _new(e, sampling=pb.SamplingParams(
+            prompt_logprobs=1, num_prompt_tokens=2))]),
+        INVALID,
+    ),
+    "prompt_token_ids_without_prompt_logprobs": (
+        lambda e, w: pb.ExecuteRequest(seqs=[w, _new(e, prompt_token_ids=[5, 6])]),
+        INVALID,
+    ),
+    "prompt_token_ids_other_than_the_tokens_sent": (
+        lambda e, w: pb.ExecuteRequest(seqs=[w, _new(e, prompt_token_ids=[5, 7], sampling=(
+            pb.SamplingParams(prompt_logprobs=0, num_prompt_tokens=2)))]),
+        INVALID,
+    ),
+    "prompt_logprobs_without_num_prompt_tokens": (
+        lambda e, w: pb.ExecuteRequest(seqs=[w, _new(e, prompt_token_ids=[5, 6], sampling=(
+            pb.SamplingParams(prompt_logprobs=0)))]),
+        INVALID,
+    ),
     "previous_step_id_naming_the_call_itself": (
         lambda e, w: pb.ExecuteRequest(seqs=[w], step_id=7, previous_step_id=7),
         INVALID,

@@ -142,6 +142,7 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(tiny_stack: Clients):
     ({"prompt_logprobs": 1, "use_beam_search": True},
      "prompt_logprobs is not supported with use_beam_search"),
     ({"echo": 3}, "echo"),  # (and chat takes no echo: unknown fields are refused by name)
+    ({"echo": True, "logprobs": 1, "prompt_logprobs": -5}, "prompt_logprobs is -5"),
 ])
 def test_bad_prompt_logprobs_are_400s_naming_the_field(tiny_stack: Clients, body: dict,
                                                       message: str):
@@ -150,10 +151,30 @@ def test_bad_prompt_logprobs_are_400s_naming_the_field(tiny_stack: Clients, body
         reply = httpx.post(f"{tiny_stack.http}/v1/{path}", timeout=60, json={
             "model": SERVED, "max_tokens": 2, **extra, **body})
         assert reply.status_code == 400, reply.text
-        assert message in reply.json()["error"]["message"]
+        expected = "echo" if "echo" in body and path != "completions" else message
+        assert expected in reply.json()["error"]["message"]
     with pytest.raises(grpc.RpcError) as failure:
         tiny_stack.gateway.Complete(gpb.CompleteRequest(
             text="Hello", sampling=sampling(2, prompt_logprobs=21)))
     assert failure.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling.prompt_logprobs is 21" in failure.value.details()
+    tiny_stack.wait_all_blocks_back()
+
+
+def test_echo_logprobs_and_prompt_logprobs_each_keep_their_own_count(tiny_stack: Clients):
+    # echo with logprobs 3 and vLLM's prompt_logprobs 0 in one request: the echoed prompt has
+    # 3 top entries and its own; prompt_logprobs has each token's own entry alone.
+    prompt = next(prompts(1, 12, seed=904))
+    reply = httpx.post(f"{tiny_stack.http}/v1/completions", timeout=60, json={
+        "model": SERVED, "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True,
+        "logprobs": 3, "prompt_logprobs": 0}).json()
+    choice = reply["choices"][0]
+    assert [list(e) for e in choice["prompt_logprobs"][1:]] == [[str(t)] for t in prompt[1:]]
+    tops = choice["logprobs"]["top_logprobs"]
+    assert tops[0] is None and all(3 <= len(top) <= 4 for top in tops[1:12])
+    rows = _reference(prompt)
+    for position, entry in enumerate(choice["prompt_logprobs"][1:], 1):
+        value = entry[str(prompt[position])]["logprob"]
+        assert value == pytest.approx(rows[position - 1, prompt[position]].item(), abs=1e-4)
+        assert choice["logprobs"]["token_logprobs"][position] == pytest.approx(value, abs=1e-6)
     tiny_stack.wait_all_blocks_back()

@@ -24,8 +24,9 @@ def _expected(runner: ModelRunner, prompt: list[int]
 
 
 def _run(runner: ModelRunner, prompts: dict[str, list[int]], chunk: int, k: int | None,
-         num_prompt_tokens: int = 0) -> dict[str, list[StepResult]]:
-    """Every prompt prefilled in shared steps of `chunk` tokens each, asking for its logprobs."""
+         asking: str | None = None) -> dict[str, list[StepResult]]:
+    """Every prompt prefilled in shared steps of `chunk` tokens each, each asking for its
+    logprobs (or only the one named `asking`)."""
     driver, offsets = Driver.scattered(runner), dict.fromkeys(prompts, 0)
     results: dict[str, list[StepResult]] = {rid: [] for rid in prompts}
     while any(offsets[rid] < len(p) for rid, p in prompts.items()):
@@ -36,10 +37,13 @@ def _run(runner: ModelRunner, prompts: dict[str, list[int]], chunk: int, k: int 
                 continue
             piece = prompt[start : start + chunk]
             offsets[rid] += len(piece)
-            sampling = (SamplingParams(prompt_logprobs=k, num_prompt_tokens=num_prompt_tokens)
-                        if start == 0 else None)
-            work = driver.work(rid, piece, sample=offsets[rid] == len(prompt), sampling=sampling)
+            asks = asking in (None, rid)
+            sampling = None
             if start == 0:
+                sampling = (SamplingParams(prompt_logprobs=k, num_prompt_tokens=len(prompt))
+                            if asks else SamplingParams())
+            work = driver.work(rid, piece, sample=offsets[rid] == len(prompt), sampling=sampling)
+            if start == 0 and asks:
                 work.prompt_token_ids = tuple(prompt)
             seqs.append(work)
         result = runner.execute(StepRequest(seqs=tuple(seqs)))
@@ -55,9 +59,13 @@ def _collected(results: list[StepResult], rid: str) -> list:
     return [runs, positions]
 
 
+@pytest.mark.parametrize("by_hidden", [True, False])
 @pytest.mark.parametrize("chunk", [5, 64])
 def test_prompt_logprobs_equal_the_dense_forward_in_chunks(tiny_runner: ModelRunner,
-                                                           chunk: int) -> None:
+                                                           chunk: int, by_hidden: bool) -> None:
+    # By the decoder's hidden state and the head a slice at a time, and (a head that scales
+    # its logits) through the model's own logits.
+    tiny_runner.prompt_rows.enabled = by_hidden
     prompts = dict(zip("ab", random_prompts(tiny_runner.info.vocab_size, [23, 9]), strict=True))
     results = _run(tiny_runner, prompts, chunk, k=3)
     for rid, prompt in prompts.items():
@@ -74,16 +82,21 @@ def test_prompt_logprobs_equal_the_dense_forward_in_chunks(tiny_runner: ModelRun
                                    atol=1e-4, rtol=0)
 
 
-def test_prompt_logprobs_leave_sampling_and_other_requests_alone(tiny_runner: ModelRunner,
-                                                                 make_runner) -> None:
-    """The same step with and without prompt logprobs samples the same tokens."""
+@pytest.mark.parametrize("by_hidden", [True, False])
+def test_prompt_logprobs_leave_sampling_and_other_requests_alone(
+        tiny_runner: ModelRunner, make_runner, by_hidden: bool) -> None:
+    """One request asks, one beside it does not, in the same steps: both sample what they
+    sample without prompt logprobs; only the one that asked gets them."""
+    tiny_runner.prompt_rows.enabled = by_hidden
     prompts = dict(zip("ab", random_prompts(tiny_runner.info.vocab_size, [12, 7]), strict=True))
-    with_them = _run(tiny_runner, prompts, 64, k=0)
+    with_them = _run(tiny_runner, prompts, 5, k=0, asking="a")
     plain = Driver.scattered(make_runner("tiny-llama")).generate(prompts, 1)
-    sampled = {t.request_id: t.token_id for t in with_them["a"][-1].tokens}
+    sampled = {t.request_id: t.token_id for r in with_them["a"] for t in r.tokens}
     assert sampled == {rid: out[0] for rid, out in plain.items()}
-    assert all(run.top_logprobs == ((),) * len(run.logprobs)
-               for r in with_them["a"] for run in r.prompt_logprobs)
+    runs = [run for r in with_them["a"] for run in r.prompt_logprobs]
+    assert {run.request_id for run in runs} == {"a"}
+    assert sum(len(run.logprobs) for run in runs) == 11
+    assert all(run.top_logprobs == ((),) * len(run.logprobs) for run in runs)
 
 
 def test_a_prompt_of_one_token_has_no_prompt_logprobs(tiny_runner: ModelRunner) -> None:
@@ -94,7 +107,7 @@ def test_a_prompt_of_one_token_has_no_prompt_logprobs(tiny_runner: ModelRunner) 
 def test_prompt_logprobs_need_the_prompt_and_agree_with_its_tokens(tiny_runner: ModelRunner
                                                                    ) -> None:
     driver = Driver.scattered(tiny_runner)
-    asking = SamplingParams(prompt_logprobs=1)
+    asking = SamplingParams(prompt_logprobs=1, num_prompt_tokens=2)
     cases = [
         (SequenceWork("a", (5, 6), 0, sampling=asking), "needs prompt_token_ids"),
         (SequenceWork("a", (5, 6), 0, sampling=SamplingParams(), prompt_token_ids=(5, 6)),
@@ -104,7 +117,10 @@ def test_prompt_logprobs_need_the_prompt_and_agree_with_its_tokens(tiny_runner: 
         (SequenceWork("a", (5, 6), 0, sampling=SamplingParams(prompt_logprobs=1,
                                                               num_prompt_tokens=3),
                       prompt_token_ids=(5, 6)), "2 ids for num_prompt_tokens 3"),
-        (SequenceWork("a", (5, 6), 0, sampling=SamplingParams(prompt_logprobs=21),
+        (SequenceWork("a", (5, 6), 0, sampling=SamplingParams(prompt_logprobs=1),
+                      prompt_token_ids=(5, 6)), "2 ids for num_prompt_tokens 0"),
+        (SequenceWork("a", (5, 6), 0, sampling=SamplingParams(prompt_logprobs=21,
+                                                              num_prompt_tokens=2),
                       prompt_token_ids=(5, 6)), "prompt_logprobs 21 is out of range"),
     ]
     for work, message in cases:
@@ -112,3 +128,17 @@ def test_prompt_logprobs_need_the_prompt_and_agree_with_its_tokens(tiny_runner: 
         with pytest.raises(InvalidArgument, match=message):
             tiny_runner.execute(StepRequest(seqs=(work,)))
         assert not tiny_runner.requests  # nothing held
+
+
+def test_a_sampled_token_inside_the_prompt_is_refused(tiny_runner: ModelRunner) -> None:
+    # A chunk that samples before the prompt ends, then a row standing for that token at a
+    # prompt position: its logprob would be conditioned on a token that is not the prompt's.
+    driver = Driver.scattered(tiny_runner)
+    first = driver.work("a", [5, 6], sample=True,
+                        sampling=SamplingParams(prompt_logprobs=0, num_prompt_tokens=4))
+    first.prompt_token_ids = (5, 6, 7, 8)
+    tiny_runner.execute(StepRequest(seqs=(first,)))
+    chained = driver.work("a", [0, 8], sample=True)
+    chained.use_sampled_token = True
+    with pytest.raises(InvalidArgument, match="use_sampled_token at position 2, inside its"):
+        tiny_runner.execute(StepRequest(seqs=(chained,)))

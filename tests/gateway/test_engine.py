@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -278,6 +279,24 @@ def test_engine_prompt_logprobs_come_whole_once_through_preemption(
             assert [(e.logprob, e.rank) for e in rest] == link.model.reference_prompt_logprobs(
                 req.prompt_token_ids)
             assert [e.token_id for e in rest] == req.prompt_token_ids[1:]
+    assert link.pool.all_free() and not link.model.held
+
+
+def test_engine_fails_a_request_whose_prompt_logprobs_never_come(tokenizer: Tokenizer):
+    # An executor that ignores prompt_logprobs (one built before them): the request fails
+    # with a message naming the field, instead of a response with holes; nothing is held.
+    class WithoutPromptLogprobs(FakeModel):
+        def execute(self, call: ExecuteCall) -> ExecuteResult:
+            return dataclasses.replace(super().execute(call), prompt_logprobs=())
+
+    eng, link = engine(tokenizer, num_blocks=8)
+    link.model = WithoutPromptLogprobs(BLOCK)
+    req = submit(eng, "a", [4] * 9, 4, prompt_logprobs=0)
+    plain = submit(eng, "b", [6] * 7, 4)
+    asyncio.run(run_until_idle(eng))
+    (delta,) = drain(req)
+    assert delta.error is not None and "SamplingParams.prompt_logprobs" in str(delta.error)
+    assert [t for d in drain(plain) for t in d.token_ids] == link.model.reference([6] * 7, 4)
     assert link.pool.all_free() and not link.model.held
 
 

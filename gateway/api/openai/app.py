@@ -298,6 +298,15 @@ class _Stream(EventSourceResponse):
             self.on_close()
 
 
+# What a log-probability of -inf (a token the model rules out) is sent as: JSON has no
+# infinity, and vLLM sends this.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite(logprob: float) -> float:
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 # A completion logprobs entry: token id, its logprob (None: the echoed prompt's first), top.
 LogprobEntry = tuple[int, float | None, dict[str, float] | None]
 
@@ -380,9 +389,15 @@ class Shape:
         self.api, self.body = api, body
         self.created = int(time.time())
         self.decode = api.frontend.tokenizer.decode
+        self._texts: dict[int, str] = {}
 
     def token_text(self, token_id: int) -> str:
-        return self.decode([token_id], skip_special_tokens=False)
+        """One token's text, decoded once per response (a prompt's logprobs name each id up
+        to k + 1 times)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.decode([token_id], skip_special_tokens=False)
+        return text
 
     def prompt_logprobs(self, choice: Choice) -> list[dict[str, Any] | None] | None:
         """vLLM's `prompt_logprobs`: per prompt token (None first), the token's own entry and
@@ -394,9 +409,11 @@ class Shape:
             if lp is None:
                 out.append(None)
                 continue
-            entries = {str(t): {"logprob": p, "rank": rank, "decoded_token": self.token_text(t)}
-                       for rank, (t, p) in enumerate(lp.top, 1)}
-            entries[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank,
+            top = lp.top[: self.body.prompt_logprobs]  # (echo's logprobs may have asked more)
+            entries = {str(t): {"logprob": finite(p), "rank": rank,
+                                "decoded_token": self.token_text(t)}
+                       for rank, (t, p) in enumerate(top, 1)}
+            entries[str(lp.token_id)] = {"logprob": finite(lp.logprob), "rank": lp.rank,
                                          "decoded_token": self.token_text(lp.token_id)}
             out.append(entries)
         return out
@@ -429,7 +446,8 @@ class Completions(Shape):
         """OpenAI's completion logprobs, the echoed prompt's entries first."""
         if self.body.logprobs is None:
             return None
-        entries = [*echoed, *((lp.token_id, lp.logprob, {self.token_text(t): p for t, p in lp.top})
+        entries = [*echoed, *((lp.token_id, finite(lp.logprob),
+                               {self.token_text(t): finite(p) for t, p in lp.top})
                               for lp in logprobs)]
         tokens, offsets = [], []
         for token_id, _, _ in entries:
@@ -456,9 +474,9 @@ class Completions(Shape):
         entries: list[LogprobEntry] = [(ids[0], None, None)]
         for plp in (choice.prompt_logprobs or ())[1:]:
             assert plp is not None, "a completion's first delta carries every prompt logprob"
-            top = {self.token_text(t): p for t, p in plp.top[: self.body.logprobs]}
-            top[self.token_text(plp.token_id)] = plp.logprob
-            entries.append((plp.token_id, plp.logprob, top))
+            top = {self.token_text(t): finite(p) for t, p in plp.top[: self.body.logprobs]}
+            top[self.token_text(plp.token_id)] = finite(plp.logprob)
+            entries.append((plp.token_id, finite(plp.logprob), top))
         return text, entries
 
     def whole(self, state: EngineRequest, choices: list[Choice]) -> dict[str, Any]:
@@ -497,7 +515,7 @@ class ChatCompletions(Shape):
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
 
     def _logprobs(self, logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...]
                   ) -> dict[str, Any] | None:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import InvalidArgument
 from gateway.api.frontend import PromptInput
-from gateway.api.sampling import RawSampling
+from gateway.api.sampling import MAX_TOP_LOGPROBS, RawSampling
 from gateway.core.beam_search import EarlyStopping
 from gateway.text.tokenizer import ChatTurn
 
@@ -87,7 +87,9 @@ class _Common(BaseModel):
         if self.min_tokens < 0:
             raise InvalidArgument(f"min_tokens is {self.min_tokens}; it must be >= 0")
         if max_tokens is not None and max_tokens < 1:
-            raise InvalidArgument(f"max_tokens is {max_tokens}; it must be >= 1")
+            raise InvalidArgument(
+                f"max_tokens is {max_tokens}; it must be >= 1 (to score a prompt with echo, ask "
+                "for 1 token and leave it out)")
         if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
             raise InvalidArgument(
                 f"best_of ({self.best_of}) other than n is only supported with "
@@ -156,9 +158,12 @@ class CompletionRequest(_Common):
         return PromptInput(token_ids=ids)  # type: ignore[arg-type]
 
     def sampling(self) -> RawSampling:
-        prompt_logprobs = None
+        prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs
-            prompt_logprobs = max(self.prompt_logprobs or 0, self.logprobs)
+            if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
+                raise InvalidArgument(f"prompt_logprobs is {prompt_logprobs}; it must be in "
+                                      f"[0, {MAX_TOP_LOGPROBS}]")
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
         return self.raw_sampling(self.max_tokens, self.logprobs, fill_context=False,
                                  prompt_logprobs=prompt_logprobs)
 
