@@ -13,6 +13,10 @@ from allocator_svc.service import AllocatorServicer
 from common.errors import AlreadyExists
 from pagedkv.allocator.v1 import allocator_pb2 as pb
 
+# Frozen objects of other tests that reference counting may free while one runs: far fewer
+# than a thawed pool's 4,096 blocks.
+UNRELATED_FREES = 1000
+
 
 def _register(servicer: AllocatorServicer, instance: str) -> None:
     request = pb.RegisterPoolRequest(
@@ -46,11 +50,13 @@ def test_a_refused_or_repeated_registration_leaves_the_heap_frozen():
     _register(servicer, "first")
     frozen = gc.get_freeze_count()
     _register(servicer, "first")
-    assert gc.get_freeze_count() >= frozen
+    # Thawed, the pool's 4,096 blocks would leave the frozen heap; an unrelated frozen object
+    # freed meanwhile (by reference count) may take the count down by a few.
+    assert gc.get_freeze_count() > frozen - UNRELATED_FREES
     refused = pb.RegisterPoolRequest(
         pool_id="p", num_blocks=8, block_size=16, model_fingerprint="m",
         executor_instance_id="first",
     )
     with pytest.raises(AlreadyExists):
         asyncio.run(servicer.RegisterPool(refused, None))  # type: ignore[arg-type]
-    assert gc.get_freeze_count() >= frozen
+    assert gc.get_freeze_count() > frozen - UNRELATED_FREES
