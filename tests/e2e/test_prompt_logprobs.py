@@ -92,13 +92,17 @@ def test_echo_with_logprobs_scores_a_prompt_as_lm_eval_asks(client: openai.OpenA
         assert text([best]) in top and text([prompt[position]]) in top  # top 1 and its own
     assert choice.text.startswith(text(prompt))
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
-    # Streamed: the echoed prompt comes with the first chunk; the same text in all.
+    # Streamed: the echoed prompt and its logprobs come with the first chunk; the same text
+    # and the same logprobs in all as in the whole response.
     chunks = list(client.completions.create(model=SERVED, prompt=prompt, max_tokens=3,
-                                            temperature=0, echo=True, stream=True))
+                                            temperature=0, echo=True, stream=True, logprobs=1))
     whole = client.completions.create(model=SERVED, prompt=prompt, max_tokens=3, temperature=0,
-                                      echo=True)
+                                      echo=True, logprobs=1)
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert chunks[0].choices[0].text.startswith(text(prompt))
+    streamed = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == whole.choices[0].logprobs.token_logprobs
+    assert len(streamed) == 33 and streamed[0] is None
     tiny_stack.wait_all_blocks_back()
 
 
