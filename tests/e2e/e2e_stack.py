@@ -180,11 +180,16 @@ def generate_many(stub: gpb_grpc.GatewayServiceStub,
         return list(pool.map(lambda r: generate(stub, r), requests))
 
 
-def reference_prompt_logprobs(prompt: list[int]) -> list[float]:
-    """transformers' forward: each prompt token's log-probability after the ones before it."""
+def reference_prompt_rows(prompt: list[int]) -> torch.Tensor:
+    """transformers' forward: [L - 1, V], row p the log-softmax predicting the token at p + 1."""
     with _REFERENCE_LOCK, torch.no_grad():
         logits = reference_model()(torch.tensor([prompt])).logits[0, :-1].float()
-    rows = torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def reference_prompt_logprobs(prompt: list[int]) -> list[float]:
+    """Each prompt token's log-probability after the ones before it (reference_prompt_rows)."""
+    rows = reference_prompt_rows(prompt)
     return rows.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
 
 

@@ -9,24 +9,17 @@ import httpx
 import openai
 import pytest
 import torch
-from e2e_stack import Clients, prompts, reference_model, sampling, tokenizer
+from e2e_stack import Clients, prompts, reference_prompt_rows, sampling, tokenizer
 
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
 
 SERVED = "tiny-llama"
 
 
-def _reference(prompt: list[int]) -> torch.Tensor:
-    """[L - 1, V]: row p is the log-softmax predicting the token at p + 1."""
-    with torch.no_grad():
-        logits = reference_model()(torch.tensor([prompt])).logits[0]
-    return torch.log_softmax(logits.float(), dim=-1)[:-1]
-
-
 def _assert_matches(prompt: list[int], entries: list[tuple[int, float, int, list[int]]],
                     k: int) -> None:
     """(token id, logprob, rank, top ids) for prompt tokens 1.. against the reference."""
-    rows = _reference(prompt)
+    rows = reference_prompt_rows(prompt)
     assert [e[0] for e in entries] == prompt[1:]
     got = torch.tensor([e[1] for e in entries])
     want = rows.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
@@ -83,7 +76,7 @@ def test_echo_with_logprobs_scores_a_prompt_as_lm_eval_asks(client: openai.OpenA
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 31
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    rows = _reference(prompt)
+    rows = reference_prompt_rows(prompt)
     want = rows.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:30]), want, atol=1e-4, rtol=0)
     text = tokenizer().decode
@@ -113,7 +106,7 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(tiny_stack: Clients):
     reply = httpx.post(f"{tiny_stack.http}/v1/completions", json=body, timeout=60).json()
     entries = reply["choices"][0]["prompt_logprobs"]
     assert entries[0] is None and len(entries) == 20
-    rows = _reference(prompt)
+    rows = reference_prompt_rows(prompt)
     scored = []
     for token_id, entry, row in zip(prompt[1:], entries[1:], rows, strict=True):
         # The token's own entry and the most likely token's (one entry when they are one).
@@ -132,7 +125,7 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(tiny_stack: Clients):
                      json={"messages": messages}).json()["tokens"]
     chat_entries = chat["prompt_logprobs"]
     assert chat_entries[0] is None and len(chat_entries) == len(ids)
-    rows = _reference(ids)
+    rows = reference_prompt_rows(ids)
     for position, entry in enumerate(chat_entries[1:], 1):
         value = entry[str(ids[position])]["logprob"]
         assert value == pytest.approx(rows[position - 1, ids[position]].item(), abs=1e-4)
@@ -176,7 +169,7 @@ def test_echo_logprobs_and_prompt_logprobs_each_keep_their_own_count(tiny_stack:
     assert [list(e) for e in choice["prompt_logprobs"][1:]] == [[str(t)] for t in prompt[1:]]
     tops = choice["logprobs"]["top_logprobs"]
     assert tops[0] is None and all(3 <= len(top) <= 4 for top in tops[1:12])
-    rows = _reference(prompt)
+    rows = reference_prompt_rows(prompt)
     for position, entry in enumerate(choice["prompt_logprobs"][1:], 1):
         value = entry[str(prompt[position])]["logprob"]
         assert value == pytest.approx(rows[position - 1, prompt[position]].item(), abs=1e-4)

@@ -399,6 +399,12 @@ class Shape:
             text = self._texts[token_id] = self.decode([token_id], skip_special_tokens=False)
         return text
 
+    def prompt_logprobs_field(self, choice: Choice) -> dict[str, Any]:
+        """`prompt_logprobs` in a response, only when the request asked."""
+        if self.body.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": self.prompt_logprobs(choice)}
+
     def prompt_logprobs(self, choice: Choice) -> list[dict[str, Any] | None] | None:
         """vLLM's `prompt_logprobs`: per prompt token (None first), the token's own entry and
         the most likely tokens', by token id."""
@@ -486,14 +492,9 @@ class Completions(Shape):
             out.append({"index": i, "text": prompt_text + c.text,
                         "logprobs": self._logprobs(c, c.logprobs, echoed),
                         "finish_reason": FINISH_REASONS[c.finish_reason],
-                        **self._prompt_logprobs_field(c)})
+                        **self.prompt_logprobs_field(c)})
         return {**self.head(state, "text_completion"), "choices": out,
                 "usage": usage(state, choices)}
-
-    def _prompt_logprobs_field(self, choice: Choice) -> dict[str, Any]:
-        if self.body.prompt_logprobs is None:
-            return {}
-        return {"prompt_logprobs": self.prompt_logprobs(choice)}
 
     def chunk(self, state: EngineRequest, choice: Choice, delta: CompletionDelta
               ) -> dict[str, Any]:
@@ -539,8 +540,7 @@ class ChatCompletions(Shape):
                              "logprobs": self._logprobs(c.logprobs),
                              "finish_reason": FINISH_REASONS[c.finish_reason]}
                             for i, c in enumerate(choices)],
-                **({"prompt_logprobs": self.prompt_logprobs(choices[0])}
-                   if self.body.prompt_logprobs is not None else {}),
+                **self.prompt_logprobs_field(choices[0]),
                 "usage": usage(state, choices)}
 
     def chunk(self, state: EngineRequest, choice: Choice, delta: CompletionDelta
