@@ -43,5 +43,9 @@ class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Unimplemented(ServiceError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class Internal(ServiceError):
     code = grpc.StatusCode.INTERNAL

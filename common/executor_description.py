@@ -35,6 +35,7 @@ class ExecutorDescription:
     num_cpu_cache_blocks: int = 0  # of num_cpu_blocks, the prefix cache's CPU tier
     role: str = "both"  # "prefill", "decode" or "both" (an executor that says none: both)
     kv_layout: KVLayout | None = None  # None: it reports none (moves no KV)
+    structured_output: bool = False  # it applies SamplingParams.structured_output
 
     def to_proto(self) -> pb.DescribeResponse:
         msg = pb.DescribeResponse(**{

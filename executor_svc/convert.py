@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from common.errors import InvalidArgument
+from common.structured_output import from_oneof
 from executor_svc.step import (
     BlockCopy,
     BlockTableDelta,
@@ -33,6 +34,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         num_prompt_tokens=msg.num_prompt_tokens,
         top_logprobs=msg.top_logprobs,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        structured_output=(from_oneof(msg.structured_output, "sampling.structured_output")
+                           if msg.HasField("structured_output") else None),
     )
 
 

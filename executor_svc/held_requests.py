@@ -10,7 +10,7 @@ from typing import Protocol
 
 import structlog
 
-from common.errors import ServiceError
+from common.errors import ServiceError, Unimplemented
 from executor_svc.merged_calls import MergedPlan
 from executor_svc.plan import (
     Limits,
@@ -75,6 +75,8 @@ class HeldRequests:
         for step in steps:
             try:
                 plan = plan_step(step, self.requests, self.limits)
+                for planned in plan.seqs:
+                    self.check_constraint(planned)
             except ServiceError as refused:
                 outcomes.append(refused)
                 continue
@@ -84,6 +86,15 @@ class HeldRequests:
             blocks.copy_blocks(step.copies)
             outcomes.append(plan)
         return MergedPlan(outcomes)
+
+    def check_constraint(self, planned: PlannedSeq) -> None:
+        """A new request's structured output; this executor applies none (the real runner
+        does: grammar.py)."""
+        sampling = planned.work.sampling
+        if sampling is not None and sampling.structured_output is not None:
+            raise Unimplemented(
+                f"request {planned.work.request_id!r}: this executor does not apply "
+                "sampling.structured_output (Describe's structured_output is false)")
 
     def new_state(self, work: SequenceWork) -> RequestState:
         """A new request's state (its first step carries its sampling)."""

@@ -1,4 +1,6 @@
-"""One request's logits processors that can change the argmax: min_tokens, logit_bias, penalties.
+"""One request's logits processors that can change the argmax: min_tokens, logit_bias,
+penalties; and its structured output's matcher (grammar.py), whose mask the sampler applies
+after them, to all constrained rows at once.
 
 vLLM V1's order: the min_tokens mask and logit_bias, then the repetition penalty (transformers'
 RepetitionPenaltyLogitsProcessor, over prompt and generated tokens), then the frequency and
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_svc.grammar import GrammarState, generated_part
 from executor_svc.step import SamplingParams
 
 
@@ -55,12 +58,15 @@ class LogitsProcessor:
     seen: TokenSet | None  # in the prompt or generated (repetition_penalty)
     generated: TokenSet | None  # generated (presence_penalty, frequency_penalty)
     generated_counts: torch.Tensor | None  # [V] float32: times each id was generated
+    grammar: GrammarState | None = None  # structured output: fed the generated tokens
 
     @classmethod
     def create(
-        cls, params: SamplingParams, vocab_size: int, device: torch.device
+        cls, params: SamplingParams, vocab_size: int, device: torch.device,
+        grammar: GrammarState | None = None,
     ) -> LogitsProcessor | None:
-        """The request's processor; None when none of them is on."""
+        """The request's processor; None when none of them is on. `grammar`: the matcher of
+        params.structured_output, at the start of the output."""
         if not params.edits_logits:
             return None
         masks = params.min_tokens > 0 and params.stop_token_ids
@@ -81,6 +87,7 @@ class LogitsProcessor:
             generated_counts=(
                 torch.zeros(vocab_size, dtype=torch.float32, device=device) if counts else None
             ),
+            grammar=grammar,
         )
 
     def append(self, token_ids: Sequence[int], start_position: int, sample: bool) -> None:
@@ -92,10 +99,12 @@ class LogitsProcessor:
         self.num_tokens = end
         if self.seen is not None:
             self.seen.add(token_ids)
-        if self.generated is None or not self.num_prompt_tokens:
+        if not self.num_prompt_tokens:
             return
-        generated = token_ids[max(self.num_prompt_tokens - start_position, 0) :]
-        if generated:
+        generated = generated_part(token_ids, start_position, self.num_prompt_tokens)
+        if self.grammar is not None:
+            self.grammar.consume(generated)
+        if generated and self.generated is not None:
             assert self.generated_counts is not None, "generated ids come with their counts"
             self.generated.add(generated)
             ids = _ids(generated, self.generated_counts.device)  # [g]
@@ -106,9 +115,16 @@ class LogitsProcessor:
     def num_generated(self) -> int:
         return max(self.num_tokens - self.num_prompt_tokens, 0)
 
+    @property
+    def hides_stop_tokens(self) -> bool:
+        """min_tokens still masks the stop ids (a complete constrained output needs EOS)."""
+        return self.stop_token_ids is not None and self.num_generated < self.params.min_tokens
+
     def apply(self, logits: torch.Tensor) -> None:  # [V] float32, edited in place
+        """All but the grammar's mask, which the sampler applies to all rows at once."""
         params = self.params
-        if self.stop_token_ids is not None and self.num_generated < params.min_tokens:
+        if self.hides_stop_tokens:
+            assert self.stop_token_ids is not None
             logits.index_fill_(0, self.stop_token_ids, float("-inf"))
         if self.bias_token_ids is not None:
             assert self.bias_values is not None, "bias ids come with their values"

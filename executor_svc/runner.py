@@ -29,6 +29,7 @@ from executor_svc.attention import (
     make_backend,
 )
 from executor_svc.cpu_kernels import load as load_cpu_kernels
+from executor_svc.grammar import GrammarCompiler, GrammarState, check_planned
 from executor_svc.held_requests import HeldRequests
 from executor_svc.kv_blocks import TorchKVBlocks
 from executor_svc.kv_cache import KVCache, KVCacheSpec
@@ -99,6 +100,7 @@ class ModelRunner(HeldRequests):
         clock: Callable[[], float] = time.monotonic,
         num_cpu_cache_blocks: int = 0,
         role: str = "both",
+        model_dir: str | None = None,
     ) -> None:
         self.loaded = loaded
         self.cache = cache
@@ -111,6 +113,8 @@ class ModelRunner(HeldRequests):
             seed, loaded.device, load_cpu_kernels() if loaded.device.type == "cpu" else None
         )
         super().__init__(idle_release_s, clock)
+        # model_dir: where structured output finds the tokenizer (none: it is refused)
+        self.grammars = GrammarCompiler(model_dir, loaded.vocab_size, loaded.eos_token_ids)
         self.info = ExecutorDescription(
             instance_id=uuid.uuid4().hex,
             model_name=loaded.name,
@@ -130,6 +134,7 @@ class ModelRunner(HeldRequests):
             role=role,
             uses_sampled_tokens=True,
             kv_layout=kv_layout(cache.spec, loaded.fingerprint),
+            structured_output=self.grammars.available,
         )
 
     def execute(self, step: StepRequest) -> StepResult:
@@ -236,11 +241,17 @@ class ModelRunner(HeldRequests):
         state.processor = self._processor(work)
         return state
 
+    def check_constraint(self, planned: PlannedSeq) -> None:
+        held = None if planned.is_new else self.requests[planned.work.request_id]
+        check_planned(planned, held, self.grammars)
+
     def _processor(self, work: SequenceWork) -> LogitsProcessor | None:
         """A new request's processor, with the tokens before its first step in its history."""
         assert work.sampling is not None, "only a new request gets a processor"
+        constraint = work.sampling.structured_output
+        grammar = None if constraint is None else GrammarState(self.grammars.matcher(constraint))
         processor = LogitsProcessor.create(
-            work.sampling, self.loaded.vocab_size, self.loaded.device
+            work.sampling, self.loaded.vocab_size, self.loaded.device, grammar
         )
         if processor is not None and work.history_token_ids:
             processor.append(work.history_token_ids, 0, sample=False)
@@ -322,4 +333,5 @@ def build_runner(settings: ExecutorSettings) -> ModelRunner:
     )
     return ModelRunner(loaded, cache, backend, limits, settings.seed,
                        idle_release_s=settings.idle_release_s,
-                       num_cpu_cache_blocks=num_cpu_cache_blocks, role=settings.role)
+                       num_cpu_cache_blocks=num_cpu_cache_blocks, role=settings.role,
+                       model_dir=settings.model)

@@ -24,6 +24,7 @@ from types import ModuleType
 
 import torch
 
+from executor_svc.grammar import mask_bias
 from executor_svc.logits_processor import LogitsProcessor
 from executor_svc.step import SamplingParams
 
@@ -172,12 +173,23 @@ def top_logprobs(
 def _edited_rows(
     logits: torch.Tensor, processors: Sequence[LogitsProcessor | None]
 ) -> dict[int, torch.Tensor]:  # [S, V] -> row -> [V]
-    """The rows that have a processor, each processed in a copy (the raw rows stay)."""
+    """The rows that have a processor, each processed in a copy (the raw rows stay), then
+    the constrained ones masked to what their structured output allows."""
     edited: dict[int, torch.Tensor] = {}
     for row, processor in enumerate(processors):
         if processor is not None:
             edited[row] = logits[row].to(torch.float32, copy=True)
             processor.apply(edited[row])
+    constrained = [(row, p) for row, p in enumerate(processors)
+                   if p is not None and p.grammar is not None]
+    if constrained:
+        grammars = [p.grammar for _, p in constrained if p.grammar is not None]
+        biases = mask_bias(grammars, logits.shape[-1], logits.device)  # [R, V]
+        for (row, processor), bias in zip(constrained, biases, strict=True):
+            edited[row].add_(bias)
+            # min_tokens hid the EOS a complete output needs: the constraint wins.
+            if processor.hides_stop_tokens and not bool(torch.isfinite(edited[row]).any()):
+                edited[row] = logits[row].float() + bias
     return edited
 
 

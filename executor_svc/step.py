@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.step_records import BlockCopy
+from common.structured_output import StructuredOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,7 @@ class SamplingParams:
     num_prompt_tokens: int = 0  # 0: the positions before the request's first sampled token
     top_logprobs: int = 0
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and k top ones
+    structured_output: StructuredOutput | None = None  # the output's constraint (grammar.py)
 
     @property
     def greedy(self) -> bool:
@@ -47,6 +49,7 @@ class SamplingParams:
         return (
             self.has_penalties or bool(self.logit_bias)
             or (self.min_tokens > 0 and bool(self.stop_token_ids))
+            or self.structured_output is not None
         )
 
 

@@ -190,6 +190,8 @@ def model_limits(
         max_beam_width=settings.max_beam_width,
         eos_token_ids=tuple(descriptions[0].eos_token_ids or tokenizer.eos_token_ids),
         block_size=max(d.block_size for d in descriptions),
+        # A constrained request may be routed to any of them: all must apply it.
+        structured_output=all(d.structured_output for d in descriptions),
     )
 
 

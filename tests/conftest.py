@@ -45,11 +45,13 @@ SHARED_STACKS = {
         ("tests/client/test_client_blocking.py", "tests/client/test_client_asyncio.py",
          "tests/e2e/test_generate.py", "tests/e2e/test_beam_search_stack.py",
          "tests/e2e/test_openai_api.py", "tests/e2e/test_prompt_logprobs.py",
-         "tests/client/test_client_packaging.py"), "tiny_stack"),
+         "tests/e2e/test_structured_output.py", "tests/client/test_client_packaging.py"),
+        "tiny_stack"),
     # Their executors (tests/conformance/conftest.py, session fixtures).
     **dict.fromkeys(
         (f"tests/conformance/test_executor_{name}.py"
-         for name in ("auth", "callers", "contract", "errors", "handoff")),
+         for name in ("auth", "callers", "contract", "errors", "handoff",
+                      "structured_output")),
         "conformance executors"),
 }
 

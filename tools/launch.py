@@ -262,13 +262,15 @@ class Stack:
             return {"--metrics-port": int(action.default) + index if index else None}
         return {"--metrics-port": port + index if port > 0 else port}
 
-    def start_gateway(self, name: str, port: int = 0) -> Service:
-        """A gateway over the stack's allocator and executors (several may share them)."""
+    def start_gateway(self, name: str, port: int = 0,
+                      extra_args: tuple[str, ...] = ()) -> Service:
+        """A gateway over the stack's allocator and executors (several may share them);
+        `extra_args` after the stack's own gateway_args (the last of a flag wins)."""
         args = (
             "--host", self.spec.host, "--allocator-addr", ",".join(self.allocator_addrs()),
             "--executor-addrs", ",".join(self.executor_addrs()),
             "--model", self.spec.model, *self._tls_args("gateway"),
-            *self._public_tls_args(), *self.spec.gateway_args,
+            *self._public_tls_args(), *self.spec.gateway_args, *extra_args,
         )
         has_http = "--http-port" in service_flags()["gateway"]
         service = self._start(name, "gateway", port, args,

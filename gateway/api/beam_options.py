@@ -84,6 +84,7 @@ def _refuse_sampling_fields(raw: RawSampling) -> None:
         "stop": bool(raw.stop),
         "logprobs": raw.logprobs is not None,
         "prompt_logprobs": raw.prompt_logprobs is not None,
+        "structured_output": raw.structured_output is not None,
     }
     name = next((k for k, bad in refused.items() if bad), None)
     if name is not None:

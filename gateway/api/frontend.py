@@ -16,6 +16,7 @@ import asyncio
 import collections
 import hashlib
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterator
@@ -27,6 +28,7 @@ from typing import TypeVar
 import structlog
 
 from common.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
+from common.structured_output import Grammars, StructuredOutput, load_tokenizer
 from gateway.api.sampling import (
     MAX_CHAT_MESSAGES,
     MAX_REQUEST_ID_CHARS,
@@ -95,6 +97,9 @@ class Frontend:
     id_namespace: str = field(default_factory=lambda: f"{secrets.token_hex(4)}/")
     metrics: GatewayMetrics | None = None
     draining: bool = False  # shutting down (Gateway.stop): new requests are refused
+    # Structured output's compiled constraints, made at the first constrained request.
+    grammars: Grammars | None = None
+    grammars_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _check_open(self) -> None:
         if self.draining:
@@ -224,6 +229,9 @@ class Frontend:
             prompt = await self.prompt_token_ids(prompt_input)
             validate_prompt(prompt, self.limits)
             sampling = validate(raw, len(prompt), self.limits)
+            if sampling.structured_output is not None:
+                await self._off_loop(len(sampling.structured_output.spec), self._compile,
+                                     sampling.structured_output)
             assert (sampling.beam.beam_width if sampling.beam else sampling.n) == num_seqs, (
                 "the quota counted other sequences than the request runs")
             width = sampling.beam.beam_width if sampling.beam is not None else 0
@@ -252,6 +260,16 @@ class Frontend:
         log.info("request_queued", pool_id=engine.pool_id,
                  num_prompt_tokens=len(prompt), n=sampling.n, max_tokens=sampling.max_tokens)
         return request
+
+    def _compile(self, constraint: StructuredOutput) -> None:
+        """On a tokenizer thread: the constraint compiles for this model (cached), or
+        InvalidArgument with the compiler's words; nothing is held yet."""
+        with self.grammars_lock:
+            if self.grammars is None:
+                self.grammars = Grammars(load_tokenizer(
+                    self.tokenizer.hf.name_or_path, self.limits.vocab_size,
+                    self.limits.eos_token_ids))
+        self.grammars.check(constraint, "sampling.structured_output")
 
     def _take_seqs(self, tenant: str, num_seqs: int) -> None:
         """`num_seqs` of the tenant's in-flight sequences (--tenant-max-requests), or

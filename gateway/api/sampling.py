@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from common.errors import InvalidArgument, ResourceExhausted
+from common.errors import InvalidArgument, ResourceExhausted, Unimplemented
+from common.structured_output import StructuredOutput, check_shape
 from gateway.api.beam_options import check_beam
 from gateway.api.sampling_fields import ModelLimits, RawSampling
 from gateway.core.beam_search import BeamConfig
@@ -60,6 +61,8 @@ class SamplingOptions:
     skip_special_tokens: bool = True
     priority: int = 0  # lower first
     beam: BeamConfig | None = None  # use_beam_search (api/beam_options.py)
+    # The output's constraint: its shape checked here, compiled by the frontend.
+    structured_output: StructuredOutput | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -170,6 +173,7 @@ def validate(raw: RawSampling, prompt_len: int, limits: ModelLimits) -> Sampling
             f"{needed} tokens of KV cache; the smallest pool holds "
             f"{limits.pool_capacity_tokens}: lower max_tokens or shorten the prompt"
         )
+    _check_structured_output(raw, limits)
     beam = check_beam(raw, limits, n, needed - prompt_len)
     if beam is not None:
         _check_beams_fit(beam, needed, limits)
@@ -196,7 +200,25 @@ def validate(raw: RawSampling, prompt_len: int, limits: ModelLimits) -> Sampling
         skip_special_tokens=True if raw.skip_special_tokens is None else raw.skip_special_tokens,
         priority=raw.priority,
         beam=beam,
+        structured_output=raw.structured_output,
     )
+
+
+def _check_structured_output(raw: RawSampling, limits: ModelLimits) -> None:
+    """What can be said before compiling: the executors apply it, and it can end."""
+    constraint = raw.structured_output
+    if constraint is None:
+        return
+    check_shape(constraint, "sampling.structured_output")
+    if not limits.structured_output:
+        raise Unimplemented(
+            "sampling.structured_output: the executors behind this gateway do not apply "
+            "structured output (Describe's structured_output; an executor needs the model's "
+            "tokenizer.json): send the request without it")
+    if raw.ignore_eos:
+        raise InvalidArgument(
+            "sampling.ignore_eos cannot go with structured_output: a complete output ends "
+            "with EOS; drop one of them")
 
 
 def _check_beams_fit(beam: BeamConfig, needed: int, limits: ModelLimits) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.structured_output import StructuredOutput
 from gateway.core.beam_search import EarlyStopping
 
 
@@ -38,6 +39,7 @@ class RawSampling:
     beam_width: int | None = None  # unset: n
     length_penalty: float | None = None  # unset: 1.0
     early_stopping: EarlyStopping | None = None  # unset: HEURISTIC
+    structured_output: StructuredOutput | None = None  # the output's constraint
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,3 +53,4 @@ class ModelLimits:
     max_beam_width: int = 8
     eos_token_ids: tuple[int, ...] = ()
     block_size: int = 16  # the largest of the pools'
+    structured_output: bool = False  # every executor applies structured output

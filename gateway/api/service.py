@@ -9,6 +9,7 @@ import grpc
 
 from common.auth import caller
 from common.errors import InvalidArgument
+from common.structured_output import from_oneof
 from gateway.api.frontend import Frontend, PromptInput
 from gateway.api.sampling import RawSampling
 from gateway.core.beam_search import EarlyStopping
@@ -61,6 +62,9 @@ def raw_sampling(params: pb.SamplingParams, priority: int = 0) -> RawSampling:
         length_penalty=(params.length_penalty
                         if params.HasField("length_penalty") else None),
         early_stopping=_early_stopping(params.early_stopping),
+        structured_output=(
+            from_oneof(params.structured_output, "sampling.structured_output")
+            if params.HasField("structured_output") else None),
     )
 
 

@@ -12,6 +12,7 @@ from common.channel import InternalChannel
 from common.credentials import InternalAuth
 from common.executor_description import ExecutorDescription
 from common.step_records import BlockCopy
+from common.structured_output import to_oneof
 from gateway.clients.call_failures import Rejected, translated
 from gateway.core.step import (
     ExecSampling,
@@ -51,6 +52,8 @@ def _sampling(s: ExecSampling, eos_token_ids: tuple[int, ...]) -> pb.SamplingPar
         msg.seed = s.seed
     if s.prompt_logprobs is not None:
         msg.prompt_logprobs = s.prompt_logprobs
+    if s.structured_output is not None:
+        to_oneof(s.structured_output, msg.structured_output)
     if s.min_tokens:  # what min_tokens masks: the request's stop ids and (vLLM) EOS
         eos = () if s.ignore_eos else eos_token_ids
         msg.stop_token_ids.extend(sorted({*s.stop_token_ids, *eos}))

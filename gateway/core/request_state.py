@@ -288,6 +288,8 @@ class Sequence:
         # Children of n > 1 use seed + index, wrapped to the proto's uint64 range.
         seed = None if options.seed is None else (options.seed + self.seed_offset) % 2**64
         start = self.num_computed_tokens
+        num_prompt = len(self.request.prompt_token_ids)
+        replays = options.structured_output is not None and start > num_prompt
         return ExecSampling(
             temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
             seed=seed, min_p=options.min_p, presence_penalty=options.presence_penalty,
@@ -297,11 +299,13 @@ class Sequence:
             stop_token_ids=tuple(sorted(options.stop_token_ids)) if options.min_tokens else (),
             ignore_eos=options.ignore_eos,
             # After a recompute the executor is sent prompt + generated tokens as one request.
-            num_prompt_tokens=len(self.request.prompt_token_ids),
+            num_prompt_tokens=num_prompt,
             top_logprobs=top_logprobs,
             history_token_ids=(
-                tuple(self.token_slice(0, start)) if options.has_penalties and start else ()
+                tuple(self.token_slice(0, start))
+                if (options.has_penalties and start) or replays else ()
             ),
+            structured_output=options.structured_output,
             **self._prompt_logprobs_fields(),
         )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.step_records import BlockCopy
+from common.structured_output import StructuredOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +84,12 @@ class ExecSampling:
     # whole prompt (SequenceWork.prompt_token_ids).
     prompt_logprobs: int | None = None
     prompt_token_ids: tuple[int, ...] = ()
-    # Penalties on and the first Execute starting past position 0 (a cached prefix, an n > 1
-    # child): the tokens before it, which the penalties count. Sent in SequenceWork.
+    # The first Execute starting past position 0 (a cached prefix, an n > 1 child, a request
+    # moved to another executor) with penalties on, which count the tokens before it, or a
+    # structured output with generated tokens before it, which replays them. Sent in
+    # SequenceWork.
     history_token_ids: tuple[int, ...] = ()
+    structured_output: StructuredOutput | None = None
 
     @property
     def has_penalties(self) -> bool:

@@ -17,12 +17,14 @@ import grpc
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from common.structured_output import StructuredOutput
 from executor_svc.model_loader import dummy_model
 from executor_svc.simulated.token_model import TokenModel
 from pagedkv.allocator.v1 import allocator_pb2 as apb
 from pagedkv.allocator.v1 import allocator_pb2_grpc as apb_grpc
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
 from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
+from tests.executor.oracle import reference_constrained
 from tools.launch import Stack, StackSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -232,6 +234,19 @@ def reference_greedy(
     with _REFERENCE_LOCK, torch.no_grad():
         out = model.generate(torch.tensor([prompt]), generation_config=config)
     return tuple(int(t) for t in out[0, len(prompt):])
+
+
+def reference_constrained_greedy(prompt: list[int], constraint: StructuredOutput,
+                                 max_tokens: int) -> tuple[int, ...]:
+    """Greedy under a structured-output constraint on the executor's dummy weights (EOS
+    included when the output completes)."""
+    def next_logits(tokens: list[int]) -> torch.Tensor:
+        with _REFERENCE_LOCK, torch.no_grad():
+            return reference_model()(torch.tensor([tokens])).logits[0, -1]
+
+    vocab_size = AutoConfig.from_pretrained(MODEL, local_files_only=True).vocab_size
+    return tuple(reference_constrained(next_logits, prompt, MODEL, vocab_size, (EOS,),
+                                       constraint, max_tokens))
 
 
 def prompts(num: int, length: int, seed: int = 0) -> Iterator[list[int]]:

@@ -23,6 +23,7 @@ from e2e_stack import (
     generate_many,
     http_base,
     prompts,
+    reference_constrained_greedy,
     reference_greedy,
     reference_model,
     reference_prompt_logprobs,
@@ -32,6 +33,7 @@ from e2e_stack import (
 )
 from transformers import GenerationConfig
 
+from common.structured_output import StructuredOutput
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
 from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
 from tools.launch import Stack, StackSpec
@@ -119,6 +121,23 @@ def test_a_moved_request_keeps_its_penalties_and_n(split: tuple[Clients, str, St
     with torch.no_grad():
         out = reference_model().generate(torch.tensor([prompt]), generation_config=config)
     assert penalised.token_ids == out[0, len(prompt):].tolist()
+    clients.wait_all_blocks_back()
+
+
+def test_a_moved_request_keeps_its_structured_output(split: tuple[Clients, str, Stack]):
+    # The prefill executor samples the first token under the constraint; the decode executor
+    # starts the constraint over after it. n = 2 children move one by one.
+    clients, base, _ = split
+    prompt = next(prompts(1, 20, seed=740))
+    constraint = StructuredOutput("regex", "[a-z]{3,6}-[0-9]{2,5}")
+    message = gpb.StructuredOutput(regex=constraint.spec)
+    before = hand_offs(base).get("moved", 0.0)
+    done = generate(clients.gateway, gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(24, n=2,
+                                                              structured_output=message)))
+    expected = reference_constrained_greedy(prompt, constraint, 24)
+    assert [tuple(done[i].token_ids) for i in (0, 1)] == [expected, expected]
+    assert hand_offs(base).get("moved", 0.0) - before == 2
     clients.wait_all_blocks_back()
 
 

@@ -273,7 +273,7 @@ def test_bad_chat_bodies_are_400(base: str):
         ({"model": SERVED, "messages": [{"role": "user", "content": "x"}],
           "top_logprobs": 2}, "top_logprobs needs logprobs"),
         ({"model": SERVED, "messages": [{"role": "user", "content": "x"}],
-          "response_format": {"type": "json_object"}}, "response_format"),
+          "response_format": {"type": "json_schema"}}, "response_format.json_schema.schema"),
     ]:
         assert words in str(_error(httpx.post(f"{base}/v1/chat/completions", json=body),
                                    400)["message"])

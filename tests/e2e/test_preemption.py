@@ -8,11 +8,13 @@ three diverged.)"""
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -23,22 +25,26 @@ from e2e_stack import (
     generate_many,
     prompts,
     reference_beams,
+    reference_constrained_greedy,
     reference_greedy,
     reference_prompt_logprobs,
     sampling,
     start_stack,
 )
 
+from common.structured_output import StructuredOutput, to_oneof
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
 from pagedkv.gateway.v1 import gateway_pb2_grpc as gpb_grpc
 from tools.launch import Stack
 
 NUM_BLOCKS = 16  # 256 tokens for 8 concurrent requests of 40 + 48 tokens (704)
+# The fourth gateway preempts by recompute and sends one step at a time.
+RECOMPUTE_AT_DEPTH_1 = ("--preemption-mode", "recompute", "--async-depth", "1")
 
 
 # One stack, in swap mode at the default depth (2): swaps cross all three services (the
-# allocator's plans, the executor's copies). Recompute and depth 1 are the same requests'
-# paths through the scheduler and engine, tested in process against the real allocator core
+# allocator's plans, the executor's copies); its fourth gateway recomputes at depth 1.
+# Recompute and depth 1 are also tested in process against the real allocator core
 # (tests/gateway/test_scheduler.py, test_engine.py, test_engine_pipeline.py) and through
 # every restart in tests/e2e/test_restart.py (readmission is recompute).
 Gateways = tuple[Clients, list[gpb_grpc.GatewayServiceStub], Stack]
@@ -58,7 +64,8 @@ def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateways]:
     try:
         with ThreadPoolExecutor(3) as pool:  # (as bench.fleet starts its gateways)
             started = list(pool.map(stack.start_gateway, ["gateway-2", "gateway-3",
-                                                          "gateway-4"]))
+                                                          "gateway-4"], [0] * 3,
+                                    [(), (), RECOMPUTE_AT_DEPTH_1]))
         channels = [grpc.insecure_channel(service.address) for service in started]
         yield clients, [clients.gateway, *map(gpb_grpc.GatewayServiceStub, channels)], stack
     finally:
@@ -118,7 +125,8 @@ def test_request_that_never_fits_the_pool_is_resource_exhausted(clients: Clients
 
 def _metric(stack: Stack, service: str, name: str) -> float:
     """One counter or histogram series of a service, summed over its labels."""
-    port = stack.by_name(service).http_ports["--metrics-port"]
+    ports = stack.by_name(service).http_ports
+    port = ports.get("--metrics-port") or ports["--http-port"]  # a gateway's is its HTTP API
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     found = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
     assert found, f"{service} exports no {name}"
@@ -180,3 +188,41 @@ def test_beam_searches_through_four_gateways_equal_transformers(
         expected = reference_beams(prompt, width, n, 12, penalty, early)
         assert [tuple(done[i].token_ids) for i in range(n)] == expected, case
     clients.wait_all_blocks_back()
+
+
+def test_constrained_outputs_survive_swaps_recomputes_and_both_depths(gateways: Gateways):
+    # Structured output under the same pressure, through the four gateways (swap at depth 2,
+    # the fourth recompute at depth 1): each output equals the reference's greedy choice
+    # under the constraint, however often its request was swapped or recomputed (its
+    # generated tokens replayed into the constraint).
+    clients, stubs, stack = gateways
+    schema = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                    "maximum": 9999},
+                         "minItems": 6, "maxItems": 9,
+                         "x-guidance": {"whitespace_flexible": False,
+                                        "whitespace_pattern": None}})
+    constraints = [StructuredOutput("regex", "[a-z0-9]{30,40}"),
+                   StructuredOutput("json_schema", schema)]
+    batch = [list(p) for p in prompts(6, 40, seed=77)]
+    # Half through the recomputing gateway, so that it too runs out of blocks.
+    jobs = [(stubs[3] if i % 2 else stubs[i // 2 % 3], prompt, constraints[i // 2 % 2])
+            for i, prompt in enumerate(batch)]
+    recomputes_before = _metric(stack, "gateway-4", "vllm:num_preemptions_total")
+    before = clients.pools()[0].num_preemptions
+
+    def run(job: tuple[gpb_grpc.GatewayServiceStub, list[int], StructuredOutput]
+            ) -> dict[int, Any]:
+        stub, prompt, constraint = job
+        message = gpb.StructuredOutput()
+        to_oneof(constraint, message)
+        return generate(stub, gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=prompt),
+                                                  sampling=sampling(48, structured_output=message)))
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(run, jobs))
+    for (_, prompt, constraint), done in zip(jobs, results, strict=True):
+        assert tuple(done[0].token_ids) == reference_constrained_greedy(prompt, constraint, 48)
+    assert clients.pools()[0].num_preemptions > before, "the pool was meant to be too small"
+    assert _metric(stack, "gateway-4", "vllm:num_preemptions_total") > recomputes_before
+    clients.wait_all_blocks_back()
+

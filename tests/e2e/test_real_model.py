@@ -6,6 +6,7 @@ executor (its own attention implementation, no paging).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
@@ -166,3 +167,52 @@ def test_real_model_openai_async_streaming_chat(clients: Clients) -> None:
     assert roles == ["assistant"]
     assert text == _chat_reference(QUESTION, 32)
     assert reason == "stop"
+
+
+def test_real_model_answers_in_the_schema_it_is_given(clients: Clients) -> None:
+    # OpenAI's response_format on the real model: the answer parses, validates, and says Paris.
+    import jsonschema
+    import openai
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+              "required": ["city"], "additionalProperties": False}
+    client = openai.OpenAI(base_url=f"{clients.http}/v1", api_key="unused", max_retries=0)
+    response = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION,  # type: ignore[arg-type]
+        temperature=0, max_completion_tokens=48, response_format={
+            "type": "json_schema", "json_schema": {"name": "capital", "schema": schema,
+                                                   "strict": True}})
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop"
+    answer = json.loads(choice.message.content or "")
+    jsonschema.validate(answer, schema)
+    assert "Paris" in answer["city"]
+    short = [{"role": "user", "content": 'Reply with a JSON object whose one key, "color", '
+              'names a color.'}]
+    response = client.chat.completions.create(  # (both spellings: tests/gateway)
+        model="SmolLM2-135M-Instruct", messages=short,  # type: ignore[arg-type]
+        temperature=0, max_completion_tokens=120, response_format={"type": "json_object"})
+    assert response.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(response.choices[0].message.content or ""), dict)
+
+
+def test_real_model_constraint_that_allows_what_it_says_changes_nothing(
+        clients: Clients) -> None:
+    # Greedy under a constraint the model's own output satisfies: the same tokens, the
+    # same logprobs (the mask leaves the model's choice alone).
+    import openai
+
+    client = openai.OpenAI(base_url=f"{clients.http}/v1", api_key="unused", max_retries=0)
+    prompt, served = PROMPTS[0], "SmolLM2-135M-Instruct"
+    plain = client.completions.create(model=served, prompt=prompt, max_tokens=16,
+                                      temperature=0.0, logprobs=0)
+    text = plain.choices[0].text
+    for params in ({"regex": r"[\s\S]*"}, {"choice": [text, text + " and more"]}):
+        constrained = client.completions.create(
+            model=served, prompt=prompt, max_tokens=16, temperature=0.0, logprobs=0,
+            extra_body={"structured_outputs": params})
+        assert constrained.choices[0].text == text
+        got, want = constrained.choices[0].logprobs, plain.choices[0].logprobs
+        assert got is not None and want is not None
+        assert got.tokens == want.tokens
+        assert got.token_logprobs == pytest.approx(want.token_logprobs, abs=1e-4)

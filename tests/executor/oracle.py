@@ -8,10 +8,12 @@ tokens back. The oracle is the same weights in transformers' own model with `sdp
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+import llguidance
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.generation.logits_process import (
@@ -26,6 +28,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from common.structured_output import StructuredOutput, grammar_text, load_tokenizer
 from executor_svc.cpu_kernels import load as load_cpu_kernels
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import new_generator
@@ -222,3 +225,24 @@ def built_kernels() -> ModuleType:
     module = load_cpu_kernels()
     assert module is not None, "the C++ kernels did not build: run `make setup` (see its log)"
     return module
+
+
+def reference_constrained(
+    next_logits: Callable[[list[int]], torch.Tensor], prompt: list[int], model_dir: str,
+    vocab_size: int, eos_token_ids: tuple[int, ...], constraint: StructuredOutput,
+    max_new: int,
+) -> list[int]:
+    """Greedy under a constraint: `next_logits(tokens)` ([V], the reference model's) masked
+    by llguidance's byte-per-token mask (not the executor's bit path), to EOS or max_new."""
+    lltok = load_tokenizer(model_dir, vocab_size, eos_token_ids)
+    matcher = llguidance.LLMatcher(lltok, grammar_text(constraint, "reference"))
+    tokens, out = list(prompt), []
+    while len(out) < max_new and (not out or out[-1] not in eos_token_ids):
+        allowed = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)
+        row = next_logits(tokens).float().clone()
+        row[allowed[: row.shape[0]].to(row.device) == 0] = float("-inf")
+        out.append(int(row.argmax()))
+        tokens.append(out[-1])
+        assert matcher.consume_token(out[-1]), matcher.get_error()
+    return out
+

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import InvalidArgument
 from gateway.api.frontend import PromptInput
+from gateway.api.openai.structured import ResponseFormat, StructuredOutputs, constraint
 from gateway.api.sampling import MAX_TOP_LOGPROBS, RawSampling
 from gateway.core.beam_search import EarlyStopping
 from gateway.text.tokenizer import ChatTurn
@@ -68,6 +69,9 @@ class _Common(BaseModel):
     early_stopping: bool | Literal["never"] | None = None
     # vLLM's: each prompt token's logprob, rank and this many most likely (whole responses).
     prompt_logprobs: int | None = None
+    # The output's constraint: OpenAI's or vLLM's spelling (structured.py).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def raw_sampling(self, max_tokens: int | None, logprobs: int | None,
                      fill_context: bool, prompt_logprobs: int | None = None) -> RawSampling:
@@ -122,6 +126,7 @@ class _Common(BaseModel):
             beam_width=self.best_of if self.use_beam_search else None,
             length_penalty=self.length_penalty,
             early_stopping=_early_stopping(self.early_stopping),
+            structured_output=constraint(self.response_format, self.structured_outputs),
         )
 
     @property
@@ -186,14 +191,11 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, str] | None = None
 
     def prompt_input(self) -> PromptInput:
         return PromptInput(chat=chat_turns(self.messages))
 
     def sampling(self) -> RawSampling:
-        if self.response_format not in (None, {"type": "text"}):
-            raise InvalidArgument("response_format other than {'type': 'text'} is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidArgument("top_logprobs needs logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
