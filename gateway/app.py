@@ -337,7 +337,7 @@ class Fleet:
 
 async def start_gateway(settings: GatewaySettings) -> Gateway:
     """The engines on their own loop and thread (engine/host.py), the public server here."""
-    tokenizer = Tokenizer.load(settings.model)
+    tokenizer = Tokenizer.load(settings.model, settings.chat_template)
     if tokenizer.bound is None:
         log.warning("prompt_bound_off", detail="this tokenizer's rules give no sound bound on "
                     "the bytes a token covers: prompts up to --max-prompt-bytes are tokenized "

@@ -89,6 +89,10 @@ class GatewaySettings:
         "stale the gateway's prefix index may be)", check=lambda v: 0 < v < float("inf"),
         must="a finite number of seconds > 0 (between two reads of the pools' cache events)")
     model: str = setting(str(DEFAULT_MODEL), "model directory (tokenizer)")
+    chat_template: str | None = setting(
+        None, "a Jinja chat template file in place of the model's own (e.g. "
+        "models/chat_templates/hermes_tools.jinja: tool calling for a model whose own "
+        "template has no tools)", type=str, metavar="FILE")
     max_num_seqs: int = setting(256, "sequences per step", check=at_least(1), must=">= 1")
     max_num_batched_tokens: int = setting(
         2048, "tokens per step (long prompts are prefilled in chunks)", check=at_least(1),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import json
 import secrets
 import threading
 import time
@@ -23,7 +24,7 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import structlog
 
@@ -71,6 +72,7 @@ class PromptInput:
     text: str | None = None
     token_ids: list[int] | None = None
     chat: list[ChatTurn] | None = None
+    tools: list[dict[str, Any]] | None = None  # a chat's tools, shown by its template
 
 
 @dataclass(slots=True)
@@ -143,24 +145,29 @@ class Frontend:
             return  # it may fit (the usual case): no need to look closer
         check_prompt_fits(bound.min_num_tokens(text), self.limits, at_least=True)
 
-    def _chat_ids(self, turns: list[ChatTurn]) -> list[int]:
+    def _chat_ids(self, turns: list[ChatTurn],
+                  tools: list[dict[str, Any]] | None = None) -> list[int]:
         """On a tokenizer thread: render, refuse what cannot fit, then tokenize."""
-        text = self.tokenizer.chat_text(turns)
+        text = self.tokenizer.chat_text(turns, tools=tools)
         self._check_can_fit(text, _utf8_len(text))
         return self.tokenizer.encode_rendered(text)
 
-    def _chat_bytes(self, chat: list[ChatTurn]) -> int:
-        """A chat's size in bytes, once its message count and size are within the limits."""
+    def _chat_bytes(self, chat: list[ChatTurn],
+                    tools: list[dict[str, Any]] | None = None) -> int:
+        """A chat's size in bytes (its tools and tool calls included), once its message
+        count and size are within the limits."""
         if len(chat) > MAX_CHAT_MESSAGES:
             raise InvalidArgument(f"chat has {len(chat)} messages; at most {MAX_CHAT_MESSAGES}")
         size = sum(_utf8_len(t.content) + _utf8_len(t.role) for t in chat)
+        size += sum(_utf8_len(json.dumps(t.tool_calls)) for t in chat if t.tool_calls)
+        size += _utf8_len(json.dumps(tools)) if tools else 0
         check_prompt_bytes(size, self.max_prompt_bytes, "chat content")
         return size
 
     async def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
         if prompt.chat is not None:
-            size = self._chat_bytes(prompt.chat)
-            return await self._off_loop(size, self._chat_ids, prompt.chat)
+            size = self._chat_bytes(prompt.chat, prompt.tools)
+            return await self._off_loop(size, self._chat_ids, prompt.chat, prompt.tools)
         if prompt.text:  # empty text is an empty prompt, not a lone BOS token
             return await self._encode(prompt.text)
         return list(prompt.token_ids or [])

@@ -15,13 +15,25 @@ class TokenizerLoadError(RuntimeError):
     """The gateway cannot start: the message names the directory and the remedy."""
 
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True, slots=True)
 class ChatTurn:
     role: str
     content: str
+    # An assistant's tool calls ({"id", "type", "function": {"name", "arguments": dict}}),
+    # and a tool turn's answer to one (its id), as chat templates read them.
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_call_id: str | None = None
+
+    def message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = list(self.tool_calls)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +47,8 @@ class Tokenizer:
     bound: TokenBound | None = None
 
     @classmethod
-    def load(cls, path: str) -> Tokenizer:
+    def load(cls, path: str, chat_template: str | None = None) -> Tokenizer:
+        """`chat_template`: a Jinja file in place of the model's own template."""
         from transformers import AutoTokenizer
 
         if not Path(path).is_dir():
@@ -49,6 +62,11 @@ class Tokenizer:
             hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as exc:
             raise TokenizerLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
+        if chat_template is not None:
+            try:
+                hf.chat_template = Path(chat_template).read_text()
+            except OSError as exc:
+                raise TokenizerLoadError(f"--chat-template {chat_template}: {exc}") from exc
         backend = getattr(hf, "backend_tokenizer", None)
         plain = not getattr(hf, "clean_up_tokenization_spaces", False)
         return cls(hf=hf, fast=backend if plain else None, bound=token_bound(backend))
@@ -72,9 +90,11 @@ class Tokenizer:
         """Token ids of a conversation in the model's chat template, ready for the reply."""
         return self.encode_rendered(self.chat_text(turns))
 
-    def chat_text(self, turns: list[ChatTurn], add_generation_prompt: bool = True) -> str:
+    def chat_text(self, turns: list[ChatTurn], add_generation_prompt: bool = True,
+                  tools: list[dict[str, Any]] | None = None) -> str:
         """A conversation in the model's chat template, as text (not yet tokenized); with
-        `add_generation_prompt`, ready for the reply."""
+        `add_generation_prompt`, ready for the reply; `tools` (OpenAI's tool definitions)
+        shown to the model by its template."""
         if not turns:
             raise InvalidArgument("chat: messages is empty; send at least one message")
         bad = next((t.role for t in turns if t.role not in CHAT_ROLES), None)
@@ -84,11 +104,17 @@ class Tokenizer:
             raise InvalidArgument(
                 "chat: this model has no chat template; send the prompt as text or token_ids"
             )
-        messages = [{"role": t.role, "content": t.content} for t in turns]
+        template = str(self.hf.chat_template)
+        if tools and "tools" not in template:
+            raise InvalidArgument(
+                "tools: this model's chat template does not show tools to the model; start "
+                "the gateway with --chat-template models/chat_templates/hermes_tools.jinja "
+                "(or the model's own template that has them)")
+        messages = [t.message() for t in turns]
         try:
             return str(self.hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
-            ))
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                **({"tools": tools} if tools else {})))
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
             raise InvalidArgument(
                 f"chat: the model's template rejected the messages: {exc}"

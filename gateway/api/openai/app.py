@@ -47,6 +47,7 @@ from gateway.api.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from gateway.api.openai.tools import StreamedToolCalls, ToolCall, parse_tool_calls
 from gateway.api.sampling import MAX_REQUEST_ID_CHARS
 from gateway.api.tenants import Tenancy
 from gateway.core.request_state import CompletionDelta, FinishReason, PromptLogprob, TokenLogprob
@@ -533,23 +534,51 @@ class ChatCompletions(Shape):
                               "logprobs": None, "finish_reason": None}]}
                 for i in range(state.sampling.n)]
 
+    def __init__(self, api: HttpApi, body: Any) -> None:
+        super().__init__(api, body)
+        self.tools = bool(body.active_tools)  # parse the replies' tool calls (tools.py)
+        self._streamed: dict[int, StreamedToolCalls] = {}
+
+    def _message(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
+        """The reply, its tool calls parsed out, and its finish reason."""
+        reason = FINISH_REASONS[choice.finish_reason]
+        if not self.tools:
+            return {"role": "assistant", "content": choice.text}, reason
+        content, calls = parse_tool_calls(choice.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+        return message, "tool_calls" if calls and reason == "stop" else reason
+
     def whole(self, state: EngineRequest, choices: list[Choice]) -> dict[str, Any]:
+        replies = [self._message(c) for c in choices]
         return {**self.head(state, "chat.completion"),
-                "choices": [{"index": i,
-                             "message": {"role": "assistant", "content": c.text},
-                             "logprobs": self._logprobs(c.logprobs),
-                             "finish_reason": FINISH_REASONS[c.finish_reason]}
-                            for i, c in enumerate(choices)],
+                "choices": [{"index": i, "message": message,
+                             "logprobs": self._logprobs(c.logprobs), "finish_reason": reason}
+                            for i, (c, (message, reason)) in enumerate(zip(choices, replies,
+                                                                           strict=True))],
                 **self.prompt_logprobs_field(choices[0]),
                 "usage": usage(state, choices)}
 
     def chunk(self, state: EngineRequest, choice: Choice, delta: CompletionDelta
               ) -> dict[str, Any]:
-        content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+        text, reason = delta.text, FINISH_REASONS[delta.finish_reason]
+        calls: list[ToolCall] = []
+        if self.tools:  # content goes out at once, tool calls once the choice ends
+            stream = self._streamed.setdefault(delta.index, StreamedToolCalls())
+            text = stream.feed(text)
+            if delta.finish_reason is not None:
+                rest, calls = stream.finish()
+                text += rest
+                reason = "tool_calls" if calls and reason == "stop" else reason
+        content: dict[str, Any] = {"content": text} if text or delta.finish_reason is None \
+            else {}
+        if calls:
+            content["tool_calls"] = [call.to_openai(i) for i, call in enumerate(calls)]
         return {**self.head(state, "chat.completion.chunk"),
                 "choices": [{"index": delta.index, "delta": content,
                              "logprobs": self._logprobs(delta.logprobs),
-                             "finish_reason": FINISH_REASONS[delta.finish_reason]}]}
+                             "finish_reason": reason}]}
 
     def usage_chunk(self, state: EngineRequest, choices: list[Choice]) -> dict[str, Any]:
         return {**self.head(state, "chat.completion.chunk"), "choices": [],

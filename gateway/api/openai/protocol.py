@@ -12,13 +12,16 @@ or "never", as transformers'). Without beam search `best_of` may only equal n.
 
 from __future__ import annotations
 
-from typing import Literal
+import dataclasses
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import InvalidArgument
 from gateway.api.frontend import PromptInput
 from gateway.api.openai.structured import ResponseFormat, StructuredOutputs, constraint
+from gateway.api.openai.tools import ToolChoice, ToolDef, forced_constraint, tools_in_use
 from gateway.api.sampling import MAX_TOP_LOGPROBS, RawSampling
 from gateway.core.beam_search import EarlyStopping
 from gateway.text.tokenizer import ChatTurn
@@ -179,10 +182,27 @@ class ContentPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text, as the response gave it
+
+
+class AssistantToolCall(BaseModel):
+    """A tool call the assistant made, sent back in the conversation."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None  # None: an assistant turn of tool calls
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -191,11 +211,31 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None  # unset: auto with tools
+    parallel_tool_calls: bool = True
+
+    @property
+    def active_tools(self) -> list[ToolDef]:
+        """The tools the model is shown and whose calls are parsed (tools.py)."""
+        return tools_in_use(self.tools, self.tool_choice)
 
     def prompt_input(self) -> PromptInput:
-        return PromptInput(chat=chat_turns(self.messages))
+        tools = [t.model_dump(exclude_none=True) for t in self.active_tools]
+        return PromptInput(chat=chat_turns(self.messages), tools=tools or None)
 
     def sampling(self) -> RawSampling:
+        raw = self._sampling()
+        forced = forced_constraint(self.active_tools, self.tool_choice, self.parallel_tool_calls)
+        if forced is None:
+            return raw
+        if raw.structured_output is not None:
+            raise InvalidArgument(
+                "tool_choice required or a named function constrains the output already: "
+                "leave response_format / structured_outputs out")
+        return dataclasses.replace(raw, structured_output=forced)
+
+    def _sampling(self) -> RawSampling:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidArgument("top_logprobs needs logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -209,11 +249,32 @@ class ChatCompletionRequest(_Common):
 
 def chat_turns(messages: list[ChatMessage]) -> list[ChatTurn]:
     turns = []
-    for message in messages:
+    for index, message in enumerate(messages):
         content = message.content
-        text = content if isinstance(content, str) else "".join(p.text for p in content)
-        turns.append(ChatTurn(CHAT_ROLE_ALIASES.get(message.role, message.role), text))
+        if content is None and not message.tool_calls:
+            raise InvalidArgument(f"messages[{index}]: content is missing")
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidArgument(f"messages[{index}]: only an assistant turn has tool_calls")
+        if (message.role == "tool") != (message.tool_call_id is not None):
+            raise InvalidArgument(
+                f"messages[{index}]: a tool turn, and only a tool turn, has tool_call_id")
+        text = content if isinstance(content, str) else "".join(p.text for p in content or ())
+        calls = tuple(_template_call(call, index) for call in message.tool_calls or ())
+        turns.append(ChatTurn(CHAT_ROLE_ALIASES.get(message.role, message.role), text,
+                              tool_calls=calls, tool_call_id=message.tool_call_id))
     return turns
+
+
+def _template_call(call: AssistantToolCall, index: int) -> dict[str, Any]:
+    """A call as chat templates read it: its arguments parsed (they print them as JSON)."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise InvalidArgument(
+            f"messages[{index}]: tool call {call.id!r} has arguments that are not JSON"
+        ) from None
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def _early_stopping(value: bool | str | None) -> EarlyStopping | None:
