@@ -268,7 +268,8 @@ def test_bad_completion_bodies_are_400_naming_the_field(base: str, clients: Clie
 
 def test_bad_chat_bodies_are_400(base: str):
     for body, words in [
-        ({"model": SERVED, "messages": [{"role": "tool", "content": "x"}]}, "role"),
+        ({"model": SERVED, "messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
+        ({"model": SERVED, "messages": [{"role": "robot", "content": "x"}]}, "role"),
         ({"model": SERVED, "messages": []}, "messages is empty"),
         ({"model": SERVED, "messages": [{"role": "user", "content": "x"}],
           "top_logprobs": 2}, "top_logprobs needs logprobs"),
