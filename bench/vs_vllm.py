@@ -149,11 +149,21 @@ class VllmOffline:
         self.log.close()
 
 
+def vllm_missing() -> bool:
+    """vLLM CPU's virtualenv is not there (said on stderr, with how to make it)."""
+    if VLLM_PYTHON.exists():
+        return False
+    print("vLLM CPU's virtualenv is missing: run `make bench-vllm` (it creates .venv-vllm)",
+          file=sys.stderr)
+    return True
+
+
 @contextmanager
 def vllm_server(model: str, log_path: Path, dtype: str = "float32",
-                served_name: str | None = None) -> Iterator[str]:
+                served_name: str | None = None, extra_args: tuple[str, ...] = ()
+                ) -> Iterator[str]:
     port = _free_port()
-    named = ("--served-model-name", served_name) if served_name else ()
+    named = ("--served-model-name", served_name, *extra_args) if served_name else extra_args
     with log_path.open("w") as log:
         process = subprocess.Popen(
             [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model,

@@ -27,7 +27,7 @@ from typing import Any
 
 from bench.common import markdown_table, write_results
 from bench.load import stack
-from bench.vs_vllm import VLLM_PYTHON, vllm_env, vllm_server
+from bench.vs_vllm import VLLM_PYTHON, vllm_env, vllm_missing, vllm_server
 from common.model_dirs import DEFAULT_MODEL, REPO_ROOT
 
 SERVED = "smollm2"
@@ -46,25 +46,34 @@ main(parser.parse_args(sys.argv[1:]))
 
 
 def bench_serve(base_url: str, concurrency: int, prompts: int, seed: int) -> dict[str, float]:
+    result = run_bench_serve(
+        base_url, prompts, ["--backend", "openai", "--endpoint", "/v1/completions",
+                            "--random-output-len", str(OUTPUT_LEN), "--max-concurrency",
+                            str(concurrency), "--ignore-eos", "--seed", str(seed),
+                            "--metric-percentiles", "50,99"])
+    return {m: float(result[m]) for m in METRICS}
+
+
+def run_bench_serve(base_url: str, prompts: int, args: list[str]) -> dict[str, Any]:
+    """`vllm bench serve` on the random dataset (INPUT_LEN-token prompts) with `args`: its
+    result, once every prompt completed."""
     with tempfile.TemporaryDirectory() as tmp:
-        argv = [str(VLLM_PYTHON), "-c", BENCH_SERVE, "--backend", "openai", "--base-url",
-                base_url, "--endpoint", "/v1/completions", "--model", SERVED, "--tokenizer",
-                str(DEFAULT_MODEL), "--dataset-name", "random", "--random-input-len",
-                str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN), "--num-prompts",
-                str(prompts), "--max-concurrency", str(concurrency), "--ignore-eos",
-                "--seed", str(seed), "--percentile-metrics", "ttft,itl",
-                "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result",
-                "--result-dir", tmp, "--result-filename", "out.json"]
+        argv = [str(VLLM_PYTHON), "-c", BENCH_SERVE, "--base-url", base_url, "--model",
+                SERVED, "--tokenizer", str(DEFAULT_MODEL), "--dataset-name", "random",
+                "--random-input-len", str(INPUT_LEN), "--num-prompts", str(prompts),
+                "--percentile-metrics", "ttft,itl", "--disable-tqdm", "--save-result",
+                "--result-dir", tmp, "--result-filename", "out.json", *args]
         done = subprocess.run(argv, cwd=REPO_ROOT, env=vllm_env(), capture_output=True,
                               text=True, check=False)
         out = Path(tmp) / "out.json"
         if done.returncode != 0 or not out.exists():
-            raise RuntimeError(f"vllm bench serve failed against {base_url}: "
+            raise RuntimeError(f"vllm bench serve {args} failed against {base_url}: "
                                f"{done.stdout[-1500:]}{done.stderr[-1500:]}")
-        result = json.loads(out.read_text())
+        result: dict[str, Any] = json.loads(out.read_text())
     if result.get("completed") != prompts:
-        raise RuntimeError(f"{base_url}: {result.get('completed')} of {prompts} completed")
-    return {m: float(result[m]) for m in METRICS}
+        raise RuntimeError(f"{base_url} {args}: {result.get('completed')} of {prompts} "
+                           f"completed: {result.get('errors', [])[:3]}")
+    return result
 
 
 def main() -> int:
@@ -73,9 +82,7 @@ def main() -> int:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    if not VLLM_PYTHON.exists():
-        print("vLLM CPU's virtualenv is missing: run `make bench-vllm` (it creates "
-              ".venv-vllm)", file=sys.stderr)
+    if vllm_missing():
         return 2
     log_dir = Path(tempfile.mkdtemp(prefix="pagedkv-vs-vllm-serve-"))
     rows: list[dict[str, Any]] = []

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, Unimplemented
 
 if TYPE_CHECKING:  # llguidance is imported when the first constraint is compiled
     import llguidance
@@ -43,6 +43,10 @@ CACHED_GRAMMARS = 256
 
 class StructuredOutputError(InvalidArgument):
     """The constraint cannot be used: the message names the problem."""
+
+
+class StructuredOutputUnavailable(Unimplemented):
+    """This service cannot apply any constraint (its tokenizer cannot be loaded for it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +69,9 @@ class StructuredOutput:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
-def from_oneof(message: Any, field: str) -> StructuredOutput | None:
-    """A proto StructuredOutput (either API's: the same oneof `constraint`) as the record;
-    None when the message is unset (the caller checks HasField)."""
+def from_oneof(message: Any, field: str) -> StructuredOutput:
+    """A proto StructuredOutput (either API's: the same oneof `constraint`) as the record
+    (the caller checks HasField first); StructuredOutputError when no kind is set."""
     kind = message.WhichOneof("constraint")
     if kind is None:
         raise StructuredOutputError(f"{field}: set one of {', '.join(KINDS)}")
@@ -167,11 +171,13 @@ def load_tokenizer(
     import llguidance
 
     path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise StructuredOutputError(
-            f"structured output needs the model's tokenizer.json, which {model_dir} lacks")
-    return llguidance.LLTokenizer(path.read_text(), n_vocab=vocab_size,
-                                  eos_token=list(eos_token_ids))
+    try:
+        return llguidance.LLTokenizer(path.read_text(), n_vocab=vocab_size,
+                                      eos_token=list(eos_token_ids))
+    except Exception as exc:  # noqa: BLE001 - missing, unreadable or not one llguidance reads
+        raise StructuredOutputUnavailable(
+            f"structured output cannot load {path} for this model ({exc}): this deployment "
+            "applies no constraint") from exc
 
 
 class Grammars:

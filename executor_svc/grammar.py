@@ -140,8 +140,7 @@ def check_planned(planned: PlannedSeq, held: RequestState | None,
     rid = work.request_id
     if held is not None:  # the held matcher has consumed every token before start_position
         assert held.processor is not None and held.processor.grammar is not None
-        if work.use_sampled_token:  # the token the mask let through, then prefill tokens
-            return
+        # (a use_sampled_token row's first token is the one sampled: planned.token_ids)
         tokens = generated_part(planned.token_ids, work.start_position,
                                 sampling.num_prompt_tokens)
         first = max(work.start_position, sampling.num_prompt_tokens)

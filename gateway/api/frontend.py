@@ -200,18 +200,19 @@ class Frontend:
     async def _tokens_of(self, prompt: PromptInput, add_special_tokens: bool,
                          add_generation_prompt: bool) -> list[int]:
         if prompt.chat is not None:
-            size = self._chat_bytes(prompt.chat)
+            size = self._chat_bytes(prompt.chat, prompt.tools)
             return await self._off_loop(size, self._rendered_ids, prompt.chat,
-                                        add_generation_prompt)
+                                        add_generation_prompt, prompt.tools)
         text = prompt.text or ""
         num_bytes = _utf8_len(text)
         check_prompt_bytes(num_bytes, self.max_prompt_bytes)
         return await self._off_loop(num_bytes, self.tokenizer.encode, text, add_special_tokens)
 
-    def _rendered_ids(self, turns: list[ChatTurn], add_generation_prompt: bool) -> list[int]:
+    def _rendered_ids(self, turns: list[ChatTurn], add_generation_prompt: bool,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
         """On a tokenizer thread: render and tokenize, however long (/tokenize counts)."""
         return self.tokenizer.encode_rendered(
-            self.tokenizer.chat_text(turns, add_generation_prompt))
+            self.tokenizer.chat_text(turns, add_generation_prompt, tools))
 
     async def _off_loop(self, num_bytes: int, fn: Callable[..., T], *args: object) -> T:
         lane = self.short_lane if num_bytes <= SHORT_PROMPT_BYTES else self.long_lane

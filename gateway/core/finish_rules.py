@@ -36,13 +36,16 @@ class FinishRules:
 
     def reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         """Whether `token_id`, just appended to `seq`, ends it. Before min_tokens only the
-        length limits do (the executor masks EOS and the stop tokens), as in vLLM."""
+        length limits do (the executor masks EOS and the stop tokens), as in vLLM; but an
+        EOS under structured output ends it (the output is complete: the constraint wins
+        over min_tokens, and allows nothing after it)."""
         options = seq.request.sampling
         num_outputs = len(seq.output_token_ids)
         may_stop = num_outputs >= options.min_tokens
         if may_stop and token_id in options.stop_token_ids:
             return FinishReason.STOP
-        if may_stop and not options.ignore_eos and token_id in self.eos_token_ids:
+        if (may_stop or options.structured_output is not None) and not options.ignore_eos \
+                and token_id in self.eos_token_ids:
             return FinishReason.STOP
         if options.stop and self._completes_a_stop_string(seq, token_id, may_stop):
             return FinishReason.STOP

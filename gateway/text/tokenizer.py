@@ -100,6 +100,10 @@ class Tokenizer:
         bad = next((t.role for t in turns if t.role not in CHAT_ROLES), None)
         if bad is not None:
             raise InvalidArgument(f"chat: role {bad!r} is not one of {', '.join(CHAT_ROLES)}")
+        if any(t.role == "tool" and t.tool_call_id is None for t in turns):
+            raise InvalidArgument(
+                "chat: a tool turn answers a tool call: send it over the HTTP API, as a tool "
+                "message with its tool_call_id")
         if not getattr(self.hf, "chat_template", None):
             raise InvalidArgument(
                 "chat: this model has no chat template; send the prompt as text or token_ids"

@@ -120,6 +120,19 @@ def test_vllm_structured_outputs_and_json_object_on_both_endpoints(
     tiny_stack.wait_all_blocks_back()
 
 
+def test_min_tokens_yields_to_a_complete_output(client: openai.OpenAI,
+                                                tiny_stack: Clients) -> None:
+    # min_tokens would hide the EOS a complete choice ends with: the output ends there all
+    # the same, with nothing after it.
+    response = client.completions.create(
+        model=SERVED, prompt="Pick one:", max_tokens=40, temperature=0.0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}, "min_tokens": 30})
+    choice = response.choices[0]
+    assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
+    assert response.usage.completion_tokens < 30
+    tiny_stack.wait_all_blocks_back()
+
+
 def test_grpc_structured_output_with_n_and_streaming(tiny_stack: Clients) -> None:
     schema = SCHEMAS[1]
     constraint = gpb.StructuredOutput(json_schema=json.dumps(schema))

@@ -75,8 +75,8 @@ def test_a_named_function_and_required_come_back_as_tool_calls(client: openai.Op
     with ThreadPoolExecutor(3) as pool:
         answers = list(pool.map(ask, range(3)))
     for named, required in answers:
-        choice = named.choices[0]
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        choice = named.choices[0]  # a named function: finish_reason stop, as OpenAI's
+        assert choice.finish_reason == "stop" and choice.message.content is None
         assert len(choice.message.tool_calls) == 1
         _check_call(choice.message.tool_calls[0], {"get_weather"})
         for choice in required.choices:
@@ -99,11 +99,15 @@ def test_the_round_trip_renders_the_call_and_the_answer(client: openai.OpenAI,
                                             tool_choice="none", max_tokens=8, temperature=0)
     assert answer.choices[0].message.tool_calls is None
     assert answer.choices[0].message.content
-    # The call and the answer are in the prompt: longer than the question alone.
-    alone = client.chat.completions.create(model=SERVED, messages=ASK, tools=[WEATHER],
-                                           tool_choice="none", max_tokens=1)
-    extra = answer.usage.prompt_tokens - alone.usage.prompt_tokens
-    assert extra > len('<tool_call>{"name": "get_weather", "arguments": }</tool_call>') // 4
+    # The prompt holds the call and the answer, as the template renders them (/tokenize
+    # renders a chat completion's prompt, tools and all).
+    rendered = httpx.post(f"{stack.http}/tokenize", json={
+        "model": SERVED, "messages": history, "return_token_strs": False}, timeout=30).json()
+    assert rendered["count"] == answer.usage.prompt_tokens
+    text = httpx.post(f"{stack.http}/detokenize", json={
+        "model": SERVED, "tokens": rendered["tokens"]}, timeout=30).json()["prompt"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": ' in text
+    assert '<tool_response>\n{"celsius": 18}\n</tool_response>' in text
     stack.wait_all_blocks_back()
 
 

@@ -278,6 +278,10 @@ def test_tokens_the_constraint_forbids_are_refused(runner: ModelRunner,
                                                          _params(prompt, digits)),)))
     assert first.tokens
     assert "at position 3" in _refused(runner, driver.work("d", [letter], True))
+    # A row standing for the sampled token, then more tokens: those are checked too.
+    driver.num_tokens["d"] -= 1
+    ahead = dataclasses.replace(driver.work("d", [0, letter], True), use_sampled_token=True)
+    assert "at position 4" in _refused(runner, ahead)
     runner.release(("d",))
 
 

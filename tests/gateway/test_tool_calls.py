@@ -36,7 +36,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 def test_calls_are_parsed_out_of_the_reply() -> None:
     content, calls = parse_tool_calls("Let me look.\n" + CALL + "\n" + CALL.replace(
         "Paris", "Rome"))
-    assert content == "Let me look."
+    assert content == "Let me look.\n"  # as it was written (a stream sends it so)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
@@ -95,6 +95,10 @@ def test_forced_calls_follow_the_named_function_and_its_parameters() -> None:
     assert not _accepts(lltok, required.deep_copy(), "I will not call anything.")
     lltok, parallel = _matcher([WEATHER, TIME], "required", True)
     assert _accepts(lltok, parallel.deep_copy(), CALL + "\n" + CALL)
+    # JSON whitespace inside the arguments is bounded as a json_schema constraint's is.
+    assert not _accepts(lltok, required.deep_copy(), CALL.replace('{"city"', "{" + " " * 60 +
+                                                                  '"city"'))
+    assert _accepts(lltok, required.deep_copy(), CALL.replace('{"city"', '{\n  "city"'))
 
 
 @pytest.mark.parametrize("fields, words", [

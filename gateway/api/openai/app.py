@@ -47,7 +47,12 @@ from gateway.api.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from gateway.api.openai.tools import StreamedToolCalls, ToolCall, parse_tool_calls
+from gateway.api.openai.tools import (
+    NamedToolChoice,
+    StreamedToolCalls,
+    ToolCall,
+    parse_tool_calls,
+)
 from gateway.api.sampling import MAX_REQUEST_ID_CHARS
 from gateway.api.tenants import Tenancy
 from gateway.core.request_state import CompletionDelta, FinishReason, PromptLogprob, TokenLogprob
@@ -537,6 +542,10 @@ class ChatCompletions(Shape):
     def __init__(self, api: HttpApi, body: Any) -> None:
         super().__init__(api, body)
         self.tools = bool(body.active_tools)  # parse the replies' tool calls (tools.py)
+        # OpenAI's finish reason for calls: tool_calls, but stop when the request named the
+        # function to call.
+        self.calls_reason = "stop" if isinstance(body.tool_choice, NamedToolChoice) \
+            else "tool_calls"
         self._streamed: dict[int, StreamedToolCalls] = {}
 
     def _message(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
@@ -548,7 +557,7 @@ class ChatCompletions(Shape):
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
-        return message, "tool_calls" if calls and reason == "stop" else reason
+        return message, self.calls_reason if calls and reason == "stop" else reason
 
     def whole(self, state: EngineRequest, choices: list[Choice]) -> dict[str, Any]:
         replies = [self._message(c) for c in choices]
@@ -570,7 +579,7 @@ class ChatCompletions(Shape):
             if delta.finish_reason is not None:
                 rest, calls = stream.finish()
                 text += rest
-                reason = "tool_calls" if calls and reason == "stop" else reason
+                reason = self.calls_reason if calls and reason == "stop" else reason
         content: dict[str, Any] = {"content": text} if text or delta.finish_reason is None \
             else {}
         if calls:

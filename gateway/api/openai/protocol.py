@@ -307,6 +307,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # unset: true for a text, false for a chat
     add_generation_prompt: bool = True  # a chat: end with the assistant's turn opening
     return_token_strs: bool = False
+    tools: list[ToolDef] | None = None  # a chat's tools, rendered as a chat completion's
 
     def prompt_input(self) -> PromptInput:
         if (self.prompt is None) == (self.messages is None):
@@ -315,7 +316,10 @@ class TokenizeRequest(BaseModel):
             if self.add_special_tokens:
                 raise InvalidArgument("add_special_tokens: a chat's template writes its own "
                                       "special tokens; leave it unset or false")
-            return PromptInput(chat=chat_turns(self.messages))
+            tools = [t.model_dump(exclude_none=True) for t in tools_in_use(self.tools, None)]
+            return PromptInput(chat=chat_turns(self.messages), tools=tools or None)
+        if self.tools is not None:
+            raise InvalidArgument("tools go with messages (a chat), not with prompt")
         return PromptInput(text=self.prompt)
 
 

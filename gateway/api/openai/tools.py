@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import InvalidArgument
-from common.structured_output import StructuredOutput
+from common.structured_output import JSON_WHITESPACE, StructuredOutput
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
@@ -102,7 +102,11 @@ def _grammar(tools: list[ToolDef], many: bool) -> str:
     """Lark (llguidance's dialect): each call's arguments are its parameters' JSON Schema."""
     rules = []
     for i, tool in enumerate(tools):
-        schema = tool.function.parameters or {"type": "object"}
+        schema = dict(tool.function.parameters or {"type": "object"})
+        # The same bound on JSON whitespace as a json_schema constraint's (a schema's own
+        # "x-guidance" options win).
+        schema["x-guidance"] = {"whitespace_pattern": JSON_WHITESPACE,
+                                **schema.get("x-guidance", {})}
         head = json.dumps(f'{OPEN}\n{{"name": {json.dumps(tool.function.name)}, "arguments": ')
         tail = json.dumps(f"}}\n{CLOSE}")
         rules.append(f"call{i}: {head} args{i} {tail}\nargs{i}: %json {json.dumps(schema)}")
@@ -122,8 +126,8 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         calls.append(call)
     if not calls:
         return text or None, []
-    content = text[: text.index(OPEN)].strip()
-    return content or None, calls
+    content = text[: text.index(OPEN)]
+    return (content if content.strip() else None), calls
 
 
 def _call(body: str) -> ToolCall | None:
