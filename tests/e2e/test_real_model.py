@@ -187,13 +187,6 @@ def test_real_model_answers_in_the_schema_it_is_given(clients: Clients) -> None:
     answer = json.loads(choice.message.content or "")
     jsonschema.validate(answer, schema)
     assert "Paris" in answer["city"]
-    short = [{"role": "user", "content": 'Reply with a JSON object whose one key, "color", '
-              'names a color.'}]
-    response = client.chat.completions.create(  # (both spellings: tests/gateway)
-        model="SmolLM2-135M-Instruct", messages=short,  # type: ignore[arg-type]
-        temperature=0, max_completion_tokens=120, response_format={"type": "json_object"})
-    assert response.choices[0].finish_reason == "stop"
-    assert isinstance(json.loads(response.choices[0].message.content or ""), dict)
 
 
 def test_real_model_constraint_that_allows_what_it_says_changes_nothing(

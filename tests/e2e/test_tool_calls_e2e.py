@@ -72,8 +72,8 @@ def test_a_named_function_and_required_come_back_as_tool_calls(client: openai.Op
             temperature=1.0, tool_choice="required", parallel_tool_calls=False, n=2)
         return named, required
 
-    with ThreadPoolExecutor(3) as pool:
-        answers = list(pool.map(ask, range(3)))
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(ask, range(2)))
     for named, required in answers:
         choice = named.choices[0]  # a named function: finish_reason stop, as OpenAI's
         assert choice.finish_reason == "stop" and choice.message.content is None

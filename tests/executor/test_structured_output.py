@@ -149,6 +149,25 @@ def test_regex_choice_and_grammar_outputs_match(runner: ModelRunner, tokenizer: 
             assert re.fullmatch(r"id-[0-9][0-9]?", text), text
 
 
+def test_json_object_outputs_open_an_object(runner: ModelRunner, tokenizer: Any) -> None:
+    # Any object: a random model never closes one within a few steps, so the first steps'
+    # text is checked, a prefix of some JSON object.
+    driver = Driver.scattered(runner, seed=6)
+    prompts = random_prompts(runner.info.vocab_size, [5, 8], seed=4)
+    out = {}
+    for i, prompt in enumerate(prompts):
+        params = _params(prompt, StructuredOutput("json_object"), temperature=1.0, seed=i)
+        out[i] = [t.token_id for t in runner.execute(StepRequest(seqs=(
+            driver.work(f"o{i}", prompt, True, params),))).tokens]
+        for _ in range(6):
+            out[i] += [t.token_id for t in runner.execute(StepRequest(seqs=(
+                driver.work(f"o{i}", [out[i][-1]], True),))).tokens]
+        runner.release((f"o{i}",))
+    for tokens in out.values():
+        text = str(tokenizer.decode(tokens)).lstrip()
+        assert text.startswith("{"), text
+
+
 def _reference(model: PreTrainedModel, runner: ModelRunner, prompt: list[int],
                constraint: StructuredOutput) -> list[int]:
     return reference_constrained(
