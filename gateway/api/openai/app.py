@@ -358,11 +358,15 @@ async def _events(api: HttpApi, state: EngineRequest, shape: Shape, include_usag
     """The stream's events, each framed whole (sse-starlette sends bytes as they are). With
     usage on, every token chunk has a `usage` too: null, or (continuous) the usage so far."""
     choices = [Choice() for _ in range(state.sampling.n)]
+    # Each choice's opening chunk (chat: the role) goes out with its first token, as OpenAI's
+    # and vLLM's do: a client that times the first chunk times the first token.
+    openings = {chunk["choices"][0]["index"]: chunk for chunk in shape.opening(state)}
     try:
-        for chunk in shape.opening(state):
-            yield sse_event(chunk)
         async with contextlib.aclosing(api.frontend.deltas(state)) as deltas:
             async for delta in deltas:
+                opening = openings.pop(delta.index, None)
+                if opening is not None:
+                    yield sse_event(opening)
                 choice = choices[delta.index]
                 choice.token_ids.extend(delta.token_ids)
                 chunk = shape.chunk(state, choice, delta)
