@@ -192,22 +192,26 @@ class Grammars:
     def matcher(self, constraint: StructuredOutput, field: str) -> llguidance.LLMatcher:
         """A new matcher at the start of the output; StructuredOutputError when the
         constraint does not compile for this tokenizer."""
+        return self._template(constraint, field).deep_copy()
+
+    def check(self, constraint: StructuredOutput, field: str) -> None:
+        """Raises StructuredOutputError unless the constraint compiles (and caches it)."""
+        self._template(constraint, field)
+
+    def _template(self, constraint: StructuredOutput, field: str) -> llguidance.LLMatcher:
+        """The constraint's compiled matcher, never advanced: requests get copies of it."""
         key = constraint.key
         with self._lock:
             template = self._compiled.get(key)
             if template is not None:
                 self._compiled.move_to_end(key)
-                return template.deep_copy()
+                return template
         template = self._compile(constraint, field)
         with self._lock:
             self._compiled[key] = template
             while len(self._compiled) > CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
-        return template.deep_copy()
-
-    def check(self, constraint: StructuredOutput, field: str) -> None:
-        """Raises StructuredOutputError unless the constraint compiles (and caches it)."""
-        self.matcher(constraint, field)
+        return template
 
     def _compile(self, constraint: StructuredOutput, field: str) -> llguidance.LLMatcher:
         import llguidance

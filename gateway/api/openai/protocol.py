@@ -21,7 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from common.errors import InvalidArgument
 from gateway.api.frontend import PromptInput
 from gateway.api.openai.structured import ResponseFormat, StructuredOutputs, constraint
-from gateway.api.openai.tools import ToolChoice, ToolDef, forced_constraint, tools_in_use
+from gateway.api.openai.tools import (
+    AssistantToolCall,
+    ToolChoice,
+    ToolDef,
+    forced_constraint,
+    tools_in_use,
+)
 from gateway.api.sampling import MAX_TOP_LOGPROBS, RawSampling
 from gateway.core.beam_search import EarlyStopping
 from gateway.text.tokenizer import ChatTurn
@@ -180,21 +186,6 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
-
-
-class ToolCallFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    arguments: str  # JSON text, as the response gave it
-
-
-class AssistantToolCall(BaseModel):
-    """A tool call the assistant made, sent back in the conversation."""
-
-    model_config = ConfigDict(extra="forbid")
-    id: str
-    type: Literal["function"]
-    function: ToolCallFunction
 
 
 class ChatMessage(BaseModel):

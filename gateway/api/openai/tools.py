@@ -55,6 +55,21 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text, as the response gave it
+
+
+class AssistantToolCall(BaseModel):
+    """A tool call the assistant made, sent back in the conversation."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     id: str
