@@ -9,6 +9,7 @@ requests, since the allocator has forgotten them.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +29,9 @@ class Lease:
     lease_id: str = ""
     generation: int = 0
     renewing: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Step numbers for every engine on this lease: increasing per pool even when an executor
+    # leaves and joins again (the allocator refuses a number not newer than the last).
+    step_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     # Called after every new lease (the engines' wake-ups: an idle one registers again).
     on_acquired: list[Callable[[], None]] = field(default_factory=list)
 

@@ -32,12 +32,12 @@ fork, evict, hand-off, beams waiting for room), are its base class's (core/queue
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from itertools import chain
 
 from common.step_records import Commit, PreemptionMode, StepCall, StepItem
 from gateway.core.batch import Batch, Budget, ScheduledStep
@@ -55,9 +55,10 @@ class Scheduler(SequenceQueues, BatchLanding):
     swap: bool = False
     num_preemptions: int = 0
     num_advanced: int = 0  # batches advanced and not landed (overlap.py)
-    # The next Step's number. Per engine, so per pool and lease at the allocator, which wants
-    # them increasing: it never starts over (a new lease takes any increasing numbers).
-    next_step_id: int = 1
+    # The Steps' numbers. The allocator wants them increasing per lease and pool, and an
+    # executor that leaves and joins again gets a new engine on the same pool and lease, so
+    # the gateway passes its lease's one counter (gaps are harmless).
+    step_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     clock: Callable[[], float] = time.monotonic
 
     # One step.
@@ -135,7 +136,8 @@ class Scheduler(SequenceQueues, BatchLanding):
     def _plan_waiting(self, plan: _Plan) -> None:
         """Waiting sequences their tenants let start, in order: admission (the prompt, or
         prompt and outputs after a recompute), chunked when the token budget is short."""
-        admission = self.tenants.admission(chain(self.running, self.swapped, self.parking.parked))
+        admission = self.tenants.admission(
+            itertools.chain(self.running, self.swapped, self.parking.parked))
         for seq in self.waiting:
             if plan.seqs_left == 0 or plan.tokens_left == 0:
                 break
@@ -165,8 +167,7 @@ class Scheduler(SequenceQueues, BatchLanding):
             return None
         step_id = 0
         if has_items:
-            step_id = self.next_step_id
-            self.next_step_id += 1
+            step_id = next(self.step_ids)
         appends = plan.appends
         call = StepCall(
             commits=tuple(Commit(k, v) for k, v in pending.commits.items()),

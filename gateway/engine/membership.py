@@ -4,7 +4,9 @@ Every `interval_s` the discovery is asked again. A new address joins: it is desc
 pool registered, and its engine started; one serving another model than the gateway's is
 refused, with both names in the log. An address that is gone drains: no new requests go to
 its engine, its own ones finish (or, if its executor is gone, move to another executor as on
-any loss), then its loop stops and it leaves the router. A lookup that fails changes nothing.
+any loss), then its loop stops and it leaves the router. A lookup that fails, or that lists no
+executor, changes nothing: a file caught between its truncation and its write reads empty, and
+draining every executor on that would fail the requests of the ones still listed.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Membership:
             return
         if not found:
             self._problem(f"{self.discovery.source} lists no executor")
+            return
         current = {e.link.executor.address: e for e in self.router.engines}
         for address in sorted(found - current.keys()):
             try:

@@ -33,7 +33,13 @@ def test_executors_join_and_leave_a_running_gateway_under_load(tmp_path: Path):
     clients = None
     try:
         first, second = stack.executor_addrs()
-        listed.write_text(f"{first}\n")
+        def list_executors(*addresses: str) -> None:
+            """Replaced by a rename, as a user should: never read half written."""
+            staged = tmp_path / "executors.staged"
+            staged.write_text("".join(f"{a}  # listed\n" for a in addresses))
+            staged.replace(listed)
+
+        list_executors(first)
         stack.start_gateway("gateway")
         clients = Clients(stack)
 
@@ -54,7 +60,7 @@ def test_executors_join_and_leave_a_running_gateway_under_load(tmp_path: Path):
         for thread in threads:
             thread.start()
         # A second executor joins mid-load; requests sent from then on use both.
-        listed.write_text(f"{first}\n{second}  # joined\n")
+        list_executors(first, second)
         wait_for(lambda: executors() == sorted([first, second]), "the second executor")
         late = [threading.Thread(target=run, args=(p,)) for p in batch[8:]]
         for thread in late:
@@ -63,12 +69,24 @@ def test_executors_join_and_leave_a_running_gateway_under_load(tmp_path: Path):
                               for p in clients.pools()), "requests on both pools")  # type: ignore[union-attr]
         # Then it leaves while it still runs some: they move to the first (a KV hand-off, or
         # they finish there if they cannot); no new ones go to it.
-        listed.write_text(f"{first}\n")
+        list_executors(first)
         wait_for(lambda: executors() == [first], "the second executor to drain and leave",
                   timeout_s=120)
         for thread in [*threads, *late]:
             thread.join(180)
         assert len(results) == len(batch)
+        # It comes back: a new engine on the same pool and lease, whose Steps the allocator
+        # must take (their numbers go on from the ones before).
+        list_executors(first, second)
+        wait_for(lambda: executors() == sorted([first, second]), "the second executor again")
+        again = [threading.Thread(target=run, args=(p,)) for p in prompts(8, 16, seed=602)]
+        for thread in again:
+            thread.start()
+        wait_for(lambda: all(p.num_requests or p.num_prefix_queries
+                              for p in clients.pools()), "requests on both pools again")  # type: ignore[union-attr]
+        for thread in again:
+            thread.join(180)
+        assert len(results) == len(batch) + len(again)
         for prompt, tokens in results:
             assert list(tokens) == SIMULATED_TOKENS.generate(prompt, 32)
         clients.wait_all_blocks_back()

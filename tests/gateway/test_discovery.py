@@ -146,6 +146,14 @@ def test_membership_follows_joins_and_drains_leavers(tmp_path: Path):
         await membership.refresh()  # changes nothing
         assert [e.address for e in router.engines] == ["a:1"]
         assert "a DNS hiccup" in membership.last_problem
+        listed.listed = []  # a file read between its truncation and its write
+        await membership.refresh()  # changes nothing either
+        assert [e.address for e in router.engines] == ["a:1"] and not router.engines[0].draining
+        assert "lists no executor" in membership.last_problem
+        listed.listed = ["a:1", "b:2"]  # the executor that left joins again: a new engine
+        await membership.refresh()
+        assert [e.address for e in router.engines] == ["a:1", "b:2"]
+        assert router.engines[1] is not b
         await membership.close()
 
     asyncio.run(scenario())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
@@ -774,7 +775,7 @@ def test_a_tenant_with_nothing_here_is_deferred_again_not_set_aside():
         req.tenant = rid[0]
         return req
 
-    sched.next_step_id = 1000  # our Steps numbered after the other's on the shared pool
+    sched.step_ids = itertools.count(1000)  # after the other's on the shared pool
     add(other, tenant_request("a0"))  # the other gateway's: holds a's quota
     plan = other.schedule()
     other.apply_outcome(plan, pool.step(plan.call))
