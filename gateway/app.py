@@ -219,7 +219,7 @@ async def build_engines(
                          observe=metrics.observe_hand_off)
     fleet = Fleet(settings=settings, shards=shards, finish_rules=finish_rules,
                   router=router, metrics=metrics, hand_offs=hand_offs,
-                  model_fingerprint=descriptions[0].model_fingerprint)
+                  model_fingerprint=descriptions[0].model_fingerprint, limits=limits)
     for client, description in zip(clients, descriptions, strict=True):
         router.add(await fleet.engine(client, description))
     membership = Membership(found, router, fleet.join, settings.discovery_interval_s)
@@ -275,6 +275,7 @@ class Fleet:
     router: Router
     metrics: GatewayMetrics
     model_fingerprint: str
+    limits: ModelLimits  # what the gateway admits requests under: a joiner must meet them
     hand_offs: HandOffs | None = None
 
     async def engine(self, client: ExecutorClient, description: ExecutorDescription) -> Engine:
@@ -320,9 +321,9 @@ class Fleet:
         client = ExecutorClient(address, auth=self.settings.internal_auth)
         try:
             description = await client.describe(timeout=5.0)
-            if description.model_fingerprint != self.model_fingerprint:
-                log.error("executor_refused", address=address,
-                          reason="it serves another model than this gateway's executors",
+            reason = self.refusal(description)
+            if reason:
+                log.error("executor_refused", address=address, reason=reason,
                           model=description.model_name,
                           fingerprint=description.model_fingerprint,
                           expected_fingerprint=self.model_fingerprint)
@@ -334,6 +335,24 @@ class Fleet:
             raise
         self.router.add(engine)
         return engine
+
+    def refusal(self, description: ExecutorDescription) -> str:
+        """Why a joining executor cannot take the requests this gateway admits ("": it can).
+        The limits were set by the executors found at start; a request admitted under them
+        may be routed to any executor."""
+        limits = self.limits
+        if description.model_fingerprint != self.model_fingerprint:
+            return "it serves another model than this gateway's executors"
+        if limits.structured_output and not description.structured_output:
+            return ("it cannot apply structured output, which this gateway's executors do "
+                    "and its requests may use")
+        if description.max_model_len and description.max_model_len < limits.max_model_len:
+            return (f"its max_model_len {description.max_model_len} is below the "
+                    f"{limits.max_model_len} this gateway admits requests up to")
+        if description.num_blocks * description.block_size < limits.pool_capacity_tokens:
+            return (f"its pool holds {description.num_blocks * description.block_size} tokens, "
+                    f"below the {limits.pool_capacity_tokens} a request here may need")
+        return ""
 
 
 async def start_gateway(settings: GatewaySettings) -> Gateway:

@@ -479,7 +479,13 @@ def test_fuzzed_bodies_never_get_a_server_error(base: str, clients: Clients):
     values = [None, True, False, 0, -1, 1, 2, 7, 2**31, -(2**63), 0.5, -0.5, 1e309 - 1e309,
               "", "x", "tiny-llama", SERVED, "\ud7ff", [], [1, 2], ["a"], [[1]], {}, {"5": 1},
               {"a": "b"}, {"type": "text"}, [{"role": "user", "content": "hi"}],
-              [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]]
+              [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+              # well-formed values of the constraint and tool fields, to get past their shape
+              "auto", "required", {"type": "json_object"}, {"json": {"type": "object"}},
+              {"regex": "[a-z]+"}, {"choice": ["a", "b"]}, {"grammar": "start: \"a\""},
+              {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}},
+              [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+              {"type": "function", "function": {"name": "f"}}]
     for path, model in (("completions", CompletionRequest), ("chat/completions",
                                                              ChatCompletionRequest)):
         names = [*model.model_fields, "tools", "bogus"]

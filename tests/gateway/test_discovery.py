@@ -5,12 +5,15 @@ tests/e2e/test_discovery_e2e.py."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from common.executor_description import ExecutorDescription
+from gateway.api.sampling import ModelLimits
+from gateway.app import Fleet
 from gateway.clients.discovery import (
     DiscoveryFailed,
     DnsAddresses,
@@ -157,3 +160,27 @@ def test_membership_follows_joins_and_drains_leavers(tmp_path: Path):
         await membership.close()
 
     asyncio.run(scenario())
+
+
+def test_a_joining_executor_must_meet_the_limits_requests_were_admitted_under():
+    # Requests admitted under the limits of the executors found at start may be routed to
+    # any executor: one that joins later and falls short of them is refused, saying why.
+    limits = ModelLimits(max_model_len=512, vocab_size=100, max_n=4,
+                         pool_capacity_tokens=1024, structured_output=True)
+    fleet = Fleet(settings=None, shards=None, finish_rules=None, router=None,  # type: ignore
+                  metrics=None, model_fingerprint="abc", limits=limits)
+    fits = ExecutorDescription(
+        instance_id="i", model_name="m", model_fingerprint="abc", num_blocks=64, block_size=16,
+        num_cpu_blocks=0, backend="torch", device="cpu", max_model_len=512, eos_token_ids=(2,),
+        vocab_size=100, max_num_batched_tokens=256, max_num_seqs=8, structured_output=True)
+    assert fleet.refusal(fits) == ""
+    assert fleet.refusal(replace(fits, max_model_len=0)) == ""  # reports none: no limit
+    for short, why in (
+        (replace(fits, model_fingerprint="xyz"), "serves another model"),
+        (replace(fits, structured_output=False), "cannot apply structured output"),
+        (replace(fits, max_model_len=256), "max_model_len 256 is below the 512"),
+        (replace(fits, num_blocks=32), "holds 512 tokens, below the 1024"),
+    ):
+        assert why in fleet.refusal(short)
+    fleet.limits = replace(limits, structured_output=False)  # no one applies it: not needed
+    assert fleet.refusal(replace(fits, structured_output=False)) == ""
