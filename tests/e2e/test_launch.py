@@ -27,8 +27,9 @@ def test_launch_starts_serves_and_stops_on_ctrl_c(tmp_path: Path):
     # answers with real text; SIGINT ends all.
     launch = subprocess.Popen(
         [sys.executable, "-m", "tools.launch", "--gateway-port", "0", "--allocator-port", "0",
-         "--executor-port", "0", "--log-dir", str(tmp_path)],
+         "--executor-port", "0", "--http-port", "0", "--log-dir", str(tmp_path)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # its services in its group: a failed test stops them all
     )
     try:
         assert launch.stdout is not None
@@ -58,8 +59,17 @@ def test_launch_starts_serves_and_stops_on_ctrl_c(tmp_path: Path):
             log = (tmp_path / f"{name}.log").read_text()
             assert "server_stopped" in log or "gateway_stopped" in log, name
     finally:
-        if launch.poll() is None:
-            launch.kill()
+        stop_group(launch)
+
+
+def stop_group(launch: subprocess.Popen[str]) -> None:
+    """Kill whatever of the launcher's group is left: killing the launcher alone would
+    leave its services holding their ports (a later run's default HTTP port among them)."""
+    try:
+        os.killpg(launch.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # it stopped them all and exited
+    launch.wait(30)
 
 
 def read_until_up(launch: subprocess.Popen[str], timeout_s: float = 120) -> str:
@@ -87,7 +97,7 @@ def test_launch_from_another_directory_forwards_service_flags_and_prints_address
          "--http-port", "0", "--allocator-metrics-port", "0", "--executor-metrics-port", "0",
          "--log-dir", "logs/launch", "--block-size", "32", "--max-num-seqs=8", "--log-json"],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:
         text = read_until_up(launch)
@@ -114,8 +124,7 @@ def test_launch_from_another_directory_forwards_service_flags_and_prints_address
         launch.send_signal(signal.SIGINT)
         assert launch.wait(30) == 0
     finally:
-        if launch.poll() is None:
-            launch.kill()
+        stop_group(launch)
 
 
 @pytest.mark.parametrize("flags, message", [
