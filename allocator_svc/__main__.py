@@ -10,6 +10,8 @@ from pathlib import Path
 import structlog
 
 from allocator_svc.core.allocator import Allocator
+from allocator_svc.core.tenant_service import TenantService
+from allocator_svc.core.victims import PreemptionPolicy
 from allocator_svc.metrics import AllocatorCollector
 from allocator_svc.pool_resets import ResetVerifier
 from allocator_svc.recording import Recorder, RecordingOpenError, flush_periodically
@@ -26,7 +28,10 @@ SERVICE_NAME = allocator_pb2.DESCRIPTOR.services_by_name["AllocatorService"].ful
 
 async def serve(settings: AllocatorSettings) -> None:
     log = structlog.get_logger("allocator_svc")
-    allocator = Allocator(settings.limits)
+    allocator = Allocator(settings.limits,
+                          preemption_policy=PreemptionPolicy(settings.preemption_policy),
+                          tenant_service=TenantService(settings.prefill_service_weight,
+                                                       settings.decode_service_weight))
     recorder = (Recorder.open(settings.recording, allocator.pools)
                 if settings.recording is not None else None)
     rpc_metrics = None

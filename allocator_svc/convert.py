@@ -83,6 +83,7 @@ def step_call(msg: pb.StepRequest) -> StepCall:
         append_token_ids=list(msg.append_token_ids),
         step_id=msg.step_id,
         commit_through_step_id=msg.commit_through_step_id,
+        waiting_tenants=list(msg.waiting_tenants),
     )
 
 
@@ -100,6 +101,7 @@ def step_items(msg: pb.StepRequest) -> list[StepItem]:
                 m.tenant,
                 m.resumed,
                 m.skip_prefix_lookup,
+                m.priority,
             )
         )
     return items
@@ -131,7 +133,8 @@ def _appends_one_block(grant: Grant, block_size: int) -> bool:
     )
 
 
-def step_response(result: StepResult, num_free_blocks: int, block_size: int) -> pb.StepResponse:
+def step_response(result: StepResult, num_free_blocks: int, block_size: int,
+                  prefill_weight: float = 0.0) -> pb.StepResponse:
     # The decodes' appended blocks are already columns; general grants that only append a
     # block join them.
     appended_ids, appended_blocks = result.appended_request_ids, result.appended_block_ids
@@ -146,7 +149,7 @@ def step_response(result: StepResult, num_free_blocks: int, block_size: int) -> 
             else:
                 kept.append(grant)
         others = kept
-    return pb.StepResponse(
+    response = pb.StepResponse(
         grants=[_grant(g) for g in others],
         appended_request_ids=appended_ids,
         appended_block_ids=appended_blocks,
@@ -160,6 +163,11 @@ def step_response(result: StepResult, num_free_blocks: int, block_size: int) -> 
         swap_in=_copies(result.swap_in),
         num_free_blocks=num_free_blocks,
     )
+    if result.tenant_service is not None:
+        response.tenant_service.extend(pb.TenantService(tenant=t, service=s)
+                                       for t, s in result.tenant_service.items())
+        response.prefill_weight = prefill_weight
+    return response
 
 
 def swap_copies(copies: list[BlockCopy]) -> list[pb.BlockCopy]:
@@ -183,6 +191,7 @@ def hand_off(msg: pb.ReserveHandOffRequest, lease_id: str) -> HandOff:
         msg.source_model_fingerprint,
         msg.source_block_size,
         msg.source_pool_id,
+        msg.priority,
     )
 
 
@@ -222,6 +231,10 @@ def pool_stats(pool: Pool) -> pb.PoolStats:
         num_prefix_cpu_hits=pool.num_prefix_cpu_hits,
         num_cpu_cache_stores=pool.cpu.num_kept,
         num_cpu_cache_loads=pool.cpu.num_loaded,
+        num_swap_outs=pool.num_swap_outs,
+        num_swap_ins=pool.num_swap_ins,
+        num_swapped_out_blocks=pool.num_swapped_out_blocks,
+        num_swapped_in_blocks=pool.num_swapped_in_blocks,
     )
 
 

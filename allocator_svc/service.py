@@ -138,7 +138,8 @@ class AllocatorServicer(allocator_pb2_grpc.AllocatorServiceServicer):
         pool = self.allocator.pools[request.pool_id]
         if recorder is not None:
             recorder.step(pool, call, result, ending)
-        return convert.step_response(result, pool.blocks.num_free, pool.block_size)
+        return convert.step_response(result, pool.blocks.num_free, pool.block_size,
+                                     self.allocator.tenant_service.prefill_weight)
 
     async def Free(self, request: pb.FreeRequest, context: Ctx) -> pb.FreeResponse:
         ending = self._before_free(request.pool_id, request.request_ids)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from allocator_svc.core.limits import Limits
+from allocator_svc.core.tenant_service import MAX_WEIGHT
+from allocator_svc.core.victims import PreemptionPolicy
 from allocator_svc.recording import DEFAULT_MAX_BYTES, RecordingSettings
 from common.config import (
     SettingsError,
@@ -54,6 +56,17 @@ class AllocatorSettings:
         "(PinPrefix) may name at most this fraction of its blocks, rounded down (0: no pins; "
         "below 1)", check=lambda v: 0 <= v < 1,
         must="in [0, 1): a fraction of each pool (0.1: a tenth; 0: no pins)")
+    preemption_policy: str = setting(
+        "tail", "whom a step short of blocks preempts: tail (the last behind the request "
+        "short, as vLLM) or cost (among the least urgent behind it, the one that wastes least "
+        "per block it frees; swapped or recomputed, whichever costs less, where the gateway "
+        "allows swaps)", choices=tuple(p.value for p in PreemptionPolicy))
+    prefill_service_weight: float = setting(
+        1.0, "fair share: a tenant's service per prompt token computed",
+        check=lambda v: 0 < v <= MAX_WEIGHT, must=f"in (0, {MAX_WEIGHT:g}]")
+    decode_service_weight: float = setting(
+        2.0, "fair share: a tenant's service per generated token computed",
+        check=lambda v: 0 < v <= MAX_WEIGHT, must=f"in (0, {MAX_WEIGHT:g}]")
     max_pools: int = _count(_DEFAULTS.max_pools, "most pools registered at once")
     max_lease_ttl_ms: int = _count(round(_DEFAULTS.max_lease_ttl_s * 1000),
                                     "longest lease a client may ask for")

@@ -17,6 +17,11 @@ class PreemptionMode(Enum):
     SWAP = "swap"  # move the blocks to CPU; falls back to recompute without swap space
 
 
+# Tenants one Step may name waiting (StepCall.waiting_tenants): a gateway names its first
+# this many, and the allocator refuses more.
+MAX_WAITING_TENANTS = 256
+
+
 @dataclass(frozen=True, slots=True)
 class BlockCopy:
     """Copy one block's KV (copy-on-write, swap out, swap in, a CPU-tier hit)."""
@@ -47,6 +52,9 @@ class StepItem:
     tenant: str = ""  # a new request's, for the allocator's per-tenant block quota
     resumed: bool = False  # new again after a recompute preemption (counted apart)
     skip_prefix_lookup: bool = False  # a new request that reads no cached prefix
+    # A new request's priority level (lower first, as the caller orders them): by cost, a
+    # step preempts only among the least urgent (allocator_svc/core/victims.py).
+    priority: int = 0
     # The allocator core's own: a decode row sent the general way (its token may be unknown).
     decode: bool = False
 
@@ -77,6 +85,7 @@ class StepCall:
     append_token_ids: Sequence[int] = ()
     step_id: int = 0  # increasing per lease; 0: nothing kept for commit_through_step_id
     commit_through_step_id: int = 0
+    waiting_tenants: Sequence[str] = ()  # fair share: whose service to report
 
     def has_items(self) -> bool:
         return bool(self.decode_request_ids or self.items)

@@ -103,6 +103,10 @@ class GatewaySettings:
     preemption_mode: str = setting(
         "recompute", "what happens to a request pushed out when the KV pool is short",
         choices=PREEMPTION_MODES)
+    admission_order: str = setting(
+        "fcfs", "which waiting request starts next, within a priority level: fcfs (arrival), "
+        "or fair-share (the tenant with the least service across every gateway, as the "
+        "allocator counts it, first)", choices=("fcfs", "fair-share"))
     max_waiting: int = setting(1024, "bounded waiting queue", check=at_least(1), must=">= 1")
     max_n: int = setting(16, "largest n (completions per request)", check=at_least(1),
                          must=">= 1")

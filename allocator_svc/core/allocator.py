@@ -21,6 +21,7 @@ from allocator_svc.core.pins import Pin, PinStatus, pin_budget
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.request import Request
 from allocator_svc.core.step import Appends, StepResult, run_step
+from allocator_svc.core.tenant_service import TenantService
 from allocator_svc.core.validation import (
     check_appends,
     check_commits,
@@ -34,7 +35,9 @@ from allocator_svc.core.validation import (
     check_releases,
     check_token_ids,
     check_values_known,
+    check_waiting_tenants,
 )
+from allocator_svc.core.victims import PreemptionPolicy
 from common.credentials import lease_tag
 from common.errors import (
     AlreadyExists,
@@ -59,9 +62,14 @@ class PrefixMatch:
 
 
 class Allocator:
-    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic,
+                 preemption_policy: PreemptionPolicy = PreemptionPolicy.TAIL,
+                 tenant_service: TenantService | None = None) -> None:
         self.limits = limits
         self.clock = clock
+        self.preemption_policy = preemption_policy  # whom a short step preempts (victims.py)
+        # Every tenant's service over all pools, charged by every step (tenant_service.py).
+        self.tenant_service = tenant_service or TenantService(clock=clock)
         self.pools: dict[str, Pool] = {}
         self.leases = LeaseTable()
         self.num_expired_leases = 0
@@ -85,6 +93,7 @@ class Allocator:
         epoch = max(time.time_ns(), existing.epoch + 1 if existing else 0)
         budget = pin_budget(config.num_blocks, self.limits.max_pinned_fraction)
         pool = Pool(config, epoch, self.limits.event_capacity, budget)
+        pool.tenant_service = self.tenant_service
         if existing is not None:  # pins are configuration: the new pool keeps what it can
             pool.pins.carry(existing.pins.pins.values(), pool.block_size, pool.chain)
         self.pools[config.pool_id] = pool
@@ -116,6 +125,8 @@ class Allocator:
         commit_through = call.commit_through_step_id
         if not (num_items or commits or free_ids or abort_ids or appends or commit_through):
             raise InvalidArgument("empty step: send at least one item, commit, free or abort")
+        if call.waiting_tenants:
+            check_waiting_tenants(call.waiting_tenants, self.limits)
         if num_items > self.limits.max_batch_items:
             raise InvalidArgument(
                 f"{num_items} items exceed the maximum batch of {self.limits.max_batch_items}"
@@ -167,10 +178,15 @@ class Allocator:
                 pool.free(pool.requests[request_id])
             for request_id in abort_ids:
                 pool.abort(pool.requests[request_id])
-        return run_step(
+        if call.waiting_tenants:
+            self.tenant_service.in_use = True  # this step is charged too
+        result = run_step(
             pool, items, call.mode, lease_id, decode_requests, call.step_id,
-            self.limits.max_blocks_per_tenant,
+            self.limits.max_blocks_per_tenant, self.preemption_policy,
         )
+        if call.waiting_tenants:
+            result.tenant_service = self.tenant_service.service(call.waiting_tenants)
+        return result
 
     # Outside a step. `lease_id`: the caller's lease, which every named request must be in.
     def free(

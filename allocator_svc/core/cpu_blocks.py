@@ -153,6 +153,11 @@ class CpuBlocks:
 
     # Swap space.
 
+    def can_take(self, count: int) -> bool:
+        """Whether `take(count)` would succeed (nothing changes)."""
+        short = count - len(self.free_ids)
+        return short <= 0 or sum(1 for _ in islice(self._evictable(), short)) == short
+
     def take(self, count: int) -> list[int] | None:
         """`count` CPU blocks for a swap-out: free ones first, then the tier's entries, LRU
         first; None (nothing changed) if even every entry that may go would not do."""

@@ -44,6 +44,7 @@ class HandOff:
     source_model_fingerprint: str
     source_block_size: int
     source_pool_id: str = ""  # checked too when this allocator holds it
+    priority: int = 0  # its level (StepItem.priority)
 
 
 def check_hand_off(pool: Pool, call: HandOff, source: Pool | None, limits: Limits) -> None:
@@ -142,6 +143,7 @@ def reserve(pool: Pool, call: HandOff) -> Request | None:
         call.request_id, call.lease_id, root, tokens, call.num_prompt_tokens,
         num_computed=len(tokens), num_committed=num_cached, blocks=hits + fresh,
         block_hashes=hashes, num_cached_tokens=num_cached, tenant=call.tenant,
+        priority=call.priority, num_charged=len(tokens),  # computed (and charged) elsewhere
     )
     pool.requests[call.request_id] = request
     pool.num_hand_offs += 1

@@ -20,6 +20,7 @@ from allocator_svc.core.hashing import BlockHasher, pack_tokens, root_hash
 from allocator_svc.core.pins import PinTable
 from allocator_svc.core.request import Grant, Request
 from allocator_svc.core.scheduled_steps import ScheduledSteps, StepHolds
+from allocator_svc.core.tenant_service import TenantService
 from common.step_records import BlockCopy
 
 MAX_CACHED_ROOTS = 4096
@@ -72,6 +73,8 @@ class Pool:
         self.scheduled = ScheduledSteps(self.cpu, self.blocks)
         # The step being built: the device blocks its swap-outs copy from (StepHolds).
         self.swapped_out_sources: list[Block] = []
+        # The allocator's ledger of tenants' service, charged by every step (None: none).
+        self.tenant_service: TenantService | None = None
 
     def root(self, cache_salt: str) -> bytes:
         root = self._roots.get(cache_salt)
@@ -350,6 +353,8 @@ class Pool:
                 list(parent.block_hashes),
                 num_cached_tokens=parent.num_cached_tokens,
                 tenant=parent.tenant,  # its blocks count against the same quota
+                priority=parent.priority,
+                num_charged=parent.num_computed,  # computed once, for the parent
             )
             self.blocks.touch(child.blocks)
             self.requests[child_id] = child

@@ -26,6 +26,10 @@ class Request:
     num_cpu_cached_tokens: int = 0  # of which copied back from the CPU tier
     num_preemptions: int = 0  # swap preemptions survived (recompute ones end the request)
     tenant: str = ""  # whose block quota its blocks count against ("": none)
+    priority: int = 0  # its level: lower values more urgent (victims.py, by cost)
+    # Of num_computed, the tokens its tenant's service counts already (tenant_service.py):
+    # cached and forked ones are never charged, nor a moved request's.
+    num_charged: int = 0
 
     @property
     def swapped(self) -> bool:

@@ -1,11 +1,12 @@
 """The batched step: a whole scheduling step's allocations for one pool, atomically.
 
 Items arrive in the gateway's priority order. Running requests are served first; when the
-pool is short, a running request preempts the running requests behind it, from the tail of
-the order (or itself, when nobody is behind). Requests waiting for admission (new ones, and
-swapped-out ones coming back) are admitted from free space only, in order, stopping at the
-first that does not fit, and not at all in a step that preempted (as vLLM does). A request
-that cannot be served leaves no trace: it is deferred, or preempted as a whole.
+pool is short, a running request preempts running requests behind it, from the tail of the
+order or by cost (victims.py), or itself when none behind it would do. Requests waiting for
+admission (new ones, and swapped-out ones coming back) are admitted from free space only, in
+order, stopping at the first that does not fit, and not at all in a step that preempted (as
+vLLM does). A request that cannot be served leaves no trace: it is deferred, or preempted as
+a whole.
 
 Decodes come as a column of request ids, each computing one more token: when they all fit
 without preemption (most steps), they are served without an item or a Grant per request;
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from allocator_svc.core.pool import Pool
 from allocator_svc.core.request import Grant, Request
+from allocator_svc.core.victims import PreemptionPolicy, choose_victim
 from common.step_records import BlockCopy, PreemptionMode, StepItem
 
 
@@ -53,6 +55,7 @@ class StepResult:
         "appended_request_ids",
         "appended_block_ids",
         "appended_indexes",
+        "tenant_service",
     )
 
     def __init__(self) -> None:
@@ -68,6 +71,7 @@ class StepResult:
         self.appended_request_ids: list[str] = []
         self.appended_block_ids: list[int] = []
         self.appended_indexes: list[int] = []
+        self.tenant_service: dict[str, float] | None = None  # waiting tenants' (fair share)
 
     def all_grants(self, block_size: int) -> list[Grant]:
         """Every grant as a `Grant`, the columnar appends first (they lead the priority order)."""
@@ -91,11 +95,13 @@ def run_step(
     decode_requests: list[Request] | None = None,
     step_id: int = 0,
     tenant_quota: int = 0,
+    policy: PreemptionPolicy = PreemptionPolicy.TAIL,
 ) -> StepResult:
     """Schedule `decode_requests` (one more token each), then `items` (all validated by the
     caller); return what changed. What it grants is kept as
     step `step_id` of the lease, until a call commits it (scheduled_steps.py).
-    `tenant_quota` (blocks; 0: none): TenantQuota."""
+    `tenant_quota` (blocks; 0: none): TenantQuota. `policy`: whom a shortage preempts, and
+    how (victims.py)."""
     result = StepResult()
     scheduled: list[Request] = []
     if decode_requests:
@@ -157,12 +163,12 @@ def run_step(
                     )
                 )
                 continue
-        while pool.blocks_needed(request, num_tokens) > pool.blocks.num_free:
-            victim = _last_unpreempted(running, index + 1, preempted)
+        while (short := pool.blocks_needed(request, num_tokens) - pool.blocks.num_free) > 0:
+            victim = choose_victim(pool, running, index + 1, preempted, short, mode, policy)
             if victim is None:
                 break
-            _preempt(pool, victim, mode, result)
-            preempted.add(victim.request_id)
+            _preempt(pool, victim.request, victim.mode, result)
+            preempted.add(victim.request.request_id)
         grant = pool.allocate(request, num_tokens, result.copies)
         if grant is None:
             # Not scheduled: a step's commit must never reach it (swapped back in by a later
@@ -197,6 +203,9 @@ def _finish(pool: Pool, lease_id: str | None, step_id: int, scheduled: list[Requ
             result: StepResult) -> None:
     """Keep what the step granted for its commit, with the CPU-tier copies of the cached
     blocks it evicted (swap-outs: the executor applies them before anything else)."""
+    service = pool.tenant_service
+    if service is not None and service.in_use:
+        service.charge(scheduled)
     copies, tier, holds = pool.end_step(numbered=bool(step_id))
     if copies:
         result.swap_out.extend(copies)
@@ -237,15 +246,6 @@ def _run_plain_decodes(pool: Pool, batch: list[Request], result: StepResult) -> 
             result.appended_indexes.append(len(request.blocks))
             request.blocks.append(block)
     return True
-
-
-def _last_unpreempted(
-    running: list[tuple[StepItem, Request]], start: int, preempted: set[str]
-) -> Request | None:
-    for item, request in reversed(running[start:]):
-        if item.request_id not in preempted:
-            return request
-    return None
 
 
 def _preempt(pool: Pool, request: Request, mode: PreemptionMode, result: StepResult) -> None:
@@ -312,6 +312,10 @@ def _admit(pool: Pool, item: StepItem, lease_id: str | None, result: StepResult)
     assert item.prompt_token_ids is not None, "validated: a new request carries its prompt"
     prompt = list(item.prompt_token_ids)
     request = Request(item.request_id, lease_id, pool.root(item.cache_salt), prompt, len(prompt),
-                      tenant=item.tenant)
-    return pool.admit(request, item.num_tokens, result.swap_in, resumed=item.resumed,
-                      lookup=not item.skip_prefix_lookup)
+                      tenant=item.tenant, priority=item.priority)
+    grant = pool.admit(request, item.num_tokens, result.swap_in, resumed=item.resumed,
+                       lookup=not item.skip_prefix_lookup)
+    # Not charged: what it found cached, and, back from a recompute preemption, what it had
+    # computed before (all but the last token it sampled: the allocator's choice to redo it).
+    request.num_charged = max(request.num_cached_tokens, len(prompt) - 1 if item.resumed else 0)
+    return grant

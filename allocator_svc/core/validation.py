@@ -19,7 +19,7 @@ from common.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from common.step_records import Commit, StepItem
+from common.step_records import MAX_WAITING_TENANTS, Commit, StepItem
 
 
 def check_pool_config(config: PoolConfig, limits: Limits) -> None:
@@ -50,6 +50,20 @@ def check_pool_config(config: PoolConfig, limits: Limits) -> None:
 def check_length(name: str, value: str, limit: int) -> None:
     if len(value) > limit:
         raise InvalidArgument(f"{name} has {len(value)} characters; at most {limit} are allowed")
+
+
+def check_waiting_tenants(tenants: Sequence[str], limits: Limits) -> None:
+    """A Step's waiting_tenants: distinct, non-empty, bounded ids, MAX_WAITING_TENANTS at most."""
+    if len(tenants) > MAX_WAITING_TENANTS:
+        raise InvalidArgument(f"waiting_tenants names {len(tenants)} tenants; at most "
+                              f"{MAX_WAITING_TENANTS} are allowed")
+    seen: set[str] = set()
+    for index, tenant in enumerate(tenants):
+        if not tenant or tenant in seen:
+            raise InvalidArgument(f"waiting_tenants[{index}] is {tenant!r}: name each waiting "
+                                  "tenant once, none empty")
+        check_length(f"waiting_tenants[{index}]", tenant, limits.max_id_chars)
+        seen.add(tenant)
 
 
 def check_owner(pool: Pool, request_ids: Iterable[str], lease_id: str | None) -> None:

@@ -109,6 +109,11 @@ def check_prompt_fits(num_tokens: int, limits: ModelLimits, at_least: bool = Fal
         )
 
 
+# A priority travels to the allocator as an int32 (StepItem.priority): HTTP's integers must
+# fit it too.
+PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)
+
+
 def validate_prompt(token_ids: list[int], limits: ModelLimits) -> None:
     if not token_ids:
         raise InvalidArgument("prompt is empty: send prompt text or prompt token_ids")
@@ -128,6 +133,9 @@ def validate(raw: RawSampling, prompt_len: int, limits: ModelLimits) -> Sampling
     top_p = 1.0 if raw.top_p is None else raw.top_p
     if math.isnan(top_p) or not 0 < top_p <= 1:
         raise InvalidArgument(f"sampling.top_p is {top_p}; it must be in (0, 1]")
+    if not PRIORITY_RANGE[0] <= raw.priority <= PRIORITY_RANGE[1]:
+        raise InvalidArgument(f"sampling.priority is {raw.priority}; it must be in "
+                              f"{PRIORITY_RANGE[0]}..{PRIORITY_RANGE[1]}")
     n = raw.n or 1
     if n > limits.max_n:
         raise InvalidArgument(f"sampling.n is {n}; this gateway allows at most {limits.max_n}")

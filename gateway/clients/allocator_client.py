@@ -126,6 +126,8 @@ def _outcome(response: pb.StepResponse) -> StepOutcome:
             zip(response.appended_request_ids, response.appended_block_ids, strict=True)
         ),
         num_free_blocks=response.num_free_blocks,
+        tenant_service={t.tenant: t.service for t in response.tenant_service},
+        prefill_weight=response.prefill_weight,
     )
 
 
@@ -186,6 +188,7 @@ class AllocatorClient(InternalChannel):
                 num_tokens=i.num_tokens,
                 resumed=i.resumed,
                 skip_prefix_lookup=i.skip_prefix_lookup,
+                priority=i.priority,
             )
             if i.is_new
             else pb.StepItem(request_id=i.request_id, num_tokens=i.num_tokens)
@@ -208,6 +211,7 @@ class AllocatorClient(InternalChannel):
             append_token_ids=call.append_token_ids,
             step_id=call.step_id,
             commit_through_step_id=call.commit_through_step_id,
+            waiting_tenants=call.waiting_tenants,
         )
         # NOTE: Step is not idempotent; past the deadline its outcome is unknown (recovery.py).
         with translated():
@@ -293,6 +297,7 @@ class AllocatorClient(InternalChannel):
         source_pool_id: str,
         client_request_id: str,
         lease_id: str,
+        priority: int = 0,
     ) -> HandOffReservation:
         """Reserve `request_id` (its KV, of `token_ids`, held by the source's executor) in
         the target pool `pool_id`, joining `lease_id`. Commit it once the KV has moved, or
@@ -311,6 +316,7 @@ class AllocatorClient(InternalChannel):
                     source_model_fingerprint=source_model_fingerprint,
                     source_block_size=source_block_size,
                     source_pool_id=source_pool_id,
+                    priority=priority,
                 ),
                 metadata=self._about([client_request_id]),
                 timeout=self.timeout_s,

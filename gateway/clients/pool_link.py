@@ -121,13 +121,14 @@ class PoolLink:
         source_block_size: int,
         source_pool_id: str,
         client_request_id: str,
+        priority: int = 0,
     ) -> HandOffReservation:
         """Reserve, in this (the target) pool, a request whose KV another pool's executor
         holds; it joins our lease. Commit it once the KV has moved here, or abort it."""
         return await self.allocator.reserve_hand_off(
             self.pool_id, self.epoch, request_id, token_ids, num_prompt_tokens, cache_salt,
             tenant, source_model_fingerprint, source_block_size, source_pool_id,
-            client_request_id, self.lease_id)
+            client_request_id, self.lease_id, priority)
 
     async def import_kv(
         self, source: PoolLink, request_id: str, first_block_index: int,

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from common.step_records import Commit, PreemptionMode, StepCall, StepItem
 from gateway.core.batch import Batch, Budget, ScheduledStep
 from gateway.core.execute_call import ExecuteCallBuilder, is_plain_decode
+from gateway.core.fair_share import fair_order, waiting_tenants
 from gateway.core.overlap import BatchLanding
 from gateway.core.queues import SequenceQueues, priority_level
 from gateway.core.request_state import SeqStatus, Sequence, priority
@@ -59,6 +60,11 @@ class Scheduler(SequenceQueues, BatchLanding):
     # executor that leaves and joins again gets a new engine on the same pool and lease, so
     # the gateway passes its lease's one counter (gaps are harmless).
     step_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    # Admission by fair share (fair_share.py): the waiting tenants' service, as the
+    # allocator last reported it, and its service per prompt token.
+    fair_share: bool = False
+    tenant_service: dict[str, float] = field(default_factory=dict)
+    prefill_weight: float = 1.0
     clock: Callable[[], float] = time.monotonic
 
     # One step.
@@ -138,7 +144,9 @@ class Scheduler(SequenceQueues, BatchLanding):
         prompt and outputs after a recompute), chunked when the token budget is short."""
         admission = self.tenants.admission(
             itertools.chain(self.running, self.swapped, self.parking.parked))
-        for seq in self.waiting:
+        queue = (fair_order(self.waiting, self.tenant_service, self.prefill_weight)
+                 if self.fair_share else self.waiting)
+        for seq in queue:
             if plan.seqs_left == 0 or plan.tokens_left == 0:
                 break
             request = seq.request
@@ -152,6 +160,7 @@ class Scheduler(SequenceQueues, BatchLanding):
                     resumed=seq.num_preemptions > 0,
                     # Its prompt's logprobs need every row: a cached prefix has none.
                     skip_prefix_lookup=request.needs_prompt_logprobs,
+                    priority=request.sampling.priority,
                 )
             )
             plan.seqs[seq.seq_id] = seq
@@ -181,6 +190,7 @@ class Scheduler(SequenceQueues, BatchLanding):
             append_token_ids=tuple(appends.token_ids) if has_items else (),
             step_id=step_id,
             commit_through_step_id=pending.executed_through,
+            waiting_tenants=waiting_tenants(self.waiting) if self.fair_share else (),
         )
         pending.sent_through = pending.executed_through
         pending.commits.clear()
@@ -193,6 +203,9 @@ class Scheduler(SequenceQueues, BatchLanding):
         for seq, num in step.appends:  # the allocator now holds these values
             if seq.known_to_allocator:
                 seq.num_allocator_tokens += num
+        if outcome.tenant_service:
+            self.tenant_service = outcome.tenant_service
+            self.prefill_weight = outcome.prefill_weight
         swapped_out = self._apply_preemptions(step, outcome)
         skipped = outcome.deferred_request_ids | {p.request_id for p in outcome.preempted}
         if outcome.deferred_request_ids:

@@ -57,6 +57,10 @@ class StepOutcome:
     appended: dict[str, int] = field(default_factory=dict)
     # The pool's free blocks once the step was applied (None: not reported).
     num_free_blocks: int | None = None
+    # Fair share: the service of the tenants the Step named waiting (core/fair_share.py),
+    # and the allocator's service per prompt token.
+    tenant_service: dict[str, float] = field(default_factory=dict)
+    prefill_weight: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -169,7 +169,7 @@ class HandOffs:
             reserved = await link.reserve_hand_off(
                 seq.seq_id, seq.token_slice(0, num_tokens), len(request.prompt_token_ids),
                 request.cache_salt, request.tenant, mine.model_fingerprint, mine.block_size,
-                source.pool_id, request.request_id,
+                source.pool_id, request.request_id, request.sampling.priority,
             )
         except CallFailed as exc:
             if isinstance(exc, Lost):  # it may have landed: the target aborts it

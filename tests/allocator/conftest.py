@@ -17,6 +17,7 @@ import pytest
 from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.pool import Pool, PoolConfig
 from allocator_svc.core.step import Appends, StepResult
+from allocator_svc.core.victims import PreemptionPolicy
 from common.credentials import ROLES, RoleTokens
 from common.step_records import Commit, PreemptionMode, StepCall, StepItem
 from pagedkv.allocator.v1 import allocator_pb2 as pb
@@ -114,10 +115,11 @@ def decode(request_id: str, token: int) -> Decode:
 
 def make_harness(
     num_blocks: int = 8, block_size: int = 4, num_cpu_blocks: int = 0, caching: bool = True,
-    num_cpu_cache_blocks: int = 0,
+    num_cpu_cache_blocks: int = 0, policy: PreemptionPolicy = PreemptionPolicy.TAIL,
 ) -> Harness:
     now = [0.0]
-    allocator = Allocator(Limits(max_batch_items=64), clock=lambda: now[0])
+    allocator = Allocator(Limits(max_batch_items=64), clock=lambda: now[0],
+                          preemption_policy=policy)
     pool, _ = allocator.register_pool(
         PoolConfig("pool-a", num_blocks, block_size, num_cpu_blocks, "fp", "inst-1", caching,
                    num_cpu_cache_blocks)

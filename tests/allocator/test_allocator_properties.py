@@ -25,6 +25,7 @@ from allocator_svc.core.allocator import Allocator, Limits
 from allocator_svc.core.events import EventKind
 from allocator_svc.core.hashing import hash_block
 from allocator_svc.core.pool import PoolConfig
+from allocator_svc.core.victims import PreemptionPolicy
 from common.step_records import Commit, PreemptionMode, StepCall, StepItem
 from tests.budget import examples
 
@@ -49,9 +50,12 @@ class Mirror:
 
 
 class AllocatorMachine(RuleBasedStateMachine):
+    POLICY = PreemptionPolicy.TAIL
+
     def __init__(self) -> None:
         super().__init__()
-        self.allocator = Allocator(Limits(max_batch_items=64, event_capacity=EVENT_CAPACITY))
+        self.allocator = Allocator(Limits(max_batch_items=64, event_capacity=EVENT_CAPACITY),
+                                   preemption_policy=self.POLICY)
         self.pool, _ = self.allocator.register_pool(
             PoolConfig("p", NUM_BLOCKS, BLOCK_SIZE, NUM_CPU_BLOCKS, "fp", "i", True)
         )
@@ -137,6 +141,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 st.lists(st.integers(0, 2), min_size=1, max_size=9),
                 st.sampled_from(SALTS),
                 st.integers(1, 9),
+                st.integers(0, 2),  # priority level (by cost, the least urgent go first)
             ),
             max_size=3,
         ),
@@ -157,11 +162,11 @@ class AllocatorMachine(RuleBasedStateMachine):
                 appended.append(rid)
             items.append(StepItem(rid, 1))
             scheduled[rid] = min(1, len(mirror.tokens) - mirror.computed)
-        for prompt, salt, chunk in prompts:
+        for prompt, salt, chunk, priority in prompts:
             rid = f"r{self.next_id}"
             self.next_id += 1
             self.requests[rid] = Mirror(salt, list(prompt))
-            items.append(StepItem(rid, chunk, list(prompt), salt))
+            items.append(StepItem(rid, chunk, list(prompt), salt, priority=priority))
         if not items:
             return
         decode_ids: list[str] = []
@@ -252,3 +257,15 @@ AllocatorMachine.TestCase.settings = settings(
     max_examples=examples(400), stateful_step_count=30, deadline=None
 )
 test_allocator_random_operation_sequences = AllocatorMachine.TestCase
+
+
+class CostPolicyMachine(AllocatorMachine):
+    """The same operations and checks, with victims chosen by cost (victims.py)."""
+
+    POLICY = PreemptionPolicy.COST
+
+
+CostPolicyMachine.TestCase.settings = settings(
+    max_examples=examples(200), stateful_step_count=30, deadline=None
+)
+test_allocator_random_operation_sequences_preempting_by_cost = CostPolicyMachine.TestCase

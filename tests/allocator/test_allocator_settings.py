@@ -29,6 +29,10 @@ from common.credentials import (
     (["--num-shards", "0"], "--num-shards must be in 1..256"),
     (["--num-shards", "2", "--shard-index", "2"], "--shard-index must be in 0..1"),
     (["--shard-index", "-1"], "--shard-index must be in 0..0"),
+    (["--prefill-service-weight", "0"], "--prefill-service-weight must be in (0, 1000]"),
+    (["--decode-service-weight", "1e9"], "--decode-service-weight must be in (0, 1000]"),
+    (["--preemption-policy", "cheapest"],
+     "--preemption-policy must be one of tail, cost, not 'cheapest'"),
 ])
 def test_a_bad_flag_is_a_usage_error_naming_it(argv: list[str], message: str,
                                                 capsys: pytest.CaptureFixture[str]) -> None:

@@ -136,7 +136,7 @@ class CpuTierMachine(PinnedAllocatorMachine):
         either tier). `confirm`: the step confirms the one before it by id."""
         salt, prefix = data.draw(st.sampled_from(sorted(
             (s, p) for s, ps in self.committed_prefixes.items() for p in ps)))
-        self.step([(list(prefix) + [extra], salt, chunk)], [], False, confirm, False,
+        self.step([(list(prefix) + [extra], salt, chunk, 0)], [], False, confirm, False,
                   random.Random(0))
 
     @rule(prompts=st.lists(st.lists(st.integers(3, 5), min_size=5, max_size=9), min_size=1,
@@ -146,7 +146,7 @@ class CpuTierMachine(PinnedAllocatorMachine):
         """Prompts sharing nothing with the others: their blocks evict cached ones (into the
         tier)."""
         first = self.next_id
-        self.step([(p, "", len(p)) for p in prompts], [], swap, True, False, random.Random(0))
+        self.step([(p, "", len(p), 0) for p in prompts], [], swap, True, False, random.Random(0))
         done = [r for r in (f"r{i}" for i in range(first, self.next_id)) if r in self.requests]
         if free and done:
             self.allocator.free("p", self.pool.epoch, self._commits(), done)

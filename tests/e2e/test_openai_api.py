@@ -240,6 +240,7 @@ def _error(response: httpx.Response, status: int) -> dict[str, object]:
     ({"model": SERVED, "prompt": "x", "temperature": -1}, None, "temperature"),
     ({"model": SERVED, "prompt": "x", "top_p": 0}, None, "top_p"),
     ({"model": SERVED, "prompt": "x", "n": 0}, None, "n is 0"),
+    ({"model": SERVED, "prompt": "x", "priority": 1 << 40}, None, "priority is 1099511627776"),
     ({"model": SERVED, "prompt": "x", "max_tokens": 0}, None, "max_tokens"),
     ({"model": SERVED, "prompt": "x", "logprobs": 21}, None, "logprobs"),
     ({"model": SERVED, "prompt": "x", "presence_penalty": 3}, None, "presence_penalty"),

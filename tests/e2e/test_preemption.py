@@ -43,7 +43,8 @@ RECOMPUTE_AT_DEPTH_1 = ("--preemption-mode", "recompute", "--async-depth", "1")
 
 
 # One stack, in swap mode at the default depth (2): swaps cross all three services (the
-# allocator's plans, the executor's copies); its fourth gateway recomputes at depth 1.
+# allocator's plans, the executor's copies); its fourth gateway recomputes at depth 1. Its
+# allocator chooses victims by cost, so swaps and recomputes mix in the swap-mode gateways.
 # Recompute and depth 1 are also tested in process against the real allocator core
 # (tests/gateway/test_scheduler.py, test_engine.py, test_engine_pipeline.py) and through
 # every restart in tests/e2e/test_restart.py (readmission is recompute).
@@ -58,6 +59,9 @@ def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateways]:
         log_dir,
         executor_args=("--load-format", "dummy", "--num-blocks", str(NUM_BLOCKS)),
         gateway_args=("--preemption-mode", "swap", "--max-num-batched-tokens", "64"),
+        # Victims by cost: swapped or recomputed, each as it costs less (the tail policy,
+        # the default, runs in every other stack and in process, tests/gateway).
+        allocator_args=("--preemption-policy", "cost"),
     )
     clients = Clients(stack)
     channels = []
@@ -159,6 +163,12 @@ def test_four_gateways_on_one_executor_give_the_reference_tokens(
     pools = clients.wait_all_blocks_back()
     assert pools[0].num_preemptions > before, "the pool was meant to be too small"
     assert _metric(stack, "allocator", "pagedkv_allocator_swap_outs_total") > swaps_before
+    # GetStats counts the same swaps as the metrics, and some came back in.
+    assert pools[0].num_swap_outs == _metric(stack, "allocator",
+                                              "pagedkv_allocator_swap_outs_total")
+    assert pools[0].num_swapped_out_blocks == _metric(
+        stack, "allocator", "pagedkv_allocator_swapped_out_blocks_total")
+    assert 0 < pools[0].num_swap_ins <= pools[0].num_swap_outs
     calls = _metric(stack, "executor-0", "pagedkv_executor_batch_calls_sum") - calls_before
     forwards = _metric(stack, "executor-0", "pagedkv_executor_batch_calls_count") - forwards_before
     assert calls > forwards, "no forward merged two gateways' calls"

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 
 from allocator_svc.core.allocator import Allocator, Limits
+from allocator_svc.core.victims import PreemptionPolicy
 from allocator_svc.service import AllocatorServicer
 from common.executor_description import ExecutorDescription
 from common.metrics import RpcMetrics
@@ -35,21 +36,25 @@ def description(block_size: int = 4, num_blocks: int = 16, fingerprint: str = "f
 @dataclass
 class LoopbackAllocator:
     server: Server
+    allocator: Allocator
     registry: CollectorRegistry
     client: AllocatorClient
     lease: Lease
     executors: list[ExecutorClient] = field(default_factory=list)  # never called; closed
 
     @classmethod
-    async def start(cls, event_capacity: int = 65536) -> LoopbackAllocator:
+    async def start(cls, event_capacity: int = 65536,
+                    preemption_policy: PreemptionPolicy = PreemptionPolicy.TAIL,
+                    ) -> LoopbackAllocator:
         registry = CollectorRegistry()
-        servicer = AllocatorServicer(Allocator(Limits(event_capacity=event_capacity)))
+        servicer = AllocatorServicer(Allocator(Limits(event_capacity=event_capacity),
+                                               preemption_policy=preemption_policy))
         server = await start_server([(servicer, SERVICE)], "127.0.0.1", 0,
                                     rpc_metrics=RpcMetrics(registry))
         client = AllocatorClient(f"127.0.0.1:{server.port}", timeout_s=5)
         lease = Lease(allocator=client, ttl_ms=60_000)
         await lease.acquire()
-        return cls(server, registry, client, lease)
+        return cls(server, servicer.allocator, registry, client, lease)
 
     async def close(self) -> None:
         await self.client.close()

@@ -74,13 +74,14 @@ class HandLink(FakeLink):
     async def reserve_hand_off(
         self, request_id: str, token_ids: Any, num_prompt_tokens: int, cache_salt: str,
         tenant: str, source_model_fingerprint: str, source_block_size: int,
-        source_pool_id: str, client_request_id: str,
+        source_pool_id: str, client_request_id: str, priority: int = 0,
     ) -> HandOffReservation:
         core = self.pool
         try:
             request = core.allocator.reserve_hand_off(HandOff(
                 "pool-0", core.epoch, None, request_id, list(token_ids), num_prompt_tokens,
-                cache_salt, tenant, source_model_fingerprint, source_block_size))
+                cache_salt, tenant, source_model_fingerprint, source_block_size,
+                priority=priority))
         except ServiceError as exc:
             raise rpc_error(exc) from exc
         core.pool.check_invariants()

@@ -38,6 +38,8 @@ LIMITS = ModelLimits(max_model_len=64, vocab_size=512, max_n=4, pool_capacity_to
         (RawSampling(logprobs=21), "logprobs"),
         (RawSampling(min_tokens=20, max_tokens=10), "min_tokens"),
         (RawSampling(min_tokens=-1), "min_tokens"),
+        (RawSampling(priority=1 << 31), "priority"),
+        (RawSampling(priority=-(1 << 40)), "priority"),
     ],
 )
 def test_validate_rejects_bad_field_naming_it(raw: RawSampling, field: str):

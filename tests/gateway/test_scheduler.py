@@ -809,6 +809,8 @@ def test_scheduler_waiting_queue_orders_by_priority_then_arrival():
     plan = sched.schedule()
     assert plan is not None
     assert [i.request_id for i in plan.call.items] == ["b", "d", "p", "a", "e", "c"]
+    # Each new item carries its level: the allocator's cost policy preempts the least urgent.
+    assert [i.priority for i in plan.call.items] == [0, 0, 1, 1, 1, 2]
 
 
 def test_scheduler_preempts_the_lowest_priority_running_request_first():

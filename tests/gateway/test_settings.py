@@ -68,6 +68,17 @@ def test_an_unknown_preemption_mode_is_refused_by_the_parser(capsys: pytest.Capt
     assert info.value.code == 2 and "--preemption-mode" in capsys.readouterr().err
 
 
+def test_an_unknown_admission_order_is_refused_by_the_parser(
+        capsys: pytest.CaptureFixture[str]):
+    assert load_settings([]).admission_order == "fcfs"
+    assert load_settings(["--admission-order", "fair-share"]).admission_order == "fair-share"
+    with pytest.raises(SystemExit) as info:
+        load_settings(["--admission-order", "fair"])
+    assert info.value.code == 2
+    assert "--admission-order must be one of fcfs, fair-share, not 'fair'" in (
+        capsys.readouterr().err)
+
+
 def test_async_depth_is_two_by_default_and_takes_one_or_two(capsys: pytest.CaptureFixture[str]):
     assert load_settings([]).async_depth == 2
     assert load_settings(["--async-depth", "1"]).async_depth == 1
