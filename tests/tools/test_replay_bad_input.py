@@ -156,6 +156,7 @@ def test_replay_bad_input_the_cli_exit_status_and_no_output(
     (["--num-blocks", "0"], "argument --num-blocks: 0 is not a positive integer"),
     (["--num-blocks=-5%"], "argument --num-blocks: -5% is not a positive percentage"),
     (["--preemption-mode", "drop"], "argument --preemption-mode: invalid choice: 'drop'"),
+    (["--preemption-policy", "fair"], "argument --preemption-policy: invalid choice: 'fair'"),
     (["--step-ms", "0"], "--step-ms must be > 0"),
 ])
 def test_replay_bad_input_bad_flags_are_usage_errors(

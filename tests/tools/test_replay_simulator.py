@@ -12,6 +12,7 @@ import pytest
 
 from tests.tools.recorded_run import BLOCK_SIZE, BUDGET, NUM_BLOCKS, drive
 from tools.replay.records import PoolTrace, RecordedRequest
+from tools.replay.report import result_row
 from tools.replay.search import find_min_blocks
 from tools.replay.simulator import ReplayConfig, replay
 from tools.replay.step_time import StepTime, fit
@@ -88,6 +89,18 @@ def test_replay_simulator_swap_preempts_by_swapping(trace: PoolTrace) -> None:
     # Without swap space, swap falls back to recompute (the allocator's rule).
     fallback = replay(workload, config(NUM_BLOCKS, BLOCK_SIZE, preemption_mode="swap"))
     assert fallback.num_swap_outs == 0 and fallback.num_preemptions > 0
+
+
+def test_replay_simulator_preempts_by_cost_as_the_allocator_would(trace: PoolTrace) -> None:
+    # The allocator's --preemption-policy cost in the replay: the same short pool serves every
+    # request either way, and the report names the policy.
+    workload = Workload.from_trace(trace)
+    tail = replay(workload, config(NUM_BLOCKS, BLOCK_SIZE))
+    cost = replay(workload, config(NUM_BLOCKS, BLOCK_SIZE, preemption_policy="cost"))
+    assert tail.num_requests == cost.num_requests == len(trace.requests)
+    assert tail.num_preemptions > 0 and cost.num_preemptions > 0
+    assert result_row("p", cost)[4] == "recompute, by cost"
+    assert result_row("p", tail)[4] == "recompute"
 
 
 def test_replay_simulator_a_pool_too_small_for_one_request(trace: PoolTrace) -> None:

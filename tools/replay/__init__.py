@@ -1,6 +1,7 @@
 """Offline replay of an allocation recording (`allocator_svc --record-allocations`) for
 capacity planning: `python -m tools.replay RECORDING [--num-blocks N,...] [--block-size B,...]
-[--preemption-mode recompute|swap] [--find-min-blocks] [--json OUT]`.
+[--preemption-mode recompute|swap] [--preemption-policy tail|cost] [--find-min-blocks]
+[--json OUT]`.
 
 A trace-driven simulation, not a re-send of the recorded calls (a smaller pool preempts
 differently from the recorded one, so the calls it would get differ too): the recording is

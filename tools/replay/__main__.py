@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="block sizes (default: the recorded one)")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None,
                    help="default: the recorded Steps' mode")
+    p.add_argument("--preemption-policy", choices=("tail", "cost"), default="tail",
+                   help="whom a short step preempts, as the allocator's flag (default tail)")
     p.add_argument("--num-cpu-blocks", type=int, default=None,
                    help="swap space in blocks (default: the recorded pool's; with swap and "
                    "none recorded: as many as --num-blocks)")
@@ -114,7 +116,8 @@ def configs(trace: PoolTrace, args: argparse.Namespace) -> list[ReplayConfig]:
                        or (num_blocks if mode == "swap" else 0))
             out.append(ReplayConfig(num_blocks, block_size, mode, cpu + tier,
                                     shape.prefix_caching, args.max_num_seqs,
-                                    args.max_num_batched_tokens, step, args.async_depth, tier))
+                                    args.max_num_batched_tokens, step, args.async_depth, tier,
+                                    args.preemption_policy))
     return out
 
 

@@ -37,7 +37,9 @@ def recorded_row(pool_id: str, trace: PoolTrace) -> list[Any]:
 
 def result_row(pool_id: str, result: ReplayResult) -> list[Any]:
     c = result.config
-    return [pool_id, "replay", c.num_blocks, c.block_size, c.preemption_mode,
+    mode = c.preemption_mode if c.preemption_policy == "tail" else (
+        f"{c.preemption_mode}, by {c.preemption_policy}")
+    return [pool_id, "replay", c.num_blocks, c.block_size, mode,
             result.num_requests, result.num_steps, f"{result.sim_s:.1f}",
             _percent(result.peak_utilization), _percent(result.mean_utilization),
             _percent(result.hit_rate), result.num_preemptions, result.num_swap_outs,

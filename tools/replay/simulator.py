@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from allocator_svc.core.allocator import Allocator
 from allocator_svc.core.limits import Limits
 from allocator_svc.core.pool import PoolConfig
+from allocator_svc.core.victims import PreemptionPolicy
 from common.errors import ServiceError
 from gateway.api.sampling import SamplingOptions
 from gateway.core.batch import Batch, Budget
@@ -58,6 +59,7 @@ class ReplayConfig:
     step_time: StepTime = StepTime(0.02)
     async_depth: int = 2  # the gateway's --async-depth: 2 plans a step on top of the last
     num_cpu_cache_blocks: int = 0  # of num_cpu_blocks, the prefix cache's CPU tier
+    preemption_policy: str = "tail"  # or "cost": the allocator's --preemption-policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +123,8 @@ class _Run:
         self.allocator = Allocator(Limits(
             max_blocks_per_pool=max(config.num_blocks, config.num_cpu_blocks, 1),
             max_cpu_blocks_per_pool=max(config.num_blocks, config.num_cpu_blocks, 1),
-            max_batch_items=max(4096, config.max_num_seqs)))
+            max_batch_items=max(4096, config.max_num_seqs)),
+            preemption_policy=PreemptionPolicy(config.preemption_policy))
         try:
             pool, _ = self.allocator.register_pool(PoolConfig(
                 POOL_ID, config.num_blocks, config.block_size, config.num_cpu_blocks,
