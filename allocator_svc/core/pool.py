@@ -159,6 +159,9 @@ class Pool:
         request.block_hashes = hashes
         request.num_cached_tokens = request.num_computed = request.num_committed = num_cached
         request.num_cpu_cached_tokens = loaded * self.block_size
+        # Not its tenant's to pay for (tenant_service.py): what it found cached, and, back
+        # from a recompute preemption, what it had computed before (all but the last token).
+        request.num_charged = max(num_cached, len(request.token_ids) - 1 if resumed else 0)
         if self.config.enable_prefix_caching and lookup:
             if resumed:
                 self.num_resumed_prefix_queries += len(request.token_ids)

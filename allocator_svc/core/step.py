@@ -313,9 +313,5 @@ def _admit(pool: Pool, item: StepItem, lease_id: str | None, result: StepResult)
     prompt = list(item.prompt_token_ids)
     request = Request(item.request_id, lease_id, pool.root(item.cache_salt), prompt, len(prompt),
                       tenant=item.tenant, priority=item.priority)
-    grant = pool.admit(request, item.num_tokens, result.swap_in, resumed=item.resumed,
-                       lookup=not item.skip_prefix_lookup)
-    # Not charged: what it found cached, and, back from a recompute preemption, what it had
-    # computed before (all but the last token it sampled: the allocator's choice to redo it).
-    request.num_charged = max(request.num_cached_tokens, len(prompt) - 1 if item.resumed else 0)
-    return grant
+    return pool.admit(request, item.num_tokens, result.swap_in, resumed=item.resumed,
+                      lookup=not item.skip_prefix_lookup)

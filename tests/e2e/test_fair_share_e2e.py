@@ -86,42 +86,20 @@ def test_a_tenant_that_joins_behind_a_backlog_goes_next_not_last(stack: Stack):
 
 def test_a_tenant_served_through_another_gateway_waits_behind_one_that_was_not(stack: Stack):
     batch = [list(p) for p in prompts(4, 12, seed=907)]
-    channels = []
+    # The busy tenant is served through gateway-2: an 800-token prompt, more than the
+    # blocker below computes in all.
+    channel, busy_2 = stub(stack.by_name("gateway-2").address, "busy")
     try:
-        busy_2 = stub(stack.by_name("gateway-2").address, "busy")
-        busy, quiet, blocker = (stub(stack.gateway_addr, t) for t in ("busy", "quiet", "blocker"))
-        channels = [c for c, _ in (busy_2, busy, quiet, blocker)]
-        # The busy tenant is served through gateway-2: an 800-token prompt, more than the
-        # blocker below computes in all.
         long_prompt = list(next(iter(prompts(1, 800, seed=908))))
-        generate(busy_2[1], gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=long_prompt),
-                                                sampling=sampling(2, ignore_eos=True)))
-        finished: list[str] = []
-
-        def run(name: str, client: gpb_grpc.GatewayServiceStub, prompt: list[int],
-                max_tokens: int) -> None:
-            done = generate(client, gpb.GenerateRequest(
-                token_ids=gpb.TokenIds(ids=prompt), sampling=sampling(max_tokens,
-                                                                      ignore_eos=True)))
-            assert tuple(done[0].token_ids) == tuple(SIMULATED_TOKENS.generate(prompt,
-                                                                               max_tokens))
-            finished.append(name)
-
-        # On the first gateway a blocker runs; the busy tenant's request arrives, then the
-        # quiet one's. First come would run busy first; fair share runs quiet first.
-        threads = [threading.Thread(target=run, args=("blocker", blocker[1], batch[1], 150))]
-        threads[0].start()
-        time.sleep(0.3)
-        for name, client, prompt in (("busy", busy[1], batch[2]), ("quiet", quiet[1], batch[3])):
-            threads.append(threading.Thread(target=run, args=(name, client, prompt, 4)))
-            threads[-1].start()
-            time.sleep(0.2)
-        for thread in threads:
-            thread.join(120)
-        assert finished == ["blocker", "quiet", "busy"]
+        generate(busy_2, gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=long_prompt),
+                                             sampling=sampling(2, ignore_eos=True)))
     finally:
-        for channel in channels:
-            channel.close()
+        channel.close()
+    # On the first gateway a blocker runs; the busy tenant's request arrives, then the quiet
+    # one's. First come would run busy first; fair share runs quiet first.
+    finished = run_in_order(stack, [("blocker", batch[1], 150, 0.0), ("busy", batch[2], 4, 0.3),
+                                    ("quiet", batch[3], 4, 0.2)])
+    assert finished == ["blocker", "quiet", "busy"]
     clients = Clients(stack)
     clients.wait_all_blocks_back()
     clients.close()
