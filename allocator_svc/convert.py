@@ -84,6 +84,8 @@ def step_call(msg: pb.StepRequest) -> StepCall:
         step_id=msg.step_id,
         commit_through_step_id=msg.commit_through_step_id,
         waiting_tenants=list(msg.waiting_tenants),
+        accept_request_ids=list(msg.accept_request_ids),
+        accept_counts=list(msg.accept_counts),
     )
 
 
@@ -102,6 +104,7 @@ def step_items(msg: pb.StepRequest) -> list[StepItem]:
                 m.resumed,
                 m.skip_prefix_lookup,
                 m.priority,
+                m.num_lookahead,
             )
         )
     return items

@@ -20,6 +20,9 @@ class PreemptionMode(Enum):
 # Tenants one Step may name waiting (StepCall.waiting_tenants): a gateway names its first
 # this many, and the allocator refuses more.
 MAX_WAITING_TENANTS = 256
+# Draft tokens one running request may verify in a step (speculative decoding): the slots a
+# StepItem asks for beyond its tokens (num_lookahead), and an executor's num_draft_tokens.
+MAX_LOOKAHEAD_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,10 @@ class StepItem:
     # A new request's priority level (lower first, as the caller orders them): by cost, a
     # step preempts only among the least urgent (allocator_svc/core/victims.py).
     priority: int = 0
+    # A running request's slots past its `num_tokens` for draft tokens the executor verifies
+    # (speculative decoding): granted with the item, not counted computed. The next call's
+    # `accept_*` columns count the accepted ones; the rest are given back, never hashed.
+    num_lookahead: int = 0
     # The allocator core's own: a decode row sent the general way (its token may be unknown).
     decode: bool = False
 
@@ -69,7 +76,7 @@ class StepCall:
     epoch and the caller's lease go beside it).
 
     Applied in this order: appends (request append_request_ids[i] learns the value
-    append_token_ids[i]), commits through `commit_through_step_id` (the lease's numbered
+    append_token_ids[i]), accepts, commits through `commit_through_step_id` (the lease's numbered
     steps whose batches executed), `commits`, frees, aborts; then scheduling in priority
     order: `decode_request_ids` (one more token each, on the hot path as a column), `items`.
     The allocator's fast path compares `append_request_ids` with `decode_request_ids` whole:
@@ -86,6 +93,11 @@ class StepCall:
     step_id: int = 0  # increasing per lease; 0: nothing kept for commit_through_step_id
     commit_through_step_id: int = 0
     waiting_tenants: Sequence[str] = ()  # fair share: whose service to report
+    # Speculative decoding: request accept_request_ids[i] verified accept_counts[i] of the
+    # draft tokens its last lookahead held (their values are among this call's appends): they
+    # count as computed; its other lookahead slots are given back. Applied after appends.
+    accept_request_ids: Sequence[str] = ()
+    accept_counts: Sequence[int] = ()
 
     def has_items(self) -> bool:
         return bool(self.decode_request_ids or self.items)

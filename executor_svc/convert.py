@@ -56,6 +56,7 @@ def sequence_from_proto(msg: pb.SequenceWork) -> SequenceWork:
         use_sampled_token=msg.use_sampled_token,
         history_token_ids=tuple(msg.history_token_ids),
         prompt_token_ids=tuple(msg.prompt_token_ids),
+        num_draft_tokens=msg.num_draft_tokens,
     )
 
 
@@ -110,7 +111,8 @@ def result_to_proto(result: StepResult, num_compact_decodes: int = 0) -> pb.Exec
     return pb.ExecuteResponse(
         tokens=[
             pb.SampledToken(request_id=t.request_id, token_id=t.token_id, logprob=t.logprob,
-                            top_logprobs=_top(t))
+                            top_logprobs=_top(t),
+                            num_accepted_draft_tokens=t.num_accepted_draft_tokens)
             for t in rest
         ],
         decode_sampled_token_ids=[t.token_id for t in compact],

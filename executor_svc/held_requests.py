@@ -20,7 +20,7 @@ from executor_svc.plan import (
     idle_request_ids,
     plan_step,
 )
-from executor_svc.step import BlockCopy, SequenceWork, StepRequest
+from executor_svc.step import BlockCopy, SampledToken, SequenceWork, StepRequest
 
 log = structlog.get_logger(__name__)
 
@@ -33,6 +33,17 @@ class BlockOps(Protocol):
     def swap_in(self, copies: tuple[BlockCopy, ...]) -> None: ...
 
     def copy_blocks(self, copies: tuple[BlockCopy, ...]) -> None: ...
+
+
+def num_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
+    """Drafts accepted: each must equal the token sampled after the row before it; the first
+    that does not ends them (targets[i] is the token sampled after draft i's predecessor)."""
+    count = 0
+    for draft, target in zip(drafts, targets, strict=False):
+        if draft != target:
+            break
+        count += 1
+    return count
 
 
 class HeldRequests:
@@ -102,6 +113,15 @@ class HeldRequests:
         return RequestState(request_id=work.request_id, sampling=work.sampling,
                             generator=None, block_table=[], num_tokens=0,
                             prompt_token_ids=work.prompt_token_ids or None)
+
+    def verified(self, sampled: SampledToken, num_drafts: int, accepted: int, token_id: int,
+                 logprob: float) -> SampledToken:
+        """A sequence's drafts verified: it holds its known token and the `accepted` drafts
+        (the rejected ones' slots are written again by later steps), and `token_id` follows."""
+        state = self.requests[sampled.request_id]
+        state.num_tokens -= num_drafts - accepted
+        state.sampled_token = token_id
+        return SampledToken(sampled.request_id, token_id, logprob, (), accepted)
 
     def commit(self, seqs: tuple[PlannedSeq, ...]) -> None:
         """The step computed these: new requests held, tables and counts as planned."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.errors import FailedPrecondition, InvalidArgument, NotFound
+from common.step_records import MAX_LOOKAHEAD_TOKENS
 from executor_svc.sampling_checks import check_history, check_prompt, check_sampling
 from executor_svc.step import (
     BlockCopy,
@@ -192,9 +193,35 @@ def _plan_seq(work: SequenceWork, held: RequestState | None, limits: Limits) -> 
         )
     sampling = work.sampling or (held.sampling if held is not None else None)
     prompt = work.prompt_token_ids or (held.prompt_token_ids if held is not None else None)
+    if work.num_draft_tokens:
+        _check_drafts(work, sampling, prompt)
     return PlannedSeq(work=work, block_table=new_table, is_new=held is None, token_ids=token_ids,
                       prompt_token_ids=prompt or None,
                       num_prompt_logprobs=(sampling.prompt_logprobs or 0) if sampling else 0)
+
+
+def _check_drafts(work: SequenceWork, sampling: SamplingParams | None,
+                  prompt: tuple[int, ...] | None) -> None:
+    """Drafts are verified greedily, one sampled token per row: only where a row's token is
+    its argmax and nothing else is reported per row."""
+    rid, n = work.request_id, work.num_draft_tokens
+    if not 0 < n <= MAX_LOOKAHEAD_TOKENS or n >= len(work.token_ids):
+        raise InvalidArgument(
+            f"request {rid!r}: num_draft_tokens={n} is out of range: 1..{MAX_LOOKAHEAD_TOKENS}, "
+            f"and fewer than its {len(work.token_ids)} token_ids (the first is not a draft)"
+        )
+    if not work.sample or work.use_sampled_token:
+        raise InvalidArgument(
+            f"request {rid!r}: draft tokens need sample and a known first token (not "
+            "use_sampled_token)"
+        )
+    assert sampling is not None, "checked above: a held or new request has sampling"
+    if (not sampling.greedy or sampling.edits_logits or sampling.top_logprobs
+            or prompt is not None):
+        raise InvalidArgument(
+            f"request {rid!r}: draft tokens are verified only under greedy sampling with no "
+            "logits processor, logprobs or prompt logprobs"
+        )
 
 
 def _sampled_token(rid: str, held: RequestState | None) -> int:

@@ -30,7 +30,7 @@ from executor_svc.attention import (
 )
 from executor_svc.cpu_kernels import load as load_cpu_kernels
 from executor_svc.grammar import GrammarCompiler, GrammarState, check_planned
-from executor_svc.held_requests import HeldRequests
+from executor_svc.held_requests import HeldRequests, num_accepted
 from executor_svc.kv_blocks import TorchKVBlocks
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.kv_transfer import TORCH_FORMAT, KVBlockStore, KVLayout
@@ -57,6 +57,9 @@ class ForwardOutput:
     # None when no sequence asked.
     prompt_logits: RowLogits | None = None
     seqs: tuple[PlannedSeq, ...] = ()
+    # Speculative decoding: the logits after each draft's predecessor row, [R, V], for the
+    # sequences with drafts in step order (each its num_draft_tokens rows).
+    draft_logits: torch.Tensor | None = None
 
 
 class StepClock:
@@ -135,6 +138,7 @@ class ModelRunner(HeldRequests):
             uses_sampled_tokens=True,
             kv_layout=kv_layout(cache.spec, loaded.fingerprint),
             structured_output=self.grammars.available,
+            speculative_decoding=True,
         )
 
     def execute(self, step: StepRequest) -> StepResult:
@@ -148,6 +152,8 @@ class ModelRunner(HeldRequests):
         merged, forward = self._prepare_and_forward(steps)
         clock.forward_done()
         tokens = self._sample(forward.sampling_request_ids, forward.logits)  # waits for it
+        if forward.draft_logits is not None:
+            tokens = self._verify(tokens, forward.seqs, forward.draft_logits)
         prompts = (() if forward.prompt_logits is None
                    else prompt_logprobs(forward.prompt_logits, forward.seqs))
         timings = clock.timings()
@@ -179,7 +185,7 @@ class ModelRunner(HeldRequests):
         if not seqs:
             empty = torch.empty(0, self.loaded.vocab_size, device=self.loaded.device)
             return merged, ForwardOutput(logits=empty, sampling_request_ids=(), num_tokens=0)
-        logits, prompt_logits = self._forward(seqs)  # [S, V]
+        logits, draft_logits, prompt_logits = self._forward(seqs)  # [S, V]
         self.commit(seqs)
         return merged, ForwardOutput(
             logits=logits,
@@ -187,24 +193,35 @@ class ModelRunner(HeldRequests):
             num_tokens=sum(len(p.token_ids) for p in seqs),
             prompt_logits=prompt_logits,
             seqs=seqs,
+            draft_logits=draft_logits,
         )
 
-    def _forward(self, seqs: tuple[PlannedSeq, ...]) -> tuple[torch.Tensor, RowLogits | None]:
+    def _forward(self, seqs: tuple[PlannedSeq, ...]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, RowLogits | None]:
         """Build the step's arrays on the host, plan attention, send the arrays in one copy,
         run the model: nothing here waits for the device. Returns each sampling row's
-        logits, in step order, and those of the rows predicting prompt tokens (prompt_rows.py),
-        when a sequence asked for them."""
+        logits, in step order, the rows before each draft's (None: no drafts), and those of
+        the rows predicting prompt tokens (prompt_rows.py), when a sequence asked for them."""
         spans: list[SeqSpan] = []
         token_ids: list[int] = []
         positions: list[int] = []
         keep: list[int] = []
+        draft_rows: list[int] = []
         prompt_rows: list[int] = []
         for planned in seqs:
             work = planned.work
             n = len(planned.token_ids)
             end = work.start_position + n
             first = len(token_ids)
-            spans.append(SeqSpan(first, n, end, planned.block_table))
+            if work.num_draft_tokens:
+                # Each row of a verified run attends as a decode row over the keys up to its
+                # own (all are in the cache before attention): exact causal attention, on
+                # every backend's decode path.
+                spans.extend(SeqSpan(first + i, 1, work.start_position + i + 1,
+                                     planned.block_table) for i in range(n))
+                draft_rows.extend(range(first, first + work.num_draft_tokens))
+            else:
+                spans.append(SeqSpan(first, n, end, planned.block_table))
             positions.extend(range(work.start_position, end))
             token_ids.extend(planned.token_ids)
             if work.sample:
@@ -214,6 +231,8 @@ class ModelRunner(HeldRequests):
                 offset = first - work.start_position
                 prompt_rows.extend(range(predicting.start + offset, predicting.stop + offset))
         num_sampling = len(keep)
+        keep.extend(draft_rows)
+        num_kept = len(keep)
         by_hidden = bool(prompt_rows) and self.prompt_rows.enabled
         if prompt_rows and not by_hidden:
             keep.extend(prompt_rows)  # the model's own head scores them (prompt_rows.py)
@@ -226,12 +245,13 @@ class ModelRunner(HeldRequests):
         if by_hidden:
             self.prompt_rows.arm()
         logits = forward_once(self.loaded, attention_step, *(a.tensor for a in inputs))
+        drafts = logits[num_sampling:num_kept] if draft_rows else None  # [R, V]
         if rows is not None:
-            return logits, self.prompt_rows.row_logits(rows.tensor)
+            return logits[:num_sampling], drafts, self.prompt_rows.row_logits(rows.tensor)
         if not prompt_rows:
-            return logits, None
-        kept = logits[num_sampling:]  # [P, V]
-        return logits[:num_sampling], lambda first, end: kept[first:end]
+            return logits[:num_sampling], drafts, None
+        kept = logits[num_kept:]  # [P, V]
+        return logits[:num_sampling], drafts, lambda first, end: kept[first:end]
 
     def new_state(self, work: SequenceWork) -> RequestState:
         """Its seeded generator and its logits processors, if it uses any."""
@@ -275,6 +295,32 @@ class ModelRunner(HeldRequests):
                 states, samples.token_ids, samples.logprobs, samples.top_logprobs, strict=True
             )
         )
+
+
+    def _verify(self, tokens: tuple[SampledToken, ...], seqs: tuple[PlannedSeq, ...],
+                draft_logits: torch.Tensor) -> tuple[SampledToken, ...]:
+        """Greedy verification (plan.py admits drafts only under greedy sampling with nothing
+        editing the logits): the drafts accepted while each equals its row's argmax; the
+        token after them is the first mismatch's argmax, or the last row's sample."""
+        targets = draft_logits.argmax(-1).tolist()
+        by_id = {t.request_id: i for i, t in enumerate(tokens)}
+        out, row = list(tokens), 0
+        for planned in seqs:
+            k = planned.work.num_draft_tokens
+            if not k:
+                continue
+            drafts = planned.token_ids[-k:]
+            accepted = num_accepted(drafts, targets[row:row + k])
+            index = by_id[planned.work.request_id]
+            sampled = out[index]
+            token_id, logprob = sampled.token_id, sampled.logprob
+            if accepted < k:
+                token_id = targets[row + accepted]
+                row_logits = draft_logits[row + accepted].float()
+                logprob = float(torch.log_softmax(row_logits, -1)[token_id])
+            out[index] = self.verified(sampled, k, accepted, token_id, logprob)
+            row += k
+        return tuple(out)
 
 
 def kv_layout(spec: KVCacheSpec, model_fingerprint: str) -> KVLayout:

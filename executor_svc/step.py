@@ -82,6 +82,9 @@ class SequenceWork:
     history_token_ids: tuple[int, ...] = ()
     # With sampling.prompt_logprobs only: the whole prompt (the proto says what is checked).
     prompt_token_ids: tuple[int, ...] = ()
+    # Speculative decoding: the last n of token_ids are drafts to verify (plan.py checks
+    # when they are allowed; the proto says what is returned).
+    num_draft_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,7 @@ class SampledToken:
     logprob: float  # under the raw model distribution, as top_logprobs
     # SamplingParams.top_logprobs (token id, logprob) pairs, most likely first.
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    num_accepted_draft_tokens: int = 0  # of SequenceWork.num_draft_tokens, before token_id
 
 
 @dataclass(frozen=True, slots=True)

@@ -298,19 +298,25 @@ class Fleet:
             num_shards=len(self.shards.shards),
         )
         await _retry(f"RegisterPool {client.address}", link.register, settings.connect_timeout_s)
+        drafts = settings.speculative if description.speculative_decoding else None
+        if settings.speculative and drafts is None:
+            log.warning("speculative_decoding_off", executor=client.address,
+                        reason="the executor does not verify drafts (Describe)")
         engine = Engine(
             link=link,
             scheduler=Scheduler(budget=budget, block_size=description.block_size,
                                 swap=settings.preemption_mode == "swap",
                                 tenants=TenantGate(settings.tenant_max_running),
                                 step_ids=shard.lease.step_ids,
-                                fair_share=settings.admission_order == "fair-share"),
+                                fair_share=settings.admission_order == "fair-share",
+                                drafts=drafts, max_model_len=description.max_model_len),
             finish_rules=self.finish_rules,
             on_lost=self.router.requeue,
             stats=StepStats(window=settings.stats_every_steps,
                             log_path=settings.step_log or None,
                             observe=self.metrics.observe_step),
-            async_depth=settings.async_depth,
+            # Drafts are proposed from landed tokens: each batch lands before the next.
+            async_depth=1 if drafts else settings.async_depth,
             allocator_retry_s=settings.allocator_retry_s,
             mover=self.hand_offs,
         )

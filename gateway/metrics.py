@@ -58,6 +58,9 @@ class EngineSnapshot:
     num_blocks_used: int  # the pool's, as its allocator last reported (0: not yet)
     num_blocks: int
     num_preemptions: int
+    num_drafts: int = 0  # speculative decoding: rows drafted for, draft tokens, accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 def snapshot(engine: object) -> EngineSnapshot:
@@ -75,6 +78,8 @@ def snapshot(engine: object) -> EngineSnapshot:
         num_waiting=len(waiting),
         num_blocks_used=0 if num_free is None else num_blocks - num_free,
         num_blocks=num_blocks, num_preemptions=scheduler.num_preemptions,
+        num_drafts=scheduler.num_drafts, num_draft_tokens=scheduler.num_draft_tokens,
+        num_accepted_tokens=scheduler.num_accepted_tokens,
     )
 
 
@@ -106,6 +111,17 @@ class EngineCollector(Collector):
                                           "swap) of running requests", labels=names)
         preemptions.add_metric(label, sum(e.num_preemptions for e in engines))
         yield preemptions
+        for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Decode rows drafted for (speculative decoding)",
+             sum(e.num_drafts for e in engines)),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed (speculative decoding)",
+             sum(e.num_draft_tokens for e in engines)),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens the executors accepted",
+             sum(e.num_accepted_tokens for e in engines)),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=names)
+            counter.add_metric(label, value)
+            yield counter
         pool_blocks = GaugeMetricFamily("pagedkv_pool_blocks_used", "KV blocks in use by any "
                                         "request or pin, per pool, as the allocator last "
                                         "reported", labels=[*names, "pool_id"])

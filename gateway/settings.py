@@ -31,6 +31,7 @@ from gateway.clients.discovery import (
     StaticAddresses,
     split_host_port,
 )
+from gateway.core.drafts import NgramDrafts, parse_speculative_config
 
 PREEMPTION_MODES = ("recompute", "swap")
 ROUTING_POLICIES = ("exact", "approx", "round-robin")  # gateway/engine/router.py
@@ -107,6 +108,12 @@ class GatewaySettings:
         "fcfs", "which waiting request starts next, within a priority level: fcfs (arrival), "
         "or fair-share (the tenant with the least service across every gateway, as the "
         "allocator counts it, first)", choices=("fcfs", "fair-share"))
+    speculative_config: str = setting(
+        "", "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} "
+        "(prompt lookup: drafts copied from the sequence's own earlier tokens, verified by the "
+        "executor in the step that decodes; for greedy requests without logprobs or logits "
+        "processors). Its engines run at --async-depth 1. Empty: off")
     max_waiting: int = setting(1024, "bounded waiting queue", check=at_least(1), must=">= 1")
     max_n: int = setting(16, "largest n (completions per request)", check=at_least(1),
                          must=">= 1")
@@ -186,8 +193,17 @@ class GatewaySettings:
     # From the credential flags (common/credentials.py); in-process use needs none.
     internal_auth: InternalAuth = InternalAuth()
 
+    @property
+    def speculative(self) -> NgramDrafts | None:
+        """--speculative-config parsed (checked when the settings are made)."""
+        try:
+            return parse_speculative_config(self.speculative_config)
+        except ValueError as exc:
+            raise SettingsError(f"--speculative-config {exc}") from None
+
     def __post_init__(self) -> None:
         check_settings(self)
+        self.speculative  # noqa: B018 - parsed here: a bad config is a usage error
         if not self.allocator_addrs:
             raise SettingsError("--allocator-addr is empty: give the allocator's host:port")
         if len(self.allocator_addrs) > MAX_SHARDS:

@@ -23,6 +23,7 @@ from allocator_svc.core.request import Request
 from allocator_svc.core.step import Appends, StepResult, run_step
 from allocator_svc.core.tenant_service import TenantService
 from allocator_svc.core.validation import (
+    check_accepts,
     check_appends,
     check_commits,
     check_decodes,
@@ -123,7 +124,8 @@ class Allocator:
                    if call.append_request_ids or call.append_token_ids else None)
         num_items = len(items) + len(decode_ids)
         commit_through = call.commit_through_step_id
-        if not (num_items or commits or free_ids or abort_ids or appends or commit_through):
+        if not (num_items or commits or free_ids or abort_ids or appends or commit_through
+                or call.accept_request_ids):
             raise InvalidArgument("empty step: send at least one item, commit, free or abort")
         if call.waiting_tenants:
             check_waiting_tenants(call.waiting_tenants, self.limits)
@@ -164,11 +166,22 @@ class Allocator:
         )
         if decode_requests:
             check_values_known(decode_requests, appended, one_value_each)
+        accepted = (
+            check_accepts(pool, call.accept_request_ids, call.accept_counts, lease_id, appends)
+            if call.accept_request_ids or call.accept_counts else ()
+        )
         # Validated: from here on the call is applied.
         if appended:
             assert appends is not None
             # (C-level: each request's list.append with its value; the hot path.)
             list(map(list.append, map(_TOKENS, appended), appends.token_ids))
+        for request, count in accepted:
+            pool.settle_lookahead(request, count)
+        if pool.lookahead:
+            # Lookahead this lease's call did not settle: its drafts count as rejected (the
+            # caller's batch has landed before it plans again, or it never ran).
+            for request in [r for r in pool.lookahead if r.lease_id == lease_id]:
+                pool.settle_lookahead(request, 0)
         if commit_through:
             scheduled.commit_through(pool, lease_id, commit_through, frozenset(abort_ids))
         for commit in commits:

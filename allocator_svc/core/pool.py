@@ -75,6 +75,8 @@ class Pool:
         self.swapped_out_sources: list[Block] = []
         # The allocator's ledger of tenants' service, charged by every step (None: none).
         self.tenant_service: TenantService | None = None
+        # Requests holding lookahead slots not settled yet (speculative decoding).
+        self.lookahead: set[Request] = set()
 
     def root(self, cache_salt: str) -> bytes:
         root = self._roots.get(cache_salt)
@@ -205,9 +207,10 @@ class Pool:
                 table.append(block)
         return table
 
-    def blocks_needed(self, request: Request, num_tokens: int) -> int:
+    def blocks_needed(self, request: Request, num_tokens: int, lookahead: int = 0) -> int:
         """Free blocks `allocate` would take: new slots plus a copy-on-write copy."""
-        needed = self.blocks_for(request.num_computed + num_tokens) - len(request.blocks)
+        needed = (self.blocks_for(request.num_computed + num_tokens + lookahead)
+                  - len(request.blocks))
         return max(needed, 0) + self._needs_copy(request, num_tokens)
 
     def _needs_copy(self, request: Request, num_tokens: int) -> int:
@@ -216,9 +219,11 @@ class Pool:
             return 0
         return int(request.blocks[request.num_computed // self.block_size].ref_count > 1)
 
-    def allocate(self, request: Request, num_tokens: int, copies: list[BlockCopy]) -> Grant | None:
-        """Slots for `num_tokens` more tokens of a running request; None if the pool is short."""
-        if self.blocks_needed(request, num_tokens) > self.blocks.num_free:
+    def allocate(self, request: Request, num_tokens: int, copies: list[BlockCopy],
+                 lookahead: int = 0) -> Grant | None:
+        """Slots for `num_tokens` more tokens of a running request, and `lookahead` more past
+        them for draft tokens (not computed until accepted); None if the pool is short."""
+        if self.blocks_needed(request, num_tokens, lookahead) > self.blocks.num_free:
             return None
         delta_start = len(request.blocks)
         if self._needs_copy(request, num_tokens):
@@ -233,13 +238,17 @@ class Pool:
             self.blocks.free([shared])
             request.blocks[index] = private
             delta_start = index
-        num_new = self.blocks_for(request.num_computed + num_tokens) - len(request.blocks)
+        num_new = (self.blocks_for(request.num_computed + num_tokens + lookahead)
+                   - len(request.blocks))
         if num_new > 0:
             fresh = self.blocks.allocate(num_new)
             assert fresh is not None, "allocate checked the free count"
             request.blocks.extend(fresh)
         start = request.num_computed
         request.num_computed += num_tokens
+        if lookahead:
+            request.num_lookahead = lookahead
+            self.lookahead.add(request)
         return Grant(
             request.request_id,
             delta_start,
@@ -247,6 +256,19 @@ class Pool:
             num_tokens,
             start,
         )
+
+    def settle_lookahead(self, request: Request, num_accepted: int) -> None:
+        """Its executor verified its drafts: the `num_accepted` first ones count as computed
+        (their values are known), and the blocks past what it now computes go back, unhashed.
+        A rejected draft's slot is written again before any commit reaches it."""
+        assert num_accepted <= request.num_lookahead, "validated: within the lookahead"
+        request.num_computed += num_accepted
+        request.num_lookahead = 0
+        self.lookahead.discard(request)
+        keep = self.blocks_for(request.num_computed)
+        if len(request.blocks) > keep:
+            self.blocks.free(reversed(request.blocks[keep:]))
+            del request.blocks[keep:]
 
     # The commit rule: a full block enters the prefix cache once its KV is written.
 
@@ -329,6 +351,9 @@ class Pool:
     def free(self, request: Request) -> None:
         """Release every block, last first, so prefix blocks outlive suffix blocks in the LRU."""
         del self.requests[request.request_id]
+        if request.num_lookahead:
+            self.lookahead.discard(request)
+            request.num_lookahead = 0
         self.blocks.free(reversed(request.blocks))
         request.blocks = []
         if request.cpu_block_ids is not None:
@@ -342,6 +367,8 @@ class Pool:
         self.free(request)
 
     def fork(self, parent: Request, child_ids: list[str]) -> list[Request]:
+        if parent.num_lookahead:
+            self.settle_lookahead(parent, 0)  # children share computed blocks only
         children = []
         for child_id in child_ids:
             child = Request(
@@ -367,6 +394,8 @@ class Pool:
     def swap_out(self, request: Request) -> list[BlockCopy] | None:
         """Move a request's blocks to CPU blocks (evicting CPU-tier entries if need be); None
         if swap space is short."""
+        if request.num_lookahead:
+            self.settle_lookahead(request, 0)  # drafts not verified: nothing to move
         cpu_ids = self.cpu.take(len(request.blocks))
         if cpu_ids is None:
             return None
@@ -439,9 +468,14 @@ class Pool:
             )
         for request in self.requests.values():
             if not request.swapped:
-                assert len(request.blocks) == self.blocks_for(request.num_computed), (
-                    f"{request.request_id}: table covers exactly its computed tokens"
+                assert len(request.blocks) == self.blocks_for(
+                    request.num_computed + request.num_lookahead), (
+                    f"{request.request_id}: table covers exactly its computed tokens and "
+                    "its lookahead"
                 )
+            assert (request in self.lookahead) == bool(request.num_lookahead), (
+                f"{request.request_id}: lookahead not tracked"
+            )
             assert request.num_committed <= request.num_computed, (
                 f"{request.request_id}: committed past its computed tokens"
             )

@@ -30,6 +30,9 @@ class Request:
     # Of num_computed, the tokens its tenant's service counts already (tenant_service.py):
     # cached and forked ones are never charged, nor a moved request's.
     num_charged: int = 0
+    # Slots past num_computed granted for draft tokens (speculative decoding) and not yet
+    # settled: the table covers num_computed + num_lookahead tokens until the accept.
+    num_lookahead: int = 0
 
     @property
     def swapped(self) -> bool:

@@ -139,7 +139,8 @@ def run_step(
         if num_tokens <= 0:
             continue
         offset = computed % bs
-        if num_tokens == item.num_tokens and offset + num_tokens <= bs:
+        lookahead = item.num_lookahead
+        if num_tokens == item.num_tokens and offset + num_tokens <= bs and not lookahead:
             if offset and request.blocks[computed // bs].ref_count == 1:
                 # Fast path (most decode steps): the tokens fit the private last block.
                 request.num_computed = computed + num_tokens
@@ -163,13 +164,14 @@ def run_step(
                     )
                 )
                 continue
-        while (short := pool.blocks_needed(request, num_tokens) - pool.blocks.num_free) > 0:
+        while (short := pool.blocks_needed(request, num_tokens, lookahead)
+               - pool.blocks.num_free) > 0:
             victim = choose_victim(pool, running, index + 1, preempted, short, mode, policy)
             if victim is None:
                 break
             _preempt(pool, victim.request, victim.mode, result)
             preempted.add(victim.request.request_id)
-        grant = pool.allocate(request, num_tokens, result.copies)
+        grant = pool.allocate(request, num_tokens, result.copies, lookahead)
         if grant is None:
             # Not scheduled: a step's commit must never reach it (swapped back in by a later
             # step, its fresh blocks hold nothing until that step's batch has run).

@@ -19,7 +19,7 @@ from common.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from common.step_records import MAX_WAITING_TENANTS, Commit, StepItem
+from common.step_records import MAX_LOOKAHEAD_TOKENS, MAX_WAITING_TENANTS, Commit, StepItem
 
 
 def check_pool_config(config: PoolConfig, limits: Limits) -> None:
@@ -124,6 +124,8 @@ def check_items(
     for item in items:
         request_id = item.request_id
         known = request_id in requests and request_id not in released
+        if item.num_lookahead:
+            _check_lookahead(pool, item, requests.get(request_id) if known else None)
         if known and not item.prompt_token_ids:
             continue
         if item.prompt_token_ids:
@@ -143,6 +145,62 @@ def check_items(
             raise NotFound(
                 f"unknown request {request_id!r}: a new request must carry prompt_token_ids"
             )
+
+
+def _check_lookahead(pool: Pool, item: StepItem, request: Request | None) -> None:
+    """Lookahead slots go to a running request's item, bounded, within the pool."""
+    if item.num_lookahead > MAX_LOOKAHEAD_TOKENS:
+        raise InvalidArgument(
+            f"request {item.request_id!r}: num_lookahead={item.num_lookahead} is out of range: "
+            f"0..{MAX_LOOKAHEAD_TOKENS}"
+        )
+    if request is None or item.prompt_token_ids or request.swapped:
+        raise InvalidArgument(
+            f"request {item.request_id!r}: num_lookahead is for a running request's item, not "
+            "a new or swapped-out one"
+        )
+    end = request.num_computed + item.num_tokens + item.num_lookahead
+    if pool.blocks_for(end) > pool.config.num_blocks:
+        raise InvalidArgument(
+            f"request {item.request_id!r}: its lookahead reaches position {end}, past the "
+            f"{pool.config.num_blocks * pool.block_size} slots of pool {pool.config.pool_id!r}"
+        )
+
+
+def check_accepts(pool: Pool, ids: Sequence[str], counts: Sequence[int], lease_id: str | None,
+                  appends: Appends | None) -> list[tuple[Request, int]]:
+    """Each accept names a request of the lease holding lookahead once, with at most that
+    many drafts, whose values it knows once this call's appends apply."""
+    if len(ids) != len(counts):
+        raise InvalidArgument(
+            f"accept_request_ids has {len(ids)} entries but accept_counts has {len(counts)}"
+        )
+    if len(set(ids)) != len(ids):
+        raise InvalidArgument("a request is accepted twice in one call: send each once")
+    check_owner(pool, ids, lease_id)
+    appended: dict[str, int] = {}
+    if appends is not None:
+        for request_id in appends.request_ids:
+            appended[request_id] = appended.get(request_id, 0) + 1
+    out = []
+    for request_id, count in zip(ids, counts, strict=True):
+        request = pool.requests.get(request_id)
+        if request is None:
+            raise NotFound(f"accept for unknown request {request_id!r}")
+        if count > request.num_lookahead:
+            raise InvalidArgument(
+                f"request {request_id!r}: {count} drafts accepted, but its lookahead held "
+                f"{request.num_lookahead}"
+            )
+        known = len(request.token_ids) + appended.get(request_id, 0)
+        if request.num_computed + count > known:
+            raise InvalidArgument(
+                f"request {request_id!r}: {count} drafts accepted, but only "
+                f"{known - request.num_computed} of their values are known: append the "
+                "accepted tokens in this call"
+            )
+        out.append((request, count))
+    return out
 
 
 def check_decodes(

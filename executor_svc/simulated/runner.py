@@ -24,7 +24,7 @@ import structlog
 
 from common.errors import ServiceError
 from common.executor_description import ExecutorDescription
-from executor_svc.held_requests import HeldRequests
+from executor_svc.held_requests import HeldRequests, num_accepted
 from executor_svc.kv_transfer import SIMULATED_FORMAT, KVBlockStore, KVLayout
 from executor_svc.merged_calls import only
 from executor_svc.plan import Limits, PlannedSeq
@@ -129,8 +129,21 @@ class SimulatedRunner(HeldRequests):
             state.sampled_token = token_id  # a use_sampled_token row in the next step uses it
             k = state.sampling.top_logprobs
             top = model.top_logprobs(digest, k) if k else ()
-            out.append(SampledToken(state.request_id, token_id, logprob, top))
+            sampled = SampledToken(state.request_id, token_id, logprob, top)
+            if planned.work.num_draft_tokens:
+                sampled = self._verify(planned, sampled)
+            out.append(sampled)
         return tuple(out)
+
+    def _verify(self, planned: PlannedSeq, sampled: SampledToken) -> SampledToken:
+        """Greedy verification: the token model's pick after each row, read back from the
+        slots this step wrote (candidate 0, as sampling picks)."""
+        work, k = planned.work, planned.work.num_draft_tokens
+        rows = range(work.start_position, work.start_position + k)
+        targets = [self.tokens.next_token(self.cache.read(planned.block_table, p)) for p in rows]
+        accepted = num_accepted(planned.token_ids[-k:], targets)
+        token_id = targets[accepted] if accepted < k else sampled.token_id
+        return self.verified(sampled, k, accepted, token_id, sampled.logprob)
 
 
 def build_simulated_runner(settings: SimulatedSettings) -> SimulatedRunner:
@@ -169,6 +182,7 @@ def build_simulated_runner(settings: SimulatedSettings) -> SimulatedRunner:
         max_num_seqs=settings.max_num_seqs,
         role=settings.role,
         uses_sampled_tokens=True,
+        speculative_decoding=True,
         kv_layout=KVLayout(
             model_fingerprint=model.fingerprint, block_size=block_size,
             dtype=profile.model.dtype, num_layers=model.num_layers,

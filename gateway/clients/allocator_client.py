@@ -191,7 +191,8 @@ class AllocatorClient(InternalChannel):
                 priority=i.priority,
             )
             if i.is_new
-            else pb.StepItem(request_id=i.request_id, num_tokens=i.num_tokens)
+            else pb.StepItem(request_id=i.request_id, num_tokens=i.num_tokens,
+                             num_lookahead=i.num_lookahead)
             for i in call.items
         ]
         request = pb.StepRequest(
@@ -212,6 +213,8 @@ class AllocatorClient(InternalChannel):
             step_id=call.step_id,
             commit_through_step_id=call.commit_through_step_id,
             waiting_tenants=call.waiting_tenants,
+            accept_request_ids=call.accept_request_ids,
+            accept_counts=call.accept_counts,
         )
         # NOTE: Step is not idempotent; past the deadline its outcome is unknown (recovery.py).
         with translated():

@@ -67,6 +67,7 @@ def _seq(work: SeqWork, eos_token_ids: tuple[int, ...]) -> pb.SequenceWork:
         start_position=work.start_position,
         sample=work.sample,
         use_sampled_token=work.use_sampled_token,
+        num_draft_tokens=work.num_draft_tokens,
     )
     if work.delta is not None:
         seq.delta.start_index = work.delta.start_index
@@ -186,10 +187,20 @@ class ExecutorClient(InternalChannel):
                 f"the executor returned {len(response.decode_logprobs)} logprobs for "
                 f"{num_decodes} compact decodes (pagedkv.executor.v1; see tests/conformance)",
             )
+        drafts = {w.request_id: w.num_draft_tokens for w in call.seqs if w.num_draft_tokens}
+        for t in response.tokens:
+            if t.num_accepted_draft_tokens > drafts.get(t.request_id, 0):
+                raise Rejected(
+                    "INTERNAL",
+                    f"the executor accepted {t.num_accepted_draft_tokens} draft tokens of "
+                    f"{t.request_id!r}, which was sent {drafts.get(t.request_id, 0)} "
+                    "(pagedkv.executor.v1; see tests/conformance)",
+                )
         timings = response.timings
         return ExecuteResult(
             tokens=tuple(
-                Sampled(t.request_id, t.token_id, t.logprob, _top(t.top_logprobs))
+                Sampled(t.request_id, t.token_id, t.logprob, _top(t.top_logprobs),
+                        t.num_accepted_draft_tokens)
                 for t in response.tokens
             ),
             compute_ms=timings.forward_ms + timings.sample_ms,

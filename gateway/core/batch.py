@@ -54,6 +54,10 @@ class ScheduledStep:
     seqs: dict[str, Sequence]
     # The sequences whose token values the call carries, and how many each.
     appends: list[tuple[Sequence, int]] = field(default_factory=list)
+    # Speculative decoding: the drafts proposed for its items' sequences, and the sequences
+    # whose accepted drafts the call counts.
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    accepts: list[Sequence] = field(default_factory=list)
 
 
 @dataclass(slots=True)

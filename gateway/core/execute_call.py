@@ -28,11 +28,13 @@ class ExecuteCallBuilder:
     num_unsampled: int = 0
     decoded: list[tuple[Sequence, int]] = field(default_factory=list)
 
-    def add(self, seq: Sequence, start: int, num: int, delta: TableDelta | None) -> None:
-        if is_plain_decode(seq, start, num, delta):
+    def add(self, seq: Sequence, start: int, num: int, delta: TableDelta | None,
+            drafts: tuple[int, ...] = ()) -> None:
+        """`drafts`: tokens after the row's one for the executor to verify (core/drafts.py)."""
+        if not drafts and is_plain_decode(seq, start, num, delta):
             self.add_decode(seq, start)
         else:
-            self.work.append(_seq_work(seq, start, num, delta))
+            self.work.append(_seq_work(seq, start, num, delta, drafts))
             self.scheduled.append((seq, num))
 
     def add_decode(self, seq: Sequence, start: int) -> None:
@@ -73,7 +75,8 @@ def is_plain_decode(seq: Sequence, start: int, num: int, delta: TableDelta | Non
     )
 
 
-def _seq_work(seq: Sequence, start: int, num: int, delta: TableDelta | None) -> SeqWork:
+def _seq_work(seq: Sequence, start: int, num: int, delta: TableDelta | None,
+              drafts: tuple[int, ...] = ()) -> SeqWork:
     first = not seq.known_to_executor
     seq.known_to_executor = True
     # A placeholder is the sequence's last token: a row that reaches it is that one token.
@@ -82,12 +85,13 @@ def _seq_work(seq: Sequence, start: int, num: int, delta: TableDelta | None) -> 
     assert not first or not unsampled, f"{seq.seq_id}: a placeholder sent to a new executor"
     return SeqWork(
         request_id=seq.seq_id,
-        token_ids=(0,) if unsampled else tuple(seq.token_slice(start, start + num)),
+        token_ids=(0,) if unsampled else (*seq.token_slice(start, start + num), *drafts),
         start_position=start,
         delta=_first_table(seq, delta) if first else delta,
         sample=not seq.is_prefill_parent and start + num == seq.num_tokens,
         sampling=seq.exec_sampling() if first else None,
         use_sampled_token=unsampled,
+        num_draft_tokens=len(drafts),
     )
 
 

@@ -34,13 +34,14 @@ class FinishRules:
     max_model_len: int
     decoder: Any  # the tokenizer (text/tokenizer.py), for stop strings
 
-    def reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        """Whether `token_id`, just appended to `seq`, ends it. Before min_tokens only the
-        length limits do (the executor masks EOS and the stop tokens), as in vLLM; but an
-        EOS under structured output ends it (the output is complete: the constraint wins
-        over min_tokens, and allows nothing after it)."""
+    def reason(self, seq: Sequence, token_id: int, ahead: int = 0) -> FinishReason | None:
+        """Whether `token_id`, appended to `seq` with `ahead` tokens after it (landed with
+        it: speculative decoding), ends it. Before min_tokens only the length limits do (the
+        executor masks EOS and the stop tokens), as in vLLM; but an EOS under structured
+        output ends it (the output is complete: the constraint wins over min_tokens, and
+        allows nothing after it)."""
         options = seq.request.sampling
-        num_outputs = len(seq.output_token_ids)
+        num_outputs = len(seq.output_token_ids) - ahead
         may_stop = num_outputs >= options.min_tokens
         if may_stop and token_id in options.stop_token_ids:
             return FinishReason.STOP
@@ -49,7 +50,7 @@ class FinishRules:
             return FinishReason.STOP
         if options.stop and self._completes_a_stop_string(seq, token_id, may_stop):
             return FinishReason.STOP
-        if num_outputs >= options.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_outputs >= options.max_tokens or seq.num_tokens - ahead >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -71,9 +72,12 @@ class FinishRules:
             return False
         return bool(text.stopped)
 
-    def delta(self, seq: Sequence, token_id: int) -> CompletionDelta:
-        """One landed token as the engine posts it: ids, logprobs and its finish; no text."""
-        reason = self.reason(seq, token_id)
+    def delta(self, seq: Sequence, token_id: int, ahead: int = 0) -> CompletionDelta:
+        """One landed token as the engine posts it: ids, logprobs and its finish; no text.
+        A finish drops the `ahead` tokens landed after it."""
+        reason = self.reason(seq, token_id, ahead)
+        if reason is not None and ahead:
+            del seq.output_token_ids[-ahead:]
         logprobs: tuple[TokenLogprob, ...] = ()
         if seq.last_logprob is not None:
             logprobs, seq.last_logprob = (seq.last_logprob,), None

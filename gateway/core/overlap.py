@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from gateway.core.batch import Batch, Pending
 from gateway.core.request_state import SeqStatus, Sequence, TokenLogprob
-from gateway.core.step import ExecuteResult
+from gateway.core.step import ExecuteResult, SeqWork
 
 
 class BatchLanding:
@@ -27,6 +27,7 @@ class BatchLanding:
 
     pending: Pending
     num_advanced: int  # batches advanced and not landed: their placeholders are out
+    num_accepted_tokens: int  # draft tokens the executor accepted (speculative decoding)
 
     def apply_result(self, batch: Batch, result: ExecuteResult) -> list[tuple[Sequence, int]]:
         """Advance computed counts; return the sampled (sequence, token) pairs: the compact
@@ -61,6 +62,7 @@ class BatchLanding:
         self.num_advanced -= 1
         decoded, num_decodes = result.decode_token_ids, batch.num_decodes
         tokens = {t.request_id: t.token_id for t in result.tokens} if result.tokens else {}
+        works = batch.call.seqs
         if result.prompt_logprobs:
             _record_prompt_logprobs(batch, result)
         # It executed: the allocator may commit what its Step (and every one before) granted.
@@ -74,12 +76,31 @@ class BatchLanding:
                 if seq.status is not SeqStatus.FINISHED:
                     sampled.append((seq, token))
                 continue
+            if row >= num_decodes and works[row - num_decodes].num_draft_tokens:
+                self._land_drafts(seq, works[row - num_decodes], result, token, sampled)
+                continue
             seq.output_token_ids.append(token)
             if seq.status is not SeqStatus.FINISHED:
                 sampled.append((seq, token))
                 if seq.request.sampling.logprobs is not None:
                     seq.last_logprob = logprob(result, row, num_decodes, seq.seq_id, token)
         return sampled
+
+    def _land_drafts(self, seq: Sequence, work: SeqWork, result: ExecuteResult, token: int,
+                     sampled: list[tuple[Sequence, int]]) -> None:
+        """A verified row: the accepted drafts, then the executor's token, land together.
+        Their KV is computed (the allocator is told with the next Step); each is emitted in
+        turn, and the first that ends the sequence drops the rest (finish_rules.py)."""
+        accepted = next(t.num_accepted for t in result.tokens if t.request_id == seq.seq_id)
+        landed = [*work.token_ids[len(work.token_ids) - work.num_draft_tokens:][:accepted],
+                  token]
+        seq.output_token_ids.extend(landed)
+        seq.num_computed_tokens += accepted
+        seq.accepted_drafts = accepted
+        self.num_accepted_tokens += accepted
+        if seq.status is not SeqStatus.FINISHED:
+            seq.num_unemitted = len(landed) - 1
+            sampled.extend((seq, t) for t in landed)
 
     def launch(self, batch: Batch) -> None:
         """The batch is executing: the next step plans on top of it (depth 2)."""

@@ -123,7 +123,9 @@ class SequenceQueues:
         """Free it at the allocator, committed at what it computed (its full blocks enter
         the prefix cache), and release it at the executor."""
         if seq.known_to_allocator:
-            self.pending.commits[seq.seq_id] = seq.num_computed_tokens
+            # (Drafts accepted since the last Step are not counted there: they stay out.)
+            self.pending.commits[seq.seq_id] = seq.num_computed_tokens - (seq.accepted_drafts
+                                                                         or 0)
             self.pending.free_request_ids.append(seq.seq_id)
             seq.known_to_allocator = False
         self.release(seq)

@@ -218,6 +218,11 @@ class Sequence:
     waits_for_room: bool = False
     # A move to another executor was refused or found no target: it finishes where it is.
     stays: bool = False
+    # Speculative decoding: drafts its last batch accepted, until a Step has told the
+    # allocator (None: nothing to tell); and tokens landed with the one being emitted that
+    # follow it in output_token_ids (the engine emits them one by one: finish_rules.py).
+    accepted_drafts: int | None = None
+    num_unemitted: int = 0
     # Its request has stop strings: the detokenizer its landed tokens go through, in order
     # (core/finish_rules.py; a text.detokenizer.Detokenizer). None until its first token.
     stop_text: Any = None
@@ -325,6 +330,7 @@ class Sequence:
         self.num_in_flight = 0
         self.samples_in_flight = False
         self.fork_table = None
+        self.accepted_drafts = None
         self.num_preemptions += 1
         self.beam_candidates = None  # computed again, with the rest
 

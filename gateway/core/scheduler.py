@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from common.step_records import Commit, PreemptionMode, StepCall, StepItem
 from gateway.core.batch import Batch, Budget, ScheduledStep
+from gateway.core.drafts import NgramDrafts, may_draft
 from gateway.core.execute_call import ExecuteCallBuilder, is_plain_decode
 from gateway.core.fair_share import fair_order, waiting_tenants
 from gateway.core.overlap import BatchLanding
@@ -65,6 +66,13 @@ class Scheduler(SequenceQueues, BatchLanding):
     fair_share: bool = False
     tenant_service: dict[str, float] = field(default_factory=dict)
     prefill_weight: float = 1.0
+    # Speculative decoding (drafts.py; None: off). Drafts are proposed only for a sequence
+    # with nothing in flight, whose step lands before the next is planned (depth 1).
+    drafts: NgramDrafts | None = None
+    max_model_len: int = 1 << 30  # the executor's: no draft reaches past it
+    num_drafts: int = 0  # rows drafted for, their draft tokens, and the accepted ones
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     clock: Callable[[], float] = time.monotonic
 
     # One step.
@@ -104,8 +112,11 @@ class Scheduler(SequenceQueues, BatchLanding):
         tokens_left, seqs_left = plan.tokens_left, plan.seqs_left
         decode_ids, items, seqs, appends = plan.decode_ids, plan.items, plan.seqs, plan.appends
         append_ids, append_values, appended = appends.request_ids, appends.token_ids, appends.rows
+        drafts = self.drafts
         for seq in [*self.running, *self.swapped]:
             if seq.known_to_allocator:
+                if seq.accepted_drafts is not None:  # with the values appended below
+                    plan.accepts.append((seq, seq.accepted_drafts))
                 sent = seq.num_allocator_tokens
                 unsent = seq.num_tokens - seq.num_placeholders - sent
                 if unsent == 1:  # most steps: the token the step before sampled (inlined)
@@ -131,13 +142,31 @@ class Scheduler(SequenceQueues, BatchLanding):
             if num <= 0:
                 continue
             if num == 1 and seq.status is SeqStatus.RUNNING:
-                decode_ids.append(seq.seq_id)
+                proposed = self._draft(seq, tokens_left) if drafts and not ahead else ()
+                if proposed:
+                    items.append(StepItem(seq.seq_id, 1, num_lookahead=len(proposed)))
+                    plan.drafts[seq.seq_id] = proposed
+                    tokens_left -= len(proposed)
+                else:
+                    decode_ids.append(seq.seq_id)
             else:
                 items.append(StepItem(seq.seq_id, num))
             seqs[seq.seq_id] = seq
             tokens_left -= num
             seqs_left -= 1
         plan.tokens_left, plan.seqs_left = tokens_left, seqs_left
+
+    def _draft(self, seq: Sequence, tokens_left: int) -> tuple[int, ...]:
+        """Draft tokens for a decode (drafts.py): within the step's token budget, the
+        sequence's max_tokens (the step emits up to one more than it drafts) and the model's
+        length."""
+        assert self.drafts is not None
+        if seq.is_beam or seq.is_prefill_parent or not may_draft(seq.request):
+            return ()
+        limit = min(tokens_left - 1,
+                    seq.request.sampling.max_tokens - len(seq.output_token_ids) - 1,
+                    self.max_model_len - seq.num_tokens)
+        return self.drafts.propose(seq.token_ids, limit)
 
     def _plan_waiting(self, plan: _Plan) -> None:
         """Waiting sequences their tenants let start, in order: admission (the prompt, or
@@ -191,18 +220,24 @@ class Scheduler(SequenceQueues, BatchLanding):
             step_id=step_id,
             commit_through_step_id=pending.executed_through,
             waiting_tenants=waiting_tenants(self.waiting) if self.fair_share else (),
+            accept_request_ids=tuple(s.seq_id for s, _ in plan.accepts) if has_items else (),
+            accept_counts=tuple(n for _, n in plan.accepts) if has_items else (),
         )
         pending.sent_through = pending.executed_through
         pending.commits.clear()
         pending.free_request_ids.clear()
         pending.abort_request_ids.clear()
-        return ScheduledStep(call=call, seqs=plan.seqs, appends=appends.rows if has_items else [])
+        return ScheduledStep(call=call, seqs=plan.seqs, appends=appends.rows if has_items else [],
+                             drafts=plan.drafts,
+                             accepts=[s for s, _ in plan.accepts] if has_items else [])
 
     def apply_outcome(self, step: ScheduledStep, outcome: StepOutcome) -> Batch:
         """Apply the allocator's grants, preemptions and deferrals; build the Execute call."""
         for seq, num in step.appends:  # the allocator now holds these values
             if seq.known_to_allocator:
                 seq.num_allocator_tokens += num
+        for seq in step.accepts:  # and counts the accepted drafts computed
+            seq.accepted_drafts = None
         if outcome.tenant_service:
             self.tenant_service = outcome.tenant_service
             self.prefill_weight = outcome.prefill_weight
@@ -237,7 +272,8 @@ class Scheduler(SequenceQueues, BatchLanding):
                 execute.add_decode(seq, seq.num_computed_tokens)
                 continue
             moved |= self._grant(seq, item, grants.get(request_id),
-                                 appended_blocks.get(request_id), execute, admitted)
+                                 appended_blocks.get(request_id), execute, admitted,
+                                 step.drafts.get(request_id, ()) if step.drafts else ())
         if admitted:
             self.waiting = deque(s for s in self.waiting if s not in admitted)
         if moved:
@@ -251,7 +287,7 @@ class Scheduler(SequenceQueues, BatchLanding):
 
     def _grant(self, seq: Sequence, item: StepItem | None, grant: Grant | None,
                appended: int | None, execute: ExecuteCallBuilder,
-               admitted: set[Sequence]) -> bool:
+               admitted: set[Sequence], drafts: tuple[int, ...] = ()) -> bool:
         """A granted row the general way (an admission, a swap-in, a table change, a chunk)
         into the Execute call; whether the sequence joined the running queue."""
         moved = False
@@ -292,7 +328,10 @@ class Scheduler(SequenceQueues, BatchLanding):
             f"{seq.num_computed_tokens} computed tokens"
         )
         if num:
-            execute.add(seq, start, num, delta)
+            execute.add(seq, start, num, delta, drafts)
+            if drafts:
+                self.num_drafts += 1
+                self.num_draft_tokens += len(drafts)
         return moved
 
     def _apply_preemptions(self, step: ScheduledStep, outcome: StepOutcome) -> list[Sequence]:
@@ -372,6 +411,8 @@ class _Plan:
     items: list[StepItem] = field(default_factory=list)
     seqs: dict[str, Sequence] = field(default_factory=dict)
     appends: _Appends = field(default_factory=lambda: _Appends())
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # by sequence id
+    accepts: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -115,6 +115,8 @@ class SeqWork:
     # token_ids[0] is the token the executor sampled for it in the batch before, not landed
     # yet (sent as 0): the executor's contract, use_sampled_token.
     use_sampled_token: bool = False
+    # Speculative decoding: the last n of token_ids are drafts for the executor to verify.
+    num_draft_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +156,8 @@ class Sampled:
     logprob: float = 0.0
     # ExecSampling.top_logprobs (token id, logprob) pairs, most likely first.
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    # Of SeqWork.num_draft_tokens, how many the executor accepted: they precede token_id.
+    num_accepted: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -119,7 +119,12 @@ class EngineState:
                 "the executor returned no logprobs for some prompt tokens: it must implement "
                 "SamplingParams.prompt_logprobs (pagedkv.executor.v1; see tests/conformance)"))
             return
-        delta = self.finish_rules.delta(seq, token)
+        ahead = seq.num_unemitted  # landed with it, after it (speculative decoding)
+        if ahead:
+            seq.num_unemitted = ahead - 1
+        delta = self.finish_rules.delta(seq, token, ahead)
+        if delta.finish_reason is not None:
+            seq.num_unemitted = 0
         self.outbox.append((seq.request, delta))
         if delta.finish_reason is not None:
             self.scheduler.finish(seq)

@@ -2,15 +2,23 @@
 
 The oracle is transformers' own `generate` on the same directory, loaded independently of the
 executor (its own attention implementation, no paging).
+
+The stack runs the launcher's defaults plus speculative decoding (prompt lookup): every greedy
+parity case here is also one of drafting, whose output must be the one without it; the
+copying prompts below are where its drafts are accepted. (Depth 2, which drafting turns off,
+runs in the other stacks: tiny-llama's, preemption, hand-off.)
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from e2e_stack import Clients, generate, generate_many, http_base, sampling, start_stack
@@ -28,6 +36,14 @@ PROMPTS = [
     "Photosynthesis is the process by which",
 ]
 MAX_TOKENS = 24
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2}
+# Outputs that copy their prompt: most of their tokens come as accepted drafts.
+COPYING = [
+    "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape. "
+    "List: apple, banana,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+]
 
 
 @lru_cache(maxsize=1)
@@ -48,9 +64,10 @@ def hf_greedy(prompt_ids: list[int], max_tokens: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clients]:
-    # The launcher's defaults: the embedded model, weights loaded (auto), no extra flags.
+    # The launcher's defaults (the embedded model, weights loaded: auto), and drafting.
     log_dir = tmp_path_factory.mktemp("real-model")
-    stack: Stack = start_stack(log_dir, model=str(DEFAULT_MODEL))
+    stack: Stack = start_stack(log_dir, model=str(DEFAULT_MODEL),
+                               gateway_args=("--speculative-config", json.dumps(SPEC)))
     c = Clients(stack, http=http_base(stack))
     try:
         yield c
@@ -68,6 +85,38 @@ def test_real_model_greedy_equals_transformers_generate(clients: Clients) -> Non
         ids = tokenizer.encode(prompt)
         assert result[0].usage is not None and result[0].usage.prompt_tokens == len(ids)
         assert result[0].token_ids == hf_greedy(ids, MAX_TOKENS), prompt
+    clients.wait_all_blocks_back()
+
+
+def accepted_tokens(c: Clients) -> float:
+    text = httpx.get(f"{c.http}/metrics", timeout=10).text
+    match = re.search(r"^vllm:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)$", text, re.M)
+    assert match, "the gateway exports vllm:spec_decode_num_accepted_tokens"
+    return float(match.group(1))
+
+
+def test_real_model_drafted_outputs_equal_generate(clients: Clients) -> None:
+    # Outputs that copy their prompts, beside requests it cannot draft for (logprobs,
+    # seeded sampling) in the same batches: greedy ones equal generate, drafted or not.
+    tokenizer, _ = hf()
+    ids = [tokenizer.encode(p) for p in COPYING]
+    requests = [gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=i), sampling=sampling(MAX_TOKENS))
+                for i in ids]
+    requests += [
+        gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=ids[0]),
+                            sampling=sampling(MAX_TOKENS, logprobs=2)),
+        *[gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=ids[0]),
+                              sampling=sampling(MAX_TOKENS, temperature=0.8, seed=3))] * 2,
+    ]
+    before = accepted_tokens(clients)
+    with ThreadPoolExecutor(len(requests)) as pool:
+        first, second, with_logprobs, sampled, again = (
+            r[0] for r in pool.map(lambda r: generate(clients.gateway, r), requests))
+    expected = [hf_greedy(i, MAX_TOKENS) for i in ids]
+    assert [first.token_ids, second.token_ids] == expected
+    assert with_logprobs.token_ids == expected[0]
+    assert sampled.token_ids == again.token_ids and len(sampled.token_ids) == MAX_TOKENS
+    assert accepted_tokens(clients) - before >= 10  # the copies came largely as drafts
     clients.wait_all_blocks_back()
 
 

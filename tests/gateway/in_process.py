@@ -141,6 +141,7 @@ class FakeModel:
     cpu: dict[int, list[int | None]] = field(default_factory=dict)
     num_swapped_out: int = 0  # blocks
     prompt_runs: list[PromptLogprobRun] = field(default_factory=list)  # the step's
+    num_accepted: int = 0  # the last row's accepted drafts (SeqWork.num_draft_tokens)
 
     def next_token(self, tokens: list[int]) -> int:
         acc = 7
@@ -178,8 +179,8 @@ class FakeModel:
                 use_sampled, strict=True,
             )
         ]
-        sampled = [Sampled(seq.request_id, token) for seq in call.seqs
-                   if (token := self._run(seq)) is not None]
+        sampled = [Sampled(seq.request_id, token, num_accepted=self.num_accepted)
+                   for seq in call.seqs if (token := self._run(seq)) is not None]
         return ExecuteResult(tokens=tuple(sampled), compute_ms=0.0,
                              decode_token_ids=tuple(t for t in decode_tokens if t is not None),
                              prompt_logprobs=tuple(self.prompt_runs))
@@ -245,6 +246,14 @@ class FakeModel:
                 self.prompt_runs.append(PromptLogprobRun(
                     seq.request_id, rows.start + 1, tuple(lp for lp, _ in scored),
                     tuple(rank for _, rank in scored), ((),) * len(scored)))
+        self.num_accepted = 0
+        if seq.num_draft_tokens:  # greedy verification: each draft must be the next token
+            tokens, k = self._read(held), seq.num_draft_tokens
+            first = seq.start_position + 1  # the known token's row samples the first draft
+            while (self.num_accepted < k and tokens[first + self.num_accepted]
+                   == self.next_token(tokens[:first + self.num_accepted])):
+                self.num_accepted += 1
+            held.num_tokens = first + self.num_accepted
         held.sampled = self.next_token(self._read(held)) if seq.sample else None
         return held.sampled
 

@@ -19,6 +19,7 @@ from common.step_records import Commit, StepCall
 from gateway.api.sampling import SamplingOptions
 from gateway.clients.call_failures import CallFailed, failure
 from gateway.core.batch import Budget
+from gateway.core.drafts import NgramDrafts
 from gateway.core.finish_rules import FinishRules
 from gateway.core.request_state import CompletionDelta, FinishReason, Request
 from gateway.core.scheduler import Scheduler
@@ -115,16 +116,18 @@ def tokenizer() -> Tokenizer:
 
 
 def engine(
-    tokenizer: Tokenizer, num_blocks: int, tokens: int = 16, depth: int = 2
+    tokenizer: Tokenizer, num_blocks: int, tokens: int = 16, depth: int = 2,
+    drafts: NgramDrafts | None = None, model: FakeModel | None = None,
 ) -> tuple[Engine, FakeLink]:
     """An engine on the real allocator core and a fake model. `depth` 2 (the default, as in
     the gateway): each step is planned, allocated and sent while the previous batch is in
     flight, which lands in the next step, so a test stepping it by hand runs it in one event
     loop; 1: each batch lands in its own step."""
-    link = FakeLink(CorePool(num_blocks, BLOCK), FakeModel(BLOCK))
+    link = FakeLink(CorePool(num_blocks, BLOCK), model or FakeModel(BLOCK))
     eng = Engine(
         link=link,  # type: ignore[arg-type]
-        scheduler=Scheduler(Budget(max_num_seqs=8, max_num_batched_tokens=tokens), BLOCK),
+        scheduler=Scheduler(Budget(max_num_seqs=8, max_num_batched_tokens=tokens), BLOCK,
+                            drafts=drafts, max_model_len=256),
         finish_rules=FinishRules(frozenset({2}), max_model_len=256, decoder=tokenizer),
         on_lost=lambda seqs: None,
         async_depth=depth,
@@ -715,3 +718,61 @@ def test_a_lost_fork_leaks_none_of_the_children_it_made(tokenizer: Tokenizer, de
     errors = [d.error for d in drain(req) if d.error is not None]
     assert errors and "fork failed (UNAVAILABLE)" in str(errors[0])
     assert link.pool.all_free() and not link.model.held and not eng.orphans
+
+
+class ShortMemory(FakeModel):
+    """Its next token depends on the last two only: outputs fall into cycles that prompt
+    lookup drafts, and a draft is accepted exactly when it is that token."""
+
+    def next_token(self, tokens: list[int]) -> int:
+        return (tokens[-1] + tokens[-2] + 1) % 7
+
+
+@pytest.mark.parametrize("num_blocks", [64, 9])  # 9: preemptions too
+def test_drafted_outputs_equal_the_reference_and_the_pool_accounts_for_them(
+        tokenizer: Tokenizer, num_blocks: int):
+    """Speculative decoding through the engine and the real allocator core: the verified
+    drafts land with the executor's token, and everything equals decoding without them."""
+    drafts = NgramDrafts(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=2)
+    eng, link = engine(tokenizer, num_blocks=num_blocks, tokens=24, depth=1, drafts=drafts,
+                       model=ShortMemory(BLOCK))
+    # [1, 6, 5, 1, 6]: its first draft (5, after 1, 6) is wrong: the model says 1.
+    prompts = [[3, 4, 5, 6, 7], [8, 1, 8, 2], [1, 6, 5, 1, 6], [9, 10, 11]]
+    reqs = [submit(eng, f"d{i}", p, max_tokens=20 + 3 * i) for i, p in enumerate(prompts)]
+    asyncio.run(run_until_idle(eng))
+    scheduler = eng.scheduler
+    assert scheduler.num_accepted_tokens > 10  # many steps emitted more than one token
+    if num_blocks == 64:  # (with preemptions, the step with the wrong draft may differ)
+        assert scheduler.num_draft_tokens > scheduler.num_accepted_tokens
+    for req, prompt in zip(reqs, prompts, strict=True):
+        deltas = drain(req)
+        tokens = [t for d in deltas for t in d.token_ids]
+        assert tokens == link.model.reference(prompt, req.sampling.max_tokens)
+        assert deltas[-1].finish_reason is FinishReason.LENGTH
+        assert deltas[-1].usage.completion_tokens == req.sampling.max_tokens
+    assert link.pool.all_free() and not link.model.held
+    if num_blocks == 9:
+        assert link.pool.num_preemptions > 0
+
+
+def test_a_stop_token_among_accepted_drafts_ends_the_completion_there(tokenizer: Tokenizer):
+    drafts = NgramDrafts(num_speculative_tokens=6, prompt_lookup_max=2, prompt_lookup_min=2)
+    eng, link = engine(tokenizer, num_blocks=32, tokens=24, depth=1, drafts=drafts,
+                       model=ShortMemory(BLOCK))
+    # One period of the model's cycle: the output repeats it, drafted from the prompt. Its
+    # 5 is first generated inside a run of six accepted drafts, two of them after it.
+    prompt = [1, 6, 1, 1, 3, 5, 2, 1, 4, 6, 4, 4, 2, 0, 3, 4]
+    reference = link.model.reference(prompt, 40)
+    assert reference[:8] == [1, 6, 1, 1, 3, 5, 2, 1]
+    req = Request(request_id="s", prompt_token_ids=prompt, cache_salt="",
+                  sampling=SamplingOptions(max_tokens=40, ignore_eos=True,
+                                           stop_token_ids=frozenset({5})))
+    for seq in initial_sequences(req):
+        eng.submit(seq)
+    asyncio.run(run_until_idle(eng))
+    deltas = drain(req)
+    assert [t for d in deltas for t in d.token_ids] == [1, 6, 1, 1, 3, 5]
+    assert deltas[-1].finish_reason is FinishReason.STOP
+    assert deltas[-1].usage.completion_tokens == 6
+    assert eng.scheduler.num_accepted_tokens == 6  # 1, 1, 3, 5 emitted; 2, 1 dropped
+    assert link.pool.all_free() and not link.model.held
