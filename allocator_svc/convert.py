@@ -123,6 +123,7 @@ def _grant(grant: Grant) -> pb.Grant:
         start_position=grant.start_position,
         new_request=grant.new_request,
         num_cpu_cached_tokens=grant.num_cpu_cached_tokens,
+        num_lookahead=grant.num_lookahead,
     )
 
 
@@ -132,6 +133,7 @@ def _appends_one_block(grant: Grant, block_size: int) -> bool:
         len(grant.block_ids) == 1
         and grant.num_scheduled == 1
         and not grant.new_request
+        and not grant.num_lookahead
         and grant.start_position == grant.delta_start * block_size
     )
 

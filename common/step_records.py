@@ -76,7 +76,8 @@ class StepCall:
     epoch and the caller's lease go beside it).
 
     Applied in this order: appends (request append_request_ids[i] learns the value
-    append_token_ids[i]), accepts, commits through `commit_through_step_id` (the lease's numbered
+    append_token_ids[i]), accepts (then the lease's lookahead they did not name counts as
+    rejected), commits through `commit_through_step_id` (the lease's numbered
     steps whose batches executed), `commits`, frees, aborts; then scheduling in priority
     order: `decode_request_ids` (one more token each, on the hot path as a column), `items`.
     The allocator's fast path compares `append_request_ids` with `decode_request_ids` whole:

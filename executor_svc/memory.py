@@ -16,6 +16,7 @@ from typing import NamedTuple
 import structlog
 import torch
 
+from common.step_records import MAX_LOOKAHEAD_TOKENS
 from executor_svc.attention import STEP_KWARG, AttentionBackend, SeqSpan, plan_step
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.model_loader import LoadedModel
@@ -79,8 +80,9 @@ def profile_gpu_memory(
     max_model_len: int,
 ) -> GpuMemoryProfile:
     """Run the largest step: `num_tokens` prefill tokens in sequences of at most
-    `max_model_len`, whose last `num_seqs` rows are sampled (the logits of the largest batch,
-    then the sampler's top-logprobs pass).
+    `max_model_len`, whose last rows keep their logits as drafts to verify could ask
+    (`num_seqs` of them sampled: the logits of the largest batch, then the sampler's
+    top-logprobs pass).
 
     NOTE: the torch backend's decode gather buffer (the reference path on CUDA) grows with the
     largest decode group, which no prefill shows: on CUDA serve with --backend flashinfer.
@@ -91,17 +93,20 @@ def profile_gpu_memory(
     num_blocks = sum(len(span.block_ids) for span in spans)
     cache = KVCache.allocate(spec, num_blocks, 0, device)
     num_rows = min(num_seqs, num_tokens)
+    # Logits rows kept: one per sampled row, and one per draft token a step may verify.
+    num_kept = min(num_seqs * (1 + MAX_LOOKAHEAD_TOKENS), num_tokens)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     resident = torch.cuda.memory_allocated(device)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)  # [T]
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])  # [T]
-    keep = torch.arange(num_tokens - num_rows, num_tokens, device=device)  # [S]
+    keep = torch.arange(num_tokens - num_kept, num_tokens, device=device)  # [K]
     attention = plan_step(backend, spans, spec.block_size, cache, loaded.attention_shape)
-    logits = forward_once(loaded, attention, ids, positions, keep)  # [S, V]
+    logits = forward_once(loaded, attention, ids, positions, keep)  # [K, V]
     params = SamplingParams(temperature=1.0, top_p=0.9, top_logprobs=1)
-    Sampler(0, device).sample(logits, [params] * num_rows, [None] * num_rows, [None] * num_rows)
+    Sampler(0, device).sample(logits[:num_rows], [params] * num_rows, [None] * num_rows,
+                              [None] * num_rows)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - resident
     del logits, attention, cache

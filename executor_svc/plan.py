@@ -205,10 +205,11 @@ def _check_drafts(work: SequenceWork, sampling: SamplingParams | None,
     """Drafts are verified greedily, one sampled token per row: only where a row's token is
     its argmax and nothing else is reported per row."""
     rid, n = work.request_id, work.num_draft_tokens
-    if not 0 < n <= MAX_LOOKAHEAD_TOKENS or n >= len(work.token_ids):
+    if not 0 < n <= MAX_LOOKAHEAD_TOKENS or n != len(work.token_ids) - 1:
         raise InvalidArgument(
             f"request {rid!r}: num_draft_tokens={n} is out of range: 1..{MAX_LOOKAHEAD_TOKENS}, "
-            f"and fewer than its {len(work.token_ids)} token_ids (the first is not a draft)"
+            f"and one less than its {len(work.token_ids)} token_ids (its known token, then the "
+            "drafts)"
         )
     if not work.sample or work.use_sampled_token:
         raise InvalidArgument(

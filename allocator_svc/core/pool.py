@@ -219,11 +219,9 @@ class Pool:
             return 0
         return int(request.blocks[request.num_computed // self.block_size].ref_count > 1)
 
-    def allocate(self, request: Request, num_tokens: int, copies: list[BlockCopy],
-                 lookahead: int = 0) -> Grant | None:
-        """Slots for `num_tokens` more tokens of a running request, and `lookahead` more past
-        them for draft tokens (not computed until accepted); None if the pool is short."""
-        if self.blocks_needed(request, num_tokens, lookahead) > self.blocks.num_free:
+    def allocate(self, request: Request, num_tokens: int, copies: list[BlockCopy]) -> Grant | None:
+        """Slots for `num_tokens` more tokens of a running request; None if the pool is short."""
+        if self.blocks_needed(request, num_tokens) > self.blocks.num_free:
             return None
         delta_start = len(request.blocks)
         if self._needs_copy(request, num_tokens):
@@ -238,17 +236,13 @@ class Pool:
             self.blocks.free([shared])
             request.blocks[index] = private
             delta_start = index
-        num_new = (self.blocks_for(request.num_computed + num_tokens + lookahead)
-                   - len(request.blocks))
+        num_new = self.blocks_for(request.num_computed + num_tokens) - len(request.blocks)
         if num_new > 0:
             fresh = self.blocks.allocate(num_new)
             assert fresh is not None, "allocate checked the free count"
             request.blocks.extend(fresh)
         start = request.num_computed
         request.num_computed += num_tokens
-        if lookahead:
-            request.num_lookahead = lookahead
-            self.lookahead.add(request)
         return Grant(
             request.request_id,
             delta_start,
@@ -256,6 +250,28 @@ class Pool:
             num_tokens,
             start,
         )
+
+    def add_lookahead(self, request: Request, grant: Grant, wanted: int) -> None:
+        """Slots past a granted request's computed tokens for its drafts (not computed until
+        accepted): as many of `wanted` as the free blocks hold, never by taking a block from
+        anyone (drafts may be rejected). The grant says how many, its delta covers them."""
+        free = self.blocks.num_free
+        lookahead = wanted
+        while lookahead and self.blocks_needed(request, 0, lookahead) > free:
+            lookahead -= 1
+        grant.num_lookahead = lookahead
+        if not lookahead:
+            return
+        num_new = self.blocks_for(request.num_computed + lookahead) - len(request.blocks)
+        if num_new > 0:
+            fresh = self.blocks.allocate(num_new)
+            assert fresh is not None, "checked: the free blocks hold them"
+            assert grant.delta_start + len(grant.block_ids) == len(request.blocks), (
+                "the grant's delta ends the table")
+            request.blocks.extend(fresh)
+            grant.block_ids.extend(b.block_id for b in fresh)
+        request.num_lookahead = lookahead
+        self.lookahead.add(request)
 
     def settle_lookahead(self, request: Request, num_accepted: int) -> None:
         """Its executor verified its drafts: the `num_accepted` first ones count as computed
@@ -394,11 +410,11 @@ class Pool:
     def swap_out(self, request: Request) -> list[BlockCopy] | None:
         """Move a request's blocks to CPU blocks (evicting CPU-tier entries if need be); None
         if swap space is short."""
-        if request.num_lookahead:
-            self.settle_lookahead(request, 0)  # drafts not verified: nothing to move
-        cpu_ids = self.cpu.take(len(request.blocks))
+        cpu_ids = self.cpu.take(self.blocks_for(request.num_computed))
         if cpu_ids is None:
             return None
+        if request.num_lookahead:
+            self.settle_lookahead(request, 0)  # drafts not verified: nothing to move
         copies = [BlockCopy(b.block_id, c) for b, c in zip(request.blocks, cpu_ids, strict=True)]
         self.swapped_out_sources.extend(request.blocks)
         self.blocks.free(reversed(request.blocks))

@@ -51,6 +51,7 @@ class Grant:
     num_cached_tokens: int = 0
     new_request: bool = False
     num_cpu_cached_tokens: int = 0  # of num_cached_tokens, copied back from the CPU tier
+    num_lookahead: int = 0  # slots for drafts past the scheduled ones (Pool.add_lookahead)
 
     @property
     def changes_table(self) -> bool:

@@ -126,6 +126,7 @@ def run_step(
             running.append((item, request))
 
     preempted: set[str] = set()
+    drafting: list[tuple[Request, Grant, int]] = []  # (lookahead asked: served last)
     bs = pool.block_size
     free_blocks = pool.blocks
     for index, (item, request) in enumerate(running):
@@ -164,14 +165,13 @@ def run_step(
                     )
                 )
                 continue
-        while (short := pool.blocks_needed(request, num_tokens, lookahead)
-               - pool.blocks.num_free) > 0:
+        while (short := pool.blocks_needed(request, num_tokens) - pool.blocks.num_free) > 0:
             victim = choose_victim(pool, running, index + 1, preempted, short, mode, policy)
             if victim is None:
                 break
             _preempt(pool, victim.request, victim.mode, result)
             preempted.add(victim.request.request_id)
-        grant = pool.allocate(request, num_tokens, result.copies, lookahead)
+        grant = pool.allocate(request, num_tokens, result.copies)
         if grant is None:
             # Not scheduled: a step's commit must never reach it (swapped back in by a later
             # step, its fresh blocks hold nothing until that step's batch has run).
@@ -179,7 +179,10 @@ def run_step(
             preempted.add(request.request_id)
             continue
         scheduled.append(request)
-        if grant.changes_table or grant.num_scheduled != item.num_tokens:
+        if lookahead:
+            drafting.append((request, grant, lookahead))
+            result.grants.append(grant)  # (it says how much lookahead was granted)
+        elif grant.changes_table or grant.num_scheduled != item.num_tokens:
             result.grants.append(grant)
 
     quota = TenantQuota(pool, tenant_quota) if tenant_quota else None
@@ -197,6 +200,9 @@ def run_step(
             quota.add(admitted)
         if grant.num_scheduled:
             scheduled.append(admitted)
+    for request, grant, wanted in drafting:
+        # Draft slots come from what every token of the step has left free.
+        pool.add_lookahead(request, grant, wanted)
     _finish(pool, lease_id, step_id, scheduled, result)
     return result
 

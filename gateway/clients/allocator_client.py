@@ -109,6 +109,7 @@ def _outcome(response: pb.StepResponse) -> StepOutcome:
             num_cached_tokens=g.num_cached_tokens,
             num_scheduled_tokens=g.num_scheduled_tokens,
             start_position=g.start_position,
+            num_lookahead=g.num_lookahead,
         )
         for g in response.grants
     }

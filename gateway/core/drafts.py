@@ -35,22 +35,36 @@ class NgramDrafts:
     def propose(self, tokens: Sequence[int], limit: int) -> tuple[int, ...]:
         """Up to `limit` (and num_speculative_tokens) tokens that followed the latest earlier
         occurrence of the longest matching suffix; () when none matches."""
+        return self.propose_packed(array("i", tokens).tobytes(), limit)
+
+    def propose_packed(self, packed: bytes | bytearray, limit: int) -> tuple[int, ...]:
+        """`propose` over the tokens packed as C ints (`pack`: a sequence keeps them)."""
         limit = min(limit, self.num_speculative_tokens)
-        length = len(tokens)
+        length = len(packed) // _ITEM
         if limit <= 0 or length <= self.prompt_lookup_min:
             return ()
-        # A byte search over the packed ids runs in C: a sequence of a few thousand tokens
-        # costs microseconds, not a Python loop per position.
-        packed = array("i", tokens).tobytes()
+        # A byte search over the packed ids runs in C: no Python loop per position.
         for n in range(min(self.prompt_lookup_max, length - 1), self.prompt_lookup_min - 1, -1):
             suffix = packed[(length - n) * _ITEM:]
             end = (length - 1) * _ITEM  # the occurrence ends before the last token
             while (found := packed.rfind(suffix, 0, end)) >= 0:
                 if found % _ITEM == 0:  # (a match across id boundaries is no match)
-                    start = found // _ITEM + n
-                    return tuple(tokens[start:start + limit])
+                    start = found + n * _ITEM
+                    return tuple(array("i", packed[start:start + limit * _ITEM]))
                 end = found + len(suffix) - 1
         return ()
+
+
+def pack(packed: bytearray, prompt: Sequence[int], outputs: Sequence[int]) -> bytearray:
+    """`packed` made a sequence's tokens (prompt, then outputs) as C ints, appending only what
+    is new: they only grow, or end."""
+    have, total = len(packed) // _ITEM, len(prompt) + len(outputs)
+    if have > total:
+        del packed[total * _ITEM:]
+    elif have < total:
+        new = [*prompt[have:], *outputs[max(have - len(prompt), 0):]]
+        packed += array("i", new).tobytes()
+    return packed
 
 
 def may_draft(request: Request) -> bool:

@@ -71,8 +71,10 @@ class Parking:
 
 def _movable(seq: Sequence) -> bool:
     """A sequence that may be handed off once idle: it has sampled (a prompt is computed where
-    it arrived); not a beam (a search's beams stay in one pool), nor one whose move failed."""
+    it arrived); not a beam (a search's beams stay in one pool), nor one whose move failed,
+    nor one whose accepted drafts its allocator has yet to count (the next Step tells it)."""
     return (
         not seq.stays and not seq.is_beam and not seq.is_prefill_parent
+        and seq.accepted_drafts is None
         and (bool(seq.output_token_ids) or seq.samples_in_flight)
     )

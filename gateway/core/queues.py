@@ -99,6 +99,7 @@ class SequenceQueues:
         (sampling params, its whole table)."""
         seq.known_to_allocator = True
         seq.known_to_executor = False
+        seq.accepted_drafts = None  # (never parked with some: parking.py)
         seq.num_allocator_tokens = seq.num_computed_tokens
         seq.fork_table = block_ids
         self.pending.commits[seq.seq_id] = seq.num_computed_tokens

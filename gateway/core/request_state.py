@@ -223,6 +223,8 @@ class Sequence:
     # follow it in output_token_ids (the engine emits them one by one: finish_rules.py).
     accepted_drafts: int | None = None
     num_unemitted: int = 0
+    # Its tokens as C ints, kept up to date by the draft proposer (core/drafts.py: pack).
+    packed_tokens: bytearray = field(default_factory=bytearray)
     # Its request has stop strings: the detokenizer its landed tokens go through, in order
     # (core/finish_rules.py; a text.detokenizer.Detokenizer). None until its first token.
     stop_text: Any = None
@@ -331,6 +333,7 @@ class Sequence:
         self.samples_in_flight = False
         self.fork_table = None
         self.accepted_drafts = None
+        self.num_unemitted = 0
         self.num_preemptions += 1
         self.beam_candidates = None  # computed again, with the rest
 

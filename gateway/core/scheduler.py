@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from common.step_records import Commit, PreemptionMode, StepCall, StepItem
 from gateway.core.batch import Batch, Budget, ScheduledStep
-from gateway.core.drafts import NgramDrafts, may_draft
+from gateway.core.drafts import NgramDrafts, may_draft, pack
 from gateway.core.execute_call import ExecuteCallBuilder, is_plain_decode
 from gateway.core.fair_share import fair_order, waiting_tenants
 from gateway.core.overlap import BatchLanding
@@ -166,7 +166,10 @@ class Scheduler(SequenceQueues, BatchLanding):
         limit = min(tokens_left - 1,
                     seq.request.sampling.max_tokens - len(seq.output_token_ids) - 1,
                     self.max_model_len - seq.num_tokens)
-        return self.drafts.propose(seq.token_ids, limit)
+        if limit <= 0:
+            return ()
+        packed = pack(seq.packed_tokens, seq.request.prompt_token_ids, seq.output_token_ids)
+        return self.drafts.propose_packed(packed, limit)
 
     def _plan_waiting(self, plan: _Plan) -> None:
         """Waiting sequences their tenants let start, in order: admission (the prompt, or
@@ -271,9 +274,12 @@ class Scheduler(SequenceQueues, BatchLanding):
                 # 256 running decodes, 0.36 -> 0.2 ms in process).
                 execute.add_decode(seq, seq.num_computed_tokens)
                 continue
-            moved |= self._grant(seq, item, grants.get(request_id),
-                                 appended_blocks.get(request_id), execute, admitted,
-                                 step.drafts.get(request_id, ()) if step.drafts else ())
+            grant = grants.get(request_id)
+            drafts = step.drafts.get(request_id, ()) if step.drafts else ()
+            if drafts:  # as many as the allocator granted slots for (none without a grant)
+                drafts = drafts[:grant.num_lookahead] if grant is not None else ()
+            moved |= self._grant(seq, item, grant, appended_blocks.get(request_id), execute,
+                                 admitted, drafts)
         if admitted:
             self.waiting = deque(s for s in self.waiting if s not in admitted)
         if moved:

@@ -36,6 +36,7 @@ class Grant:
     num_cached_tokens: int
     num_scheduled_tokens: int
     start_position: int
+    num_lookahead: int = 0  # slots granted for drafts (may be fewer than asked)
 
 
 @dataclass(frozen=True, slots=True)

@@ -192,6 +192,12 @@ class Engine(Landing):
     def _schedule(self, overlapped: bool) -> ScheduledStep | None:
         started = time.perf_counter()
         scheduler = self.scheduler
+        if scheduler.drafts is not None and not self.link.description.speculative_decoding:
+            # The executor was replaced by one that verifies no drafts: it would compute them
+            # as tokens.
+            log.warning("speculative_decoding_off", pool_id=self.pool_id,
+                        reason="the executor does not verify drafts (Describe)")
+            scheduler.drafts = None
         scheduler.parking.move_quota = self.mover.quota(self) if self.mover is not None else 0
         plan = scheduler.schedule(overlapped)
         if scheduler.parking.newly_parked:

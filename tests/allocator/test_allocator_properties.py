@@ -218,6 +218,51 @@ class AllocatorMachine(RuleBasedStateMachine):
             if rid in self.pending_commits:
                 self.pending_commits[child] = self.pending_commits[rid]
 
+    @precondition(lambda self: any(not m.swapped for m in self.requests.values()))
+    @rule(data=st.data(), drafts=st.lists(st.integers(0, 2), min_size=1, max_size=5),
+          bonus=st.integers(0, 2))
+    def speculate(self, data, drafts, bonus) -> None:
+        """A decode verifying drafts (speculative decoding): its step writes every draft's KV
+        into the lookahead slots; the next call appends the accepted drafts and the token
+        after them and accepts them. A rejected draft's slot holds a record of its own, so a
+        later read of it as computed (or a prefix hit on a block holding it) fails."""
+        rid = data.draw(
+            st.sampled_from(sorted(r for r, m in self.requests.items() if not m.swapped)))
+        mirror = self.requests[rid]
+        appended = []
+        if mirror.computed == len(mirror.tokens):  # a sampled token, as a decode appends
+            appended = [data.draw(st.integers(0, 2))]
+        if mirror.computed != len(mirror.tokens) + len(appended) - 1:
+            return  # a prompt still being computed: drafts follow only the last token
+        room = NUM_BLOCKS * BLOCK_SIZE - len(mirror.tokens) - len(appended)  # the pool's slots
+        if room <= 0:
+            return
+        mirror.tokens += appended
+        self.step_id += 1
+        item = StepItem(rid, 1, num_lookahead=min(len(drafts), room))
+        result = self.allocator.step("p", self.pool.epoch, None, StepCall(
+            [item], commits=self._commits(), step_id=self.step_id,
+            append_request_ids=[rid] * len(appended), append_token_ids=appended))
+        self._apply(result, {rid: 1}, [item])
+        if rid not in self.requests or self.requests[rid].swapped:
+            return  # it preempted itself: no lookahead was granted
+        # Lookahead comes from free blocks only: as many drafts as it got slots for.
+        drafts = drafts[:next(g for g in result.grants if g.request_id == rid).num_lookahead]
+        accepted = data.draw(st.integers(0, len(drafts)))
+        start = mirror.computed  # after its known token
+        for i, draft in enumerate(drafts):
+            position = start + i
+            salt = mirror.salt if i < accepted else "rejected draft"
+            self.gpu[mirror.table[position // BLOCK_SIZE]][position % BLOCK_SIZE] = (
+                salt, position, draft)
+        landed = [*drafts[:accepted], bonus]
+        mirror.tokens += landed
+        self.allocator.step("p", self.pool.epoch, None, StepCall(
+            append_request_ids=[rid] * len(landed), append_token_ids=landed,
+            accept_request_ids=[rid], accept_counts=[accepted]))
+        mirror.computed += accepted
+        self.pending_commits[rid] = mirror.computed
+
     @invariant()
     def invariants_hold(self) -> None:
         self.allocator.check_invariants()

@@ -101,14 +101,39 @@ def test_a_rejected_draft_is_never_hashed():
     assert pool.requests["c"].num_cached_tokens == 8
 
 
-def test_lookahead_preempts_behind_it_like_the_slots_it_needs():
+def test_lookahead_takes_free_blocks_only_and_says_how_many_slots_it_got():
+    """Drafts may be rejected: their slots never push anyone out, nor take a block a later
+    row of the step needs (b's here), and the grant says how many it got (3 of the 8 asked:
+    the rest of the block its own row opened)."""
     core = allocator(num_blocks=4)
     pool = core.pools["p"]
     admitted(core, [1, 2, 3, 4], rid="a")
     admitted(core, [5, 6, 7, 8], rid="b")  # 2 blocks free
     result = step(core, StepItem("a", 1, num_lookahead=8), StepItem("b", 1))
-    assert [p.request_id for p in result.preempted] == ["b"]
-    assert pool.requests["a"].num_lookahead == 8
+    assert not result.preempted
+    grant = next(g for g in result.grants if g.request_id == "a")
+    assert (grant.num_scheduled, grant.num_lookahead) == (1, 3)
+    assert pool.requests["a"].num_lookahead == 3
+    # No block free: only the room left in its own last block, and a grant says so.
+    result = step(core, StepItem("b", 1, num_lookahead=4), appends=(("a", 9), ("b", 10)),
+                  accepts=(("a", 0),))
+    grant = next(g for g in result.grants if g.request_id == "b")
+    assert (grant.num_lookahead, grant.block_ids) == (2, []) and not result.preempted
+
+
+def test_another_leases_lookahead_is_left_alone():
+    """Lookahead no accept names counts as rejected only for the calling lease: another
+    gateway's drafts may still be executing."""
+    core = allocator()
+    pool = core.pools["p"]
+    mine, theirs = core.create_lease(10.0).lease_id, core.create_lease(10.0).lease_id
+    step(core, StepItem("a", 3, [1, 2, 3]), lease=theirs)
+    step(core, StepItem("b", 3, [4, 5, 6]), lease=mine)
+    step(core, StepItem("a", 1, num_lookahead=4), appends=(("a", 7),), lease=theirs)
+    step(core, StepItem("b", 1), appends=(("b", 8),), lease=mine)
+    assert pool.requests["a"].num_lookahead == 4
+    step(core, StepItem("a", 1), appends=(("a", 9),), lease=theirs)  # no accept: all rejected
+    assert pool.requests["a"].num_lookahead == 0
 
 
 @pytest.mark.parametrize(("item", "error", "message"), [

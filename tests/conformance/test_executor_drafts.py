@@ -74,8 +74,8 @@ def test_a_step_past_the_accepted_drafts_is_refused(executor: Executor,
 
 @pytest.mark.parametrize(("fields", "message"), [
     (dict(num_draft_tokens=17), "num_draft_tokens=17 is out of range"),
-    (dict(num_draft_tokens=3), "fewer than its 3 token_ids"),
-    (dict(num_draft_tokens=1, sample=False), "need sample"),
+    (dict(num_draft_tokens=3), "one less than its 3 token_ids"),
+    (dict(num_draft_tokens=2, sample=False), "need sample"),
 ])
 def test_bad_drafts_are_invalid_argument(executor: Executor, fields: dict,
                                          message: str) -> None:

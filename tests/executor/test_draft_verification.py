@@ -7,13 +7,14 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from common.errors import InvalidArgument
 from executor_svc.runner import ModelRunner
 from executor_svc.simulated.runner import SimulatedRunner, build_simulated_runner
 from executor_svc.simulated.settings import SimulatedSettings
 from executor_svc.step import BlockTableDelta, SamplingParams, SequenceWork, StepRequest
-from tests.executor.oracle import reference_generate, reference_model
+from tests.executor.oracle import reference_generate, reference_logits, reference_model
 
 BS = 16
 
@@ -92,9 +93,10 @@ def test_simulated_executor_verifies_by_its_token_model() -> None:
 
 @pytest.mark.parametrize(("work", "message"), [
     (dict(num_draft_tokens=17), "num_draft_tokens=17 is out of range"),
-    (dict(num_draft_tokens=2, token_ids=(1, 2)), "fewer than its 2 token_ids"),
-    (dict(num_draft_tokens=1, sample=False), "need sample"),
-    (dict(num_draft_tokens=1, use_sampled_token=True), "need sample"),
+    (dict(num_draft_tokens=2, token_ids=(1, 2)), "one less than its 2 token_ids"),
+    (dict(num_draft_tokens=1, token_ids=(1, 2, 3)), "one less than its 3 token_ids"),
+    (dict(num_draft_tokens=1, token_ids=(1, 2), sample=False), "need sample"),
+    (dict(num_draft_tokens=1, token_ids=(1, 2), use_sampled_token=True), "need sample"),
 ])
 def test_bad_drafts_are_refused_and_change_nothing(tiny_runner: ModelRunner, work: dict,
                                                    message: str) -> None:
@@ -116,3 +118,28 @@ def test_drafts_need_greedy_sampling_with_nothing_per_row(tiny_runner: ModelRunn
     first = start(tiny_runner, "r", [4, 5, 6], 0, sampling)
     with pytest.raises(InvalidArgument, match="only under greedy sampling"):
         verify(tiny_runner, "r", first, 3, [7, 8])
+
+
+@pytest.mark.parametrize("by_hidden", [True, False])
+def test_drafts_beside_a_prompt_asking_for_its_logprobs(tiny_runner: ModelRunner,
+                                                       by_hidden: bool) -> None:
+    """The draft rows' logits and the prompt rows' share the step's kept rows: each gets its
+    own (against transformers' forward), by the decoder's hidden state or the model's logits."""
+    tiny_runner.prompt_rows.enabled = by_hidden
+    model = reference_model(tiny_runner)
+    drafted, asking = [7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24]
+    expected = reference_generate(model, drafted, 5)
+    first = start(tiny_runner, "d", drafted, 0)
+    with_logprobs = SequenceWork(
+        "p", tuple(asking), 0, BlockTableDelta(0, (40,)),
+        SamplingParams(prompt_logprobs=0, num_prompt_tokens=len(asking)), True,
+        prompt_token_ids=tuple(asking))
+    verifying = SequenceWork("d", (first, *expected[1:3], 0), len(drafted), None, None, True,
+                             num_draft_tokens=3)
+    result = tiny_runner.execute(StepRequest(seqs=(verifying, with_logprobs)))
+    d, _ = result.tokens
+    assert (d.num_accepted_draft_tokens, d.token_id) == (2, expected[3])
+    (run,) = result.prompt_logprobs
+    logprobs = torch.log_softmax(reference_logits(model, asking).float(), -1)[:-1]
+    want = logprobs.gather(1, torch.tensor(asking[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(run.logprobs), want, atol=1e-4, rtol=0)

@@ -48,7 +48,8 @@ class FakeLink:
     crash_when: Callable[[Any], bool] = lambda call: True
     # What the engine reads of the executor's Describe: FakeModel uses its sampled tokens.
     description: Any = field(
-        default_factory=lambda: SimpleNamespace(uses_sampled_tokens=True, role="both"))
+        default_factory=lambda: SimpleNamespace(uses_sampled_tokens=True, role="both",
+                                                speculative_decoding=True))
     executor_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     lease_renewed: bool = False
