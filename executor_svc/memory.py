@@ -16,7 +16,6 @@ from typing import NamedTuple
 import structlog
 import torch
 
-from common.step_records import MAX_LOOKAHEAD_TOKENS
 from executor_svc.attention import STEP_KWARG, AttentionBackend, SeqSpan, plan_step
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.model_loader import LoadedModel
@@ -78,11 +77,12 @@ def profile_gpu_memory(
     num_tokens: int,
     num_seqs: int,
     max_model_len: int,
+    max_draft_tokens: int = 0,
 ) -> GpuMemoryProfile:
     """Run the largest step: `num_tokens` prefill tokens in sequences of at most
-    `max_model_len`, whose last rows keep their logits as drafts to verify could ask
-    (`num_seqs` of them sampled: the logits of the largest batch, then the sampler's
-    top-logprobs pass).
+    `max_model_len`, whose last rows keep their logits, as many as `num_seqs` sequences
+    verifying `max_draft_tokens` drafts each could ask (`num_seqs` of them sampled: the
+    logits of the largest batch, then the sampler's top-logprobs pass).
 
     NOTE: the torch backend's decode gather buffer (the reference path on CUDA) grows with the
     largest decode group, which no prefill shows: on CUDA serve with --backend flashinfer.
@@ -94,7 +94,7 @@ def profile_gpu_memory(
     cache = KVCache.allocate(spec, num_blocks, 0, device)
     num_rows = min(num_seqs, num_tokens)
     # Logits rows kept: one per sampled row, and one per draft token a step may verify.
-    num_kept = min(num_seqs * (1 + MAX_LOOKAHEAD_TOKENS), num_tokens)
+    num_kept = min(num_seqs * (1 + max_draft_tokens), num_tokens)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -140,7 +140,8 @@ def count_blocks(
         return BlockCounts(settings.num_blocks, num_cpu_blocks, num_cpu_cache_blocks)
     if loaded.device.type == "cuda":
         profile = profile_gpu_memory(loaded, spec, backend, settings.max_num_batched_tokens,
-                                     settings.max_num_seqs, max_model_len)
+                                     settings.max_num_seqs, max_model_len,
+                                     settings.max_draft_tokens)
         budget = profile.kv_budget_bytes(settings.gpu_memory_utilization)
         log.info("gpu_memory_profiled", total_bytes=profile.total_bytes,
                  used_bytes=profile.used_bytes, step_peak_bytes=profile.step_peak_bytes,

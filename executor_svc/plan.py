@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.errors import FailedPrecondition, InvalidArgument, NotFound
+from common.errors import FailedPrecondition, InvalidArgument, NotFound, Unimplemented
 from common.step_records import MAX_LOOKAHEAD_TOKENS
 from executor_svc.sampling_checks import check_history, check_prompt, check_sampling
 from executor_svc.step import (
@@ -58,6 +58,7 @@ class Limits:
     max_model_len: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    max_draft_tokens: int = MAX_LOOKAHEAD_TOKENS  # (--max-draft-tokens; 0: no drafts)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -194,22 +195,26 @@ def _plan_seq(work: SequenceWork, held: RequestState | None, limits: Limits) -> 
     sampling = work.sampling or (held.sampling if held is not None else None)
     prompt = work.prompt_token_ids or (held.prompt_token_ids if held is not None else None)
     if work.num_draft_tokens:
-        _check_drafts(work, sampling, prompt)
+        _check_drafts(work, sampling, prompt, limits.max_draft_tokens)
     return PlannedSeq(work=work, block_table=new_table, is_new=held is None, token_ids=token_ids,
                       prompt_token_ids=prompt or None,
                       num_prompt_logprobs=(sampling.prompt_logprobs or 0) if sampling else 0)
 
 
 def _check_drafts(work: SequenceWork, sampling: SamplingParams | None,
-                  prompt: tuple[int, ...] | None) -> None:
+                  prompt: tuple[int, ...] | None, max_drafts: int) -> None:
     """Drafts are verified greedily, one sampled token per row: only where a row's token is
     its argmax and nothing else is reported per row."""
     rid, n = work.request_id, work.num_draft_tokens
-    if not 0 < n <= MAX_LOOKAHEAD_TOKENS or n != len(work.token_ids) - 1:
+    if not max_drafts:
+        raise Unimplemented(
+            f"request {rid!r}: this executor verifies no draft tokens (--max-draft-tokens 0; "
+            "Describe's speculative_decoding is false)")
+    if not 0 < n <= max_drafts or n != len(work.token_ids) - 1:
         raise InvalidArgument(
-            f"request {rid!r}: num_draft_tokens={n} is out of range: 1..{MAX_LOOKAHEAD_TOKENS}, "
-            f"and one less than its {len(work.token_ids)} token_ids (its known token, then the "
-            "drafts)"
+            f"request {rid!r}: num_draft_tokens={n} is out of range: 1..{max_drafts} "
+            f"(Describe's max_draft_tokens), and one less than its {len(work.token_ids)} "
+            "token_ids (its known token, then the drafts)"
         )
     if not work.sample or work.use_sampled_token:
         raise InvalidArgument(

@@ -138,7 +138,8 @@ class ModelRunner(HeldRequests):
             uses_sampled_tokens=True,
             kv_layout=kv_layout(cache.spec, loaded.fingerprint),
             structured_output=self.grammars.available,
-            speculative_decoding=True,
+            speculative_decoding=limits.max_draft_tokens > 0,
+            max_draft_tokens=limits.max_draft_tokens,
         )
 
     def execute(self, step: StepRequest) -> StepResult:
@@ -367,6 +368,7 @@ def build_runner(settings: ExecutorSettings) -> ModelRunner:
         max_model_len=max_model_len,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
+        max_draft_tokens=settings.max_draft_tokens,
     )
     log.info(
         "kv_cache_allocated",

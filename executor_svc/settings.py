@@ -29,6 +29,7 @@ from common.executor_description import MAX_POOL_NAME_CHARS
 from common.metrics import MetricsEndpoint, add_metrics_flags, metrics_endpoint
 from common.model_dirs import DEFAULT_MODEL as EMBEDDED_MODEL
 from common.model_dirs import missing_model_message
+from common.step_records import MAX_LOOKAHEAD_TOKENS
 from executor_svc.host_memory import available_host_bytes
 
 DEFAULT_PORT = 50053
@@ -83,6 +84,12 @@ class ServingSettings:
     max_num_batched_tokens: int = setting(2048, "tokens per step", check=positive,
                                           must="positive")
     max_num_seqs: int = setting(256, "sequences per step", check=positive, must="positive")
+    max_draft_tokens: int = setting(
+        4, "draft tokens a sequence may ask this executor to verify in a step (speculative "
+        "decoding: a gateway's --speculative-config drafts at most this many); on a GPU the "
+        "memory profile keeps room for their logits; 0: none (Describe's "
+        "speculative_decoding is false)", check=lambda n: 0 <= n <= MAX_LOOKAHEAD_TOKENS,
+        must=f"in 0..{MAX_LOOKAHEAD_TOKENS}")
     max_model_len: int | None = setting(
         None, "longest sequence in tokens (unset: the model's max_position_embeddings)",
         type=int, check=positive, must="positive (or unset for the model's own limit)")

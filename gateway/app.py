@@ -298,8 +298,8 @@ class Fleet:
             num_shards=len(self.shards.shards),
         )
         await _retry(f"RegisterPool {client.address}", link.register, settings.connect_timeout_s)
-        drafts = settings.speculative if description.speculative_decoding else None
-        if settings.speculative and drafts is None:
+        drafts = settings.speculative
+        if drafts and not (description.speculative_decoding and description.max_draft_tokens):
             log.warning("speculative_decoding_off", executor=client.address,
                         reason="the executor does not verify drafts (Describe)")
         engine = Engine(

@@ -277,7 +277,7 @@ class Allocator:
         if copies is None:
             raise ResourceExhausted(
                 f"pool {pool_id!r} has {len(pool.free_cpu_block_ids)} free CPU blocks; "
-                f"{request_id!r} needs {len(request.blocks)}"
+                f"{request_id!r} needs {pool.blocks_for(request.num_computed)}"
             )
         pool.num_preemptions += 1
         return copies

@@ -164,6 +164,7 @@ def build_simulated_runner(settings: SimulatedSettings) -> SimulatedRunner:
         max_model_len=max_model_len,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
+        max_draft_tokens=settings.max_draft_tokens,
     )
     info = ExecutorDescription(
         instance_id=uuid.uuid4().hex,
@@ -182,7 +183,8 @@ def build_simulated_runner(settings: SimulatedSettings) -> SimulatedRunner:
         max_num_seqs=settings.max_num_seqs,
         role=settings.role,
         uses_sampled_tokens=True,
-        speculative_decoding=True,
+        speculative_decoding=limits.max_draft_tokens > 0,
+        max_draft_tokens=limits.max_draft_tokens,
         kv_layout=KVLayout(
             model_fingerprint=model.fingerprint, block_size=block_size,
             dtype=profile.model.dtype, num_layers=model.num_layers,

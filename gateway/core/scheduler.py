@@ -69,7 +69,8 @@ class Scheduler(SequenceQueues, BatchLanding):
     # Speculative decoding (drafts.py; None: off). Drafts are proposed only for a sequence
     # with nothing in flight, whose step lands before the next is planned (depth 1).
     drafts: NgramDrafts | None = None
-    max_model_len: int = 1 << 30  # the executor's: no draft reaches past it
+    max_drafts: int = 16  # the executor's Describe.max_draft_tokens (0: it verifies none)
+    max_model_len: int = 1 << 30  # the gateway's: no draft reaches past it
     num_drafts: int = 0  # rows drafted for, their draft tokens, and the accepted ones
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -142,7 +143,10 @@ class Scheduler(SequenceQueues, BatchLanding):
             if num <= 0:
                 continue
             if num == 1 and seq.status is SeqStatus.RUNNING:
-                proposed = self._draft(seq, tokens_left) if drafts and not ahead else ()
+                # (None while sequences are to be moved: a drafted one waits for its
+                # accept, and drafting again each step would keep it from ever leaving.)
+                proposed = (self._draft(seq, tokens_left)
+                            if drafts and not ahead and not self.parking.move_quota else ())
                 if proposed:
                     items.append(StepItem(seq.seq_id, 1, num_lookahead=len(proposed)))
                     plan.drafts[seq.seq_id] = proposed
@@ -163,7 +167,7 @@ class Scheduler(SequenceQueues, BatchLanding):
         assert self.drafts is not None
         if seq.is_beam or seq.is_prefill_parent or not may_draft(seq.request):
             return ()
-        limit = min(tokens_left - 1,
+        limit = min(tokens_left - 1, self.max_drafts,
                     seq.request.sampling.max_tokens - len(seq.output_token_ids) - 1,
                     self.max_model_len - seq.num_tokens)
         if limit <= 0:

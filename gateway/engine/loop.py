@@ -192,12 +192,12 @@ class Engine(Landing):
     def _schedule(self, overlapped: bool) -> ScheduledStep | None:
         started = time.perf_counter()
         scheduler = self.scheduler
-        if scheduler.drafts is not None and not self.link.description.speculative_decoding:
-            # The executor was replaced by one that verifies no drafts: it would compute them
-            # as tokens.
-            log.warning("speculative_decoding_off", pool_id=self.pool_id,
-                        reason="the executor does not verify drafts (Describe)")
-            scheduler.drafts = None
+        if scheduler.drafts is not None:
+            # As many drafts as the executor verifies, read every step: it may have been
+            # replaced since (one that verifies none would compute drafts as tokens).
+            described = self.link.description
+            scheduler.max_drafts = (described.max_draft_tokens
+                                    if described.speculative_decoding else 0)
         scheduler.parking.move_quota = self.mover.quota(self) if self.mover is not None else 0
         plan = scheduler.schedule(overlapped)
         if scheduler.parking.newly_parked:

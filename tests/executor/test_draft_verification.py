@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, Unimplemented
 from executor_svc.runner import ModelRunner
 from executor_svc.simulated.runner import SimulatedRunner, build_simulated_runner
 from executor_svc.simulated.settings import SimulatedSettings
@@ -49,7 +49,7 @@ def test_drafts_are_verified_like_greedy_generate(tiny_runner: ModelRunner) -> N
         expected = reference_generate(model, prompt, 40)
         out = [start(tiny_runner, rid, prompt, 0 if rid == "a" else 20)]
         while len(out) < 30:
-            k = rng.randint(1, 6)
+            k = rng.randint(1, 4)  # (--max-draft-tokens' default)
             drafts = expected[len(out):len(out) + k]
             wrong = rng.randrange(len(drafts) + 1)  # == len: all right
             if wrong < len(drafts):
@@ -143,3 +143,19 @@ def test_drafts_beside_a_prompt_asking_for_its_logprobs(tiny_runner: ModelRunner
     logprobs = torch.log_softmax(reference_logits(model, asking).float(), -1)[:-1]
     want = logprobs.gather(1, torch.tensor(asking[1:])[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(run.logprobs), want, atol=1e-4, rtol=0)
+
+
+def test_an_executor_verifies_at_most_its_max_draft_tokens(make_runner) -> None:
+    """--max-draft-tokens bounds a step's drafts per sequence, and 0 turns them off: Describe
+    says so, and drafts are then UNIMPLEMENTED, not computed as tokens."""
+    two = make_runner("tiny-llama", max_draft_tokens=2)
+    assert (two.info.speculative_decoding, two.info.max_draft_tokens) == (True, 2)
+    first = start(two, "r", [4, 5, 6], 0)
+    with pytest.raises(InvalidArgument, match=r"num_draft_tokens=3 is out of range: 1\.\.2"):
+        verify(two, "r", first, 3, [7, 8, 9])
+    none = make_runner("tiny-llama", max_draft_tokens=0)
+    assert (none.info.speculative_decoding, none.info.max_draft_tokens) == (False, 0)
+    first = start(none, "r", [4, 5, 6], 0)
+    with pytest.raises(Unimplemented, match="verifies no draft tokens"):
+        verify(none, "r", first, 3, [7])
+    assert none.requests["r"].num_tokens == 3

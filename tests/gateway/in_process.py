@@ -142,6 +142,7 @@ class FakeModel:
     num_swapped_out: int = 0  # blocks
     prompt_runs: list[PromptLogprobRun] = field(default_factory=list)  # the step's
     num_accepted: int = 0  # the last row's accepted drafts (SeqWork.num_draft_tokens)
+    most_drafts: int = 0  # the most drafts one row carried
 
     def next_token(self, tokens: list[int]) -> int:
         acc = 7
@@ -247,6 +248,7 @@ class FakeModel:
                     seq.request_id, rows.start + 1, tuple(lp for lp, _ in scored),
                     tuple(rank for _, rank in scored), ((),) * len(scored)))
         self.num_accepted = 0
+        self.most_drafts = max(self.most_drafts, seq.num_draft_tokens)
         if seq.num_draft_tokens:  # greedy verification: each draft must be the next token
             tokens, k = self._read(held), seq.num_draft_tokens
             first = seq.start_position + 1  # the known token's row samples the first draft

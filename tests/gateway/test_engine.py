@@ -49,7 +49,8 @@ class FakeLink:
     # What the engine reads of the executor's Describe: FakeModel uses its sampled tokens.
     description: Any = field(
         default_factory=lambda: SimpleNamespace(uses_sampled_tokens=True, role="both",
-                                                speculative_decoding=True))
+                                                speculative_decoding=True,
+                                                max_draft_tokens=16))
     executor_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     lease_renewed: bool = False
@@ -776,4 +777,23 @@ def test_a_stop_token_among_accepted_drafts_ends_the_completion_there(tokenizer:
     assert deltas[-1].finish_reason is FinishReason.STOP
     assert deltas[-1].usage.completion_tokens == 6
     assert eng.scheduler.num_accepted_tokens == 6  # 1, 1, 3, 5 emitted; 2, 1 dropped
+    assert link.pool.all_free() and not link.model.held
+
+
+@pytest.mark.parametrize("max_draft_tokens", [2, 0])
+def test_drafts_follow_what_the_executor_verifies_as_described_now(
+        tokenizer: Tokenizer, max_draft_tokens: int):
+    """At most the executor's Describe.max_draft_tokens, read every step (it may have been
+    replaced); none while it verifies none. The outputs are the same."""
+    drafts = NgramDrafts(num_speculative_tokens=6, prompt_lookup_max=2, prompt_lookup_min=2)
+    eng, link = engine(tokenizer, num_blocks=32, tokens=24, depth=1, drafts=drafts,
+                       model=ShortMemory(BLOCK))
+    link.description.max_draft_tokens = max_draft_tokens
+    link.description.speculative_decoding = max_draft_tokens > 0
+    prompt = [1, 6, 1, 1, 3, 5, 2, 1, 4, 6, 4, 4, 2, 0, 3, 4]  # (the model's cycle)
+    req = submit(eng, "m", prompt, max_tokens=30)
+    asyncio.run(run_until_idle(eng))
+    assert [t for d in drain(req) for t in d.token_ids] == link.model.reference(prompt, 30)
+    assert link.model.most_drafts == max_draft_tokens
+    assert (eng.scheduler.num_drafts > 0) is (max_draft_tokens > 0)
     assert link.pool.all_free() and not link.model.held
