@@ -6,9 +6,10 @@ it must not cost.
 The embedded SmolLM2-135M-Instruct with its real weights (greedy, ignore_eos), the whole
 stack, for each repeat a fresh stack per configuration, their order reversed every other
 repeat. Workloads:
-  copy     chat requests asking to repeat a passage of this repository's docs word for
-           word (the output copies its prompt, as summaries, extractions and code edits
-           do), 128 output tokens: 4 at concurrency 1, 16 at concurrency 8
+  copy     chat requests asking to repeat a passage of a fixed text (the presets' tokenizer
+           corpus: the project's design notes) word for word (the output copies its
+           prompt, as summaries, extractions and code edits do), 128 output tokens: 4 at
+           concurrency 1, 16 at concurrency 8
   random   bench.vs_vllm's mixed workload (64 requests of random token ids), concurrency 16:
            nothing in the prompts to copy (the model's own repetitions may be)
 Three configurations: off (the defaults), depth1 (no drafts, `--async-depth 1`, which drafting
@@ -46,7 +47,9 @@ from common.model_dirs import DEFAULT_MODEL, REPO_ROOT
 # every request (what a request that is never drafted for pays); ngram: drafting.
 CONFIGS = ("off", "depth1", "ngram")
 COPY_OUTPUT = 128
-SOURCES = ("README.md", "executor_svc/README.md", "gateway/README.md", "allocator_svc/README.md")
+# A fixed text (the tokenizer presets' corpus): passages from the docs would change the
+# workload whenever the docs do.
+SOURCE = "models/tokenizer_corpus.txt"
 METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
            "vllm:spec_decode_num_accepted_tokens")
 
@@ -54,7 +57,7 @@ METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
 def copy_requests(count: int) -> list[BenchRequest]:
     """Chat prompts that ask to repeat a passage of ~100 words of this repository's docs."""
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
-    words = " ".join((REPO_ROOT / s).read_text() for s in SOURCES).split()
+    words = (REPO_ROOT / SOURCE).read_text().split()
     out = []
     for i in range(count):
         passage = " ".join(words[i * 150:i * 150 + 100])
