@@ -36,8 +36,7 @@ class ExecutorDescription:
     role: str = "both"  # "prefill", "decode" or "both" (an executor that says none: both)
     kv_layout: KVLayout | None = None  # None: it reports none (moves no KV)
     structured_output: bool = False  # it applies SamplingParams.structured_output
-    speculative_decoding: bool = False  # it verifies SequenceWork.num_draft_tokens ...
-    max_draft_tokens: int = 0  # ... up to this many a sequence in a step
+    max_draft_tokens: int = 0  # SequenceWork.num_draft_tokens it verifies at most (0: none)
 
     def to_proto(self) -> pb.DescribeResponse:
         msg = pb.DescribeResponse(**{

@@ -208,8 +208,8 @@ def _check_drafts(work: SequenceWork, sampling: SamplingParams | None,
     rid, n = work.request_id, work.num_draft_tokens
     if not max_drafts:
         raise Unimplemented(
-            f"request {rid!r}: this executor verifies no draft tokens (--max-draft-tokens 0; "
-            "Describe's speculative_decoding is false)")
+            f"request {rid!r}: this executor verifies no draft tokens (--max-draft-tokens 0 in "
+            "Describe)")
     if not 0 < n <= max_drafts or n != len(work.token_ids) - 1:
         raise InvalidArgument(
             f"request {rid!r}: num_draft_tokens={n} is out of range: 1..{max_drafts} "

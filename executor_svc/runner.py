@@ -138,7 +138,6 @@ class ModelRunner(HeldRequests):
             uses_sampled_tokens=True,
             kv_layout=kv_layout(cache.spec, loaded.fingerprint),
             structured_output=self.grammars.available,
-            speculative_decoding=limits.max_draft_tokens > 0,
             max_draft_tokens=limits.max_draft_tokens,
         )
 

@@ -87,9 +87,8 @@ class ServingSettings:
     max_draft_tokens: int = setting(
         4, "draft tokens a sequence may ask this executor to verify in a step (speculative "
         "decoding: a gateway's --speculative-config drafts at most this many); on a GPU the "
-        "memory profile keeps room for their logits; 0: none (Describe's "
-        "speculative_decoding is false)", check=lambda n: 0 <= n <= MAX_LOOKAHEAD_TOKENS,
-        must=f"in 0..{MAX_LOOKAHEAD_TOKENS}")
+        "memory profile keeps room for their logits; 0: none",
+        check=lambda n: 0 <= n <= MAX_LOOKAHEAD_TOKENS, must=f"in 0..{MAX_LOOKAHEAD_TOKENS}")
     max_model_len: int | None = setting(
         None, "longest sequence in tokens (unset: the model's max_position_embeddings)",
         type=int, check=positive, must="positive (or unset for the model's own limit)")

@@ -299,7 +299,7 @@ class Fleet:
         )
         await _retry(f"RegisterPool {client.address}", link.register, settings.connect_timeout_s)
         drafts = settings.speculative
-        if drafts and not (description.speculative_decoding and description.max_draft_tokens):
+        if drafts and not description.max_draft_tokens:
             log.warning("speculative_decoding_off", executor=client.address,
                         reason="the executor does not verify drafts (Describe)")
         engine = Engine(

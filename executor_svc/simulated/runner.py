@@ -183,7 +183,6 @@ def build_simulated_runner(settings: SimulatedSettings) -> SimulatedRunner:
         max_num_seqs=settings.max_num_seqs,
         role=settings.role,
         uses_sampled_tokens=True,
-        speculative_decoding=limits.max_draft_tokens > 0,
         max_draft_tokens=limits.max_draft_tokens,
         kv_layout=KVLayout(
             model_fingerprint=model.fingerprint, block_size=block_size,

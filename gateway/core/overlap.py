@@ -63,6 +63,7 @@ class BatchLanding:
         decoded, num_decodes = result.decode_token_ids, batch.num_decodes
         tokens = {t.request_id: t.token_id for t in result.tokens} if result.tokens else {}
         works = batch.call.seqs
+        accepted: dict[str, int] | None = None  # drafts accepted, by sequence (when any)
         if result.prompt_logprobs:
             _record_prompt_logprobs(batch, result)
         # It executed: the allocator may commit what its Step (and every one before) granted.
@@ -77,7 +78,10 @@ class BatchLanding:
                     sampled.append((seq, token))
                 continue
             if row >= num_decodes and works[row - num_decodes].num_draft_tokens:
-                self._land_drafts(seq, works[row - num_decodes], result, token, sampled)
+                if accepted is None:
+                    accepted = {t.request_id: t.num_accepted for t in result.tokens}
+                self._land_drafts(seq, works[row - num_decodes], accepted[seq.seq_id], token,
+                                  sampled)
                 continue
             seq.output_token_ids.append(token)
             if seq.status is not SeqStatus.FINISHED:
@@ -86,12 +90,11 @@ class BatchLanding:
                     seq.last_logprob = logprob(result, row, num_decodes, seq.seq_id, token)
         return sampled
 
-    def _land_drafts(self, seq: Sequence, work: SeqWork, result: ExecuteResult, token: int,
+    def _land_drafts(self, seq: Sequence, work: SeqWork, accepted: int, token: int,
                      sampled: list[tuple[Sequence, int]]) -> None:
         """A verified row: the accepted drafts, then the executor's token, land together.
         Their KV is computed (the allocator is told with the next Step); each is emitted in
         turn, and the first that ends the sequence drops the rest (finish_rules.py)."""
-        accepted = next(t.num_accepted for t in result.tokens if t.request_id == seq.seq_id)
         landed = [*work.token_ids[len(work.token_ids) - work.num_draft_tokens:][:accepted],
                   token]
         seq.output_token_ids.extend(landed)

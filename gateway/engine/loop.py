@@ -195,9 +195,7 @@ class Engine(Landing):
         if scheduler.drafts is not None:
             # As many drafts as the executor verifies, read every step: it may have been
             # replaced since (one that verifies none would compute drafts as tokens).
-            described = self.link.description
-            scheduler.max_drafts = (described.max_draft_tokens
-                                    if described.speculative_decoding else 0)
+            scheduler.max_drafts = self.link.description.max_draft_tokens
         scheduler.parking.move_quota = self.mover.quota(self) if self.mover is not None else 0
         plan = scheduler.schedule(overlapped)
         if scheduler.parking.newly_parked:

@@ -398,12 +398,17 @@ def reference_logprobs(model: Reference, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).cpu()
 
 
-def require_uses_sampled_tokens(executor: Executor) -> None:
-    """The use_sampled_token / step_id cases are an optional part of the contract."""
-    if not executor.info.uses_sampled_tokens:
+def require_optional(executor: Executor, described: str, sent: str) -> None:
+    """An optional part of the contract: its cases run where Describe's `described` field
+    says the executor implements it (a gateway sends the others none of `sent`)."""
+    if not getattr(executor.info, described):
         pytest.skip(
-            "the executor under test reports uses_sampled_tokens = false (Describe), so the "
-            "gateway never sends it use_sampled_token or step_id; these cases run against an "
+            f"the executor under test reports {described} = {getattr(executor.info, described)} "
+            f"(Describe), so the gateway never sends it {sent}; these cases run against an "
             "executor that implements them, e.g. this project's: "
             ".venv/bin/python -m pytest -q tests/conformance"
         )
+
+
+def require_uses_sampled_tokens(executor: Executor) -> None:
+    require_optional(executor, "uses_sampled_tokens", "use_sampled_token or step_id")

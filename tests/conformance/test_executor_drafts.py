@@ -1,5 +1,5 @@
 """Speculative decoding in the executor contract (SequenceWork.num_draft_tokens): an executor
-that reports speculative_decoding verifies drafts greedily, returns how many it accepted and
+that reports max_draft_tokens verifies drafts greedily, returns how many it accepted and
 the token after them, and then holds the known token and the accepted drafts only."""
 
 from __future__ import annotations
@@ -11,18 +11,13 @@ import pytest
 
 from pagedkv.executor.v1 import executor_pb2 as pb
 
-from .conftest import Executor, Reference, reference_generate
+from .conftest import Executor, Reference, reference_generate, require_optional
 
 pytestmark = pytest.mark.conformance
 
 
 def require_drafts(executor: Executor) -> None:
-    if not executor.info.speculative_decoding:
-        pytest.skip(
-            "the executor under test reports speculative_decoding = false (Describe), so the "
-            "gateway sends it no drafts; these cases run against an executor that verifies "
-            "them, e.g. this project's: .venv/bin/python -m pytest -q tests/conformance"
-        )
+    require_optional(executor, "max_draft_tokens", "draft tokens")
 
 
 def drafted(executor: Executor, rid: str, last: int, drafts: list[int]) -> pb.SequenceWork:

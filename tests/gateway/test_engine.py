@@ -49,7 +49,6 @@ class FakeLink:
     # What the engine reads of the executor's Describe: FakeModel uses its sampled tokens.
     description: Any = field(
         default_factory=lambda: SimpleNamespace(uses_sampled_tokens=True, role="both",
-                                                speculative_decoding=True,
                                                 max_draft_tokens=16))
     executor_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -789,7 +788,6 @@ def test_drafts_follow_what_the_executor_verifies_as_described_now(
     eng, link = engine(tokenizer, num_blocks=32, tokens=24, depth=1, drafts=drafts,
                        model=ShortMemory(BLOCK))
     link.description.max_draft_tokens = max_draft_tokens
-    link.description.speculative_decoding = max_draft_tokens > 0
     prompt = [1, 6, 1, 1, 3, 5, 2, 1, 4, 6, 4, 4, 2, 0, 3, 4]  # (the model's cycle)
     req = submit(eng, "m", prompt, max_tokens=30)
     asyncio.run(run_until_idle(eng))
