@@ -28,6 +28,7 @@ class BenchRequest:
     prompt: list[int]
     output_len: int
     arrival_s: float = 0.0  # open loop: offset from the start of the run
+    model: str = ""  # a LoRA adapter's name ("": the base model)
 
 
 @dataclass(slots=True)

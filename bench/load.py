@@ -45,7 +45,7 @@ def _request(r: BenchRequest, salt: str = "") -> gpb.GenerateRequest:
     return gpb.GenerateRequest(
         token_ids=gpb.TokenIds(ids=r.prompt),
         sampling=gpb.SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True),
-        cache_salt=salt,
+        cache_salt=salt, model=r.model,
     )
 
 
@@ -73,7 +73,7 @@ async def _one_unary(stub: gpb_grpc.GatewayServiceStub, r: BenchRequest, res: Re
     res.sent_s = time.perf_counter() - origin
     streamed = _request(r, salt)
     request = gpb.CompleteRequest(token_ids=streamed.token_ids, sampling=streamed.sampling,
-                                  cache_salt=salt)
+                                  cache_salt=salt, model=streamed.model)
     try:
         reply = await stub.Complete(request, timeout=timeout_s)
     except grpc.aio.AioRpcError as exc:

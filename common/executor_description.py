@@ -10,6 +10,24 @@ from common.kv_layout import KVLayout
 from pagedkv.executor.v1 import executor_pb2 as pb
 
 MAX_POOL_NAME_CHARS = 256  # a pool's name at the allocator and in every log line
+_MESSAGES = ("kv_layout", "lora_adapters")  # fields with a codec of their own
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapterInfo:
+    """A LoRA adapter resident on an executor (the proto's LoraAdapter)."""
+
+    name: str
+    digest: str  # sha256 of its config and weights: the block-hash key of its requests
+    rank: int
+    path: str = ""
+
+    def to_proto(self) -> pb.LoraAdapter:
+        return pb.LoraAdapter(name=self.name, digest=self.digest, rank=self.rank, path=self.path)
+
+    @classmethod
+    def from_proto(cls, msg: pb.LoraAdapter) -> LoraAdapterInfo:
+        return cls(msg.name, msg.digest, msg.rank, msg.path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,11 +55,18 @@ class ExecutorDescription:
     kv_layout: KVLayout | None = None  # None: it reports none (moves no KV)
     structured_output: bool = False  # it applies SamplingParams.structured_output
     max_draft_tokens: int = 0  # SequenceWork.num_draft_tokens it verifies at most (0: none)
+    max_loras: int = 0  # resident LoRA adapters at most (0: LoRA off)
+    max_lora_rank: int = 0
+    lora_adapters: tuple[LoraAdapterInfo, ...] = ()  # resident now
+
+    def lora_adapter(self, name: str) -> LoraAdapterInfo | None:
+        return next((a for a in self.lora_adapters if a.name == name), None)
 
     def to_proto(self) -> pb.DescribeResponse:
         msg = pb.DescribeResponse(**{
             f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-            if f.name != "kv_layout"})
+            if f.name not in _MESSAGES})
+        msg.lora_adapters.extend(a.to_proto() for a in self.lora_adapters)
         if self.kv_layout is not None:
             msg.kv_layout.CopyFrom(layout_to_proto(self.kv_layout))
         return msg
@@ -50,7 +75,8 @@ class ExecutorDescription:
     def from_proto(cls, msg: pb.DescribeResponse) -> ExecutorDescription:
         """As the gateway reads any executor's answer: a long pool name cut, no role: both."""
         values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)
-                  if f.name != "kv_layout"}
+                  if f.name not in _MESSAGES}
+        values["lora_adapters"] = tuple(LoraAdapterInfo.from_proto(a) for a in msg.lora_adapters)
         values["eos_token_ids"] = tuple(msg.eos_token_ids)
         values["pool_name"] = msg.pool_name[:MAX_POOL_NAME_CHARS]
         values["role"] = msg.role or "both"
@@ -64,3 +90,10 @@ def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
 
 def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
     return KVLayout(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(KVLayout)})
+
+
+def serves(description: ExecutorDescription, lora: LoraAdapterInfo | None) -> bool:
+    """The executor can run a request of `lora` (None: the base model): the adapter is loaded
+    there with the same contents."""
+    return lora is None or any(a.name == lora.name and a.digest == lora.digest
+                               for a in description.lora_adapters)

@@ -57,6 +57,7 @@ def sequence_from_proto(msg: pb.SequenceWork) -> SequenceWork:
         history_token_ids=tuple(msg.history_token_ids),
         prompt_token_ids=tuple(msg.prompt_token_ids),
         num_draft_tokens=msg.num_draft_tokens,
+        lora_adapter=msg.lora_adapter,
     )
 
 

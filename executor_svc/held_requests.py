@@ -11,6 +11,7 @@ from typing import Protocol
 import structlog
 
 from common.errors import ServiceError, Unimplemented
+from common.executor_description import LoraAdapterInfo
 from executor_svc.merged_calls import MergedPlan
 from executor_svc.plan import (
     Limits,
@@ -88,6 +89,8 @@ class HeldRequests:
                 plan = plan_step(step, self.requests, self.limits)
                 for planned in plan.seqs:
                     self.check_constraint(planned)
+                    if planned.work.lora_adapter:
+                        self.check_adapter(planned.work)
             except ServiceError as refused:
                 outcomes.append(refused)
                 continue
@@ -107,12 +110,25 @@ class HeldRequests:
                 f"request {planned.work.request_id!r}: this executor does not apply "
                 "sampling.structured_output (Describe's structured_output is false)")
 
+    def check_adapter(self, work: SequenceWork) -> None:
+        """A new request's LoRA adapter; this executor serves none (the real runner may:
+        lora.py)."""
+        raise Unimplemented(f"request {work.request_id!r}: this executor serves no LoRA "
+                            "adapters (Describe's max_loras is 0)")
+
+    def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        raise Unimplemented("this executor serves no LoRA adapters (Describe's max_loras is 0)")
+
+    def unload_lora_adapter(self, name: str) -> None:
+        raise Unimplemented("this executor serves no LoRA adapters (Describe's max_loras is 0)")
+
     def new_state(self, work: SequenceWork) -> RequestState:
         """A new request's state (its first step carries its sampling)."""
         assert work.sampling is not None, "plan_step admits new requests with sampling"
         return RequestState(request_id=work.request_id, sampling=work.sampling,
                             generator=None, block_table=[], num_tokens=0,
-                            prompt_token_ids=work.prompt_token_ids or None)
+                            prompt_token_ids=work.prompt_token_ids or None,
+                            lora_adapter=work.lora_adapter)
 
     def verified(self, sampled: SampledToken, num_drafts: int, accepted: int, token_id: int,
                  logprob: float) -> SampledToken:

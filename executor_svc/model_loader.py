@@ -32,6 +32,7 @@ from executor_svc.attention import ATTENTION_NAME, AttentionShape, register_atte
 from executor_svc.cpu_kernels import load as load_cpu_kernels
 from executor_svc.fused_layers import fuse_layers
 from executor_svc.lm_head import speed_up_lm_head
+from executor_svc.lora import Adapters, LoraSpec
 from executor_svc.packed_linear import onednn_packs_bfloat16, pack_linears
 
 log = structlog.get_logger(__name__)
@@ -52,6 +53,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     eos_token_ids: tuple[int, ...]
+    adapters: Adapters | None = None  # LoRA slots (None: LoRA off)
 
     @property
     def vocab_size(self) -> int:
@@ -232,6 +234,7 @@ def load_model(
     device_flag: str,
     seed: int,
     fused_layers: bool = True,  # False: transformers' own modules (a reference model)
+    lora: LoraSpec | None = None,  # LoRA slots (None: off)
 ) -> LoadedModel:
     directory = Path(path)
     device = torch.device(device_flag)
@@ -266,12 +269,16 @@ def load_model(
     if device.type == "cpu" and weights_source != "dummy":
         own_weights(model)
     fused = 0
+    kernels = None
     if device.type == "cpu":
         speed_up_lm_head(model)  # float32
         kernels = load_cpu_kernels() if fused_layers else None  # None (logged): not built
         pack_linears(model, kernels)  # bfloat16; float32 with the kernels
-        if kernels is not None:
-            fused = fuse_layers(model, kernels)
+    # NOTE: before fusing: the fused layers then call the wrapped projections one by one
+    # instead of their concatenated or epilogue-fused copies, which know nothing of adapters.
+    adapters = None if lora is None else Adapters(model, lora)
+    if kernels is not None:
+        fused = fuse_layers(model, kernels)
     loaded = LoadedModel(
         model=model,
         config=model.config,
@@ -280,6 +287,7 @@ def load_model(
         dtype=dtype,
         device=device,
         eos_token_ids=_eos_ids(directory, config),
+        adapters=adapters,
     )
     log.info(
         "model_loaded",

@@ -47,6 +47,7 @@ class RequestState:
     # With SamplingParams.prompt_logprobs: the whole prompt, whose log-probabilities the
     # steps that compute it report.
     prompt_token_ids: tuple[int, ...] | None = None
+    lora_adapter: str = ""  # the adapter all its steps compute with ("": the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +139,10 @@ def _plan_seq(work: SequenceWork, held: RequestState | None, limits: Limits) -> 
     if held is not None and work.sampling is not None:
         raise InvalidArgument(
             f"request {rid!r} is already held: send sampling params only on its first step"
+        )
+    if held is not None and work.lora_adapter:
+        raise InvalidArgument(
+            f"request {rid!r} is already held: send lora_adapter only on its first step"
         )
     if work.sampling is not None:
         try:

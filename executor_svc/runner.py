@@ -14,13 +14,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 import torch
 
 from common.errors import ServiceError
-from common.executor_description import ExecutorDescription
+from common.executor_description import ExecutorDescription, LoraAdapterInfo
 from executor_svc.attention import (
     AttentionBackend,
     SeqSpan,
@@ -35,9 +35,10 @@ from executor_svc.kv_blocks import TorchKVBlocks
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.kv_transfer import TORCH_FORMAT, KVBlockStore, KVLayout
 from executor_svc.logits_processor import LogitsProcessor
+from executor_svc.lora import LoraSpec
 from executor_svc.memory import count_blocks, forward_once
 from executor_svc.merged_calls import MergedPlan, only
-from executor_svc.model_loader import LoadedModel, dtype_name, load_model
+from executor_svc.model_loader import LoadedModel, ModelLoadError, dtype_name, load_model
 from executor_svc.plan import Limits, PlannedSeq, RequestState
 from executor_svc.prompt_logprobs import prompt_logprobs
 from executor_svc.prompt_rows import PromptRows, RowLogits
@@ -140,6 +141,10 @@ class ModelRunner(HeldRequests):
             structured_output=self.grammars.available,
             max_draft_tokens=limits.max_draft_tokens,
         )
+        self.adapters = loaded.adapters
+        if self.adapters is not None:
+            spec = self.adapters.spec
+            self.info = replace(self.info, max_loras=spec.max_loras, max_lora_rank=spec.max_rank)
 
     def execute(self, step: StepRequest) -> StepResult:
         """One call alone; its refusal raised."""
@@ -244,7 +249,13 @@ class ModelRunner(HeldRequests):
         arrays.send()
         if by_hidden:
             self.prompt_rows.arm()
-        logits = forward_once(self.loaded, attention_step, *(a.tensor for a in inputs))
+        if self.adapters is not None:
+            self._arm_adapters(seqs)
+        try:
+            logits = forward_once(self.loaded, attention_step, *(a.tensor for a in inputs))
+        finally:
+            if self.adapters is not None:
+                self.adapters.disarm()
         drafts = logits[num_sampling:num_kept] if draft_rows else None  # [R, V]
         if rows is not None:
             return logits[:num_sampling], drafts, self.prompt_rows.row_logits(rows.tensor)
@@ -252,6 +263,37 @@ class ModelRunner(HeldRequests):
             return logits[:num_sampling], drafts, None
         kept = logits[num_kept:]  # [P, V]
         return logits[:num_sampling], drafts, lambda first, end: kept[first:end]
+
+    def check_adapter(self, work: SequenceWork) -> None:
+        if self.adapters is None:
+            super().check_adapter(work)
+            return
+        self.adapters.check(work.lora_adapter)
+
+    def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        if self.adapters is None:
+            return super().load_lora_adapter(name, path)
+        loaded = self.adapters.install(self.adapters.read(name, path))
+        self.info = replace(self.info, lora_adapters=self.adapters.info())
+        return loaded
+
+    def unload_lora_adapter(self, name: str) -> None:
+        if self.adapters is None:
+            super().unload_lora_adapter(name)
+            return
+        in_use = sum(state.lora_adapter == name for state in self.requests.values())
+        self.adapters.remove(name, in_use)
+        self.info = replace(self.info, lora_adapters=self.adapters.info())
+
+    def _arm_adapters(self, seqs: tuple[PlannedSeq, ...]) -> None:
+        """Each row's adapter slot for the forward (lora.py); none armed without adapter rows."""
+        assert self.adapters is not None
+        row_slots: list[int] = []
+        for planned in seqs:
+            name = (planned.work.lora_adapter if planned.is_new
+                    else self.requests[planned.work.request_id].lora_adapter)
+            row_slots.extend([self.adapters.slot_of(name)] * len(planned.token_ids))
+        self.adapters.arm(row_slots, self.loaded.device, self.loaded.dtype)
 
     def new_state(self, work: SequenceWork) -> RequestState:
         """Its seeded generator and its logits processors, if it uses any."""
@@ -339,8 +381,11 @@ def kv_layout(spec: KVCacheSpec, model_fingerprint: str) -> KVLayout:
 
 def build_runner(settings: ExecutorSettings) -> ModelRunner:
     """Load the model, size and allocate the KV cache, pick the backend."""
+    lora = (LoraSpec(settings.max_loras, settings.max_lora_rank) if settings.lora_enabled
+            else None)
     loaded = load_model(
-        settings.model, settings.load_format, settings.dtype, settings.device, settings.seed
+        settings.model, settings.load_format, settings.dtype, settings.device, settings.seed,
+        lora=lora,
     )
     limit = loaded.max_position_embeddings
     window = getattr(loaded.config, "sliding_window", None)
@@ -378,7 +423,13 @@ def build_runner(settings: ExecutorSettings) -> ModelRunner:
         bytes_per_block=spec.bytes_per_block,
         max_model_len=max_model_len,
     )
-    return ModelRunner(loaded, cache, backend, limits, settings.seed,
-                       idle_release_s=settings.idle_release_s,
-                       num_cpu_cache_blocks=num_cpu_cache_blocks, role=settings.role,
-                       model_dir=settings.model)
+    runner = ModelRunner(loaded, cache, backend, limits, settings.seed,
+                         idle_release_s=settings.idle_release_s,
+                         num_cpu_cache_blocks=num_cpu_cache_blocks, role=settings.role,
+                         model_dir=settings.model)
+    for name, path in settings.lora_modules:
+        try:
+            runner.load_lora_adapter(name, path)
+        except ServiceError as exc:
+            raise ModelLoadError(f"--lora-modules {name}={path}: {exc}") from None
+    return runner

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from common.errors import ServiceError
-from common.executor_description import ExecutorDescription
+from common.executor_description import ExecutorDescription, LoraAdapterInfo
 from executor_svc.kv_transfer import KVBlockStore
 from executor_svc.plan import RequestState
 from executor_svc.step import StepRequest, StepResult
@@ -34,3 +34,9 @@ class StepRunner(Protocol):
         ...
 
     def release(self, request_ids: tuple[str, ...]) -> int: ...
+
+    def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        """Read a PEFT directory into a free slot (lora.py says what is refused)."""
+        ...
+
+    def unload_lora_adapter(self, name: str) -> None: ...

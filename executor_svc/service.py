@@ -211,6 +211,20 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
         self._log_released(released)
         return pb.ReleaseResponse(num_released=len(released))
 
+    async def LoadLoraAdapter(  # noqa: N802
+        self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoraAdapter:
+        # In the compute thread: between steps, never under a forward reading the slots.
+        loaded = await self.queue.run(self._runner.load_lora_adapter, request.name,
+                                      request.path)
+        return loaded.to_proto()
+
+    async def UnloadLoraAdapter(  # noqa: N802
+        self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnloadLoraAdapterResponse:
+        await self.queue.run(self._runner.unload_lora_adapter, request.name)
+        return pb.UnloadLoraAdapterResponse()
+
     async def ImportKV(  # noqa: N802
         self, request: pb.ImportKVRequest, context: grpc.aio.ServicerContext
     ) -> pb.ImportKVResponse:

@@ -35,6 +35,8 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "Release": frozenset({"gateway"}),
     "ImportKV": frozenset({"gateway"}),
     "ExportKV": frozenset({"executor"}),
+    "LoadLoraAdapter": frozenset({"gateway"}),
+    "UnloadLoraAdapter": frozenset({"gateway"}),
 }
 
 

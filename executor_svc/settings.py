@@ -54,6 +54,20 @@ def parse_bytes(text: str) -> int:
     return int(float(number) * _UNITS[(unit or "")[:1].lower()])
 
 
+def parse_lora_modules(text: str) -> tuple[tuple[str, str], ...]:
+    """'a=/adapters/a,b=/adapters/b' -> (('a', '/adapters/a'), ('b', '/adapters/b'))."""
+    modules: list[tuple[str, str]] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise argparse.ArgumentTypeError(f"{item!r} is not NAME=DIR")
+        modules.append((name.strip(), path.strip()))
+    names = [name for name, _ in modules]
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r} names an adapter twice")
+    return tuple(modules)
+
+
 def _pool_name_ok(name: str) -> bool:
     """It names the pool at the allocator and in every log line: bounded ASCII."""
     return len(name) <= MAX_POOL_NAME_CHARS and (
@@ -147,6 +161,17 @@ class ExecutorSettings(ServingSettings):
         0.0, "GiB of CPU blocks for the prefix cache's CPU tier: cached blocks evicted from "
         "the device are kept there and copied back on a hit (0: off)", check=at_least(0),
         must=">= 0 GiB (0: no CPU tier)")
+    enable_lora: bool = setting(
+        False, "serve LoRA adapters: --max-loras slots of --max-lora-rank, loaded by "
+        "--lora-modules or at run time (the gateway's /v1/load_lora_adapter)")
+    max_loras: int = setting(1, "with LoRA on: adapters resident at once", check=positive,
+                             must="positive")
+    max_lora_rank: int = setting(16, "with LoRA on: the highest adapter rank served (each "
+                                 "slot's size)", check=lambda r: 1 <= r <= 512,
+                                 must="in 1..512")
+    lora_modules: tuple[tuple[str, str], ...] = setting(
+        (), "LoRA adapters to load at start, NAME=DIR[,NAME=DIR...] (PEFT directories; "
+        "turns LoRA on)", type=parse_lora_modules, metavar="NAME=DIR[,...]")
     tune_malloc: bool = setting(
         True, "CPU executors on glibc: one malloc arena, no mmap'ed chunks, freed memory "
         "kept, so that a step's large tensors reuse memory (true/false)")
@@ -162,6 +187,10 @@ class ExecutorSettings(ServingSettings):
              "--backend flashinfer takes --dtype bfloat16 or float16 (or auto)"),
             (not Path(self.model).is_dir(), missing_model_message("--model", self.model)),
         ]
+        problems.append((
+            len(self.lora_modules) > self.max_loras,
+            f"--lora-modules names {len(self.lora_modules)} adapters, more than --max-loras "
+            f"{self.max_loras}; raise --max-loras"))
         fits, message = host_memory_check(self.swap_space, self.cpu_cache_space)
         problems.append((not fits, message))
         for wrong, why in problems:
@@ -171,6 +200,10 @@ class ExecutorSettings(ServingSettings):
     @property
     def on_cuda(self) -> bool:
         return self.device.startswith("cuda")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
 
 
 def host_memory_check(swap_space: float, cpu_cache_space: float) -> tuple[bool, str]:

@@ -85,6 +85,8 @@ class SequenceWork:
     # Speculative decoding: the last n of token_ids are drafts to verify (plan.py checks
     # when they are allowed; the proto says what is returned).
     num_draft_tokens: int = 0
+    # With `sampling` only: the LoRA adapter the request computes with ("": the base model).
+    lora_adapter: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from gateway.core.batch import Budget
 from gateway.core.finish_rules import FinishRules
 from gateway.core.scheduler import Scheduler
 from gateway.core.tenants import TenantGate
+from gateway.engine.adapters import LoraAdapters
 from gateway.engine.hand_off import HandOffs
 from gateway.engine.host import EngineHost
 from gateway.engine.loop import Engine
@@ -400,7 +401,11 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
     )
     frontend = Frontend(tokenizer=tokenizer, limits=limits, engines=host, info=info,
                         tenancy=tenancy, max_prompt_bytes=settings.max_prompt_bytes,
-                        max_seqs_per_tenant=settings.tenant_max_requests, metrics=metrics)
+                        max_seqs_per_tenant=settings.tenant_max_requests, metrics=metrics,
+                        runtime_lora_updating=settings.allow_runtime_lora_updating)
+    frontend.adapters = LoraAdapters(
+        host, frozenset({metrics.model_name, engines.model_name}),
+        lambda: list(frontend.active.values()))
     http: HttpServer | None = None
     try:
         server = await start_server(

@@ -58,6 +58,11 @@ class GatewaySettings:
     http_port_file: str | None = setting(None, "write the bound HTTP port here once serving")
     served_model_name: str = setting(
         "", "the model's name in both APIs (unset: the model's own name)")
+    allow_runtime_lora_updating: bool = setting(
+        False, "let callers load and unload LoRA adapters on the executors (HTTP "
+        "/v1/load_lora_adapter and /v1/unload_lora_adapter, gRPC LoadLoraAdapter and "
+        "UnloadLoraAdapter): any caller may then read an adapter directory on the executors' "
+        "disks, so turn it on where callers are trusted")
     max_sse_buffer: int = setting(
         256, "events an HTTP stream may have waiting for a slow client before it is cut",
         check=at_least(1), must=">= 1 (events)")

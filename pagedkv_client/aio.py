@@ -116,6 +116,17 @@ class AsyncClient:
                                      timeout)
         return convert.model_info(response)
 
+    async def load_lora_adapter(self, name: str, path: str, *,
+                                timeout: float | None = None) -> None:
+        """As Client.load_lora_adapter."""
+        await self._unary(self._stub.LoadLoraAdapter,
+                          pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path), timeout)
+
+    async def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        """As Client.unload_lora_adapter."""
+        await self._unary(self._stub.UnloadLoraAdapter,
+                          pb.UnloadLoraAdapterRequest(lora_name=name), timeout)
+
     def _attempts(self, timeout: float | None) -> Attempts:
         return Attempts.start(self.retry, timeout if timeout is not None else self.timeout)
 

@@ -113,6 +113,17 @@ class Client:
         response = self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
         return convert.model_info(response)
 
+    def load_lora_adapter(self, name: str, path: str, *, timeout: float | None = None) -> None:
+        """Load a PEFT adapter directory (on the executors' disks) as model `name`; the
+        gateway must allow it (--allow-runtime-lora-updating)."""
+        self._unary(self._stub.LoadLoraAdapter,
+                    pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path), timeout)
+
+    def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        """Unload it once its requests have ended (the gateway waits up to 30 s)."""
+        self._unary(self._stub.UnloadLoraAdapter, pb.UnloadLoraAdapterRequest(lora_name=name),
+                    timeout)
+
     def _attempts(self, timeout: float | None) -> Attempts:
         return Attempts.start(self.retry, timeout if timeout is not None else self.timeout)
 

@@ -117,4 +117,5 @@ def model_info(response: pb.GetModelInfoResponse) -> ModelInfo:
         vocab_size=response.vocab_size, eos_token_ids=tuple(response.eos_token_ids),
         executors=tuple(ExecutorInfo(e.address, e.pool_id, e.num_blocks, e.block_size,
                                      e.backend, e.device, e.healthy, e.role or "both")
-                        for e in response.executors))
+                        for e in response.executors),
+        lora_adapters=tuple(a.name for a in response.lora_adapters))

@@ -79,3 +79,4 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     executors: tuple[ExecutorInfo, ...]
+    lora_adapters: tuple[str, ...] = ()  # loaded adapters' names: pass one as model=

@@ -28,7 +28,15 @@ from typing import Any, TypeVar
 
 import structlog
 
-from common.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
+from common.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
+from common.executor_description import LoraAdapterInfo
 from common.structured_output import Grammars, StructuredOutput, load_tokenizer
 from gateway.api.sampling import (
     MAX_CHAT_MESSAGES,
@@ -44,6 +52,7 @@ from gateway.api.sampling import (
 from gateway.api.tenants import SINGLE_TENANT, Tenancy
 from gateway.core.request_state import CompletionDelta, FinishReason, Request
 from gateway.core.seq_ids import sequence_ids
+from gateway.engine.adapters import LoraAdapters, adapter_salt
 from gateway.engine.host import EngineHost
 from gateway.metrics import GatewayMetrics
 from gateway.text.output import RequestOutput
@@ -102,6 +111,25 @@ class Frontend:
     # Structured output's compiled constraints, made at the first constrained request.
     grammars: Grammars | None = None
     grammars_lock: threading.Lock = field(default_factory=threading.Lock)
+    # LoRA adapters by model name, and their loads and unloads (None: only the base model).
+    adapters: LoraAdapters | None = None
+    runtime_lora_updating: bool = False  # --allow-runtime-lora-updating
+
+    def lora_admin(self) -> LoraAdapters:
+        """Loads and unloads, where --allow-runtime-lora-updating allows them."""
+        if self.adapters is None or not self.runtime_lora_updating:
+            raise PermissionDenied("loading and unloading LoRA adapters at run time is off: "
+                                   "start the gateway with --allow-runtime-lora-updating")
+        return self.adapters
+
+    def resolve_model(self, model: str) -> LoraAdapterInfo | None:
+        """The adapter `model` names, None for the base model; NotFound for neither."""
+        if self.adapters is not None:
+            return self.adapters.resolve(model)
+        if model and model != self.info.model_name:
+            raise NotFound(f"The model `{model[:128]}` does not exist; this server serves "
+                           f"`{self.info.model_name}`")
+        return None
 
     def _check_open(self) -> None:
         if self.draining:
@@ -224,11 +252,13 @@ class Frontend:
 
     async def submit(
         self, prompt_input: PromptInput, raw: RawSampling, cache_salt: str, request_id: str,
-        tenant: str = SINGLE_TENANT,
+        tenant: str = SINGLE_TENANT, model: str = "",
     ) -> Request:
-        """Validate and queue a request; raises the domain error to send back."""
+        """Validate and queue a request (`model`: the base model's name, an adapter's, or
+        empty for the base model); raises the domain error to send back."""
         self._check_open()
         check_ids(request_id, cache_salt)
+        lora = self.resolve_model(model)
         num_seqs = _num_seqs(raw)
         self._take_seqs(tenant, num_seqs)  # before any await: concurrent calls cannot all pass
         arrival_time = time.monotonic()  # before tokenizing: time to first token includes it
@@ -250,9 +280,9 @@ class Frontend:
             structlog.contextvars.bind_contextvars(request_id=request_id)
             request = Request(
                 request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                cache_salt=self.tenancy.cache_salt(tenant, cache_salt),
+                cache_salt=adapter_salt(lora, self.tenancy.cache_salt(tenant, cache_salt)),
                 id_namespace=self.id_namespace + _tenant_tag(tenant), tenant=tenant,
-                arrival_time=arrival_time)
+                arrival_time=arrival_time, lora=lora)
             self.active[(tenant, request_id)] = request
             self.seq_owners.update(dict.fromkeys(((tenant, s) for s in seq_ids), request_id))
             engine = await self.engines.submit(request)

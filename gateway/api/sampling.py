@@ -27,6 +27,9 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 128
+# LoRA requests' salts start with it and their adapter's digest (engine/adapters.py): a
+# caller's salt may not, or a base-model request could read an adapter's KV.
+ADAPTER_SALT_PREFIX = "lora:"
 MAX_CHAT_MESSAGES = 256  # each adds the template's own text around it
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range
@@ -97,6 +100,10 @@ def check_ids(request_id: str, cache_salt: str) -> None:
         raise InvalidArgument(
             f"cache_salt has {len(cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}"
         )
+    if cache_salt.startswith(ADAPTER_SALT_PREFIX):
+        raise InvalidArgument(
+            f"cache_salt may not start with {ADAPTER_SALT_PREFIX!r}: it is kept for LoRA "
+            "adapters' own salts")
 
 
 def check_prompt_fits(num_tokens: int, limits: ModelLimits, at_least: bool = False) -> None:

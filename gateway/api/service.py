@@ -121,7 +121,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
     async def _submit(self, request: Any) -> Any:
         return await self.frontend.submit(
             _prompt(request), raw_sampling(request.sampling, request.priority), request.cache_salt,
-            request.request_id, tenant=caller(),
+            request.request_id, tenant=caller(), model=request.model,
         )
 
     async def Generate(  # noqa: N802 - gRPC method name
@@ -158,14 +158,28 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
     async def GetModelInfo(  # noqa: N802
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetModelInfoResponse:
-        info = self.frontend.info
+        info, adapters = self.frontend.info, self.frontend.adapters
         return pb.GetModelInfoResponse(
             model_name=info.model_name,
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids,
             executors=[_executor_info(e) for e in self.frontend.engines.engines],
+            lora_adapters=[pb.LoraAdapter(name=a.name, path=a.path, rank=a.rank)
+                           for a in adapters.available().values()] if adapters else [],
         )
+
+    async def LoadLoraAdapter(  # noqa: N802
+        self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoraAdapter:
+        loaded = await self.frontend.lora_admin().load(request.lora_name, request.lora_path)
+        return pb.LoraAdapter(name=loaded.name, path=loaded.path, rank=loaded.rank)
+
+    async def UnloadLoraAdapter(  # noqa: N802
+        self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnloadLoraAdapterResponse:
+        await self.frontend.lora_admin().unload(request.lora_name)
+        return pb.UnloadLoraAdapterResponse()
 
 
 def _collect(completion: pb.Completion, delta: CompletionDelta) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from common.channel import InternalChannel
 from common.credentials import InternalAuth
-from common.executor_description import ExecutorDescription
+from common.executor_description import ExecutorDescription, LoraAdapterInfo
 from common.step_records import BlockCopy
 from common.structured_output import to_oneof
 from gateway.clients.call_failures import Rejected, translated
@@ -76,6 +76,7 @@ def _seq(work: SeqWork, eos_token_ids: tuple[int, ...]) -> pb.SequenceWork:
         seq.sampling.CopyFrom(_sampling(work.sampling, eos_token_ids))
         seq.history_token_ids.extend(work.sampling.history_token_ids)
         seq.prompt_token_ids.extend(work.sampling.prompt_token_ids)
+        seq.lora_adapter = work.sampling.lora_adapter
     return seq
 
 
@@ -141,6 +142,18 @@ class ExecutorClient(InternalChannel):
                                        timeout=timeout)
         self.eos_token_ids = tuple(r.eos_token_ids)
         return ExecutorDescription.from_proto(r)
+
+    async def load_lora_adapter(self, name: str, path: str,
+                                timeout: float | None = None) -> LoraAdapterInfo:
+        with translated():
+            r = await self.stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(name=name, path=path),
+                                              metadata=self.auth_metadata, timeout=timeout)
+        return LoraAdapterInfo.from_proto(r)
+
+    async def unload_lora_adapter(self, name: str, timeout: float | None = None) -> None:
+        with translated():
+            await self.stub.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(name=name),
+                                              metadata=self.auth_metadata, timeout=timeout)
 
     async def execute(
         self, call: ExecuteCall, timeout: float | None = None, step_id: int = 0,

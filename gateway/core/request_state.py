@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import ServiceError
+from common.executor_description import LoraAdapterInfo
 from gateway.api.sampling import SamplingOptions
 from gateway.core.beam_search import BeamSearch
 from gateway.core.step import ExecSampling
@@ -118,6 +119,9 @@ class Request:
     # sampling.prompt_logprobs: each prompt position's entry as the executor reports it (the
     # first stays None); kept across recomputes, the first report of a position wins.
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    # The LoRA adapter it runs with (None: the base model); only executors that serve it
+    # (ExecutorDescription.serves) take it, and its blocks hash with the adapter's digest.
+    lora: LoraAdapterInfo | None = None
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -313,6 +317,7 @@ class Sequence:
                 if (options.has_penalties and start) or replays else ()
             ),
             structured_output=options.structured_output,
+            lora_adapter=self.request.lora.name if self.request.lora is not None else "",
             **self._prompt_logprobs_fields(),
         )
 

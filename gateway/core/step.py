@@ -95,6 +95,7 @@ class ExecSampling:
     # SequenceWork.
     history_token_ids: tuple[int, ...] = ()
     structured_output: StructuredOutput | None = None
+    lora_adapter: str = ""  # SequenceWork.lora_adapter ("": the base model)
 
     @property
     def has_penalties(self) -> bool:

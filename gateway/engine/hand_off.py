@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from common.executor_description import ExecutorDescription
+from common.executor_description import ExecutorDescription, serves
 from gateway.clients.allocator_client import HandOffReservation
 from gateway.clients.call_failures import CallFailed, Lost
 from gateway.clients.executor_client import KVImport
@@ -127,7 +127,7 @@ class HandOffs:
         """Parked by `source`'s plan just now: each goes to the best target's queue."""
         now = time.perf_counter()
         for seq in seqs:
-            targets = self.targets(source)
+            targets = [t for t in self.targets(source) if serves(t.description, seq.request.lora)]
             if not targets:  # (the targets went away since the quota was given)
                 source.scheduler.unpark(seq)
                 self.observe("refused", 0.0)

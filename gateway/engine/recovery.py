@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 
@@ -177,9 +177,12 @@ class Recovery:
             return
         except CallFailed:
             return  # it answered: there, if unwilling; the next step says more
-        if found.instance_id != self.engine.link.description.instance_id:
+        link = self.engine.link
+        if found.instance_id != link.description.instance_id:
             log.warning("executor_restarted_while_idle", pool_id=self.engine.pool_id)
             self.lose_executor()  # reconnecting registers the new instance: its pool is reset
+        elif found.lora_adapters != link.description.lora_adapters:  # another gateway's doing
+            link.description = replace(link.description, lora_adapters=found.lora_adapters)
 
     async def reconnect(self) -> None:
         """A lost executor: try again every second; a restarted one resets its pool."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from common.errors import ResourceExhausted, Unavailable
+from common.executor_description import serves
 from gateway.clients.call_failures import CallFailed
 from gateway.clients.shards import AllocatorShards
 from gateway.core.beam_search import BeamSearch
@@ -30,6 +31,11 @@ from gateway.settings import ROUTING_POLICIES
 
 log = structlog.get_logger(__name__)
 NO_EXECUTOR = "no executor is available: check the executors' health"
+
+
+def _adapter_note(seq: Sequence) -> str:
+    lora = seq.request.lora
+    return "" if lora is None else f" with LoRA adapter {lora.name!r} loaded"
 
 
 def initial_sequences(request: Request) -> list[Sequence]:
@@ -66,10 +72,13 @@ class Router:
         if self.policy == "approx":
             self.kv_index = KvEventIndex(self.kv_events_lag_s)
 
-    def healthy(self) -> list[Engine]:
+    def healthy(self, request: Request | None = None) -> list[Engine]:
         """The engines new requests may go to: healthy, not leaving, and not decode ones
-        (--role) while a prefill or both one is up."""
+        (--role) while a prefill or both one is up; with `request`, those that serve its
+        LoRA adapter."""
         up = [e for e in self.engines if e.healthy and not e.draining]
+        if request is not None and request.lora is not None:
+            up = [e for e in up if serves(e.description, request.lora)]
         return [e for e in up if e.description.role != "decode"] or up
 
     def add(self, engine: Engine) -> None:
@@ -101,17 +110,20 @@ class Router:
         await self.kv_index.follow(lambda: self.engines)
 
     async def route(self, request: Request) -> Engine:
+        if request.lora is not None and not self.healthy(request):
+            raise Unavailable(f"no executor with LoRA adapter {request.lora.name!r} loaded is "
+                              "available: load it again (/v1/load_lora_adapter)")
         if self.policy == "round-robin":
-            return self._next_in_turn()
+            return self._next_in_turn(request)
         if self.kv_index is not None:
-            engines = self.healthy()
+            engines = self.healthy(request)
             cached = self.kv_index.cached_tokens(request.prompt_token_ids, request.cache_salt,
                                                  [e.pool_id for e in engines])
             return self._pick(engines, cached)  # no counts of others: our own load alone
         return await self._route_exact(request)
 
     async def _route_exact(self, request: Request) -> Engine:
-        engines = self.healthy()
+        engines = self.healthy(request)
         if len(engines) <= 1:
             return self._pick(engines, {})
         cached: dict[str, int] = {}
@@ -129,7 +141,7 @@ class Router:
             log.info("match_prefix_failed", code=exc.status)  # this gateway's view alone
         # NOTE: an executor may have been lost while MatchPrefix was in flight; its engine
         # already evicted its sequences, so one submitted there now would wait forever.
-        return self._pick(self.healthy(), cached, running, reachable)
+        return self._pick(self.healthy(request), cached, running, reachable)
 
     @staticmethod
     def _pick(engines: list[Engine], cached: dict[str, int],
@@ -154,9 +166,9 @@ class Router:
 
         return max(engines, key=lambda e: (allocator_up(e), cached.get(e.pool_id, 0), -load(e)))
 
-    def _next_in_turn(self) -> Engine:
+    def _next_in_turn(self, request: Request) -> Engine:
         """The first engine new requests may go to, from where the last pick left off."""
-        engines, allowed = self.engines, set(self.healthy())
+        engines, allowed = self.engines, set(self.healthy(request))
         for step in range(len(engines)):
             index = (self.turn + step) % len(engines)
             if engines[index] in allowed:
@@ -174,11 +186,13 @@ class Router:
         holding = {s.request for s in (*scheduler.running, *scheduler.swapped,
                                        *scheduler.parking.parked)}
         movable = [s for s in scheduler.waiting
-                   if s.request not in holding and not s.known_to_allocator]
+                   if s.request not in holding and not s.known_to_allocator
+                   and any(serves(e.description, s.request.lora) for e in engines)]
         targets: dict[Request, Engine] = {}
         for seq in movable:
             scheduler.waiting.remove(seq)
-            target = targets.get(seq.request) or min(engines, key=lambda e: e.load)
+            serving = [e for e in engines if serves(e.description, seq.request.lora)]
+            target = targets.get(seq.request) or min(serving, key=lambda e: e.load)
             targets[seq.request] = target
             target.submit(seq, front=True)
         return len(movable)
@@ -189,14 +203,15 @@ class Router:
         engines = self.healthy()
         targets: dict[Request, Engine] = {}
         for seq in seqs:
-            if not engines:
+            serving = [e for e in engines if serves(e.description, seq.request.lora)]
+            if not serving:
                 seq.request.emit(CompletionDelta(
                     index=seq.index,
                     error=Unavailable("the executor running this request went away and no "
-                                      "other executor is available"),
+                                      "other executor is available" + _adapter_note(seq)),
                 ))
                 continue
-            target = targets.get(seq.request) or min(engines, key=lambda e: e.load)
+            target = targets.get(seq.request) or min(serving, key=lambda e: e.load)
             targets[seq.request] = target
             target.submit(seq, front=True)
         if seqs:

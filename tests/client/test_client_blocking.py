@@ -87,6 +87,19 @@ def test_client_tokenize_and_model_info(client: Client):
     assert executor.block_size == 16 and executor.num_blocks == TINY_STACK_BLOCKS
     assert executor.healthy
     assert executor.role == "both"  # (the executor's --role default)
+    assert info.lora_adapters == ()
+
+
+def test_client_lora_calls_reach_the_gateway(client: Client):
+    # This stack's gateway does not allow run-time loads, and serves no adapter: the client
+    # gets the gateway's statuses (the stack with adapters is tests/e2e/test_real_model.py).
+    with pytest.raises(PagedkvError) as err:
+        client.load_lora_adapter("a", "/adapters/a")
+    assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "--allow-runtime-lora-updating" in err.value.details
+    with pytest.raises(PagedkvError) as err:
+        client.complete("hello", max_tokens=2, model="a")
+    assert err.value.code == grpc.StatusCode.NOT_FOUND and "`a` does not exist" in err.value.details
 
 
 def test_client_errors_are_typed_and_sampling_fields_pass_through(client: Client):

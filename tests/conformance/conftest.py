@@ -3,6 +3,10 @@
     make conformance EXECUTOR_ADDR=host:port      # an executor you run (yours or ours)
     pytest -q tests/conformance                   # no address: starts ours as subprocesses
 
+LoRA (LoadLoraAdapter, SequenceWork.lora_adapter) writes PEFT adapters of seeded random
+weights where the executor reads them (`--lora-dir`, default a temporary directory: an
+executor on this machine) and compares with PEFT's model of each.
+
 KV hand-off (ImportKV from one executor to another, test_executor_handoff.py) needs a second
 executor of the same model, block size and layout: `--executor-addr-2 host:port` (or
 EXECUTOR_ADDR_2); with one address only, the cases that move a request between two
@@ -70,6 +74,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="host:port of a second executor like it (KV hand-off cases)")
     group.addoption("--reference-model", default="", help="model directory for the reference")
     group.addoption("--reference-seed", type=int, default=0, help="seed of dummy weights")
+    group.addoption("--lora-dir", default="",
+                    help="a directory the executor under test reads at the same path, where the "
+                    "LoRA cases write their adapters (default: a temporary one, which only "
+                    "executors on this machine can read)")
     group.addoption("--executor-device", default="cpu",
                     help="device of the executor the suite starts itself (cpu or cuda)")
 
@@ -140,7 +148,8 @@ class Executor:
 LOCAL_KINDS = {
     "real": [sys.executable, "-m", "executor_svc", "--model", str(ROOT / "models" / "tiny-llama"),
              "--load-format", "dummy", "--seed", "0", "--kv-cache-memory", "8MiB",
-             "--swap-space", "0.002"],
+             "--swap-space", "0.002", "--enable-lora", "--max-loras", "2",
+             "--max-lora-rank", "16"],
     "simulated": [sys.executable, "-m", "executor_svc.simulated",
                   "--model", str(ROOT / "models" / "tiny-llama"), "--time-scale", "0",
                   "--num-blocks", "512", "--num-cpu-blocks", "64", "--metrics-port", "-1"],
@@ -356,9 +365,7 @@ def reference(pytestconfig: pytest.Config, executor: Executor) -> Reference:
     executor, its token model."""
     if is_simulated(executor):
         return SimulatedReference.of(executor.info)
-    path = pytestconfig.getoption("reference_model") or str(
-        ROOT / "models" / executor.info.model_name
-    )
+    path = reference_dir(pytestconfig, executor)
     seed = pytestconfig.getoption("reference_seed")
     has_weights = any(Path(path).glob("*.safetensors"))
     device = _reference_device(executor.info.device)
@@ -370,6 +377,12 @@ def reference(pytestconfig: pytest.Config, executor: Executor) -> Reference:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def reference_dir(pytestconfig: pytest.Config, executor: Executor) -> str:
+    """The reference's model directory (--reference-model, else models/<Describe's name>)."""
+    return str(pytestconfig.getoption("reference_model")
+               or ROOT / "models" / executor.info.model_name)
 
 
 def _reference_device(described: str) -> str:

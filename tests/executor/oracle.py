@@ -162,6 +162,7 @@ class Driver:
     free_blocks: list[int] = field(default_factory=list)
     tables: dict[str, list[int]] = field(default_factory=dict)
     num_tokens: dict[str, int] = field(default_factory=dict)
+    lora_adapters: dict[str, str] = field(default_factory=dict)  # request id -> adapter
 
     @classmethod
     def scattered(cls, runner: ModelRunner, seed: int = 7) -> Driver:
@@ -185,13 +186,15 @@ class Driver:
         table.extend(new_blocks)
         self.num_tokens[rid] = held + len(tokens)
         first = held == 0 and sampling is None
+        sampling = SamplingParams() if first else sampling
         return SequenceWork(
             request_id=rid,
             token_ids=tuple(tokens),
             start_position=held,
             delta=delta,
-            sampling=SamplingParams() if first else sampling,
+            sampling=sampling,
             sample=sample,
+            lora_adapter=self.lora_adapters.get(rid, "") if sampling is not None else "",
         )
 
     def generate(

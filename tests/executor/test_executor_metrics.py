@@ -161,7 +161,8 @@ def test_executor_main_serves_metrics_on_its_own_port(tmp_path: Path) -> None:
     assert samples.get("pagedkv_executor_kv_blocks") == 32
     methods: set[Any] = {dict(labels)["method"] for labels in
                          samples.series("pagedkv_rpc_duration_seconds_count")}
-    assert methods == {"Describe", "Execute", "Release", "ImportKV", "ExportKV"}
+    assert methods == {"Describe", "Execute", "Release", "ImportKV", "ExportKV",
+                       "LoadLoraAdapter", "UnloadLoraAdapter"}
     for direction in ("imported", "exported"):
         for unit in ("blocks", "bytes"):
             assert samples.get(f"pagedkv_executor_kv_{direction}_{unit}_total") == 0

@@ -28,7 +28,7 @@ def fixture(deltas: list[CompletionDelta | Exception], max_sse_buffer: int = 8,
     """An api whose frontend yields `deltas`; `backlog` more wait in the request's queue
     after each (a producer ahead of its reader)."""
     state = SimpleNamespace(request_id="r1", prompt_token_ids=[1, 2, 3], num_cached_tokens=0,
-                            sampling=SimpleNamespace(n=1), outputs=asyncio.Queue())
+                            lora=None, sampling=SimpleNamespace(n=1), outputs=asyncio.Queue())
 
     async def frontend_deltas(request: Any) -> AsyncIterator[CompletionDelta]:
         for delta in deltas:

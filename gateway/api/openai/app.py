@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP API (FastAPI), on the gateway's own frontend and engines.
 
-    GET  /v1/models            the served model
+    GET  /v1/models            the served model and its loaded LoRA adapters
     POST /v1/completions       text or token-id prompt; streaming (SSE) or not
     POST /v1/chat/completions  the model's own chat template; streaming (SSE) or not
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+                               vLLM's, with --allow-runtime-lora-updating (engine/adapters.py)
     GET  /health               200 while an executor is reachable, else 503
     GET  /live                 200 while the gateway's engine loop answers (a liveness probe)
     GET  /metrics              Prometheus text format (gateway/metrics.py); with API keys on,
@@ -33,19 +35,22 @@ from typing import Any, TypeVar
 
 import structlog
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
-from common.errors import ServiceError
+from common.errors import NotFound, ServiceError
+from common.executor_description import LoraAdapterInfo
 from gateway.api.frontend import Frontend
 from gateway.api.openai.errors import error_body, error_response, message_of, status_of
 from gateway.api.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 from gateway.api.openai.tools import (
     NamedToolChoice,
@@ -95,9 +100,11 @@ class HttpApi:
         return authenticator.authenticate(request.headers.get("authorization"))
 
     def check_model(self, model: str) -> None:
-        if model != self.served_model_name:
-            raise HttpError(404, f"The model `{model[:128]}` does not exist; this server "
-                            f"serves `{self.served_model_name}`", "model")
+        """The base model's name or a loaded adapter's (404 otherwise)."""
+        try:
+            self.frontend.resolve_model(model)
+        except NotFound as exc:
+            raise HttpError(404, str(exc), "model") from None
 
     async def body(self, request: Request, model: type[Body]) -> Body:
         """The JSON body, size-checked before it is read whole, validated by name."""
@@ -185,13 +192,30 @@ def create_app(api: HttpApi) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         api.tenant(request)
-        return JSONResponse({"object": "list", "data": [_model_card(api)]})
+        adapters = api.frontend.adapters.available() if api.frontend.adapters else {}
+        cards = [_model_card(api), *(_model_card(api, a) for a in adapters.values())]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> JSONResponse:
         api.tenant(request)
         api.check_model(model_id)
-        return JSONResponse(_model_card(api))
+        return JSONResponse(_model_card(api, api.frontend.resolve_model(model_id)))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        api.tenant(request)
+        body = await api.body(request, LoadLoraAdapterRequest)
+        await api.frontend.lora_admin().load(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        api.tenant(request)
+        body = await api.body(request, UnloadLoraAdapterRequest)
+        await api.frontend.lora_admin().unload(body.lora_name)
+        return PlainTextResponse(
+            f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -233,10 +257,14 @@ def create_app(api: HttpApi) -> FastAPI:
     return app
 
 
-def _model_card(api: HttpApi) -> dict[str, Any]:
-    return {"id": api.served_model_name, "object": "model", "created": api.created,
+def _model_card(api: HttpApi, adapter: LoraAdapterInfo | None = None) -> dict[str, Any]:
+    """The base model's card, or an adapter's (vLLM's: its path as root, the base as parent)."""
+    card = {"id": api.served_model_name, "object": "model", "created": api.created,
             "owned_by": "pagedkv", "root": api.served_model_name,
             "max_model_len": api.frontend.info.max_model_len}
+    if adapter is not None:
+        card.update(id=adapter.name, root=adapter.path, parent=api.served_model_name)
+    return card
 
 
 def _id_header(request: Request) -> dict[str, str]:
@@ -249,7 +277,7 @@ async def _serve(api: HttpApi, request: Request, body: CompletionRequest | ChatC
     if body.user:
         structlog.contextvars.bind_contextvars(user=body.user)
     state = await api.frontend.submit(body.prompt_input(), body.sampling(), body.cache_salt,
-                                      body.request_id, tenant=tenant)
+                                      body.request_id, tenant=tenant, model=body.model)
     headers = {REQUEST_ID_HEADER: state.request_id}
     if body.stream:
         return stream_response(api, state, shape, body.include_usage, headers,
@@ -439,7 +467,8 @@ class Shape:
 
     def head(self, state: EngineRequest, kind: str) -> dict[str, Any]:
         return {"id": f"{self.prefix}{state.request_id}", "object": kind,
-                "created": self.created, "model": self.api.served_model_name}
+                "created": self.created,
+                "model": self.api.served_model_name if state.lora is None else state.lora.name}
 
     prefix = ""
 

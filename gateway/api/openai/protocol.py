@@ -320,3 +320,19 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter: a PEFT directory on the executors' filesystem."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """vLLM's /v1/unload_lora_adapter (its lora_int_id is accepted and unused)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = None

@@ -1,0 +1,201 @@
+"""LoRA at the executor: several adapters and the base model in one batch, each row equal to
+PEFT's own model (the adapter applied by PEFT, transformers' greedy generate), and what
+loading, unloading and naming adapters refuses (executor.v1 LoadLoraAdapter, SequenceWork.
+lora_adapter)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+
+from common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unimplemented,
+)
+from executor_svc.runner import ModelRunner
+from executor_svc.simulated.runner import build_simulated_runner
+from executor_svc.simulated.settings import SimulatedSettings
+from executor_svc.step import BlockTableDelta, SamplingParams, SequenceWork, StepRequest
+from tests.executor.oracle import MODELS, Driver, reference_generate, reference_model
+from tools.make_lora_adapter import make_adapter
+
+# Ranks under, at and over the slots' rank; one adapter of two projections only.
+ADAPTERS = {"a": {"rank": 8, "seed": 1},
+            "b": {"rank": 16, "seed": 2, "targets": ("q_proj", "v_proj")},
+            "c": {"rank": 4, "seed": 3, "alpha": 8}}
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    dirs = {name: make_adapter(MODELS / "tiny-llama", root / name, **kw)  # type: ignore[arg-type]
+            for name, kw in ADAPTERS.items()}
+    dirs["rank32"] = make_adapter(MODELS / "tiny-llama", root / "rank32", rank=32)
+    dirs["qwen"] = make_adapter(MODELS / "tiny-qwen2", root / "qwen", rank=8)
+    return dirs
+
+
+@pytest.fixture
+def lora_runner(make_runner: Callable[..., ModelRunner]) -> ModelRunner:
+    return make_runner(enable_lora=True, max_loras=2, max_lora_rank=16)
+
+
+def peft_generate(runner: ModelRunner, adapter: Path | None, prompt: list[int],
+                  num_new: int) -> list[int]:
+    model = reference_model(runner)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    return reference_generate(model, prompt, num_new)
+
+
+def prompts(seed: int, sizes: list[int], vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in sizes]
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_adapters_and_the_base_model_in_one_batch_equal_peft(
+    lora_runner: ModelRunner, adapter_dirs: dict[str, Path], chunk: int | None
+) -> None:
+    """One prompt under adapter a, adapter b and the base model, and two more prompts, all in
+    the same steps (prefill whole or in chunks, then decode): every row equals PEFT's model
+    of its adapter, and the adapters change the output."""
+    for name in ("a", "b"):
+        lora_runner.load_lora_adapter(name, str(adapter_dirs[name]))
+    shared, other, short = prompts(11, [13, 21, 6], lora_runner.info.vocab_size)
+    rows = {"sa": (shared, "a"), "sb": (shared, "b"), "s": (shared, ""),
+            "oa": (other, "a"), "ob": (short, "b")}
+    driver = Driver.scattered(lora_runner)
+    driver.lora_adapters = {rid: name for rid, (_, name) in rows.items()}
+    got = driver.generate({rid: p for rid, (p, _) in rows.items()}, 10, chunk=chunk)
+    expected = {rid: peft_generate(lora_runner, adapter_dirs[name] if name else None, p, 10)
+                for rid, (p, name) in rows.items()}
+    assert got == expected
+    assert len({tuple(expected[r]) for r in ("sa", "sb", "s")}) == 3
+
+
+def test_a_freed_slot_serves_the_next_adapter_exactly(
+    lora_runner: ModelRunner, adapter_dirs: dict[str, Path]
+) -> None:
+    """a (rank 8) unloaded, c (rank 4) loaded into its slot: c's rows equal PEFT's, so none
+    of a's weights were left behind in the rows c does not fill."""
+    for name in ("a", "b"):
+        lora_runner.load_lora_adapter(name, str(adapter_dirs[name]))
+    lora_runner.unload_lora_adapter("a")
+    info = lora_runner.load_lora_adapter("c", str(adapter_dirs["c"]))
+    assert (info.name, info.rank) == ("c", 4)
+    assert [a.name for a in lora_runner.info.lora_adapters] == ["c", "b"]
+    (prompt,) = prompts(12, [9], lora_runner.info.vocab_size)
+    driver = Driver.scattered(lora_runner)
+    driver.lora_adapters = {"x": "c"}
+    assert driver.generate({"x": prompt}, 8) == {
+        "x": peft_generate(lora_runner, adapter_dirs["c"], prompt, 8)}
+
+
+def test_describe_reports_slots_and_adapters(lora_runner: ModelRunner,
+                                             adapter_dirs: dict[str, Path]) -> None:
+    info = lora_runner.info
+    assert (info.max_loras, info.max_lora_rank, info.lora_adapters) == (2, 16, ())
+    loaded = lora_runner.load_lora_adapter("a", str(adapter_dirs["a"]))
+    assert lora_runner.info.lora_adapters == (loaded,)
+    assert (loaded.rank, len(loaded.digest), loaded.path) == (8, 64, str(adapter_dirs["a"]))
+    # The same contents again, under the same name: already loaded, the same adapter.
+    assert lora_runner.load_lora_adapter("a", str(adapter_dirs["a"])) == loaded
+
+
+def new_request(rid: str, adapter: str, prompt: tuple[int, ...] = (5, 6, 7)) -> StepRequest:
+    return StepRequest(seqs=(SequenceWork(rid, prompt, 0, BlockTableDelta(0, (1,)),
+                                          SamplingParams(), True, lora_adapter=adapter),))
+
+
+def test_an_adapter_in_use_is_not_unloaded(lora_runner: ModelRunner,
+                                           adapter_dirs: dict[str, Path]) -> None:
+    lora_runner.load_lora_adapter("a", str(adapter_dirs["a"]))
+    lora_runner.execute(new_request("r", "a"))
+    with pytest.raises(FailedPrecondition, match="in use by 1 request"):
+        lora_runner.unload_lora_adapter("a")
+    # Still served: its request goes on.
+    lora_runner.execute(StepRequest(seqs=(SequenceWork("r", (9,), 3, None, None, True),)))
+    lora_runner.release(("r",))
+    lora_runner.unload_lora_adapter("a")
+    assert lora_runner.info.lora_adapters == ()
+    with pytest.raises(NotFound, match="'a' is not loaded on this executor"):
+        lora_runner.execute(new_request("s", "a"))
+    assert "s" not in lora_runner.requests
+
+
+def test_refusals(lora_runner: ModelRunner, adapter_dirs: dict[str, Path],
+                  tmp_path: Path) -> None:
+    load = lora_runner.load_lora_adapter
+    with pytest.raises(NotFound, match="no adapter directory at"):
+        load("x", str(tmp_path / "missing"))
+    with pytest.raises(InvalidArgument, match="has no adapter_config.json"):
+        load("x", str(tmp_path))
+    with pytest.raises(InvalidArgument, match="rank 32, over this executor's --max-lora-rank 16"):
+        load("x", str(adapter_dirs["rank32"]))
+    with pytest.raises(InvalidArgument, match="trained for another base model"):
+        load("x", str(adapter_dirs["qwen"]))
+    with pytest.raises(InvalidArgument, match="printable ASCII"):
+        load("", str(adapter_dirs["a"]))
+    dora = tmp_path / "dora"
+    shutil.copytree(adapter_dirs["a"], dora)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(InvalidArgument, match="DoRA adapters are not supported"):
+        load("x", str(dora))
+    nan = tmp_path / "nan"
+    shutil.copytree(adapter_dirs["a"], nan)
+    tensors = load_file(nan / "adapter_model.safetensors")
+    next(iter(tensors.values()))[0, 0] = float("nan")
+    save_file(tensors, nan / "adapter_model.safetensors")
+    with pytest.raises(InvalidArgument, match="NaN or infinite"):
+        load("x", str(nan))
+    assert lora_runner.info.lora_adapters == ()  # nothing refused was loaded
+    load("a", str(adapter_dirs["a"]))
+    with pytest.raises(AlreadyExists, match="loaded with other weights"):
+        load("a", str(adapter_dirs["c"]))
+    load("b", str(adapter_dirs["b"]))
+    with pytest.raises(ResourceExhausted, match="all 2 adapter slots"):
+        load("c", str(adapter_dirs["c"]))
+    with pytest.raises(NotFound, match="no adapter named 'zz'"):
+        lora_runner.unload_lora_adapter("zz")
+    lora_runner.execute(new_request("r", "a"))
+    held = StepRequest(seqs=(SequenceWork("r", (9,), 3, None, None, True, lora_adapter="a"),))
+    with pytest.raises(InvalidArgument, match="send lora_adapter only on its first step"):
+        lora_runner.execute(held)
+
+
+def test_executors_without_lora_refuse_it(make_runner: Callable[..., ModelRunner],
+                                          adapter_dirs: dict[str, Path]) -> None:
+    for runner in (make_runner(), build_simulated_runner(SimulatedSettings())):
+        assert runner.info.max_loras == 0
+        with pytest.raises(Unimplemented, match="max_loras is 0"):
+            runner.load_lora_adapter("a", str(adapter_dirs["a"]))
+        with pytest.raises(Unimplemented, match="serves no LoRA adapters"):
+            runner.execute(new_request("r", "a"))
+        assert "r" not in runner.requests
+
+
+def test_without_adapter_rows_the_step_is_the_base_models(
+    lora_runner: ModelRunner, make_runner: Callable[..., ModelRunner],
+    adapter_dirs: dict[str, Path]
+) -> None:
+    """Loaded adapters change nothing for base-model rows: the logits equal those of an
+    executor without LoRA, bit for bit."""
+    lora_runner.load_lora_adapter("a", str(adapter_dirs["a"]))
+    plain = make_runner()
+    step = new_request("r", "", tuple(range(3, 17)))
+    got = lora_runner.run_forward(step).logits
+    assert torch.equal(got, plain.run_forward(step).logits)
