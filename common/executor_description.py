@@ -58,6 +58,7 @@ class ExecutorDescription:
     max_loras: int = 0  # resident LoRA adapters at most (0: LoRA off)
     max_lora_rank: int = 0
     lora_adapters: tuple[LoraAdapterInfo, ...] = ()  # resident now
+    lora_generation: int = 0  # loads and unloads so far: the higher answer is the newer
 
     def lora_adapter(self, name: str) -> LoraAdapterInfo | None:
         return next((a for a in self.lora_adapters if a.name == name), None)

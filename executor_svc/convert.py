@@ -58,6 +58,7 @@ def sequence_from_proto(msg: pb.SequenceWork) -> SequenceWork:
         prompt_token_ids=tuple(msg.prompt_token_ids),
         num_draft_tokens=msg.num_draft_tokens,
         lora_adapter=msg.lora_adapter,
+        lora_adapter_digest=msg.lora_adapter_digest,
     )
 
 

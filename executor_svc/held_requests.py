@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
@@ -116,8 +116,17 @@ class HeldRequests:
         raise Unimplemented(f"request {work.request_id!r}: this executor serves no LoRA "
                             "adapters (Describe's max_loras is 0)")
 
-    def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+    def read_lora_adapter(self, name: str, path: str) -> Any:
+        """A PEFT directory read and checked (any thread); `install_lora_adapter` puts it in
+        a slot (the compute thread)."""
         raise Unimplemented("this executor serves no LoRA adapters (Describe's max_loras is 0)")
+
+    def install_lora_adapter(self, adapter: Any) -> LoraAdapterInfo:
+        raise Unimplemented("this executor serves no LoRA adapters (Describe's max_loras is 0)")
+
+    def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        """Read and install in one go (at start, and in tests)."""
+        return self.install_lora_adapter(self.read_lora_adapter(name, path))
 
     def unload_lora_adapter(self, name: str) -> None:
         raise Unimplemented("this executor serves no LoRA adapters (Describe's max_loras is 0)")

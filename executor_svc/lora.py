@@ -4,7 +4,7 @@ slots, and one grouped product per linear layer that applies each row's own adap
 Every target linear layer holds its slots' A matrices stacked, [L*R, in], and their B
 matrices transposed and scaled, [L*R, out] (L slots of rank R = --max-lora-rank; a rank-r
 adapter fills the first r rows of its slot, the rest stay zero). A step's rows pick their
-slot's R columns with a 0/1 mask [T, L*R]: y += ((x @ A^T) * mask) @ B. That is two matmuls
+slot's R columns: y += (x @ A^T, other slots' columns cleared) @ B. That is two matmuls
 per layer whatever the number of adapters in the batch (punica's "shrink" and "expand" as
 dense products), over the slots up to the highest one in use, and none in a step without
 adapter rows. A per-adapter loop costs two matmuls and two index ops per adapter per layer,
@@ -30,7 +30,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 from common.errors import (
     AlreadyExists,
@@ -69,10 +69,12 @@ class LoraBatch:
     """A step's row-to-slot mask, shared by every LoraLinear; None between steps and in
     steps without adapter rows."""
 
-    __slots__ = ("mask", "width")
+    __slots__ = ("unselected", "width")
 
     def __init__(self) -> None:
-        self.mask: torch.Tensor | None = None  # [T, width]
+        # [T, width], True where the column belongs to another slot than the row's (cleared
+        # by a fill, not a multiply: an overflow there must not become NaN in this row).
+        self.unselected: torch.Tensor | None = None
         self.width = 0  # columns in use: R x (the highest slot in use + 1)
 
 
@@ -101,12 +103,12 @@ class LoraLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.base(x)
-        mask = self.batch.mask
-        if mask is None:
+        unselected = self.batch.unselected
+        if unselected is None:
             return out
         width = self.batch.width
         rows = x.reshape(-1, self.in_features)
-        shrunk = F.linear(rows, self.lora_a[:width]).mul_(mask)  # [T, width]
+        shrunk = F.linear(rows, self.lora_a[:width]).masked_fill_(unselected, 0)  # [T, width]
         out.view(-1, self.out_features).addmm_(shrunk, self.lora_b[:width])
         return out
 
@@ -156,9 +158,22 @@ def _read_config(directory: Path) -> tuple[dict[str, object], bytes]:
     return config, raw
 
 
-def _scale(config: dict[str, object], rank: int) -> float:
-    alpha = float(config.get("lora_alpha", rank))  # type: ignore[arg-type]
-    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+def _rank_and_scale(name: str, config: dict[str, object],
+                    pairs: dict[str, dict[str, torch.Tensor]]) -> tuple[int, float]:
+    """The config's rank, which every A matrix must have (per-module ranks are refused with
+    rank_pattern), and PEFT's scaling: lora_alpha / r, or / sqrt(r) with rsLoRA."""
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not (isinstance(rank, int) and rank >= 1 and isinstance(alpha, int | float)
+            and math.isfinite(alpha)):
+        raise InvalidArgument(f"adapter {name!r}: adapter_config.json needs an integer r >= 1 "
+                              f"and a number lora_alpha (got r={rank!r}, "
+                              f"lora_alpha={alpha!r})")
+    for module, pair in pairs.items():
+        if "A" in pair and pair["A"].shape[0] != rank:
+            raise InvalidArgument(f"adapter {name!r}: {module}'s lora_A has rank "
+                                  f"{pair['A'].shape[0]}, not the config's r={rank}")
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return rank, float(scale)
 
 
 def read_adapter(name: str, path: str, targets: dict[str, LoraLinear],
@@ -172,9 +187,9 @@ def read_adapter(name: str, path: str, targets: dict[str, LoraLinear],
         bin_file = " (adapter_model.bin is pickle: save with safe_serialization)" if (
             directory / "adapter_model.bin").is_file() else ""
         raise InvalidArgument(f"{directory} has no {WEIGHTS_FILE}{bin_file}")
-    raw_weights = weights_path.read_bytes()
     try:
-        tensors = load_file(str(weights_path))
+        raw_weights = weights_path.read_bytes()
+        tensors = load(raw_weights)  # the bytes the digest is of
     except (SafetensorError, OSError) as exc:
         raise InvalidArgument(f"{weights_path} is unreadable: {exc}") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -187,12 +202,10 @@ def read_adapter(name: str, path: str, targets: dict[str, LoraLinear],
         pairs.setdefault(match["module"], {})[match["which"]] = tensor
     if not pairs:
         raise InvalidArgument(f"{weights_path} holds no LoRA weights")
-    ranks = {pair["A"].shape[0] for pair in pairs.values() if "A" in pair}
-    rank = max(ranks, default=0)
+    rank, scale = _rank_and_scale(name, config, pairs)
     if rank > spec.max_rank:
         raise InvalidArgument(f"adapter {name!r} has rank {rank}, over this executor's "
                               f"--max-lora-rank {spec.max_rank}")
-    scale = _scale(config, int(config.get("r", rank)))  # type: ignore[call-overload]
     weights = {module: _checked_pair(name, module, pair, targets, scale)
                for module, pair in pairs.items()}
     digest = hashlib.sha256(raw_config + b"\x00" + raw_weights).hexdigest()
@@ -223,11 +236,13 @@ def _checked_pair(name: str, module: str, pair: dict[str, torch.Tensor],
             f"adapter {name!r} was trained for another base model: {module} maps "
             f"{a.shape[1]} -> {b.shape[0]} features in the adapter, {layer.in_features} -> "
             f"{layer.out_features} in this model")
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        # A NaN would reach other adapters' rows too: the mask multiplies, it does not select.
-        raise InvalidArgument(f"adapter {name!r}: {module} holds NaN or infinite weights")
     dtype: torch.dtype = layer.weight.dtype
-    return a.to(dtype), (b.float().t() * scale).to(dtype)
+    a, b = a.to(dtype), (b.float().t() * scale).to(dtype)
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        # Checked in the model's dtype: a float16 copy of a large weight is infinite.
+        raise InvalidArgument(f"adapter {name!r}: {module} holds NaN or infinite weights (in "
+                              f"{str(dtype).removeprefix('torch.')}, scaled)")
+    return a, b
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,11 +286,16 @@ class Adapters:
                 f"all {self.spec.max_loras} adapter slots (--max-loras) are in use: unload "
                 "one first")
         slot = free[0]
-        rows = slice(slot * self.spec.max_rank, slot * self.spec.max_rank + adapter.rank)
-        for module, (a, b) in adapter.weights.items():
-            layer = self.targets[module]
-            layer.lora_a[rows].copy_(a)  # a rank under adapter.rank leaves zeros below it
-            layer.lora_b[rows].copy_(b)
+        self._clear(slot)  # modules the adapter leaves alone add nothing
+        first = slot * self.spec.max_rank
+        try:
+            for module, (a, b) in adapter.weights.items():
+                rows = slice(first, first + a.shape[0])  # the rows past its rank stay zero
+                self.targets[module].lora_a[rows].copy_(a)
+                self.targets[module].lora_b[rows].copy_(b)
+        except BaseException:
+            self._clear(slot)  # never half an adapter in a free slot
+            raise
         resident = self.slots[slot] = self.by_name[adapter.name] = Resident(adapter, slot)
         log.info("lora_adapter_loaded", lora_name=adapter.name, slot=slot, rank=adapter.rank,
                  digest=adapter.digest[:16])
@@ -289,41 +309,50 @@ class Adapters:
             raise FailedPrecondition(
                 f"adapter {name!r} is in use by {num_in_use} request(s) held here: unload it "
                 "once they finish")
-        rows = slice(resident.slot * self.spec.max_rank, (resident.slot + 1) * self.spec.max_rank)
-        for layer in self.targets.values():
-            layer.lora_a[rows].zero_()  # stale weights times a zero mask could still be NaN
-            layer.lora_b[rows].zero_()
+        self._clear(resident.slot)
         self.slots[resident.slot] = None
         del self.by_name[name]
         log.info("lora_adapter_unloaded", lora_name=name, slot=resident.slot)
+
+    def _clear(self, slot: int) -> None:
+        rows = slice(slot * self.spec.max_rank, (slot + 1) * self.spec.max_rank)
+        for layer in self.targets.values():
+            layer.lora_a[rows].zero_()
+            layer.lora_b[rows].zero_()
 
     def slot_of(self, name: str) -> int:
         """-1 for the base model (no name)."""
         return self.by_name[name].slot if name else -1
 
-    def check(self, name: str) -> None:
-        if name not in self.by_name:
+    def check(self, name: str, digest: str) -> None:
+        """A new request's adapter is loaded here, with `digest` when the caller names one."""
+        resident = self.by_name.get(name)
+        if resident is None:
             raise NotFound(f"lora adapter {name!r} is not loaded on this executor "
                            f"(loaded: {', '.join(sorted(self.by_name)) or 'none'})")
+        if digest and digest != resident.adapter.digest:
+            raise FailedPrecondition(
+                f"lora adapter {name!r} here has digest {resident.adapter.digest[:16]}..., "
+                f"not the {digest[:16]}... the request was admitted for: it was replaced")
 
     def info(self) -> tuple[LoraAdapterInfo, ...]:
         return tuple(r.info for r in self.slots if r is not None)
 
-    def arm(self, row_slots: list[int], device: torch.device, dtype: torch.dtype) -> None:
+    def arm(self, row_slots: list[int], device: torch.device) -> None:
         """Select each row's slot (-1: none) for the next forward."""
         highest = max(row_slots, default=-1)
         if highest < 0:
-            self.batch.mask = None
+            self.batch.unselected = None
             return
         rank = self.spec.max_rank
         width = (highest + 1) * rank
-        slots = torch.tensor(row_slots, device=device).unsqueeze(1)  # [T, 1]
+        slots = torch.tensor(row_slots).to(device, non_blocking=True).unsqueeze(1)  # [T, 1]
         columns = torch.arange(width, device=device) // rank  # [width]
-        self.batch.mask = (columns == slots).to(dtype)
+        self.batch.unselected = columns != slots
         self.batch.width = width
 
     def disarm(self) -> None:
-        self.batch.mask = None
+        self.batch.unselected = None
 
 
 def _decoder_linears(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str]]:

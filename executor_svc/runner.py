@@ -35,7 +35,7 @@ from executor_svc.kv_blocks import TorchKVBlocks
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.kv_transfer import TORCH_FORMAT, KVBlockStore, KVLayout
 from executor_svc.logits_processor import LogitsProcessor
-from executor_svc.lora import LoraSpec
+from executor_svc.lora import LoraSpec, PeftAdapter
 from executor_svc.memory import count_blocks, forward_once
 from executor_svc.merged_calls import MergedPlan, only
 from executor_svc.model_loader import LoadedModel, ModelLoadError, dtype_name, load_model
@@ -268,13 +268,19 @@ class ModelRunner(HeldRequests):
         if self.adapters is None:
             super().check_adapter(work)
             return
-        self.adapters.check(work.lora_adapter)
+        self.adapters.check(work.lora_adapter, work.lora_adapter_digest)
 
-    def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+    def read_lora_adapter(self, name: str, path: str) -> PeftAdapter:
+        """Any thread: it reads files and the model's shapes only."""
         if self.adapters is None:
-            return super().load_lora_adapter(name, path)
-        loaded = self.adapters.install(self.adapters.read(name, path))
-        self.info = replace(self.info, lora_adapters=self.adapters.info())
+            return super().read_lora_adapter(name, path)
+        return self.adapters.read(name, path)
+
+    def install_lora_adapter(self, adapter: PeftAdapter) -> LoraAdapterInfo:
+        assert self.adapters is not None, "read_lora_adapter refuses without LoRA"
+        before = self.adapters.info()
+        loaded = self.adapters.install(adapter)
+        self._adapters_changed(before)
         return loaded
 
     def unload_lora_adapter(self, name: str) -> None:
@@ -282,8 +288,16 @@ class ModelRunner(HeldRequests):
             super().unload_lora_adapter(name)
             return
         in_use = sum(state.lora_adapter == name for state in self.requests.values())
+        before = self.adapters.info()
         self.adapters.remove(name, in_use)
-        self.info = replace(self.info, lora_adapters=self.adapters.info())
+        self._adapters_changed(before)
+
+    def _adapters_changed(self, before: tuple[LoraAdapterInfo, ...]) -> None:
+        assert self.adapters is not None
+        now = self.adapters.info()
+        if now != before:
+            self.info = replace(self.info, lora_adapters=now,
+                                lora_generation=self.info.lora_generation + 1)
 
     def _arm_adapters(self, seqs: tuple[PlannedSeq, ...]) -> None:
         """Each row's adapter slot for the forward (lora.py); none armed without adapter rows."""
@@ -293,7 +307,7 @@ class ModelRunner(HeldRequests):
             name = (planned.work.lora_adapter if planned.is_new
                     else self.requests[planned.work.request_id].lora_adapter)
             row_slots.extend([self.adapters.slot_of(name)] * len(planned.token_ids))
-        self.adapters.arm(row_slots, self.loaded.device, self.loaded.dtype)
+        self.adapters.arm(row_slots, self.loaded.device)
 
     def new_state(self, work: SequenceWork) -> RequestState:
         """Its seeded generator and its logits processors, if it uses any."""

@@ -8,7 +8,7 @@ and plan.py without importing torch (~300 MB a process).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from common.errors import ServiceError
 from common.executor_description import ExecutorDescription, LoraAdapterInfo
@@ -35,8 +35,12 @@ class StepRunner(Protocol):
 
     def release(self, request_ids: tuple[str, ...]) -> int: ...
 
-    def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
-        """Read a PEFT directory into a free slot (lora.py says what is refused)."""
+    def read_lora_adapter(self, name: str, path: str) -> Any:
+        """Read and check a PEFT directory (lora.py says what is refused); any thread."""
+        ...
+
+    def install_lora_adapter(self, adapter: Any) -> LoraAdapterInfo:
+        """Put a read adapter in a free slot; the compute thread."""
         ...
 
     def unload_lora_adapter(self, name: str) -> None: ...

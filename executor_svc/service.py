@@ -214,9 +214,11 @@ class ExecutorServicer(pb_grpc.ExecutorServiceServicer):
     async def LoadLoraAdapter(  # noqa: N802
         self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoraAdapter:
-        # In the compute thread: between steps, never under a forward reading the slots.
-        loaded = await self.queue.run(self._runner.load_lora_adapter, request.name,
-                                      request.path)
+        # Files are read beside the steps; the slot is written in the compute thread, between
+        # steps, never under a forward reading it.
+        adapter = await asyncio.to_thread(self._runner.read_lora_adapter, request.name,
+                                          request.path)
+        loaded = await self.queue.run(self._runner.install_lora_adapter, adapter)
         return loaded.to_proto()
 
     async def UnloadLoraAdapter(  # noqa: N802

@@ -87,6 +87,7 @@ class SequenceWork:
     num_draft_tokens: int = 0
     # With `sampling` only: the LoRA adapter the request computes with ("": the base model).
     lora_adapter: str = ""
+    lora_adapter_digest: str = ""  # with lora_adapter: the contents the caller expects
 
 
 @dataclass(frozen=True, slots=True)

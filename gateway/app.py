@@ -30,7 +30,7 @@ from gateway.core.batch import Budget
 from gateway.core.finish_rules import FinishRules
 from gateway.core.scheduler import Scheduler
 from gateway.core.tenants import TenantGate
-from gateway.engine.adapters import LoraAdapters
+from gateway.engine.adapters import LoraAdapters, follow_adapters
 from gateway.engine.hand_off import HandOffs
 from gateway.engine.host import EngineHost
 from gateway.engine.loop import Engine
@@ -78,6 +78,8 @@ class Engines:
             self.tasks.append(loop.create_task(self.membership.run_forever()))
         if self.router.kv_index is not None:  # --routing approx
             self.tasks.append(loop.create_task(self.router.follow_cache_events()))
+        if any(e.description.max_loras for e in self.router.engines):
+            self.tasks.append(loop.create_task(follow_adapters(lambda: self.router.engines)))
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -403,9 +405,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
                         tenancy=tenancy, max_prompt_bytes=settings.max_prompt_bytes,
                         max_seqs_per_tenant=settings.tenant_max_requests, metrics=metrics,
                         runtime_lora_updating=settings.allow_runtime_lora_updating)
-    frontend.adapters = LoraAdapters(
-        host, frozenset({metrics.model_name, engines.model_name}),
-        lambda: list(frontend.active.values()))
+    frontend.adapters = LoraAdapters(host, frozenset({metrics.model_name, engines.model_name}))
     http: HttpServer | None = None
     try:
         server = await start_server(

@@ -261,6 +261,8 @@ class Frontend:
         lora = self.resolve_model(model)
         num_seqs = _num_seqs(raw)
         self._take_seqs(tenant, num_seqs)  # before any await: concurrent calls cannot all pass
+        if self.adapters is not None:
+            self.adapters.hold(lora)  # an unload waits for it from now on
         arrival_time = time.monotonic()  # before tokenizing: time to first token includes it
         request: Request | None = None
         try:
@@ -289,6 +291,8 @@ class Frontend:
         except BaseException:
             if request is None:
                 self.tenant_seqs[tenant] -= num_seqs
+                if self.adapters is not None:
+                    self.adapters.release(lora)
             else:
                 # Refused, or this call was cancelled (client gone, deadline) while the
                 # engine loop ran the submission: it may have queued the request already.
@@ -420,6 +424,8 @@ class Frontend:
             return
         del self.active[key]
         self.tenant_seqs[request.tenant] -= request.num_seqs
+        if self.adapters is not None:
+            self.adapters.release(request.lora)
         beam = request.sampling.beam
         for seq_id in sequence_ids(request.request_id, request.sampling.n,
                                    len(request.prompt_token_ids),

@@ -77,6 +77,7 @@ def _seq(work: SeqWork, eos_token_ids: tuple[int, ...]) -> pb.SequenceWork:
         seq.history_token_ids.extend(work.sampling.history_token_ids)
         seq.prompt_token_ids.extend(work.sampling.prompt_token_ids)
         seq.lora_adapter = work.sampling.lora_adapter
+        seq.lora_adapter_digest = work.sampling.lora_adapter_digest
     return seq
 
 

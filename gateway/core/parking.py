@@ -22,6 +22,8 @@ class Parking:
     move_quota: int = 0  # how many more to park (0: none)
     # Parked since the engine last asked (take_newly_parked): their hand-offs start.
     newly_parked: list[Sequence] = field(default_factory=list)
+    # The LoRA adapters (name, digest) some target serves: a sequence of another stays.
+    adapters: frozenset[tuple[str, str]] = frozenset()
 
     def park_leavers(self, running: list[Sequence]) -> tuple[list[Sequence], set[Sequence]]:
         """Up to the quota of running sequences to move, the newest first: those computed and
@@ -33,7 +35,9 @@ class Parking:
         for seq in reversed(running):
             if len(idle) + len(sampling) == self.move_quota:
                 break
-            if not _movable(seq):
+            lora = seq.request.lora
+            if not _movable(seq) or (lora is not None
+                                     and (lora.name, lora.digest) not in self.adapters):
                 continue
             if seq.num_in_flight:
                 if seq.samples_in_flight:

@@ -318,6 +318,7 @@ class Sequence:
             ),
             structured_output=options.structured_output,
             lora_adapter=self.request.lora.name if self.request.lora is not None else "",
+            lora_adapter_digest=self.request.lora.digest if self.request.lora is not None else "",
             **self._prompt_logprobs_fields(),
         )
 

@@ -96,6 +96,7 @@ class ExecSampling:
     history_token_ids: tuple[int, ...] = ()
     structured_output: StructuredOutput | None = None
     lora_adapter: str = ""  # SequenceWork.lora_adapter ("": the base model)
+    lora_adapter_digest: str = ""  # the contents its blocks hash under
 
     @property
     def has_penalties(self) -> bool:

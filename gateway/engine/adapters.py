@@ -2,13 +2,22 @@
 and unloading them (the HTTP API's /v1/load_lora_adapter and /v1/unload_lora_adapter, the
 gRPC API's LoadLoraAdapter and UnloadLoraAdapter).
 
-The adapters are what the executors report (Describe, kept current by this gateway's loads
-and unloads and by the idle probe, which sees another gateway's): the gateway keeps no list
-of its own. A load goes to every healthy executor with LoRA on; one that cannot take it (its
-slots full) is left out, and routing sends the adapter's requests only to executors that
-have it. An unload first stops new requests for the adapter, then waits for this gateway's
-requests of it to end and for the executors to release them, up to UNLOAD_WAIT_S, then frees
-its slots: running requests are never cut off, and it fails if they outlast the wait.
+The adapters are what the executors report (Describe's lora_adapters, with a generation that
+orders the answers): the gateway keeps no list of its own. Its own loads and unloads describe
+the executor again once done, and `follow_adapters` asks every LORA_REFRESH_S, so another
+gateway's loads and unloads are seen within that time, busy or idle. An executor's adapter
+that disappears fails this gateway's requests of it that the executor does not hold yet
+(NOT_FOUND), before they are sent: the executor would refuse their whole step.
+
+A load goes to every healthy executor with LoRA on; one whose slots are full is left out, and
+routing sends the adapter's requests only to executors that hold it. A load that finds the
+name with other weights on any executor, or different contents at the path on two of them,
+is undone where it was done and refused. An unload first stops new requests for the adapter,
+then waits, up to UNLOAD_WAIT_S, for every request of it this gateway has taken (counted from
+the moment its model name was resolved, so a request still tokenizing counts) and for every
+sequence of it to leave the engines, then frees its slots on every healthy executor (each
+refuses while it holds a request of it, from any gateway: retried until the deadline). If the
+wait runs out it fails (FAILED_PRECONDITION) and names the executors that still hold it.
 
 An adapter's requests hash their blocks under a salt that carries its digest
 (`adapter_salt`): KV is shared by requests of the same adapter contents, across gateways, and
@@ -18,15 +27,17 @@ never between adapters or with the base model.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import structlog
 
 from common.errors import (
     AlreadyExists,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -36,8 +47,7 @@ from common.errors import (
 )
 from common.executor_description import LoraAdapterInfo
 from gateway.api.sampling import ADAPTER_SALT_PREFIX
-from gateway.clients.call_failures import CallFailed, Stale, Unknown
-from gateway.core.request_state import Request
+from gateway.clients.call_failures import CallFailed, Lost, Stale, Unknown
 from gateway.engine.host import EngineHost
 from gateway.engine.loop import Engine
 
@@ -45,6 +55,7 @@ log = structlog.get_logger(__name__)
 
 UNLOAD_WAIT_S = 30.0  # an unload waits this long for the adapter's requests to end
 LOAD_TIMEOUT_S = 120.0  # an executor reads and checks the adapter's files in this time
+LORA_REFRESH_S = 5.0  # how stale this gateway's view of another gateway's loads may be
 _ERRORS = {cls.code.name: cls for cls in (InvalidArgument, NotFound, AlreadyExists,
                                           FailedPrecondition, ResourceExhausted, Unimplemented)}
 
@@ -54,18 +65,37 @@ def adapter_salt(lora: LoraAdapterInfo | None, cache_salt: str) -> str:
     return cache_salt if lora is None else f"{ADAPTER_SALT_PREFIX}{lora.digest}:{cache_salt}"
 
 
-def _domain_error(exc: CallFailed) -> ServiceError:
-    """An executor's refusal as the same status to our caller; lost calls: UNAVAILABLE."""
-    return _ERRORS.get(exc.status, Unavailable)(f"executor: {exc.details}")
+def _domain_error(engine: Engine, exc: CallFailed) -> ServiceError:
+    """An executor's refusal as the same status to our caller; a lost call: UNAVAILABLE;
+    anything else the executor should not have answered: INTERNAL."""
+    if isinstance(exc, Lost):
+        return Unavailable(f"executor {engine.pool_id}: {exc.details}")
+    return _ERRORS.get(exc.status, Internal)(f"executor {engine.pool_id}: {exc.details}")
+
+
+async def describe_again(engine: Engine) -> None:
+    try:
+        engine.take_lora_adapters(await engine.link.executor.describe(timeout=5.0))
+    except CallFailed as exc:
+        log.info("lora_describe_failed", pool_id=engine.pool_id, code=exc.status)
+
+
+async def follow_adapters(engines: Callable[[], Sequence[Engine]]) -> None:
+    """On the engine loop, until cancelled: every executor with LoRA on, described again."""
+    while True:
+        await asyncio.sleep(LORA_REFRESH_S)
+        await asyncio.gather(*(describe_again(e) for e in engines()
+                               if e.healthy and e.description.max_loras))
 
 
 @dataclass(slots=True)
 class LoraAdapters:
     host: EngineHost
     base_names: frozenset[str]  # the base model's names: no adapter may take one
-    active: Callable[[], Iterable[Request]]  # this gateway's requests in flight
     unloading: set[str] = field(default_factory=set)
     unload_wait_s: float = UNLOAD_WAIT_S
+    # This gateway's requests of each adapter, from resolve to their end (`hold`, `release`).
+    users: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def available(self) -> dict[str, LoraAdapterInfo]:
         """By name, from the healthy executors (the first's when they differ); any thread."""
@@ -87,12 +117,24 @@ class LoraAdapters:
                            f"{', '.join(f'`{n}`' for n in names)}")
         return adapter
 
+    def hold(self, lora: LoraAdapterInfo | None) -> None:
+        """A request of `lora` taken (the API's loop, right after resolve): unloads wait."""
+        if lora is not None:
+            self.users[lora.name] += 1
+
+    def release(self, lora: LoraAdapterInfo | None) -> None:
+        if lora is not None:
+            self.users[lora.name] -= 1
+
     async def load(self, name: str, path: str) -> LoraAdapterInfo:
         if name in self.base_names:
             raise InvalidArgument(f"lora_name {name!r} is the base model's name: choose another")
         if not path:
             raise InvalidArgument("lora_path is empty: give the adapter's directory on the "
                                   "executors")
+        if name in self.unloading:
+            raise FailedPrecondition(f"LoRA adapter {name!r} is being unloaded: load it once "
+                                     "that has finished")
         return await self.host.run(self._load(name, path))
 
     async def _load(self, name: str, path: str) -> LoraAdapterInfo:
@@ -102,17 +144,28 @@ class LoraAdapters:
         if not engines:
             raise Unimplemented("no executor of this gateway serves LoRA adapters: start them "
                                 "with --enable-lora")
+        had = {e: e.description.lora_adapter(name) for e in engines}
         outcomes = await asyncio.gather(*(self._load_on(e, name, path) for e in engines))
-        loaded = [o for o in outcomes if isinstance(o, LoraAdapterInfo)]
+        loaded = {e: o for e, o in zip(engines, outcomes, strict=True)
+                  if isinstance(o, LoraAdapterInfo)}
         refused = [o for o in outcomes if isinstance(o, ServiceError)]
-        if not loaded:
+        conflict: ServiceError | None = next(
+            (o for o in refused if isinstance(o, AlreadyExists)), None)
+        if conflict is None and len({a.digest for a in loaded.values()}) > 1:
+            conflict = FailedPrecondition(
+                f"the executors read different contents at {path}: give them the same files")
+        if conflict is None and not loaded:
             raise refused[0]
-        if len({a.digest for a in loaded}) > 1:
-            log.warning("lora_adapter_differs", lora_name=name,
-                        reason="executors read other files at this path: each serves its own")
+        if conflict is not None:
+            # Undone where this call loaded it (nothing routes there yet: the name resolves
+            # to the contents loaded before, or to none).
+            await asyncio.gather(*(self._unload_from(e, name, time.monotonic())
+                                   for e in loaded if had[e] is None))
+            raise conflict
+        first = next(iter(loaded.values()))
         log.info("lora_adapter_loaded", lora_name=name, path=path, num_executors=len(loaded),
-                 num_refused=len(refused), digest=loaded[0].digest[:16])
-        return loaded[0]
+                 num_refused=len(refused), digest=first.digest[:16])
+        return first
 
     @staticmethod
     async def _load_on(engine: Engine, name: str, path: str) -> LoraAdapterInfo | ServiceError:
@@ -121,55 +174,68 @@ class LoraAdapters:
         except CallFailed as exc:
             log.info("lora_adapter_refused", lora_name=name, pool_id=engine.pool_id,
                      code=exc.status, detail=exc.details[:200])
-            return _domain_error(exc)
-        _set_adapters(engine, [*_others(engine, name), adapter])
+            return _domain_error(engine, exc)
+        await describe_again(engine)
         return adapter
 
     async def unload(self, name: str) -> None:
         """Stop new requests for it, wait for its requests here to end, then free its slots on
         every executor (waiting, within the same time, while one still holds a request)."""
-        if name in self.unloading or name not in self.available():
+        if name in self.unloading:
+            raise FailedPrecondition(f"LoRA adapter {name!r} is being unloaded already")
+        if name not in self.available():
             raise NotFound(f"no LoRA adapter named {name[:128]!r} is loaded")
         self.unloading.add(name)
         deadline = time.monotonic() + self.unload_wait_s
         try:
-            while users := sum(r.lora is not None and r.lora.name == name
-                               for r in self.active()):
+            while users := self.users[name]:
                 if time.monotonic() > deadline:
                     raise FailedPrecondition(
                         f"LoRA adapter {name!r} is still in use by {users} request(s) after "
                         f"{self.unload_wait_s:g} s; it stays loaded: try again later")
                 await asyncio.sleep(0.05)
-            await self.host.run(self._unload(name, deadline))
+            # Shielded: a caller that goes away does not leave the executors half done.
+            await asyncio.shield(self.host.run(self._unload(name, deadline)))
         finally:
             self.unloading.discard(name)
         log.info("lora_adapter_unloaded", lora_name=name)
 
     async def _unload(self, name: str, deadline: float) -> None:
-        """On the engine loop. An executor may hold a finished request until its release
-        rides on a call: FAILED_PRECONDITION is retried until the deadline."""
-        for engine in [e for e in self.host.engines if e.description.lora_adapter(name)]:
-            while True:
-                try:
-                    await engine.link.executor.unload_lora_adapter(name, timeout=10.0)
-                except Unknown:
-                    pass  # gone already (another gateway unloaded it)
-                except Stale as exc:
-                    if time.monotonic() < deadline:
-                        await asyncio.sleep(0.05)
-                        continue
-                    raise FailedPrecondition(f"executor {engine.pool_id}: {exc.details}; "
-                                             "try again later") from None
-                except CallFailed as exc:
-                    raise _domain_error(exc) from None
-                break
-            _set_adapters(engine, list(_others(engine, name)))
+        """On the engine loop: once no engine has a sequence of it, from every healthy
+        executor that has it; the ones still holding it when the time is up are named."""
+        holding = [e for e in self.host.engines if e.description.lora_adapter(name)]
+        while any(s.request.lora is not None and s.request.lora.name == name
+                  for e in holding for s in e.scheduler.sequences()):
+            if time.monotonic() > deadline:
+                raise FailedPrecondition(
+                    f"LoRA adapter {name!r}: its requests have not left the engines in "
+                    f"{self.unload_wait_s:g} s; it stays loaded: try again later")
+            await asyncio.sleep(0.05)
+        failed = await asyncio.gather(*(self._unload_from(e, name, deadline)
+                                        for e in holding if e.healthy))
+        still = [e.pool_id for e, f in zip([e for e in holding if e.healthy], failed,
+                                            strict=True) if f is not None]
+        if still:
+            first = next(f for f in failed if f is not None)
+            raise type(first)(f"LoRA adapter {name!r} stays loaded on {', '.join(still)} "
+                              f"(the others unloaded it): {first}")
 
+    @staticmethod
+    async def _unload_from(engine: Engine, name: str, deadline: float) -> ServiceError | None:
+        """One executor; FAILED_PRECONDITION (a request held there, maybe another gateway's,
+        or one whose release has yet to reach it) is retried until the deadline."""
+        while True:
+            try:
+                await engine.link.executor.unload_lora_adapter(name, timeout=10.0)
+            except Unknown:
+                pass  # gone already (another gateway unloaded it)
+            except Stale as exc:
+                if time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                    continue
+                return FailedPrecondition(f"executor {engine.pool_id}: {exc.details}")
+            except CallFailed as exc:
+                return _domain_error(engine, exc)
+            await describe_again(engine)
+            return None
 
-def _others(engine: Engine, name: str) -> Iterable[LoraAdapterInfo]:
-    return (a for a in engine.description.lora_adapters if a.name != name)
-
-
-def _set_adapters(engine: Engine, adapters: list[LoraAdapterInfo]) -> None:
-    link = engine.link
-    link.description = replace(link.description, lora_adapters=tuple(adapters))

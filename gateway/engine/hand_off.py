@@ -104,6 +104,11 @@ class HandOffs:
         gap = self._count(engine) - min(self._count(t) for t in peers)
         return gap // 2 if gap >= self.rebalance_min_gap else 0
 
+    def adapters_served(self, source: EngineState) -> frozenset[tuple[str, str]]:
+        """The LoRA adapters some target of `source` holds: only their sequences may move."""
+        return frozenset((a.name, a.digest) for t in self.targets(source)
+                         for a in t.description.lora_adapters)
+
     def _count(self, engine: EngineState) -> int:
         """Sequences held there, counting moves under way as done."""
         held = engine.num_admitted - self.leaving.get(engine.pool_id, 0)

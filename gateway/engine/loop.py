@@ -197,6 +197,8 @@ class Engine(Landing):
             # replaced since (one that verifies none would compute drafts as tokens).
             scheduler.max_drafts = self.link.description.max_draft_tokens
         scheduler.parking.move_quota = self.mover.quota(self) if self.mover is not None else 0
+        if self.mover is not None and scheduler.parking.move_quota:
+            scheduler.parking.adapters = self.mover.adapters_served(self)
         plan = scheduler.schedule(overlapped)
         if scheduler.parking.newly_parked:
             assert self.mover is not None, "parked with no mover"

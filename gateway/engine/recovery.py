@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import structlog
 
@@ -181,8 +181,8 @@ class Recovery:
         if found.instance_id != link.description.instance_id:
             log.warning("executor_restarted_while_idle", pool_id=self.engine.pool_id)
             self.lose_executor()  # reconnecting registers the new instance: its pool is reset
-        elif found.lora_adapters != link.description.lora_adapters:  # another gateway's doing
-            link.description = replace(link.description, lora_adapters=found.lora_adapters)
+        else:
+            self.engine.take_lora_adapters(found)  # (another gateway's loads and unloads)
 
     async def reconnect(self) -> None:
         """A lost executor: try again every second; a restarted one resets its pool."""

@@ -111,8 +111,8 @@ class Router:
 
     async def route(self, request: Request) -> Engine:
         if request.lora is not None and not self.healthy(request):
-            raise Unavailable(f"no executor with LoRA adapter {request.lora.name!r} loaded is "
-                              "available: load it again (/v1/load_lora_adapter)")
+            raise Unavailable(f"no healthy executor has LoRA adapter {request.lora.name!r} "
+                              "loaded")
         if self.policy == "round-robin":
             return self._next_in_turn(request)
         if self.kv_index is not None:
@@ -187,11 +187,11 @@ class Router:
                                        *scheduler.parking.parked)}
         movable = [s for s in scheduler.waiting
                    if s.request not in holding and not s.known_to_allocator
-                   and any(serves(e.description, s.request.lora) for e in engines)]
+                   and any(e is not source for e in self.healthy(s.request))]
         targets: dict[Request, Engine] = {}
         for seq in movable:
             scheduler.waiting.remove(seq)
-            serving = [e for e in engines if serves(e.description, seq.request.lora)]
+            serving = [e for e in self.healthy(seq.request) if e is not source]
             target = targets.get(seq.request) or min(serving, key=lambda e: e.load)
             targets[seq.request] = target
             target.submit(seq, front=True)
@@ -200,10 +200,9 @@ class Router:
     def requeue(self, seqs: list[Sequence]) -> None:
         """Sequences of a lost executor: recompute them on the least loaded healthy one, a
         request's together (a beam search forks its beams in one pool)."""
-        engines = self.healthy()
         targets: dict[Request, Engine] = {}
         for seq in seqs:
-            serving = [e for e in engines if serves(e.description, seq.request.lora)]
+            serving = self.healthy(seq.request)
             if not serving:
                 seq.request.emit(CompletionDelta(
                     index=seq.index,
@@ -215,7 +214,7 @@ class Router:
             targets[seq.request] = target
             target.submit(seq, front=True)
         if seqs:
-            log.warning("requests_requeued", num=len(seqs), num_engines=len(engines))
+            log.warning("requests_requeued", num=len(seqs), num_engines=len(self.healthy()))
 
     def cancel(self, request: Request) -> None:
         request.cancelled = True

@@ -12,10 +12,10 @@ import itertools
 import secrets
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from common.errors import Internal, ServiceError
+from common.errors import Internal, NotFound, ServiceError
 from common.executor_description import ExecutorDescription
 from gateway.clients.pool_link import PoolLink
 from gateway.core.batch import Batch, InFlight, ScheduledStep
@@ -30,6 +30,8 @@ class Mover(Protocol):
     """Moves sequences between engines (engine/hand_off.py)."""
 
     def quota(self, engine: EngineState) -> int: ...
+
+    def adapters_served(self, source: EngineState) -> frozenset[tuple[str, str]]: ...
 
     def start(self, source: EngineState, seqs: list[Sequence]) -> None: ...
 
@@ -134,6 +136,25 @@ class EngineState:
         request)."""
         outbox, self.outbox = self.outbox, []
         emit_all((request, delta) for request, delta in outbox if not request.cancelled)
+
+    def take_lora_adapters(self, found: ExecutorDescription) -> None:
+        """An executor's adapters from a Describe answer, unless one taken already is newer
+        (or it is another instance: reconnecting takes that). Its sequences of an adapter it
+        no longer has, not sent to it yet, fail now: it would refuse their whole step."""
+        link = self.link
+        if (found.instance_id != link.description.instance_id
+                or found.lora_generation <= link.description.lora_generation):
+            return
+        link.description = replace(link.description, lora_adapters=found.lora_adapters,
+                                   lora_generation=found.lora_generation)
+        served = {(a.name, a.digest) for a in found.lora_adapters}
+        for seq in list(self.scheduler.waiting):
+            lora = seq.request.lora
+            if lora is None or (lora.name, lora.digest) in served or seq.known_to_executor:
+                continue
+            self.scheduler.waiting.remove(seq)
+            self.fail(seq, NotFound(f"LoRA adapter {lora.name!r} was unloaded from executor "
+                                    f"{self.pool_id}"))
 
     def fail(self, seq: Sequence, error: ServiceError) -> None:
         self.deliver()  # the tokens before the failure first

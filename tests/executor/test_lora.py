@@ -9,6 +9,7 @@ import json
 import random
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -111,8 +112,12 @@ def test_describe_reports_slots_and_adapters(lora_runner: ModelRunner,
     loaded = lora_runner.load_lora_adapter("a", str(adapter_dirs["a"]))
     assert lora_runner.info.lora_adapters == (loaded,)
     assert (loaded.rank, len(loaded.digest), loaded.path) == (8, 64, str(adapter_dirs["a"]))
-    # The same contents again, under the same name: already loaded, the same adapter.
+    # The same contents again, under the same name: already loaded, the same adapter, and
+    # nothing changed (the generation orders Describe answers: it counts changes only).
     assert lora_runner.load_lora_adapter("a", str(adapter_dirs["a"])) == loaded
+    assert lora_runner.info.lora_generation == 1
+    lora_runner.unload_lora_adapter("a")
+    assert lora_runner.info.lora_generation == 2
 
 
 def new_request(rid: str, adapter: str, prompt: tuple[int, ...] = (5, 6, 7)) -> StepRequest:
@@ -188,14 +193,64 @@ def test_executors_without_lora_refuse_it(make_runner: Callable[..., ModelRunner
         assert "r" not in runner.requests
 
 
-def test_without_adapter_rows_the_step_is_the_base_models(
+def test_base_model_rows_are_the_base_models_bit_for_bit(
     lora_runner: ModelRunner, make_runner: Callable[..., ModelRunner],
     adapter_dirs: dict[str, Path]
 ) -> None:
-    """Loaded adapters change nothing for base-model rows: the logits equal those of an
-    executor without LoRA, bit for bit."""
-    lora_runner.load_lora_adapter("a", str(adapter_dirs["a"]))
+    """Adapters change nothing for base-model rows: alone, and beside adapter rows in one
+    step, their logits equal those of an executor without LoRA given the same step."""
+    for name in ("a", "b"):
+        lora_runner.load_lora_adapter(name, str(adapter_dirs[name]))
     plain = make_runner()
-    step = new_request("r", "", tuple(range(3, 17)))
-    got = lora_runner.run_forward(step).logits
-    assert torch.equal(got, plain.run_forward(step).logits)
+    alone = new_request("r", "", tuple(range(3, 17)))
+    assert torch.equal(lora_runner.run_forward(alone).logits, plain.run_forward(alone).logits)
+    rows = [("x", "a", (5, 6, 7, 8)), ("y", "", (9, 10, 11)), ("z", "b", (12, 13)),
+            ("w", "", (14, 15, 16, 17, 18))]
+
+    def mixed(with_adapters: bool) -> StepRequest:
+        return StepRequest(seqs=tuple(
+            SequenceWork(rid, tokens, 0, BlockTableDelta(0, (30 + i,)), SamplingParams(), True,
+                         lora_adapter=name if with_adapters else "")
+            for i, (rid, name, tokens) in enumerate(rows)))
+
+    got = lora_runner.run_forward(mixed(True)).logits
+    want = plain.run_forward(mixed(False)).logits
+    assert torch.equal(got[[1, 3]], want[[1, 3]])  # the base rows
+    assert not torch.allclose(got[[0, 2]], want[[0, 2]])  # the adapter rows are not
+
+
+def test_a_request_admitted_for_other_contents_is_refused(
+    lora_runner: ModelRunner, adapter_dirs: dict[str, Path]
+) -> None:
+    """The caller hashed the request's blocks under a digest: the adapter under that name
+    must have it (the name may have been reloaded with other weights meanwhile)."""
+    loaded = lora_runner.load_lora_adapter("a", str(adapter_dirs["a"]))
+    step = new_request("r", "a")
+    stale = StepRequest(seqs=(replace(step.seqs[0], lora_adapter_digest="0" * 64),))
+    with pytest.raises(FailedPrecondition, match="it was replaced"):
+        lora_runner.execute(stale)
+    assert "r" not in lora_runner.requests
+    current = StepRequest(seqs=(replace(step.seqs[0], lora_adapter_digest=loaded.digest),))
+    lora_runner.execute(current)
+
+
+def test_an_adapter_whose_modules_disagree_with_its_rank_is_refused(
+    lora_runner: ModelRunner, adapter_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Per-module ranks are PEFT's rank_pattern, which is refused; a file whose A matrices
+    do not have the config's r is refused too, and so is a config without a usable r."""
+    odd = tmp_path / "odd"
+    shutil.copytree(adapter_dirs["a"], odd)
+    tensors = load_file(odd / "adapter_model.safetensors")
+    key = next(k for k in tensors if "q_proj.lora_A" in k)
+    tensors[key] = tensors[key][:4].contiguous()
+    tensors[key.replace("lora_A", "lora_B")] = tensors[key.replace("lora_A", "lora_B")][:, :4]
+    save_file({k: v.contiguous() for k, v in tensors.items()}, odd / "adapter_model.safetensors")
+    with pytest.raises(InvalidArgument, match="lora_A has rank 4, not the config's r=8"):
+        lora_runner.load_lora_adapter("x", str(odd))
+    config = json.loads((adapter_dirs["a"] / "adapter_config.json").read_text())
+    shutil.copy(adapter_dirs["a"] / "adapter_model.safetensors", odd)
+    (odd / "adapter_config.json").write_text(json.dumps({**config, "r": 0}))
+    with pytest.raises(InvalidArgument, match="needs an integer r >= 1"):
+        lora_runner.load_lora_adapter("x", str(odd))
+    assert lora_runner.info.lora_adapters == () and lora_runner.info.lora_generation == 0

@@ -110,7 +110,8 @@ class HandLink(FakeLink):
 
 def description(role: str) -> SimpleNamespace:
     return SimpleNamespace(uses_sampled_tokens=True, role=role, block_size=BLOCK,
-                           model_fingerprint="fake-model", kv_layout=("fake-kv", BLOCK))
+                           model_fingerprint="fake-model", kv_layout=("fake-kv", BLOCK),
+                           lora_adapters=())
 
 
 @dataclass

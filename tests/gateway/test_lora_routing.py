@@ -6,23 +6,32 @@ unless the gateway allows them, and an unload that outlasts its wait changes not
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
+import grpc
 import pytest
 
 from common.errors import (
+    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     Unavailable,
 )
-from common.executor_description import LoraAdapterInfo
+from common.executor_description import ExecutorDescription, LoraAdapterInfo
 from gateway.api.frontend import Frontend
 from gateway.api.sampling import SamplingOptions, check_ids
+from gateway.clients.call_failures import failure
+from gateway.core.batch import Budget
+from gateway.core.parking import Parking
 from gateway.core.request_state import Request
+from gateway.core.scheduler import Scheduler
 from gateway.engine.adapters import LoraAdapters, adapter_salt
 from gateway.engine.router import Router, initial_sequences
+from gateway.engine.state import EngineState
 from tests.gateway.test_router import FakeAllocator, FakeEngine
 
 SQL = LoraAdapterInfo("sql", "d" * 64, 8, "/a/sql")
@@ -47,7 +56,7 @@ def test_an_adapters_requests_go_only_where_its_contents_are_loaded(policy: str)
                     max_waiting=8, policy=policy)
     assert asyncio.run(router.route(request(lora=SQL))) is a
     assert asyncio.run(router.route(request())) in (b, c)  # the base model: anywhere idle
-    with pytest.raises(Unavailable, match="no executor with LoRA adapter 'sql' loaded"):
+    with pytest.raises(Unavailable, match="no healthy executor has LoRA adapter 'sql' loaded"):
         asyncio.run(Router(engines=[b, c], allocator=FakeAllocator({}),  # type: ignore[arg-type]
                            max_waiting=8, policy=policy).route(request(lora=SQL)))
 
@@ -80,10 +89,9 @@ def test_block_salts_separate_adapters_and_the_base_model() -> None:
         check_ids("r", adapter_salt(SQL, ""))  # a caller cannot hash into an adapter's blocks
 
 
-def adapters_over(*engines: FakeEngine, active: list[Request] | None = None) -> LoraAdapters:
+def adapters_over(*engines: FakeEngine) -> LoraAdapters:
     host = SimpleNamespace(engines=list(engines))
-    return LoraAdapters(host, frozenset({"base"}),  # type: ignore[arg-type]
-                        lambda: active or [], unload_wait_s=0.2)
+    return LoraAdapters(host, frozenset({"base"}), unload_wait_s=0.2)  # type: ignore[arg-type]
 
 
 def test_model_names_resolve_to_adapters_or_the_base_model() -> None:
@@ -94,12 +102,25 @@ def test_model_names_resolve_to_adapters_or_the_base_model() -> None:
         adapters.resolve("nope")
 
 
-def test_an_unload_that_outlasts_its_wait_leaves_the_adapter_served() -> None:
-    running = request("x", SQL)
-    adapters = adapters_over(engine("a", SQL), active=[running])
-    with pytest.raises(FailedPrecondition, match="still in use by 1 request"):
-        asyncio.run(adapters.unload("sql"))
-    assert adapters.resolve("sql") == SQL  # new requests are taken again
+def test_an_unload_waits_for_requests_from_their_resolve_and_can_give_up() -> None:
+    adapters = adapters_over(engine("a", SQL))
+    lora = adapters.resolve("sql")
+    adapters.hold(lora)  # a request still tokenizing (Frontend.submit holds it at once)
+
+    async def unload_while_it_runs() -> None:
+        unloading = asyncio.create_task(adapters.unload("sql"))
+        await asyncio.sleep(0.05)
+        assert not unloading.done()  # it waits for the request
+        with pytest.raises(NotFound, match="`sql` does not exist"):
+            adapters.resolve("sql")  # and takes no new one meanwhile
+        with pytest.raises(FailedPrecondition, match="being unloaded"):
+            await adapters.load("sql", "/a/sql")
+        with pytest.raises(FailedPrecondition, match="still in use by 1 request"):
+            await unloading
+
+    asyncio.run(unload_while_it_runs())
+    assert adapters.resolve("sql") == SQL  # it stays loaded, new requests are taken again
+    adapters.release(lora)
     with pytest.raises(NotFound, match="no LoRA adapter named 'zz'"):
         asyncio.run(adapters.unload("zz"))
     with pytest.raises(InvalidArgument, match="the base model's name"):
@@ -114,3 +135,127 @@ def test_loads_and_unloads_are_off_unless_allowed() -> None:
         frontend.lora_admin()
     frontend.runtime_lora_updating = True
     assert frontend.lora_admin() is frontend.adapters
+
+
+def description(*adapters: LoraAdapterInfo, generation: int = 0) -> ExecutorDescription:
+    return ExecutorDescription("instance", "m", "f", 64, 16, 0, "torch", "cpu", 128, (2,), 512,
+                               512, 8, max_loras=2, max_lora_rank=16, lora_adapters=adapters,
+                               lora_generation=generation)
+
+
+@dataclass(eq=False)
+class FakeExecutorClient:
+    """An executor's LoRA calls: it holds `adapters` by name and answers as the real one."""
+
+    loads: dict[str, LoraAdapterInfo]  # what a load of each name reads there
+    adapters: dict[str, LoraAdapterInfo] = field(default_factory=dict)
+    held_by: set[str] = field(default_factory=set)  # names a held request uses
+    generation: int = 0
+
+    async def load_lora_adapter(self, name: str, path: str, timeout: float) -> LoraAdapterInfo:
+        found = self.loads[name]
+        if name in self.adapters and self.adapters[name].digest != found.digest:
+            raise failure(grpc.StatusCode.ALREADY_EXISTS, "loaded with other weights")
+        self.adapters[name] = found
+        self.generation += 1
+        return found
+
+    async def unload_lora_adapter(self, name: str, timeout: float) -> None:
+        if name in self.held_by:
+            raise failure(grpc.StatusCode.FAILED_PRECONDITION, f"{name!r} is in use")
+        if self.adapters.pop(name, None) is None:
+            raise failure(grpc.StatusCode.NOT_FOUND, "no adapter")
+        self.generation += 1
+
+    async def describe(self, timeout: float) -> ExecutorDescription:
+        return description(*self.adapters.values(), generation=self.generation)
+
+
+class LoraEngine(FakeEngine):
+    """A FakeEngine with a real description and EngineState's own adapter bookkeeping."""
+
+    take_lora_adapters = EngineState.take_lora_adapters
+    fail = EngineState.fail
+
+    def __init__(self, pool_id: str, client: FakeExecutorClient) -> None:
+        super().__init__(pool_id)
+        self.link = SimpleNamespace(executor=client, description=description(
+            *client.adapters.values(), generation=client.generation))
+        self.scheduler = Scheduler(Budget(8, 256), block_size=16)  # type: ignore[assignment]
+        self.outbox: list[object] = []
+
+    @property
+    def description(self) -> ExecutorDescription:  # type: ignore[override]
+        return self.link.description  # type: ignore[no-any-return]
+
+    @description.setter
+    def description(self, value: object) -> None:
+        pass
+
+    def deliver(self) -> None:
+        pass
+
+
+def lora_admin(*engines: LoraEngine) -> LoraAdapters:
+    async def run(coro: Any) -> Any:
+        return await coro
+
+    host = SimpleNamespace(engines=list(engines), run=run)
+    return LoraAdapters(host, frozenset({"base"}), unload_wait_s=0.3)  # type: ignore[arg-type]
+
+
+def test_a_load_that_meets_other_weights_is_undone_and_refused() -> None:
+    # a takes sql; b already holds another sql: refused (409), and a is back as it was.
+    a = LoraEngine("a", FakeExecutorClient({"sql": SQL}))
+    b = LoraEngine("b", FakeExecutorClient({"sql": SQL}, {"sql": SQL_OTHER_WEIGHTS}))
+    admin = lora_admin(a, b)
+    with pytest.raises(AlreadyExists):
+        asyncio.run(admin.load("sql", "/a/sql"))
+    assert a.link.executor.adapters == {} and a.description.lora_adapters == ()
+    assert b.description.lora_adapters == (SQL_OTHER_WEIGHTS,)
+    # Different files at one path on two executors: refused too, undone on both.
+    c, d = (LoraEngine(p, FakeExecutorClient({"sql": x})) for p, x in
+            (("c", SQL), ("d", SQL_OTHER_WEIGHTS)))
+    with pytest.raises(FailedPrecondition, match="different contents"):
+        asyncio.run(lora_admin(c, d).load("sql", "/a/sql"))
+    assert c.link.executor.adapters == d.link.executor.adapters == {}
+    # One that takes it: loaded there, and the engine's view is the executor's.
+    e = LoraEngine("e", FakeExecutorClient({"sql": SQL}))
+    assert asyncio.run(lora_admin(e).load("sql", "/a/sql")) == SQL
+    assert e.description.lora_adapters == (SQL,) and e.description.lora_generation == 1
+
+
+def test_an_unload_names_the_executors_that_keep_the_adapter() -> None:
+    # b holds a request of sql (another gateway's): a unloads it, b refuses until the
+    # deadline; the error says b keeps it.
+    a = LoraEngine("a", FakeExecutorClient({}, {"sql": SQL}))
+    b = LoraEngine("b", FakeExecutorClient({}, {"sql": SQL}, held_by={"sql"}))
+    with pytest.raises(FailedPrecondition, match="stays loaded on b"):
+        asyncio.run(lora_admin(a, b).unload("sql"))
+    assert a.description.lora_adapters == () and b.description.lora_adapters == (SQL,)
+
+
+def test_a_newer_describe_answer_fails_waiting_requests_of_an_adapter_gone() -> None:
+    a = LoraEngine("a", FakeExecutorClient({}, {"sql": SQL}, generation=3))
+    waiting, sent = (initial_sequences(request(r, SQL))[0] for r in ("w", "s"))
+    base = initial_sequences(request("b"))[0]
+    sent.known_to_executor = True  # the executor holds it: it refuses the unload itself
+    a.scheduler.waiting.extend([waiting, sent, base])
+    a.take_lora_adapters(description(generation=2))  # older: ignored
+    assert a.description.lora_adapters == (SQL,)
+    a.take_lora_adapters(description(generation=4))  # another gateway unloaded it
+    assert a.description.lora_adapters == ()
+    assert list(a.scheduler.waiting) == [sent, base]
+    error = waiting.request.outputs.get_nowait().error
+    assert isinstance(error, NotFound) and "was unloaded from executor a" in str(error)
+
+
+def test_only_sequences_whose_adapter_a_target_holds_are_parked_to_move() -> None:
+    parking = Parking(move_quota=3, adapters=frozenset({(SQL.name, SQL.digest)}))
+    seqs = [initial_sequences(request(r, lora))[0]
+            for r, lora in (("x", SQL), ("y", SQL_OTHER_WEIGHTS), ("z", None))]
+    for seq in seqs:
+        seq.output_token_ids.append(5)  # sampled: the prompt computed where it is, idle
+        seq.num_computed_tokens = 3
+    parking.park_leavers(seqs)
+    assert parking.parked == [seqs[2], seqs[0]]  # the newest first; y's adapter has no target
