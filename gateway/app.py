@@ -66,6 +66,7 @@ class Engines:
     model_name: str
     dynamic: bool = False  # executors come and go (--executor-dns, --executor-addrs-file)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    adapters: LoraAdapters | None = None  # set before `start`: followed on the engine loop
 
     def start(self) -> None:
         """The leases' keep-alives, every engine's loop, and discovery (on the engine loop)."""
@@ -78,8 +79,9 @@ class Engines:
             self.tasks.append(loop.create_task(self.membership.run_forever()))
         if self.router.kv_index is not None:  # --routing approx
             self.tasks.append(loop.create_task(self.router.follow_cache_events()))
-        if any(e.description.max_loras for e in self.router.engines):
-            self.tasks.append(loop.create_task(follow_adapters(lambda: self.router.engines)))
+        if self.adapters is not None:
+            self.tasks.append(loop.create_task(
+                follow_adapters(lambda: self.router.engines, self.adapters)))
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -199,7 +201,8 @@ def model_limits(
 
 
 async def build_engines(
-    settings: GatewaySettings, tokenizer: Tokenizer, metrics: GatewayMetrics
+    settings: GatewaySettings, tokenizer: Tokenizer, metrics: GatewayMetrics,
+    adapters: LoraAdapters | None = None,
 ) -> Engines:
     """Connect, describe, lease, register and build every engine (on the engine loop: the
     clients' channels belong to the loop that makes them)."""
@@ -228,7 +231,7 @@ async def build_engines(
     membership = Membership(found, router, fleet.join, settings.discovery_interval_s)
     engines = Engines(router=router, shards=shards, membership=membership,
                       limits=limits, eos_token_ids=tuple(eos), model_name=metrics.model_name,
-                      dynamic=found.dynamic)
+                      dynamic=found.dynamic, adapters=adapters)
     engines.start()
     return engines
 
@@ -385,8 +388,9 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
                              enable_prefix_caching=settings.enable_prefix_caching)
     host = EngineHost()
     host.start()
+    adapters = LoraAdapters(host, frozenset({metrics.model_name}))
     try:
-        engines = await host.run(build_engines(settings, tokenizer, metrics))
+        engines = await host.run(build_engines(settings, tokenizer, metrics, adapters))
     except StartupFailed as exc:
         host.stop()
         raise SystemExit(str(exc)) from exc
@@ -405,7 +409,7 @@ async def start_gateway(settings: GatewaySettings) -> Gateway:
                         tenancy=tenancy, max_prompt_bytes=settings.max_prompt_bytes,
                         max_seqs_per_tenant=settings.tenant_max_requests, metrics=metrics,
                         runtime_lora_updating=settings.allow_runtime_lora_updating)
-    frontend.adapters = LoraAdapters(host, frozenset({metrics.model_name, engines.model_name}))
+    frontend.adapters = adapters
     http: HttpServer | None = None
     try:
         server = await start_server(

@@ -9,6 +9,7 @@ import grpc
 
 from common.auth import caller
 from common.errors import InvalidArgument
+from common.executor_description import LoraAdapterInfo
 from common.structured_output import from_oneof
 from gateway.api.frontend import Frontend, PromptInput
 from gateway.api.sampling import RawSampling
@@ -107,6 +108,11 @@ def _prompt_logprobs(delta: CompletionDelta) -> list[pb.PromptLogprob] | None:
             for lp in delta.prompt_logprobs[1:] if lp is not None]
 
 
+def _adapter(adapter: LoraAdapterInfo) -> pb.LoraAdapter:
+    return pb.LoraAdapter(name=adapter.name, path=adapter.path, rank=adapter.rank,
+                          digest=adapter.digest)
+
+
 def _executor_info(engine: Engine) -> pb.ExecutorInfo:
     d = engine.description
     return pb.ExecutorInfo(address=engine.link.executor.address, pool_id=engine.pool_id,
@@ -165,15 +171,15 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids,
             executors=[_executor_info(e) for e in self.frontend.engines.engines],
-            lora_adapters=[pb.LoraAdapter(name=a.name, path=a.path, rank=a.rank)
-                           for a in adapters.available().values()] if adapters else [],
+            lora_adapters=[_adapter(a) for a in adapters.available().values()]
+            if adapters else [],
         )
 
     async def LoadLoraAdapter(  # noqa: N802
         self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoraAdapter:
-        loaded = await self.frontend.lora_admin().load(request.lora_name, request.lora_path)
-        return pb.LoraAdapter(name=loaded.name, path=loaded.path, rank=loaded.rank)
+        return _adapter(await self.frontend.lora_admin().load(request.lora_name,
+                                                              request.lora_path))
 
     async def UnloadLoraAdapter(  # noqa: N802
         self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext

@@ -80,12 +80,15 @@ async def describe_again(engine: Engine) -> None:
         log.info("lora_describe_failed", pool_id=engine.pool_id, code=exc.status)
 
 
-async def follow_adapters(engines: Callable[[], Sequence[Engine]]) -> None:
-    """On the engine loop, until cancelled: every executor with LoRA on, described again."""
+async def follow_adapters(engines: Callable[[], Sequence[Engine]],
+                          adapters: LoraAdapters) -> None:
+    """On the engine loop, until cancelled: every executor with LoRA on, described again;
+    one new to this gateway (restarted, or joined) gets the adapters loaded here at run time."""
     while True:
         await asyncio.sleep(LORA_REFRESH_S)
-        await asyncio.gather(*(describe_again(e) for e in engines()
-                               if e.healthy and e.description.max_loras))
+        current = [e for e in engines() if e.healthy and e.description.max_loras]
+        await asyncio.gather(*(describe_again(e) for e in current))
+        await asyncio.gather(*(adapters.reload(e) for e in current))
 
 
 @dataclass(slots=True)
@@ -96,6 +99,29 @@ class LoraAdapters:
     unload_wait_s: float = UNLOAD_WAIT_S
     # This gateway's requests of each adapter, from resolve to their end (`hold`, `release`).
     users: collections.Counter[str] = field(default_factory=collections.Counter)
+    # Loaded at run time through this gateway, by name: (path, digest). An executor that
+    # restarts or joins gets them again; one seen to drop one (unloaded elsewhere) drops it
+    # here too. The executor instances seen so far, by pool.
+    loaded: dict[str, tuple[str, str]] = field(default_factory=dict)
+    instances: dict[str, str] = field(default_factory=dict)
+
+    async def reload(self, engine: Engine) -> None:
+        """On the engine loop: the run-time adapters onto an executor instance new here."""
+        description = engine.description
+        seen = self.instances.get(engine.pool_id)
+        self.instances[engine.pool_id] = description.instance_id
+        if seen == description.instance_id:
+            for name, (_, digest) in list(self.loaded.items()):
+                held = description.lora_adapter(name)
+                if held is None or held.digest != digest:
+                    self.loaded.pop(name)  # unloaded or replaced by someone else
+            return
+        for name, (path, digest) in list(self.loaded.items()):
+            if description.lora_adapter(name) is None:
+                outcome = await self._load_on(engine, name, path)
+                if isinstance(outcome, LoraAdapterInfo) and outcome.digest != digest:
+                    log.warning("lora_adapter_reloaded_differs", lora_name=name,
+                                pool_id=engine.pool_id, path=path)
 
     def available(self) -> dict[str, LoraAdapterInfo]:
         """By name, from the healthy executors (the first's when they differ); any thread."""
@@ -163,6 +189,7 @@ class LoraAdapters:
                                    for e in loaded if had[e] is None))
             raise conflict
         first = next(iter(loaded.values()))
+        self.loaded[name] = (path, first.digest)
         log.info("lora_adapter_loaded", lora_name=name, path=path, num_executors=len(loaded),
                  num_refused=len(refused), digest=first.digest[:16])
         return first
@@ -196,6 +223,7 @@ class LoraAdapters:
                 await asyncio.sleep(0.05)
             # Shielded: a caller that goes away does not leave the executors half done.
             await asyncio.shield(self.host.run(self._unload(name, deadline)))
+            self.loaded.pop(name, None)
         finally:
             self.unloading.discard(name)
         log.info("lora_adapter_unloaded", lora_name=name)

@@ -347,6 +347,10 @@ def test_real_model_lora_adapters_and_base_in_one_batch_equal_peft(
     tokenizer, _ = hf()
     assert grpc_sql.token_ids == peft_greedy(adapter_dirs["sql"], tokenizer.encode(PROMPTS[3]),
                                              MAX_TOKENS)
+    # n = 2: the children, forked after the prompt, compute with the adapter too.
+    both = generate(clients.gateway, gpb.GenerateRequest(
+        text=PROMPTS[3], sampling=sampling(MAX_TOKENS, n=2), model="sql"))
+    assert [both[i].token_ids for i in (0, 1)] == [grpc_sql.token_ids] * 2
     clients.wait_all_blocks_back()
 
 

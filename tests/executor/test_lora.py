@@ -120,8 +120,9 @@ def test_describe_reports_slots_and_adapters(lora_runner: ModelRunner,
     assert lora_runner.info.lora_generation == 2
 
 
-def new_request(rid: str, adapter: str, prompt: tuple[int, ...] = (5, 6, 7)) -> StepRequest:
-    return StepRequest(seqs=(SequenceWork(rid, prompt, 0, BlockTableDelta(0, (1,)),
+def new_request(rid: str, adapter: str, prompt: tuple[int, ...] = (5, 6, 7),
+                blocks: tuple[int, ...] = (1,)) -> StepRequest:
+    return StepRequest(seqs=(SequenceWork(rid, prompt, 0, BlockTableDelta(0, blocks),
                                           SamplingParams(), True, lora_adapter=adapter),))
 
 
@@ -254,3 +255,27 @@ def test_an_adapter_whose_modules_disagree_with_its_rank_is_refused(
     with pytest.raises(InvalidArgument, match="needs an integer r >= 1"):
         lora_runner.load_lora_adapter("x", str(odd))
     assert lora_runner.info.lora_adapters == () and lora_runner.info.lora_generation == 0
+
+
+def test_drafts_of_an_adapters_request_are_verified_with_its_adapter(
+    lora_runner: ModelRunner, adapter_dirs: dict[str, Path]
+) -> None:
+    """Speculative decoding beside LoRA: drafts equal to PEFT's greedy tokens are all
+    accepted, and the token after them is PEFT's (the base model's would differ)."""
+    lora_runner.load_lora_adapter("a", str(adapter_dirs["a"]))
+    (prompt,) = prompts(13, [10], lora_runner.info.vocab_size)
+    expected = peft_generate(lora_runner, adapter_dirs["a"], prompt, 9)
+    assert expected != peft_generate(lora_runner, None, prompt, 9)
+    step = new_request("d", "a", tuple(prompt), blocks=(40, 41, 42))
+    first = lora_runner.execute(step).tokens[0].token_id
+    assert first == expected[0]
+    out, position = [first], len(prompt)
+    while len(out) < 9:
+        drafts = tuple(expected[len(out):len(out) + 4])
+        step = StepRequest(seqs=(SequenceWork("d", (out[-1], *drafts), position, None, None,
+                                              True, num_draft_tokens=len(drafts)),))
+        (token,) = lora_runner.execute(step).tokens
+        assert token.num_accepted_draft_tokens == len(drafts)
+        out += [*drafts, token.token_id]
+        position += 1 + len(drafts)
+    assert out[:9] == expected

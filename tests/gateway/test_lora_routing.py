@@ -6,7 +6,7 @@ unless the gateway allows them, and an unload that outlasts its wait changes not
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -137,8 +137,9 @@ def test_loads_and_unloads_are_off_unless_allowed() -> None:
     assert frontend.lora_admin() is frontend.adapters
 
 
-def description(*adapters: LoraAdapterInfo, generation: int = 0) -> ExecutorDescription:
-    return ExecutorDescription("instance", "m", "f", 64, 16, 0, "torch", "cpu", 128, (2,), 512,
+def description(*adapters: LoraAdapterInfo, generation: int = 0,
+                instance_id: str = "instance") -> ExecutorDescription:
+    return ExecutorDescription(instance_id, "m", "f", 64, 16, 0, "torch", "cpu", 128, (2,), 512,
                                512, 8, max_loras=2, max_lora_rank=16, lora_adapters=adapters,
                                lora_generation=generation)
 
@@ -151,6 +152,7 @@ class FakeExecutorClient:
     adapters: dict[str, LoraAdapterInfo] = field(default_factory=dict)
     held_by: set[str] = field(default_factory=set)  # names a held request uses
     generation: int = 0
+    instance_id: str = "instance"
 
     async def load_lora_adapter(self, name: str, path: str, timeout: float) -> LoraAdapterInfo:
         found = self.loads[name]
@@ -168,7 +170,8 @@ class FakeExecutorClient:
         self.generation += 1
 
     async def describe(self, timeout: float) -> ExecutorDescription:
-        return description(*self.adapters.values(), generation=self.generation)
+        return description(*self.adapters.values(), generation=self.generation,
+                           instance_id=self.instance_id)
 
 
 class LoraEngine(FakeEngine):
@@ -259,3 +262,24 @@ def test_only_sequences_whose_adapter_a_target_holds_are_parked_to_move() -> Non
         seq.num_computed_tokens = 3
     parking.park_leavers(seqs)
     assert parking.parked == [seqs[2], seqs[0]]  # the newest first; y's adapter has no target
+
+
+def test_an_executor_that_restarts_gets_the_run_time_adapters_again() -> None:
+    a = LoraEngine("a", FakeExecutorClient({"sql": SQL}))
+    admin = lora_admin(a)
+    asyncio.run(admin.load("sql", "/a/sql"))
+    asyncio.run(admin.reload(a))  # the instance seen: nothing to do
+    # It restarts: a new instance with nothing loaded (reconnecting took its description).
+    a.link.executor = FakeExecutorClient({"sql": SQL}, instance_id="restarted")
+    a.link.description = description(instance_id="restarted")
+    asyncio.run(admin.reload(a))
+    assert a.link.executor.adapters == {"sql": SQL}
+    assert a.description.lora_adapters == (SQL,)
+    # Unloaded there by someone else (the same instance): forgotten, not loaded again.
+    a.link.executor.adapters.clear()
+    a.link.description = replace(a.description, lora_adapters=())
+    asyncio.run(admin.reload(a))
+    a.link.executor.instance_id = "again"
+    a.link.description = description(instance_id="again")
+    asyncio.run(admin.reload(a))
+    assert a.link.executor.adapters == {}
