@@ -29,6 +29,8 @@ class BenchRequest:
     output_len: int
     arrival_s: float = 0.0  # open loop: offset from the start of the run
     model: str = ""  # a LoRA adapter's name ("": the base model)
+    temperature: float = 0.0  # > 0: sampled, seeded by `seed`
+    seed: int = 0
 
 
 @dataclass(slots=True)

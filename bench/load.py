@@ -44,7 +44,8 @@ def poisson_arrivals(count: int, rate_per_s: float, seed: int) -> list[float]:
 def _request(r: BenchRequest, salt: str = "") -> gpb.GenerateRequest:
     return gpb.GenerateRequest(
         token_ids=gpb.TokenIds(ids=r.prompt),
-        sampling=gpb.SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True),
+        sampling=gpb.SamplingParams(max_tokens=r.output_len, temperature=r.temperature,
+                                    seed=r.seed if r.temperature else None, ignore_eos=True),
         cache_salt=salt, model=r.model,
     )
 

@@ -12,13 +12,15 @@ repeat. Workloads:
            concurrency 1, 16 at concurrency 8
   random   bench.vs_vllm's mixed workload (64 requests of random token ids), concurrency 16:
            nothing in the prompts to copy (the model's own repetitions may be)
-Three configurations: off (the defaults), depth1 (no drafts, `--async-depth 1`, which drafting
-implies for every request: what a request never drafted for pays) and ngram (prompt lookup,
-`--k` tokens, lookups of 4 down to 2). Reported: output tok/s and the inter-token time per
+  sampled  the same requests sampled (temperature 0.8, seeded): never drafted for, they show
+           what drafting costs the requests it cannot help
+Two configurations: off (the defaults) and ngram (prompt lookup, `--k` tokens, lookups of 4
+down to 2). Reported: output tok/s and the inter-token time per
 request (medians over repeats, with each repeat's ratio to off), the gateway's steps (its
 --step-log), the drafts it proposed and the executor accepted (vLLM's spec_decode metrics,
 from /metrics), the mean acceptance length (1 + accepted / drafts: tokens a drafted row
-emits) and whether every output equals the run without drafts. Writes
+emits) and whether every output equals the run without drafts (sampled ones too: seeded).
+Writes
 bench/results/speculative.json.
 """
 
@@ -31,6 +33,7 @@ import re
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +46,7 @@ from bench.load import read_steps, run_load, stack
 from bench.vs_vllm import mixed_requests
 from common.model_dirs import DEFAULT_MODEL, REPO_ROOT
 
-# off: the defaults (depth 2); depth1: no drafts at --async-depth 1, which drafting implies for
-# every request (what a request that is never drafted for pays); ngram: drafting.
-CONFIGS = ("off", "depth1", "ngram")
+CONFIGS = ("off", "ngram")  # the defaults; drafting
 COPY_OUTPUT = 128
 # A fixed text (the tokenizer presets' corpus): passages from the docs would change the
 # workload whenever the docs do.
@@ -83,8 +84,7 @@ def run_one(config: str, k: int, dtype: str,
     step_log = tempfile.mktemp(prefix="pagedkv-spec-steps-")
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": k,
                        "prompt_lookup_max": 4, "prompt_lookup_min": 2})
-    gateway_args = {"off": [], "depth1": ["--async-depth", "1"],
-                    "ngram": ["--speculative-config", spec]}[config]
+    gateway_args = {"off": [], "ngram": ["--speculative-config", spec]}[config]
     out: dict[str, Any] = {"config": config, "runs": []}
     with stack(str(DEFAULT_MODEL), executor_args=["--dtype", dtype], load_format="auto",
                gateway_args=gateway_args, step_log=step_log) as running:
@@ -117,23 +117,19 @@ def run_one(config: str, k: int, dtype: str,
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     keys = sorted({(r["workload"], r["concurrency"]) for run in runs for r in run["runs"]},
-                  key=lambda key: (key[0] != "copy", key[1]))
+                  key=lambda key: (("copy", "random", "sampled").index(key[0]), key[1]))
     for workload, width in keys:
         per: dict[str, list[dict[str, Any]]] = {c: [] for c in CONFIGS}
         for run in runs:
             per[run["config"]] += [r for r in run["runs"]
                                    if (r["workload"], r["concurrency"]) == (workload, width)]
-        off, on, depth1 = per["off"], per["ngram"], per["depth1"]
+        off, on = per["off"], per["ngram"]
         ratios = [b["tok_per_s"] / a["tok_per_s"] for a, b in zip(off, on, strict=True)]
-        depth1_ratios = [b["tok_per_s"] / a["tok_per_s"] for a, b in zip(off, depth1, strict=True)]
         rows.append({
             "workload": workload, "concurrency": width,
             "off_tok_per_s": statistics.median(r["tok_per_s"] for r in off),
             "ngram_tok_per_s": statistics.median(r["tok_per_s"] for r in on),
             "ratios": [round(x, 3) for x in ratios], "ratio": statistics.median(ratios),
-            "depth1_tok_per_s": statistics.median(r["tok_per_s"] for r in depth1),
-            "depth1_ratios": [round(x, 3) for x in depth1_ratios],
-            "depth1_ratio": statistics.median(depth1_ratios),
             "off_itl_p50_ms": statistics.median(r["itl_p50_ms"] for r in off),
             "ngram_itl_p50_ms": statistics.median(r["itl_p50_ms"] for r in on),
             "off_steps": statistics.median(r["steps"] for r in off),
@@ -141,8 +137,8 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "acceptance_length": statistics.median(r["acceptance_length"] or 1 for r in on),
             "acceptance_rate": statistics.median(
                 r["accepted_tokens"] / r["draft_tokens"] if r["draft_tokens"] else 0 for r in on),
-            "completed": all(r["completed"] == r["requests"] for r in off + on + depth1),
-            "identical": all(a["tokens"] == b["tokens"] for a in off for b in on + depth1),
+            "completed": all(r["completed"] == r["requests"] for r in off + on),
+            "identical": all(a["tokens"] == b["tokens"] for a in off for b in on),
         })
     return rows
 
@@ -157,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     copies = copy_requests(8 if args.quick else 16)
-    workloads = [("copy", 1, copies[:4]), ("copy", 8, copies),
-                 ("random", 16, mixed_requests(16 if args.quick else 64, seed=7))]
+    random = mixed_requests(16 if args.quick else 64, seed=7)
+    sampled = [replace(r, temperature=0.8, seed=i) for i, r in enumerate(random)]
+    workloads = [("copy", 1, copies[:4]), ("copy", 8, copies), ("random", 16, random),
+                 ("sampled", 16, sampled)]
     runs = []
     for repeat in range(1 if args.quick else args.repeats):
         order = CONFIGS if repeat % 2 == 0 else CONFIGS[::-1]
@@ -167,12 +165,10 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run_one(config, args.k, args.dtype, workloads))
     rows = summarise(runs)
     print(markdown_table(
-        ["workload", "conc.", "off tok/s", "ngram tok/s", "ngram/off (each)",
-         "depth 1, no drafts: /off (each)", "ITL ms off/ngram",
+        ["workload", "conc.", "off tok/s", "ngram tok/s", "ngram/off (each)", "ITL ms off/ngram",
          "steps off/ngram", "accept. length", "accept. rate", "identical"],
         [[r["workload"], r["concurrency"], f"{r['off_tok_per_s']:.1f}",
           f"{r['ngram_tok_per_s']:.1f}", f"{r['ratio']:.2f} ({' / '.join(map(str, r['ratios']))})",
-          f"{r['depth1_ratio']:.2f} ({' / '.join(map(str, r['depth1_ratios']))})",
           f"{r['off_itl_p50_ms']:.1f} / {r['ngram_itl_p50_ms']:.1f}",
           f"{r['off_steps']:.0f} / {r['ngram_steps']:.0f}", f"{r['acceptance_length']:.2f}",
           f"{r['acceptance_rate']:.2f}", r["identical"]] for r in rows]))

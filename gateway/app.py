@@ -322,8 +322,8 @@ class Fleet:
             stats=StepStats(window=settings.stats_every_steps,
                             log_path=settings.step_log or None,
                             observe=self.metrics.observe_step),
-            # Drafts are proposed from landed tokens: each batch lands before the next.
-            async_depth=1 if drafts else settings.async_depth,
+            # (A step that may draft lands the one before it first: Engine._can_build_on.)
+            async_depth=settings.async_depth,
             allocator_retry_s=settings.allocator_retry_s,
             mover=self.hand_offs,
         )

@@ -35,6 +35,7 @@ import structlog
 
 from gateway.clients.call_failures import CallFailed
 from gateway.core.batch import Batch, InFlight, Landed, ScheduledStep
+from gateway.core.drafts import may_draft
 from gateway.core.request_state import Sequence
 from gateway.core.step import StepOutcome
 from gateway.engine import recovery
@@ -291,8 +292,21 @@ class Engine(Landing):
     def _can_build_on(self, flight: InFlight) -> bool:
         """The next batch may be planned on top of this one still in flight: not when it has
         returned already (landing it first costs nothing and builds on what is known), nor
-        when the one before it failed (it may fail too)."""
-        return self.depth > 1 and not flight.after_failure and not flight.execute.done()
+        when the one before it failed (it may fail too), nor while drafting may pay
+        (`_drafting`)."""
+        return (self.depth > 1 and not flight.after_failure and not flight.execute.done()
+                and not self._drafting(flight))
+
+    def _drafting(self, flight: InFlight) -> bool:
+        """Drafts are proposed from landed tokens, and a drafted row's accepted drafts change
+        what follows it: with drafting on, the step after one that drafted, or one in which a
+        running sequence may be drafted for, waits for the batch in flight (depth 1).
+        Sequences that are never drafted for (sampled, with logprobs, ...) keep the overlap."""
+        if self.scheduler.drafts is None:
+            return False
+        if any(w.num_draft_tokens for w in flight.batch.call.seqs):
+            return True
+        return any(may_draft(s.request) and not s.is_beam for s in self.scheduler.running)
 
     def _has_work(self) -> bool:
         pending = self.scheduler.pending

@@ -795,3 +795,42 @@ def test_drafts_follow_what_the_executor_verifies_as_described_now(
     assert link.model.most_drafts == max_draft_tokens
     assert (eng.scheduler.num_drafts > 0) is (max_draft_tokens > 0)
     assert link.pool.all_free() and not link.model.held
+
+
+def test_with_drafting_on_only_steps_that_may_draft_give_up_the_overlap(tokenizer: Tokenizer):
+    """Drafts build on landed tokens, so a step in which a greedy request may be drafted for
+    waits for the batch in flight; requests never drafted for (here: sampled) keep depth 2.
+    Outputs equal the reference either way."""
+    drafts = NgramDrafts(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=2)
+    eng, link = engine(tokenizer, num_blocks=64, tokens=24, depth=2, drafts=drafts,
+                       model=ShortMemory(BLOCK))
+    launched_ahead: list[bool] = []
+    execute = link.execute
+
+    async def counting(call: Any, step_id: int = 0, previous_step_id: int = 0) -> Any:
+        launched_ahead.append(bool(previous_step_id))
+        await asyncio.sleep(0.002)  # a forward takes time: the next step is planned meanwhile
+        return await execute(call, step_id, previous_step_id)
+
+    link.execute = counting  # type: ignore[method-assign]
+    prompts = [[3, 4, 5, 6, 7], [8, 1, 8, 2]]
+
+    def sampled(rid: str, prompt: list[int]) -> Request:  # the fake model ignores temperature
+        req = Request(request_id=rid, prompt_token_ids=prompt, cache_salt="",
+                      sampling=SamplingOptions(max_tokens=20, ignore_eos=True, temperature=0.8,
+                                               seed=1))
+        for seq in initial_sequences(req):
+            eng.submit(seq)
+        return req
+
+    reqs = [sampled(f"s{i}", p) for i, p in enumerate(prompts)]
+    asyncio.run(run_until_idle(eng))
+    assert eng.scheduler.num_drafts == 0 and sum(launched_ahead) >= 5  # overlapped
+    greedy = [submit(eng, f"g{i}", p, max_tokens=20) for i, p in enumerate(prompts)]
+    launched_ahead.clear()
+    asyncio.run(run_until_idle(eng))
+    assert eng.scheduler.num_accepted_tokens > 0 and not any(launched_ahead)  # depth 1
+    for req, prompt in zip(reqs + greedy, prompts * 2, strict=True):
+        tokens = [t for d in drain(req) for t in d.token_ids]
+        assert tokens == link.model.reference(prompt, 20)
+    assert link.pool.all_free() and not link.model.held
