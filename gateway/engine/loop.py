@@ -181,7 +181,9 @@ class Engine(Landing):
         if self.orphans and not await self.recovery.abort_orphans():
             return False
         if self.in_flight and not self._can_build_on(self.in_flight[0]):
-            await self.settle()
+            landed = await self.settle()
+            if landed is not None:  # (its step's stats: it lands here, not in _land)
+                self._record(landed, time.perf_counter())
             if not self.healthy:
                 return True
         if self.mover is not None and self.healthy:

@@ -828,8 +828,11 @@ def test_with_drafting_on_only_steps_that_may_draft_give_up_the_overlap(tokenize
     assert eng.scheduler.num_drafts == 0 and sum(launched_ahead) >= 5  # overlapped
     greedy = [submit(eng, f"g{i}", p, max_tokens=20) for i, p in enumerate(prompts)]
     launched_ahead.clear()
+    recorded = eng.stats.num_steps
     asyncio.run(run_until_idle(eng))
     assert eng.scheduler.num_accepted_tokens > 0 and not any(launched_ahead)  # depth 1
+    # Every step's stats are kept, those landed before the next is planned too.
+    assert eng.stats.num_steps - recorded == len(launched_ahead)
     for req, prompt in zip(reqs + greedy, prompts * 2, strict=True):
         tokens = [t for d in drain(req) for t in d.token_ids]
         assert tokens == link.model.reference(prompt, 20)
