@@ -169,6 +169,8 @@ def _rank_and_scale(name: str, config: dict[str, object],
                               f"and a number lora_alpha (got r={rank!r}, "
                               f"lora_alpha={alpha!r})")
     for module, pair in pairs.items():
+        if "A" in pair and pair["A"].ndim != 2:
+            raise InvalidArgument(f"adapter {name!r}: {module}'s lora_A is not a matrix")
         if "A" in pair and pair["A"].shape[0] != rank:
             raise InvalidArgument(f"adapter {name!r}: {module}'s lora_A has rank "
                                   f"{pair['A'].shape[0]}, not the config's r={rank}")

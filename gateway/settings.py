@@ -118,8 +118,8 @@ class GatewaySettings:
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} "
         "(prompt lookup: drafts copied from the sequence's own earlier tokens, verified by the "
         "executor in the step that decodes; for greedy requests without logprobs or logits "
-        "processors). A step in which such a request may be drafted for lands the one before "
-        "it first (depth 1); the others keep --async-depth. Empty: off")
+        "processors). While such a request runs, the engine's steps land before the next is "
+        "planned (depth 1); otherwise they keep --async-depth. Empty: off")
     max_waiting: int = setting(1024, "bounded waiting queue", check=at_least(1), must=">= 1")
     max_n: int = setting(16, "largest n (completions per request)", check=at_least(1),
                          must=">= 1")

@@ -69,12 +69,14 @@ def pack(packed: bytearray, prompt: Sequence[int], outputs: Sequence[int]) -> by
 
 def may_draft(request: Request) -> bool:
     """Its tokens are its rows' argmax and nothing is reported per row: drafts can be
-    verified (executor.v1 SequenceWork.num_draft_tokens)."""
+    verified (executor.v1 SequenceWork.num_draft_tokens). Not one that asked for its
+    prompt's logprobs, even once they have all come: the executor holds its prompt for its
+    whole life, and refuses drafts for it."""
     options = request.sampling
     return (
         options.temperature == 0.0 and options.logprobs is None and options.beam is None
         and not options.has_penalties and not options.logit_bias and not options.min_tokens
-        and options.structured_output is None and not request.needs_prompt_logprobs
+        and options.structured_output is None and options.prompt_logprobs is None
     )
 
 

@@ -86,9 +86,12 @@ async def follow_adapters(engines: Callable[[], Sequence[Engine]],
     one new to this gateway (restarted, or joined) gets the adapters loaded here at run time."""
     while True:
         await asyncio.sleep(LORA_REFRESH_S)
-        current = [e for e in engines() if e.healthy and e.description.max_loras]
-        await asyncio.gather(*(describe_again(e) for e in current))
-        await asyncio.gather(*(adapters.reload(e) for e in current))
+        try:
+            current = [e for e in engines() if e.healthy and e.description.max_loras]
+            await asyncio.gather(*(describe_again(e) for e in current))
+            await adapters.reload(current)
+        except Exception:  # noqa: BLE001 - a bug must not end the refreshes for good
+            log.exception("lora_refresh_failed")
 
 
 @dataclass(slots=True)
@@ -99,29 +102,36 @@ class LoraAdapters:
     unload_wait_s: float = UNLOAD_WAIT_S
     # This gateway's requests of each adapter, from resolve to their end (`hold`, `release`).
     users: collections.Counter[str] = field(default_factory=collections.Counter)
-    # Loaded at run time through this gateway, by name: (path, digest). An executor that
-    # restarts or joins gets them again; one seen to drop one (unloaded elsewhere) drops it
-    # here too. The executor instances seen so far, by pool.
+    # Loaded at run time through this gateway, by name: (path, digest), and the executor
+    # instances (pool, instance id) seen holding it. An instance new here (restarted, or
+    # joined) gets them again; one seen holding an adapter that then lacks it (unloaded
+    # elsewhere) makes this gateway forget it. The instances already offered them, by pool.
     loaded: dict[str, tuple[str, str]] = field(default_factory=dict)
+    holders: dict[str, set[tuple[str, str]]] = field(default_factory=dict)
     instances: dict[str, str] = field(default_factory=dict)
 
-    async def reload(self, engine: Engine) -> None:
-        """On the engine loop: the run-time adapters onto an executor instance new here."""
-        description = engine.description
-        seen = self.instances.get(engine.pool_id)
-        self.instances[engine.pool_id] = description.instance_id
-        if seen == description.instance_id:
+    async def reload(self, engines: Sequence[Engine]) -> None:
+        """On the engine loop: first what the executors say (forget what was unloaded
+        elsewhere), then the run-time adapters onto instances new here."""
+        for engine in engines:
+            instance = (engine.pool_id, engine.description.instance_id)
             for name, (_, digest) in list(self.loaded.items()):
-                held = description.lora_adapter(name)
-                if held is None or held.digest != digest:
+                held = engine.description.lora_adapter(name)
+                if held is not None and held.digest == digest:
+                    self.holders.setdefault(name, set()).add(instance)
+                elif instance in self.holders.get(name, ()):
                     self.loaded.pop(name)  # unloaded or replaced by someone else
-            return
-        for name, (path, digest) in list(self.loaded.items()):
-            if description.lora_adapter(name) is None:
-                outcome = await self._load_on(engine, name, path)
-                if isinstance(outcome, LoraAdapterInfo) and outcome.digest != digest:
-                    log.warning("lora_adapter_reloaded_differs", lora_name=name,
-                                pool_id=engine.pool_id, path=path)
+                    self.holders.pop(name, None)
+        for engine in engines:
+            description = engine.description
+            if self.instances.get(engine.pool_id) == description.instance_id:
+                continue
+            missing = [(name, path) for name, (path, _) in self.loaded.items()
+                       if description.lora_adapter(name) is None and name not in self.unloading]
+            outcomes = [await self._load_on(engine, name, path) for name, path in missing]
+            if not any(isinstance(o, Unavailable | Internal) for o in outcomes):
+                self.instances[engine.pool_id] = description.instance_id  # else: next time
+            await describe_again(engine)
 
     def available(self) -> dict[str, LoraAdapterInfo]:
         """By name, from the healthy executors (the first's when they differ); any thread."""
@@ -161,7 +171,8 @@ class LoraAdapters:
         if name in self.unloading:
             raise FailedPrecondition(f"LoRA adapter {name!r} is being unloaded: load it once "
                                      "that has finished")
-        return await self.host.run(self._load(name, path))
+        # Shielded: a caller that goes away does not stop it half done (or half undone).
+        return await asyncio.shield(self.host.run(self._load(name, path)))
 
     async def _load(self, name: str, path: str) -> LoraAdapterInfo:
         """On the engine loop: every healthy executor with LoRA on, at once."""
@@ -183,11 +194,15 @@ class LoraAdapters:
         if conflict is None and not loaded:
             raise refused[0]
         if conflict is not None:
-            # Undone where this call loaded it (nothing routes there yet: the name resolves
-            # to the contents loaded before, or to none).
-            await asyncio.gather(*(self._unload_from(e, name, time.monotonic())
-                                   for e in loaded if had[e] is None))
-            raise conflict
+            # Undone where this call loaded it; the engines have not been told of it yet, so
+            # nothing routes there meanwhile.
+            undone = [e for e in loaded if had[e] is None]
+            kept = await asyncio.gather(*(self._unload_from(e, name, time.monotonic() + 2.0)
+                                          for e in undone))
+            left = [e.pool_id for e, k in zip(undone, kept, strict=True) if k is not None]
+            raise type(conflict)(str(conflict) + (
+                f" (it could not be undone on {', '.join(left)})" if left else ""))
+        await asyncio.gather(*(describe_again(e) for e in loaded))
         first = next(iter(loaded.values()))
         self.loaded[name] = (path, first.digest)
         log.info("lora_adapter_loaded", lora_name=name, path=path, num_executors=len(loaded),
@@ -202,7 +217,6 @@ class LoraAdapters:
             log.info("lora_adapter_refused", lora_name=name, pool_id=engine.pool_id,
                      code=exc.status, detail=exc.details[:200])
             return _domain_error(engine, exc)
-        await describe_again(engine)
         return adapter
 
     async def unload(self, name: str) -> None:
@@ -213,36 +227,46 @@ class LoraAdapters:
         if name not in self.available():
             raise NotFound(f"no LoRA adapter named {name[:128]!r} is loaded")
         self.unloading.add(name)
-        deadline = time.monotonic() + self.unload_wait_s
-        try:
-            while users := self.users[name]:
-                if time.monotonic() > deadline:
-                    raise FailedPrecondition(
-                        f"LoRA adapter {name!r} is still in use by {users} request(s) after "
-                        f"{self.unload_wait_s:g} s; it stays loaded: try again later")
-                await asyncio.sleep(0.05)
-            # Shielded: a caller that goes away does not leave the executors half done.
-            await asyncio.shield(self.host.run(self._unload(name, deadline)))
-            self.loaded.pop(name, None)
-        finally:
-            self.unloading.discard(name)
+        # One task from here to the end, whose end clears the mark: a caller that goes
+        # away leaves it running (and the adapter hidden) until it is done.
+        task = asyncio.ensure_future(self._unload_all(name))
+        task.add_done_callback(lambda done: self._unloaded(name, done))
+        await asyncio.shield(task)
+
+    def _unloaded(self, name: str, done: asyncio.Future[None]) -> None:
+        self.unloading.discard(name)
+        if done.cancelled() or done.exception() is not None:
+            return
+        self.loaded.pop(name, None)
+        self.holders.pop(name, None)
         log.info("lora_adapter_unloaded", lora_name=name)
+
+    async def _unload_all(self, name: str) -> None:
+        deadline = time.monotonic() + self.unload_wait_s
+        while (users := self.users[name]) > 0:
+            if time.monotonic() > deadline:
+                raise FailedPrecondition(
+                    f"LoRA adapter {name!r} is still in use by {users} request(s) after "
+                    f"{self.unload_wait_s:g} s; it stays loaded: try again later")
+            await asyncio.sleep(0.05)
+        await self.host.run(self._unload(name, deadline))
 
     async def _unload(self, name: str, deadline: float) -> None:
         """On the engine loop: once no engine has a sequence of it, from every healthy
         executor that has it; the ones still holding it when the time is up are named."""
+        await asyncio.gather(*(describe_again(e) for e in self.host.engines
+                               if e.healthy and e.description.max_loras))  # the newest
         holding = [e for e in self.host.engines if e.description.lora_adapter(name)]
         while any(s.request.lora is not None and s.request.lora.name == name
-                  for e in holding for s in e.scheduler.sequences()):
+                  and not s.is_finished for e in holding for s in e.scheduler.sequences()):
             if time.monotonic() > deadline:
                 raise FailedPrecondition(
                     f"LoRA adapter {name!r}: its requests have not left the engines in "
                     f"{self.unload_wait_s:g} s; it stays loaded: try again later")
             await asyncio.sleep(0.05)
-        failed = await asyncio.gather(*(self._unload_from(e, name, deadline)
-                                        for e in holding if e.healthy))
-        still = [e.pool_id for e, f in zip([e for e in holding if e.healthy], failed,
-                                            strict=True) if f is not None]
+        targets = [e for e in holding if e.healthy]
+        failed = await asyncio.gather(*(self._unload_from(e, name, deadline) for e in targets))
+        still = [e.pool_id for e, f in zip(targets, failed, strict=True) if f is not None]
         if still:
             first = next(f for f in failed if f is not None)
             raise type(first)(f"LoRA adapter {name!r} stays loaded on {', '.join(still)} "

@@ -4,8 +4,9 @@ One loop, at an async depth of at most two batches in flight. At depth 2 (the de
 executor that uses its own sampled tokens) step k+1 is planned and allocated while batch k
 executes, on top of it: its sequences' next tokens are stand-ins the executor fills in itself.
 Its Execute goes out as soon as its Step returns, and the executor starts it the moment batch k
-ends; then batch k lands. At depth 1 (`--async-depth 1`, or an executor that cannot use its own
-sampled tokens) each batch lands before the next is planned.
+ends; then batch k lands. At depth 1 (`--async-depth 1`, an executor that cannot use its own
+sampled tokens, or speculative decoding while a running sequence may be drafted for) each
+batch lands before the next is planned.
 
 A landed batch's deltas (token ids: detokenizing and stop strings are the API's, on its own
 loop) go to the client streams at once, while the next batch computes.
@@ -178,6 +179,8 @@ class Engine(Landing):
             await self.recovery.register_again()
         if self.has_cancellations:
             self._apply_cancellations()
+        if self.adapters_changed:
+            self.fail_unserved()
         if self.orphans and not await self.recovery.abort_orphans():
             return False
         if self.in_flight and not self._can_build_on(self.in_flight[0]):
@@ -304,11 +307,14 @@ class Engine(Landing):
         what follows it: with drafting on, the step after one that drafted, or one in which a
         running sequence may be drafted for, waits for the batch in flight (depth 1).
         Sequences that are never drafted for (sampled, with logprobs, ...) keep the overlap."""
-        if self.scheduler.drafts is None:
+        scheduler = self.scheduler
+        if scheduler.drafts is None:
             return False
         if any(w.num_draft_tokens for w in flight.batch.call.seqs):
             return True
-        return any(may_draft(s.request) and not s.is_beam for s in self.scheduler.running)
+        if not self.link.description.max_draft_tokens or scheduler.parking.move_quota:
+            return False  # nothing will be drafted (the scheduler's own conditions)
+        return any(may_draft(s.request) and not s.is_beam for s in scheduler.running)
 
     def _has_work(self) -> bool:
         pending = self.scheduler.pending

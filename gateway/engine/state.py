@@ -52,6 +52,7 @@ class EngineState:
     has_cancellations: bool = False
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     stats: StepStats = field(default_factory=StepStats)
+    adapters_changed: bool = False  # its executor's LoRA adapters changed (fail_unserved)
     # How long requests wait for an allocator that does not answer before they fail.
     allocator_retry_s: float = 10.0
     # Ids the allocator may hold that no sequence tracks: aborted before the next Step.
@@ -139,15 +140,24 @@ class EngineState:
 
     def take_lora_adapters(self, found: ExecutorDescription) -> None:
         """An executor's adapters from a Describe answer, unless one taken already is newer
-        (or it is another instance: reconnecting takes that). Its sequences of an adapter it
-        no longer has, not sent to it yet, fail now: it would refuse their whole step."""
+        (or it is another instance: reconnecting takes that). Its waiting sequences of an
+        adapter gone fail before the next step (`fail_unserved`), not now: a Step may be out
+        with them in it."""
         link = self.link
         if (found.instance_id != link.description.instance_id
                 or found.lora_generation <= link.description.lora_generation):
             return
         link.description = replace(link.description, lora_adapters=found.lora_adapters,
                                    lora_generation=found.lora_generation)
-        served = {(a.name, a.digest) for a in found.lora_adapters}
+        self.adapters_changed = True
+        self.wakeup.set()
+
+    def fail_unserved(self) -> None:
+        """Between steps: waiting sequences of an adapter this executor no longer has (with
+        their contents) and does not hold them for fail with NOT_FOUND; it would refuse their
+        whole step."""
+        self.adapters_changed = False
+        served = {(a.name, a.digest) for a in self.link.description.lora_adapters}
         for seq in list(self.scheduler.waiting):
             lora = seq.request.lora
             if lora is None or (lora.name, lora.digest) in served or seq.known_to_executor:

@@ -64,7 +64,12 @@ def test_agrees_with_the_definition_on_random_sequences():
     (SamplingOptions(max_tokens=8, prompt_logprobs=1), False),
 ])
 def test_only_requests_whose_tokens_are_their_argmax_are_drafted_for(options, drafted):
-    assert may_draft(Request("r", [1, 2], options, "")) is drafted
+    request = Request("r", [1, 2], options, "")
+    assert may_draft(request) is drafted
+    # Prompt logprobs all in: still none (the executor holds the prompt, refusing drafts).
+    request.record_prompt_logprobs(1, [-1.0], [1], [()])
+    assert not request.needs_prompt_logprobs
+    assert may_draft(request) is drafted
 
 
 @pytest.mark.parametrize(("text", "message"), [

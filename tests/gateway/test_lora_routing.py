@@ -178,6 +178,7 @@ class LoraEngine(FakeEngine):
     """A FakeEngine with a real description and EngineState's own adapter bookkeeping."""
 
     take_lora_adapters = EngineState.take_lora_adapters
+    fail_unserved = EngineState.fail_unserved
     fail = EngineState.fail
 
     def __init__(self, pool_id: str, client: FakeExecutorClient) -> None:
@@ -186,6 +187,8 @@ class LoraEngine(FakeEngine):
             *client.adapters.values(), generation=client.generation))
         self.scheduler = Scheduler(Budget(8, 256), block_size=16)  # type: ignore[assignment]
         self.outbox: list[object] = []
+        self.adapters_changed = False
+        self.wakeup = asyncio.Event()
 
     @property
     def description(self) -> ExecutorDescription:  # type: ignore[override]
@@ -248,6 +251,9 @@ def test_a_newer_describe_answer_fails_waiting_requests_of_an_adapter_gone() -> 
     assert a.description.lora_adapters == (SQL,)
     a.take_lora_adapters(description(generation=4))  # another gateway unloaded it
     assert a.description.lora_adapters == ()
+    # Not at once (a Step may be out with them in it): before the engine's next step.
+    assert a.adapters_changed and len(a.scheduler.waiting) == 3
+    a.fail_unserved()
     assert list(a.scheduler.waiting) == [sent, base]
     error = waiting.request.outputs.get_nowait().error
     assert isinstance(error, NotFound) and "was unloaded from executor a" in str(error)
@@ -266,20 +272,53 @@ def test_only_sequences_whose_adapter_a_target_holds_are_parked_to_move() -> Non
 
 def test_an_executor_that_restarts_gets_the_run_time_adapters_again() -> None:
     a = LoraEngine("a", FakeExecutorClient({"sql": SQL}))
-    admin = lora_admin(a)
+    full = FakeExecutorClient({})  # its slots are full: it refuses the load
+    full.load_lora_adapter = _refuse  # type: ignore[method-assign]
+    b = LoraEngine("b", full)
+    admin = lora_admin(a, b)
     asyncio.run(admin.load("sql", "/a/sql"))
-    asyncio.run(admin.reload(a))  # the instance seen: nothing to do
-    # It restarts: a new instance with nothing loaded (reconnecting took its description).
-    a.link.executor = FakeExecutorClient({"sql": SQL}, instance_id="restarted")
-    a.link.description = description(instance_id="restarted")
-    asyncio.run(admin.reload(a))
-    assert a.link.executor.adapters == {"sql": SQL}
+    asyncio.run(admin.reload([a, b]))  # a seen holding it; b never did: nothing forgotten
+    # Both restart: new instances with nothing loaded (reconnecting took their description).
+    for engine, pool in ((a, "a"), (b, "b")):
+        engine.link.executor = FakeExecutorClient({"sql": SQL}, instance_id=f"{pool}2")
+        engine.link.description = description(instance_id=f"{pool}2")
+    asyncio.run(admin.reload([a, b]))
+    assert a.link.executor.adapters == b.link.executor.adapters == {"sql": SQL}
     assert a.description.lora_adapters == (SQL,)
-    # Unloaded there by someone else (the same instance): forgotten, not loaded again.
+    asyncio.run(admin.reload([a, b]))  # seen holding it, as these instances
+    # Unloaded on a by someone else (the same instance): forgotten, not loaded again.
     a.link.executor.adapters.clear()
     a.link.description = replace(a.description, lora_adapters=())
-    asyncio.run(admin.reload(a))
-    a.link.executor.instance_id = "again"
-    a.link.description = description(instance_id="again")
-    asyncio.run(admin.reload(a))
+    asyncio.run(admin.reload([a, b]))
+    a.link.executor.instance_id = "a3"
+    a.link.description = description(instance_id="a3")
+    asyncio.run(admin.reload([a, b]))
     assert a.link.executor.adapters == {}
+
+
+async def _refuse(name: str, path: str, timeout: float) -> LoraAdapterInfo:
+    raise failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "all 1 adapter slots are in use")
+
+
+def test_an_unload_whose_caller_goes_away_still_finishes() -> None:
+    a = LoraEngine("a", FakeExecutorClient({"sql": SQL}))
+    admin = lora_admin(a)
+
+    async def scenario() -> None:
+        await admin.load("sql", "/a/sql")
+        lora = admin.resolve("sql")
+        admin.hold(lora)  # a request of it runs
+        caller = asyncio.create_task(admin.unload("sql"))
+        await asyncio.sleep(0.05)
+        caller.cancel()  # its client went away (a deadline)
+        await asyncio.sleep(0.05)
+        with pytest.raises(NotFound):
+            admin.resolve("sql")  # still hidden: the unload goes on
+        admin.release(lora)  # the request ends
+        for _ in range(40):
+            if not admin.unloading:
+                break
+            await asyncio.sleep(0.05)
+
+    asyncio.run(scenario())
+    assert a.link.executor.adapters == {} and "sql" not in admin.loaded
