@@ -6,8 +6,9 @@ The adapters are what the executors report (Describe's lora_adapters, with a gen
 orders the answers): the gateway keeps no list of its own. Its own loads and unloads describe
 the executor again once done, and `follow_adapters` asks every LORA_REFRESH_S, so another
 gateway's loads and unloads are seen within that time, busy or idle. An executor's adapter
-that disappears fails this gateway's requests of it that the executor does not hold yet
-(NOT_FOUND), before they are sent: the executor would refuse their whole step.
+that disappears fails this gateway's waiting requests of it that the executor does not hold
+yet (NOT_FOUND), before the engine's next step (Engine.fail_unserved): the executor would
+refuse their whole step.
 
 A load goes to every healthy executor with LoRA on; one whose slots are full is left out, and
 routing sends the adapter's requests only to executors that hold it. A load that finds the

@@ -74,7 +74,9 @@ def refused(call: object, code: grpc.StatusCode, needle: str = "") -> None:
 def require_lora(executor: Executor) -> None:
     if is_simulated(executor) and not executor.info.max_loras:
         pytest.skip(f"{SIMULATED_SKIP}: it has no weights for an adapter to change (its "
-                    "refusals are checked by test_lora_is_what_describe_says)")
+                    "refusals are checked by test_lora_is_what_describe_says); these cases "
+                    "run against an executor with LoRA on, e.g. this project's real one: "
+                    ".venv/bin/python -m pytest -q tests/conformance -k lora")
     require_optional(executor, "max_loras", "lora_adapter")
 
 
