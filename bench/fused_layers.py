@@ -53,13 +53,13 @@ PREFILL_PROMPTS, PREFILL_LEN = 16, 128
 @contextmanager
 def plain_prompts(plain: bool) -> Iterator[None]:
     """Every fresh prompt in its own SDPA call (no grouping) while `plain`."""
-    saved = torch_backend.FRESH_PAD_FACTOR, torch_backend.FRESH_PAD_ALLOWANCE_TOKENS
+    saved = torch_backend.FRESH_PADDING["cpu"]
     if plain:
-        torch_backend.FRESH_PAD_FACTOR, torch_backend.FRESH_PAD_ALLOWANCE_TOKENS = 0.0, -1
+        torch_backend.FRESH_PADDING["cpu"] = (0.0, -1)
     try:
         yield
     finally:
-        torch_backend.FRESH_PAD_FACTOR, torch_backend.FRESH_PAD_ALLOWANCE_TOKENS = saved
+        torch_backend.FRESH_PADDING["cpu"] = saved
 
 
 def build(model: str, fused: bool = True, packed: bool = True,

@@ -3,9 +3,10 @@
 Per layer: the step's new K/V are written into their slots first; then
 - decode spans (one new token) are grouped by similar context length, and each group runs as
   one padded SDPA call over its gathered blocks (a key-padding mask hides the padding);
-- prompts with no cached prefix are grouped by similar length and each group runs as one
-  causal SDPA call over their own new K/V, right-padded to the group's longest (padding is
-  exact under a causal mask: a real query row never sees a later, padded key);
+- prompts with no cached prefix are grouped by length (on CPU equal lengths, elsewhere
+  similar ones) and each group runs as one causal SDPA call over their own new K/V,
+  right-padded to the group's longest (exact under a causal mask: a real query row never
+  sees a later, padded key);
 - spans with a cached prefix (chunked prefill, prefix hits) run one at a time: on CPU as two
   unmasked flash-attention calls (over the prefix, and causal over the span's own keys)
   merged by log-sum-exp; elsewhere as one SDPA call under a bottom-right aligned causal mask.
@@ -30,10 +31,11 @@ from executor_svc.kv_cache import KVCache
 PAD_FACTOR = 1.05
 PAD_ALLOWANCE_TOKENS = 256
 # Prompts without a cached prefix share one SDPA call when padding them to the longest adds at
-# most this factor plus allowance: each call is a parallel region whose threads wait for a
-# descheduled one, so fewer calls suffer less on a busy machine.
-FRESH_PAD_FACTOR = 1.25
-FRESH_PAD_ALLOWANCE_TOKENS = 64
+# most (factor x their tokens + allowance), by device type. On CUDA that saves launches. On CPU
+# only prompts of equal length share a call: the padding and its copies cost more than the
+# calls they saved (SmolLM2 bf16, the mixed workload's prefill steps: 16% less time without;
+# bench/README.md, "Executor CPU kernels").
+FRESH_PADDING: dict[str, tuple[float, int]] = {"cpu": (1.0, 0), "cuda": (1.25, 64)}
 # On CPU a group's gathered K and V stay under this size, so that SDPA reads them from the
 # cache the gather just wrote.
 CPU_MAX_GROUP_BYTES = 2 * 2**20
@@ -236,15 +238,17 @@ class FreshPrefillGroup:
 
 
 def _fresh_prefill_groups(
-    spans: list[SeqSpan], device: torch.device
+    spans: list[SeqSpan], device: torch.device, padding: tuple[float, int]
 ) -> list[FreshPrefillGroup]:
-    """Group prompts without a cached prefix, longest first, while padding stays small."""
+    """Group prompts without a cached prefix, longest first, while padding stays within
+    `padding` (factor, allowance)."""
+    factor, allowance = padding
     groups: list[list[SeqSpan]] = []
     real = 0
     for span in sorted(spans, key=lambda s: s.query_len, reverse=True):
         if groups:
             padded = (len(groups[-1]) + 1) * groups[-1][0].query_len
-            if padded <= FRESH_PAD_FACTOR * (real + span.query_len) + FRESH_PAD_ALLOWANCE_TOKENS:
+            if padded <= factor * (real + span.query_len) + allowance:
                 groups[-1].append(span)
                 real += span.query_len
                 continue
@@ -418,7 +422,9 @@ class TorchBackend:
             gather=self.gather,
             slot_mapping=metadata.slot_mapping,
             decode=self.plan_decode(decode, metadata.block_size, cache) if decode else None,
-            fresh_prefills=_fresh_prefill_groups(fresh, cache.device),
+            fresh_prefills=_fresh_prefill_groups(
+                fresh, cache.device, FRESH_PADDING.get(cache.device.type, FRESH_PADDING["cuda"])
+            ),
             prefill_spans=[
                 _prefill_span(s, metadata.block_size, cache.spec.dtype, cache.device, split)
                 for s in after_prefix

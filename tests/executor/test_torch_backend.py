@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from executor_svc.attention import SeqSpan
 from executor_svc.attention.gather_buffer import GatherBuffer
 from executor_svc.attention.torch_backend import (
+    FRESH_PADDING,
     MaskedPrefillSpan,
     SplitPrefillSpan,
     _decode_batch,
@@ -72,21 +73,29 @@ def _fresh(row: int, length: int) -> SeqSpan:
     return SeqSpan(row, length, length, tuple(range(64)))
 
 
+PADDED = FRESH_PADDING["cuda"]
+
+
 def test_fresh_prompts_group_by_length_and_equal_back_to_back_ones_are_views() -> None:
-    equal = _fresh_prefill_groups([_fresh(0, 8), _fresh(8, 8), _fresh(16, 8)], CPU)
+    equal = _fresh_prefill_groups([_fresh(0, 8), _fresh(8, 8), _fresh(16, 8)], CPU, PADDED)
     assert [(g.count, g.length, g.rows, g.padded_rows) for g in equal] == [
         (3, 8, slice(0, 24), None)
     ]
     # 300 and 280 pad to 600 (real 580): one group; a 10-token prompt padded to 300 would not
     # join them (900 padded against 590 real), so the three short ones make their own.
     spans = [_fresh(0, 10), _fresh(10, 300), _fresh(310, 10), _fresh(320, 280), _fresh(600, 10)]
-    groups = _fresh_prefill_groups(spans, CPU)
+    groups = _fresh_prefill_groups(spans, CPU, PADDED)
     assert [(g.count, g.length) for g in groups] == [(2, 300), (3, 10)]
     long_rows = groups[0].rows
     assert isinstance(long_rows, torch.Tensor) and groups[0].padded_rows is not None
     assert long_rows.tolist() == [*range(10, 310), *range(320, 600)]
     assert groups[0].padded_rows.tolist() == [*range(0, 300), *range(300, 580)]
     assert groups[1].rows.tolist() == [*range(0, 10), *range(310, 320), *range(600, 610)]
+    # On CPU only equal lengths share a call: no padding.
+    cpu_groups = _fresh_prefill_groups(spans, CPU, FRESH_PADDING["cpu"])
+    assert [(g.count, g.length) for g in cpu_groups] == [(1, 300), (1, 280), (3, 10)]
+    assert all(g.count * g.length == sum(
+        s.query_len for s in spans if s.query_len == g.length) for g in cpu_groups)
 
 
 def test_fresh_prompt_groups_equal_one_causal_call_per_prompt() -> None:
@@ -106,7 +115,9 @@ def test_fresh_prompt_groups_equal_one_causal_call_per_prompt() -> None:
             v[rows].transpose(0, 1)[None], is_causal=True, scale=0.3, enable_gqa=True,
         )[0].transpose(0, 1)
     spans = [_fresh(s, n) for s, n in zip(starts, lengths, strict=True)]
-    for groups in (_fresh_prefill_groups(spans, CPU), [_fresh_group(spans, CPU)]):
+    for groups in (_fresh_prefill_groups(spans, CPU, PADDED),
+                   _fresh_prefill_groups(spans, CPU, FRESH_PADDING["cpu"]),
+                   [_fresh_group(spans, CPU)]):
         got = torch.zeros(total, heads, dim)
         for group in groups:
             group.run(q, k, v, got, 0.3)
