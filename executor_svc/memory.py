@@ -32,7 +32,10 @@ def forward_once(
     input_ids: torch.Tensor,  # [T] long
     positions: torch.Tensor,  # [T] long
     keep: torch.Tensor,  # [S] long: rows whose logits are returned
+    whole_model: bool = False,  # through transformers' forward, its hooks included
 ) -> torch.Tensor:  # [S, V]
+    if loaded.layer_loop is not None and not whole_model:
+        return loaded.layer_loop(attention_step, input_ids, positions, keep)
     with torch.inference_mode():
         output = loaded.model(
             input_ids=input_ids[None],

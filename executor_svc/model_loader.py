@@ -31,6 +31,7 @@ from common.model_dirs import FOREIGN_SUFFIXES, TOKENIZER_FILES, ModelDir
 from executor_svc.attention import ATTENTION_NAME, AttentionShape, register_attention
 from executor_svc.cpu_kernels import load as load_cpu_kernels
 from executor_svc.fused_layers import fuse_layers
+from executor_svc.layer_loop import LayerLoop
 from executor_svc.lm_head import speed_up_lm_head
 from executor_svc.lora import Adapters, LoraSpec
 from executor_svc.packed_linear import onednn_packs_bfloat16, pack_linears
@@ -54,6 +55,7 @@ class LoadedModel:
     device: torch.device
     eos_token_ids: tuple[int, ...]
     adapters: Adapters | None = None  # LoRA slots (None: LoRA off)
+    layer_loop: LayerLoop | None = None  # the fused decoder's own forward (None: transformers')
 
     @property
     def vocab_size(self) -> int:
@@ -288,6 +290,7 @@ def load_model(
         device=device,
         eos_token_ids=_eos_ids(directory, config),
         adapters=adapters,
+        layer_loop=LayerLoop.of(model) if fused else None,
     )
     log.info(
         "model_loaded",
@@ -298,6 +301,7 @@ def load_model(
         device=str(device),
         num_params=sum(p.numel() for p in model.parameters()),
         fused_modules=fused,
+        layer_loop=loaded.layer_loop is not None,
         fingerprint=loaded.fingerprint[:16],
     )
     return loaded

@@ -252,7 +252,10 @@ class ModelRunner(HeldRequests):
         if self.adapters is not None:
             self._arm_adapters(seqs)
         try:
-            logits = forward_once(self.loaded, attention_step, *(a.tensor for a in inputs))
+            # The decoder's hook keeps the hidden state of prompt rows (prompt_rows.py).
+            ids, step_positions, kept = (a.tensor for a in inputs)
+            logits = forward_once(self.loaded, attention_step, ids, step_positions, kept,
+                                  whole_model=by_hidden)
         finally:
             if self.adapters is not None:
                 self.adapters.disarm()
