@@ -1,4 +1,4 @@
-"""Each workload's time as a share of its floor on this machine.
+"""Each workload's floor on this machine as a share of its time.
 
     .venv/bin/python -m bench.floor_share [--dtype bfloat16] [--repeats 3]
 
@@ -17,8 +17,9 @@ Both are what torch itself reaches here, not the datasheet's figures.
 The workloads are bench.vs_vllm_steps' (bench.vs_vllm's mixed and equal, 64 requests, fresh
 prompts each repeat) through the executor's runner in this process, driven by its plain loop
 (no services); every step is timed and its floor computed from the step the loop sent.
-Reported per workload: the floor's share of the time, overall and for the steps with prompt
-tokens (prefill) and those without (decode). Medians of the repeats. Writes
+Reported per workload: the floor's share of the time, overall (against the run's wall time,
+the loop's own Python included) and for the steps with prompt tokens (prefill) and those
+without (decode), against those steps' own time. Medians of the repeats. Writes
 bench/results/floor_share_<dtype>.json.
 """
 

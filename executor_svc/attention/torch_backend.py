@@ -34,7 +34,7 @@ PAD_ALLOWANCE_TOKENS = 256
 # most (factor x their tokens + allowance), by device type. On CUDA that saves launches. On CPU
 # only prompts of equal length share a call: the padding and its copies cost more than the
 # calls they saved (SmolLM2 bf16, the mixed workload's prefill steps: 16% less time without;
-# bench/README.md, "Executor CPU kernels").
+# bench/README.md, "Fresh prompts unpadded on CPU").
 FRESH_PADDING: dict[str, tuple[float, int]] = {"cpu": (1.0, 0), "cuda": (1.25, 64)}
 # On CPU a group's gathered K and V stay under this size, so that SDPA reads them from the
 # cache the gather just wrote.
