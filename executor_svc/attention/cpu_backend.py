@@ -3,9 +3,10 @@
 The reference decode gathers every sequence's blocks into a scratch tensor and runs SDPA over
 it: each cached K/V is read, written and read again, and neither step used the second core
 (SmolLM2-135M, 64 sequences at ~165 tokens: 3.4 ms a layer on one thread, 3.3 on two). The
-kernel reads the blocks in place, once, one sequence per task on torch's threads: 1.3 ms a
-layer on one thread and 0.7 on two with the blocks in L3; inside the model, where each
-layer's K/V come from DRAM, about 2.3 and 1.3 (executor_svc/README.md).
+kernel reads the blocks in place, once, on torch's threads (a task per sequence, or per KV
+head when sequences are fewer than two per thread): 1.3 ms a layer on one thread and 0.7 on
+two with the blocks in L3; inside the model, where each layer's K/V come from DRAM, about 2.3
+and 1.3 (executor_svc/README.md).
 Prefill spans, chunked or not, take the torch backend's path (its flash-attention calls do
 well on many query rows).
 """

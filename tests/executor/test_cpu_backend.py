@@ -79,6 +79,28 @@ def test_cpu_backend_decode_kernel_bfloat16_within_bf16_rounding_of_reference(
     torch.testing.assert_close(kernel.float(), reference.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("num_seqs", [1, 3, 12])
+def test_decode_kernel_tasks_per_head_and_per_sequence_agree_with_reference(
+    threads: int, num_seqs: int
+) -> None:
+    # The kernel splits a step into one task per KV head while sequences are fewer than two per
+    # thread, else one per sequence: both shapes of task, on one and two threads, match the
+    # reference (fp32 and bf16, head dims 64 and 24: the fixed and general paths).
+    lengths = [(37 * i) % 230 + 1 for i in range(num_seqs)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for head_dim, dtype, tolerance in [(64, torch.float32, 2e-5), (24, torch.float32, 2e-5),
+                                           (64, torch.bfloat16, 2e-2)]:
+            reference, kernel = _decode_both(3, 3, head_dim, 16, lengths, seed=num_seqs,
+                                             dtype=dtype)
+            torch.testing.assert_close(kernel.float(), reference.float(), atol=tolerance,
+                                       rtol=tolerance)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_reads_and_writes_rows_by_stride(head_dim: int, dtype: torch.dtype) -> None:

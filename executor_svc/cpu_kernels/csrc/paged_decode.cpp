@@ -9,13 +9,15 @@
 //   block_tables    [N, max_blocks]     int32 block ids, padded past each context
 //   context_lens    [N]                 int32 tokens to attend over (the new one included)
 //
-// Grouped-query attention: query head h*G + g reads KV head h (G = Hq / Hkv). Each sequence
-// is one task (at::parallel_for, torch's own thread count): its blocks are read once, all
-// KV heads together, so a block's memory is walked front to back.
+// Grouped-query attention: query head h*G + g reads KV head h (G = Hq / Hkv). A task (one
+// at::parallel_for index, torch's own thread count) is a whole sequence, all its KV heads, so
+// each token's K/V row is read in one piece; with fewer than two sequences per thread, one KV
+// head of a sequence, so that a lone sequence still spreads over the threads. Each K or V head
+// row is read once, for all the query heads of its group.
 //
-// Head dims 64 and 128 (most models) take a path compiled for their size: each K or V head
-// row is widened to float32 once, into registers, for all the query heads of its group (a
-// bfloat16 row used to be widened element by element, once per query head).
+// Head dims 64 and 128 (most models) take a path compiled for their size: a K or V head row
+// is widened to float32 once, into registers, and the scores of kLanes tokens are reduced
+// together (simd::sum_each), not one horizontal sum per token and query head.
 #include "kernels.h"
 #include "simd.h"
 
@@ -23,12 +25,18 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 using simd::kLanes;
 using simd::f32v;
+
+// Sequences per thread from which a task is a whole sequence, not one of its KV heads (one
+// bf16 sequence's attention took ~20% less time split by head; four, in tasks of one head
+// against whole sequences, fp32 took ~10% more: bench/README.md).
+constexpr int64_t kWholeRowSeqsPerThread = 2;
 
 // Token rows ahead: far enough to hide a DRAM access (4 rows measured ~4% slower in bf16).
 constexpr int64_t kPrefetchAhead = 16;
@@ -41,35 +49,46 @@ inline void prefetch_row(const scalar_t* row, int64_t count) {
   }
 }
 
-template <typename key_t>
-inline float dot(const float* a, const key_t* b, int64_t dim) {
-  float acc[kLanes] = {0.f};
-  int64_t i = 0;
-  for (; i + kLanes <= dim; i += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) acc[j] += a[i + j] * static_cast<float>(b[i + j]);
-  }
-  float sum = 0.f;
-  for (int64_t j = 0; j < kLanes; ++j) sum += acc[j];
-  for (; i < dim; ++i) sum += a[i] * static_cast<float>(b[i]);
-  return sum;
-}
+// One sequence's rows of one layer's cache, for one KV head: token t's K row is key +
+// offsets[t], its V row value + offsets[t] (K and V share a layout). The offsets are worked out
+// once per task, block by block: a division per token read cost more than the reads.
+template <typename scalar_t>
+struct HeadRows {
+  const scalar_t* key;    // the cache's first block, offset to the head
+  const scalar_t* value;
+  const int64_t* offsets;  // [L]
 
-template <typename value_t>
-inline void axpy(float alpha, const value_t* x, float* y, int64_t dim) {
-  for (int64_t i = 0; i < dim; ++i) y[i] += alpha * static_cast<float>(x[i]);
+  const scalar_t* k(int64_t t) const { return key + offsets[t]; }
+  const scalar_t* v(int64_t t) const { return value + offsets[t]; }
+};
+
+inline const int64_t* token_offsets(const int32_t* table, int64_t context_len,
+                                    int64_t block_size, int64_t token_stride,
+                                    std::vector<int64_t>& offsets) {
+  offsets.resize(context_len);
+  const int64_t block_stride = block_size * token_stride;
+  for (int64_t start = 0, b = 0; start < context_len; start += block_size, ++b) {
+    const int64_t base = table[b] * block_stride;
+    const int64_t end = std::min(context_len, start + block_size);
+    for (int64_t t = start; t < end; ++t) offsets[t] = base + (t - start) * token_stride;
+  }
+  return offsets.data();
 }
 
 template <typename scalar_t>
-struct Rows {  // one sequence's query heads (read) or output heads (written)
+struct Rows {  // one sequence's group of query heads (read) or output heads (written)
   scalar_t* base;
   int64_t head_stride;
   scalar_t* head(int64_t row) const { return base + row * head_stride; }
 };
 
-struct Scratch {  // per task: reused across its sequences
-  std::vector<float> scores;  // [Hq, L]
-  std::vector<float> query;   // [Hq, D] in float32
-  std::vector<float> out;     // [Hq, D] accumulated in float32
+struct Scratch {  // per thread: reused across its tasks
+  std::vector<float> scores;  // [G, L]
+  std::vector<float> query;   // [G, D] in float32, scaled
+  std::vector<float> out;     // [G, D] accumulated in float32
+  std::vector<int64_t> offsets;  // [L] each token's row in the cache
+  struct Products { f32v of[kLanes]; };  // one query head's products with kLanes tokens
+  std::vector<Products> products;  // [G]
 };
 
 inline void softmax_rows(float* scores, int64_t rows, int64_t length) {
@@ -88,122 +107,123 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t length) {
 }
 
 template <typename scalar_t>
-void decode_one(Rows<scalar_t> q, const scalar_t* key, const scalar_t* value,
-                const int32_t* table, int64_t context_len, int64_t block_size,
-                int64_t num_kv_heads, int64_t group, int64_t dim, float scale,
-                Rows<scalar_t> out, Scratch& scratch) {
-  const int64_t num_heads = num_kv_heads * group;
-  const int64_t token_stride = num_kv_heads * dim;  // elements between two offsets of a block
-  const int64_t block_stride = block_size * token_stride;
-  std::vector<float>& scores = scratch.scores;
-  scores.resize(num_heads * context_len);
-  scratch.query.resize(num_heads * dim);
-  scratch.out.assign(num_heads * dim, 0.f);
-  for (int64_t row = 0; row < num_heads; ++row) {
-    std::copy(q.head(row), q.head(row) + dim, scratch.query.data() + row * dim);
-  }
-  // scores[(h * G + g) * L + t] = q[h * G + g] . k[t, h] * scale
-  for (int64_t t = 0; t < context_len; ++t) {
-    const scalar_t* k_t =
-        key + table[t / block_size] * block_stride + (t % block_size) * token_stride;
-    if (t + kPrefetchAhead < context_len) {  // the next block starts anywhere: fetch it early
-      const int64_t ahead = t + kPrefetchAhead;
-      prefetch_row(key + table[ahead / block_size] * block_stride +
-                       (ahead % block_size) * token_stride,
-                   token_stride);
-    }
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t row = h * group + g;
-        scores[row * context_len + t] =
-            dot(scratch.query.data() + row * dim, k_t + h * dim, dim) * scale;
-      }
-    }
-  }
-  softmax_rows(scores.data(), num_heads, context_len);
-  for (int64_t t = 0; t < context_len; ++t) {
-    const scalar_t* v_t =
-        value + table[t / block_size] * block_stride + (t % block_size) * token_stride;
-    if (t + kPrefetchAhead < context_len) {
-      const int64_t ahead = t + kPrefetchAhead;
-      prefetch_row(value + table[ahead / block_size] * block_stride +
-                       (ahead % block_size) * token_stride,
-                   token_stride);
-    }
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t row = h * group + g;
-        axpy(scores[row * context_len + t], v_t + h * dim, scratch.out.data() + row * dim, dim);
-      }
-    }
-  }
-  for (int64_t row = 0; row < num_heads; ++row) {
-    const float* acc = scratch.out.data() + row * dim;
-    std::transform(acc, acc + dim, out.head(row), [](float x) { return scalar_t(x); });
+void widen_query(Rows<scalar_t> q, int64_t group, int64_t dim, float scale, float* query) {
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t i = 0; i < dim; ++i) query[g * dim + i] = simd::widen(q.head(g)[i]) * scale;
   }
 }
 
-// decode_one for a head dim known at compile time (a multiple of kLanes): a head row is
-// kDim / kLanes vectors, held in registers while every query head of its group uses it.
-template <typename scalar_t, int kDim>
-void decode_one_fixed(Rows<scalar_t> q, const scalar_t* key, const scalar_t* value,
-                      const int32_t* table, int64_t context_len, int64_t block_size,
-                      int64_t num_kv_heads, int64_t group, float scale, Rows<scalar_t> out,
-                      Scratch& scratch) {
-  constexpr int kChunks = kDim / kLanes;
-  const int64_t num_heads = num_kv_heads * group;
-  const int64_t token_stride = num_kv_heads * kDim;
-  const int64_t block_stride = block_size * token_stride;
-  auto row_at = [&](const scalar_t* cache, int64_t t) {
-    return cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
-  };
-  std::vector<float>& scores = scratch.scores;
-  scores.resize(num_heads * context_len);
-  scratch.query.resize(num_heads * kDim);
-  scratch.out.assign(num_heads * kDim, 0.f);
+template <typename scalar_t>
+void write_out(const float* acc, int64_t group, int64_t dim, Rows<scalar_t> out) {
+  for (int64_t g = 0; g < group; ++g) {
+    std::transform(acc + g * dim, acc + (g + 1) * dim, out.head(g),
+                   [](float x) { return scalar_t(x); });
+  }
+}
+
+// One task: `heads` adjacent KV heads of one sequence, each with its group of G query heads
+// (rows = heads * G query rows; row r reads KV head r / G of the task's).
+template <typename scalar_t>
+void attend(Rows<scalar_t> q, const HeadRows<scalar_t>& cache, int64_t context_len,
+            int64_t heads, int64_t group, int64_t dim, float scale, Rows<scalar_t> out,
+            Scratch& scratch) {
+  const int64_t rows = heads * group;
+  scratch.scores.resize(rows * context_len);
+  scratch.query.resize(rows * dim);
+  scratch.out.assign(rows * dim, 0.f);
+  float* scores = scratch.scores.data();
   float* query = scratch.query.data();
   float* acc = scratch.out.data();
-  for (int64_t row = 0; row < num_heads; ++row) {  // widened and scaled once per sequence
-    for (int c = 0; c < kChunks; ++c) {
-      simd::store(query + row * kDim + c * kLanes, simd::load(q.head(row) + c * kLanes) * scale);
+  widen_query(q, rows, dim, scale, query);
+  for (int64_t t = 0; t < context_len; ++t) {
+    if (t + kPrefetchAhead < context_len) prefetch_row(cache.k(t + kPrefetchAhead), heads * dim);
+    const scalar_t* k_t = cache.k(t);
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* k_head = k_t + (r / group) * dim;
+      float sum = 0.f;
+      for (int64_t i = 0; i < dim; ++i) sum += query[r * dim + i] * simd::widen(k_head[i]);
+      scores[r * context_len + t] = sum;
     }
   }
+  softmax_rows(scores, rows, context_len);
   for (int64_t t = 0; t < context_len; ++t) {
-    if (t + kPrefetchAhead < context_len) prefetch_row(row_at(key, t + kPrefetchAhead), token_stride);
-    const scalar_t* k_t = row_at(key, t);
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      f32v k[kChunks];
-      for (int c = 0; c < kChunks; ++c) k[c] = simd::load(k_t + h * kDim + c * kLanes);
-      for (int64_t row = h * group; row < (h + 1) * group; ++row) {
-        const float* q_row = query + row * kDim;
-        f32v dot = k[0] * simd::load(q_row);
-        for (int c = 1; c < kChunks; ++c) dot += k[c] * simd::load(q_row + c * kLanes);
-        scores[row * context_len + t] = simd::sum(dot);
+    if (t + kPrefetchAhead < context_len) prefetch_row(cache.v(t + kPrefetchAhead), heads * dim);
+    const scalar_t* v_t = cache.v(t);
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* v_head = v_t + (r / group) * dim;
+      const float p = scores[r * context_len + t];
+      for (int64_t i = 0; i < dim; ++i) acc[r * dim + i] += p * simd::widen(v_head[i]);
+    }
+  }
+  write_out(acc, rows, dim, out);
+}
+
+// attend for a head dim known at compile time (a multiple of kLanes): a head row is kChunks
+// vectors, widened once into registers while every query head of its group uses it.
+template <typename scalar_t, int kDim>
+void attend_fixed(Rows<scalar_t> q, const HeadRows<scalar_t>& cache, int64_t context_len,
+                  int64_t heads, int64_t group, float scale, Rows<scalar_t> out,
+                  Scratch& scratch) {
+  constexpr int kChunks = kDim / kLanes;
+  const int64_t rows = heads * group;
+  scratch.scores.resize(rows * context_len);
+  scratch.query.resize(rows * kDim);
+  scratch.out.assign(rows * kDim, 0.f);
+  scratch.products.resize(rows);
+  float* scores = scratch.scores.data();
+  float* query = scratch.query.data();
+  float* acc = scratch.out.data();
+  for (int64_t r = 0; r < rows; ++r) {  // widened and scaled once per task
+    for (int c = 0; c < kChunks; ++c) {
+      simd::store(query + r * kDim + c * kLanes, simd::load(q.head(r) + c * kLanes) * scale);
+    }
+  }
+  // scores[r * L + t] = q[r] . k[t], kLanes tokens at a time: each token's products for every
+  // query row, then each row's kLanes sums in one sum_each.
+  for (int64_t tile = 0; tile < context_len; tile += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, context_len - tile);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t t = tile + i;
+      if (t + kPrefetchAhead < context_len) {
+        prefetch_row(cache.k(t + kPrefetchAhead), heads * kDim);
+      }
+      const scalar_t* k_t = cache.k(t);
+      for (int64_t h = 0; h < heads; ++h) {
+        f32v k[kChunks];
+        for (int c = 0; c < kChunks; ++c) k[c] = simd::load(k_t + h * kDim + c * kLanes);
+        for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+          const float* q_row = query + r * kDim;
+          f32v dot = k[0] * simd::load(q_row);
+          for (int c = 1; c < kChunks; ++c) dot += k[c] * simd::load(q_row + c * kLanes);
+          scratch.products[r].of[i] = dot;
+        }
       }
     }
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = count; i < kLanes; ++i) scratch.products[r].of[i] = f32v{};
+      const f32v sums = simd::sum_each(scratch.products[r].of);
+      std::memcpy(scores + r * context_len + tile, &sums, count * sizeof(float));
+    }
   }
-  softmax_rows(scores.data(), num_heads, context_len);
+  softmax_rows(scores, rows, context_len);
   for (int64_t t = 0; t < context_len; ++t) {
     if (t + kPrefetchAhead < context_len) {
-      prefetch_row(row_at(value, t + kPrefetchAhead), token_stride);
+      prefetch_row(cache.v(t + kPrefetchAhead), heads * kDim);
     }
-    const scalar_t* v_t = row_at(value, t);
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
+    const scalar_t* v_t = cache.v(t);
+    for (int64_t h = 0; h < heads; ++h) {
       f32v v[kChunks];
       for (int c = 0; c < kChunks; ++c) v[c] = simd::load(v_t + h * kDim + c * kLanes);
-      for (int64_t row = h * group; row < (h + 1) * group; ++row) {
-        const float p = scores[row * context_len + t];
-        float* o = acc + row * kDim;
+      for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+        const float p = scores[r * context_len + t];
+        float* o = acc + r * kDim;
         for (int c = 0; c < kChunks; ++c) {
           simd::store(o + c * kLanes, simd::load(o + c * kLanes) + p * v[c]);
         }
       }
     }
   }
-  for (int64_t row = 0; row < num_heads; ++row) {
-    std::transform(acc + row * kDim, acc + (row + 1) * kDim, out.head(row),
-                   [](float x) { return scalar_t(x); });
-  }
+  write_out(acc, rows, kDim, out);
 }
 
 template <typename scalar_t>
@@ -214,6 +234,7 @@ void run(torch::Tensor out, torch::Tensor query, torch::Tensor rows, torch::Tens
   const int64_t block_size = key.size(1), num_kv_heads = key.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t num_seqs = rows.size(0), max_blocks = block_tables.size(1);
+  const int64_t token_stride = num_kv_heads * dim;
   const int64_t* row_ids = rows.data_ptr<int64_t>();
   scalar_t* q = query.data_ptr<scalar_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
@@ -221,23 +242,31 @@ void run(torch::Tensor out, torch::Tensor query, torch::Tensor rows, torch::Tens
   const scalar_t* v = value.data_ptr<scalar_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+  const float s = static_cast<float>(scale);
+  // Tasks of whole sequences (each K/V row read in one piece) where they keep every thread
+  // busy; else one task per KV head, so that a few sequences still spread over the threads.
+  const int64_t heads =
+      num_seqs >= kWholeRowSeqsPerThread * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t tasks_per_seq = num_kv_heads / heads;
+  at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
-    for (int64_t n = begin; n < end; ++n) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / tasks_per_seq, h = (task % tasks_per_seq) * heads;
       const int64_t row = row_ids[n];
-      const Rows<scalar_t> q_rows{q + row * query.stride(0), query.stride(1)};
-      const Rows<scalar_t> out_rows{o + row * out.stride(0), out.stride(1)};
-      const int32_t* table = tables + n * max_blocks;
-      const float s = static_cast<float>(scale);
+      const Rows<scalar_t> q_rows{q + row * query.stride(0) + h * group * query.stride(1),
+                                  query.stride(1)};
+      const Rows<scalar_t> out_rows{o + row * out.stride(0) + h * group * out.stride(1),
+                                    out.stride(1)};
+      const HeadRows<scalar_t> cache{
+          k + h * dim, v + h * dim,
+          token_offsets(tables + n * max_blocks, lens[n], block_size, token_stride,
+                        scratch.offsets)};
       if (dim == 64) {
-        decode_one_fixed<scalar_t, 64>(q_rows, k, v, table, lens[n], block_size, num_kv_heads,
-                                       group, s, out_rows, scratch);
+        attend_fixed<scalar_t, 64>(q_rows, cache, lens[n], heads, group, s, out_rows, scratch);
       } else if (dim == 128) {
-        decode_one_fixed<scalar_t, 128>(q_rows, k, v, table, lens[n], block_size,
-                                        num_kv_heads, group, s, out_rows, scratch);
+        attend_fixed<scalar_t, 128>(q_rows, cache, lens[n], heads, group, s, out_rows, scratch);
       } else {
-        decode_one<scalar_t>(q_rows, k, v, table, lens[n], block_size, num_kv_heads, group,
-                             dim, s, out_rows, scratch);
+        attend<scalar_t>(q_rows, cache, lens[n], heads, group, dim, s, out_rows, scratch);
       }
     }
   });

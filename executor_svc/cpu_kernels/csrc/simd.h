@@ -54,6 +54,51 @@ inline float sum(f32v v) {
   return (four[0] + four[2]) + (four[1] + four[3]);
 }
 
+// Lane i of the result: the sum of v[i]'s lanes. A tree of shuffles and adds: each level
+// halves the vectors and doubles the inputs each holds, so kLanes sums cost kLanes - 1 adds
+// and twice as many shuffles, where kLanes separate sum()s cost several times that. The tree
+// pairs its inputs in bit-reversed order, which puts input i's sum in lane i.
+inline f32v sum_each(const f32v (&v)[kLanes]) {
+#if defined(__AVX512F__)
+  constexpr int kReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  f32v half[8], quarter[4], eighth[2];
+  for (int i = 0; i < 8; ++i) {
+    const f32v a = v[kReversed[2 * i]], b = v[kReversed[2 * i + 1]];
+    half[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+              __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const f32v a = half[2 * i], b = half[2 * i + 1];
+    quarter[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+                 __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const f32v a = quarter[2 * i], b = quarter[2 * i + 1];
+    eighth[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+                __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  const f32v a = eighth[0], b = eighth[1];
+  return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+#else
+  constexpr int kReversed[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+  f32v half[4], quarter[2];
+  for (int i = 0; i < 4; ++i) {
+    const f32v a = v[kReversed[2 * i]], b = v[kReversed[2 * i + 1]];
+    half[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+              __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const f32v a = half[2 * i], b = half[2 * i + 1];
+    quarter[i] = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
+                 __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  const f32v a = quarter[0], b = quarter[1];
+  return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
+         __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+#endif
+}
+
 // One element: widened to float32, rounded as a torch op on scalar_t tensors rounds its float32
 // result (the second argument only picks the type), and stored as scalar_t.
 inline float widen(float x) { return x; }
