@@ -1,5 +1,6 @@
 """The HTTP API's /metrics and /live, on the app itself (no stack): with API keys on, /metrics
-answers only a caller with a valid key; /live answers anyone, and says nothing."""
+answers only a caller with a valid key; /live answers anyone, and says nothing; a handler's
+unexpected error is a 500 in OpenAI's error shape, and the app goes on answering."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from gateway.api.tenants import Tenancy
 KEY = "k" * 40
 
 
-def app(keys: dict[str, str]) -> Any:
+def app(keys: dict[str, str], broken: bool = False) -> Any:
     async def engine_state() -> tuple[list[Any], int]:
+        if broken:
+            raise RuntimeError("a bug in the engine state")
         return [], 0
 
     api = HttpApi(frontend=SimpleNamespace(), tenancy=Tenancy(keys, b"salt"),  # type: ignore[arg-type]
@@ -34,6 +37,20 @@ def get(keys: dict[str, str], path: str, authorization: str | None = None) -> ht
             return await client.get(path, headers=headers)
 
     return asyncio.run(call())
+
+
+def test_an_unexpected_error_is_a_500_and_the_app_answers_on():
+    async def calls() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app({}, broken=True), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            return [await client.get("/live", headers={"x-request-id": "trace-7"}),
+                    await client.get("/health"), await client.get("/live")]
+
+    failed, health, again = asyncio.run(calls())
+    assert failed.status_code == 500
+    assert failed.json()["error"]["message"] == "internal error: see the gateway's log"
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert again.status_code == 500
 
 
 def test_metrics_with_api_keys_on_need_a_valid_key():

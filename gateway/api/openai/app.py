@@ -38,7 +38,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
-from starlette.types import Receive, Scope, Send
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.errors import NotFound, ServiceError
 from common.executor_description import LoraAdapterInfo
@@ -142,6 +143,41 @@ def _describe(exc: ValidationError) -> tuple[str, str | None]:
     return f"{param}: {error['msg']}", param
 
 
+class RequestIdMiddleware:
+    """The caller's x-request-id (when valid) names the request in every log line; a handler's
+    unexpected error before its response starts is logged and answered 500.
+
+    Plain ASGI rather than `@app.middleware("http")`: starlette's BaseHTTPMiddleware hands
+    each chunk of a streamed response through a stream of its own, per token of every SSE
+    response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        structlog.contextvars.clear_contextvars()
+        sent = Headers(scope=scope).get(REQUEST_ID_HEADER, "")
+        if sent and len(sent) <= MAX_REQUEST_ID_CHARS and sent.isascii() and sent.isprintable():
+            structlog.contextvars.bind_contextvars(request_id=sent)
+        started = False
+
+        async def send_noting_start(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except Exception:
+            log.exception("http_handler_failed", path=scope.get("path", ""))
+            if started:  # too late for a status: the server closes the connection
+                raise
+            await error_response(500, "internal error: see the gateway's log")(scope, receive, send)
+
+
 def create_app(api: HttpApi) -> FastAPI:
     app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -153,19 +189,7 @@ def create_app(api: HttpApi) -> FastAPI:
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
         return error_response(status_of(exc), message_of(exc), headers=_id_header(request))
 
-    @app.middleware("http")
-    async def _request_id(request: Request, call_next: Callable[[Request], Awaitable[Response]]
-                          ) -> Response:
-        """The caller's x-request-id (when valid) names the request in every log line."""
-        structlog.contextvars.clear_contextvars()
-        sent = request.headers.get(REQUEST_ID_HEADER, "")
-        if sent and len(sent) <= MAX_REQUEST_ID_CHARS and sent.isascii() and sent.isprintable():
-            structlog.contextvars.bind_contextvars(request_id=sent)
-        try:
-            return await call_next(request)
-        except Exception:
-            log.exception("http_handler_failed", path=request.url.path)
-            return error_response(500, "internal error: see the gateway's log")
+    app.add_middleware(RequestIdMiddleware)
 
     @app.get("/health")
     async def health() -> Response:
