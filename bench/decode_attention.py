@@ -7,8 +7,10 @@ kernels built (`python -m executor_svc.cpu_kernels` there). Each repeat runs a f
 in each checkout, alternating which goes first; a process loads its checkout's kernels and
 times `paged_decode_attention` over SmolLM2-135M's shapes (9 query heads, 3 KV heads of 64,
 blocks of 16) for 30 layers, each layer's blocks scattered over a pool as an allocator leaves
-them (so they come from DRAM, as inside the model), two threads: the median of five calls of
-all 30 layers, per dtype and (sequences, context). Medians and the ratio within each repeat.
+them, two threads: the median of five calls of all 30 layers, per dtype and (sequences,
+context). The larger cases' K/V (50-240 MB) come from DRAM, as inside the model; one
+sequence's (4-11 MB) may stay in the last-level cache. Medians and the ratio within each
+repeat.
 Writes bench/results/decode_attention.json.
 """
 

@@ -86,19 +86,42 @@ def test_decode_kernel_tasks_per_head_and_per_sequence_agree_with_reference(
 ) -> None:
     # The kernel splits a step into one task per KV head while sequences are fewer than two per
     # thread, else one per sequence: both shapes of task, on one and two threads, match the
-    # reference (fp32 and bf16, head dims 64 and 24: the fixed and general paths).
+    # reference (fp32 and bf16, head dims 64 and 128 on the fixed path, 24 on the general one,
+    # grouped heads and one query head per KV head).
     lengths = [(37 * i) % 230 + 1 for i in range(num_seqs)]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for head_dim, dtype, tolerance in [(64, torch.float32, 2e-5), (24, torch.float32, 2e-5),
-                                           (64, torch.bfloat16, 2e-2)]:
-            reference, kernel = _decode_both(3, 3, head_dim, 16, lengths, seed=num_seqs,
-                                             dtype=dtype)
+        for kv_heads, group, head_dim, dtype, tolerance in [
+            (3, 3, 64, torch.float32, 2e-5), (2, 2, 128, torch.float32, 2e-5),
+            (3, 3, 24, torch.float32, 2e-5), (3, 1, 64, torch.float32, 2e-5),
+            (3, 3, 64, torch.bfloat16, 2e-2), (2, 3, 24, torch.bfloat16, 2e-2),
+        ]:
+            reference, kernel = _decode_both(kv_heads, group, head_dim, 16, lengths,
+                                             seed=num_seqs, dtype=dtype)
             torch.testing.assert_close(kernel.float(), reference.float(), atol=tolerance,
                                        rtol=tolerance)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("context_len", "block_id", "message"),
+    [(0, 1, "context length"), (33, 1, "context length"), (20, 99, "block id"),
+     (20, -1, "block id")],
+)
+def test_decode_kernel_refuses_lengths_and_blocks_outside_its_tables(
+    context_len: int, block_id: int, message: str
+) -> None:
+    # A context of no token or past its table's two blocks, a block id outside the cache: a
+    # clear error, never a read outside the tensors.
+    key = torch.randn(8, 16, 1, 64)
+    q = torch.randn(1, 2, 64)
+    tables = torch.tensor([[2, block_id]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=message):
+        built_kernels().paged_decode_attention(
+            torch.empty_like(q), q, torch.tensor([0]), key, key.clone(), tables,
+            torch.tensor([context_len], dtype=torch.int32), 0.125)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

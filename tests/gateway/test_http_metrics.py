@@ -41,7 +41,8 @@ def get(keys: dict[str, str], path: str, authorization: str | None = None) -> ht
 
 def test_an_unexpected_error_is_a_500_and_the_app_answers_on():
     async def calls() -> list[httpx.Response]:
-        transport = httpx.ASGITransport(app=app({}, broken=True), raise_app_exceptions=False)
+        # (An error re-raised past the middleware would raise here.)
+        transport = httpx.ASGITransport(app=app({}, broken=True))
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
             return [await client.get("/live", headers={"x-request-id": "trace-7"}),
                     await client.get("/health"), await client.get("/live")]
@@ -49,8 +50,9 @@ def test_an_unexpected_error_is_a_500_and_the_app_answers_on():
     failed, health, again = asyncio.run(calls())
     assert failed.status_code == 500
     assert failed.json()["error"]["message"] == "internal error: see the gateway's log"
+    assert failed.headers["x-request-id"] == "trace-7"
     assert health.status_code == 200 and health.json() == {"status": "ok"}
-    assert again.status_code == 500
+    assert again.status_code == 500 and "x-request-id" not in again.headers
 
 
 def test_metrics_with_api_keys_on_need_a_valid_key():

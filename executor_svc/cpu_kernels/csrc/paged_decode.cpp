@@ -34,8 +34,8 @@ using simd::kLanes;
 using simd::f32v;
 
 // Sequences per thread from which a task is a whole sequence, not one of its KV heads (one
-// bf16 sequence's attention took ~20% less time split by head; four, in tasks of one head
-// against whole sequences, fp32 took ~10% more: bench/README.md).
+// bf16 sequence's attention took 0.68-0.81x the time split by head; four, in tasks of one
+// head against whole sequences, fp32 took ~10% more: bench/README.md).
 constexpr int64_t kWholeRowSeqsPerThread = 2;
 
 // Token rows ahead: far enough to hide a DRAM access (4 rows measured ~4% slower in bf16).
@@ -49,8 +49,8 @@ inline void prefetch_row(const scalar_t* row, int64_t count) {
   }
 }
 
-// One sequence's rows of one layer's cache, for one KV head: token t's K row is key +
-// offsets[t], its V row value + offsets[t] (K and V share a layout). The offsets are worked out
+// One sequence's rows of one layer's cache, from a task's first KV head: token t's K row is
+// key + offsets[t], its V row value + offsets[t] (K and V share a layout). The offsets are worked out
 // once per task, block by block: a division per token read cost more than the reads.
 template <typename scalar_t>
 struct HeadRows {
@@ -83,12 +83,12 @@ struct Rows {  // one sequence's group of query heads (read) or output heads (wr
 };
 
 struct Scratch {  // per thread: reused across its tasks
-  std::vector<float> scores;  // [G, L]
-  std::vector<float> query;   // [G, D] in float32, scaled
-  std::vector<float> out;     // [G, D] accumulated in float32
+  std::vector<float> scores;  // [rows, L], rows = the task's query heads (heads * G)
+  std::vector<float> query;   // [rows, D] in float32, scaled
+  std::vector<float> out;     // [rows, D] accumulated in float32
   std::vector<int64_t> offsets;  // [L] each token's row in the cache
   struct Products { f32v of[kLanes]; };  // one query head's products with kLanes tokens
-  std::vector<Products> products;  // [G]
+  std::vector<Products> products;  // [rows]
 };
 
 inline void softmax_rows(float* scores, int64_t rows, int64_t length) {
@@ -298,8 +298,17 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   TORCH_CHECK(block_tables.size(0) == rows.size(0) && context_lens.size(0) == rows.size(0),
               "one block table and one context length per sequence");
   const int64_t* row_ids = rows.data_ptr<int64_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t block_size = key.size(1), max_blocks = block_tables.size(1);
   for (int64_t n = 0; n < rows.size(0); ++n) {
     TORCH_CHECK(row_ids[n] >= 0 && row_ids[n] < query.size(0), "a row is outside the step");
+    TORCH_CHECK(lens[n] >= 1 && lens[n] <= max_blocks * block_size,
+                "a context length is outside 1..its block table's capacity");
+    for (int64_t b = 0; b < (lens[n] + block_size - 1) / block_size; ++b) {
+      const int32_t block = tables[n * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < key.size(0), "a block id is outside the cache");
+    }
   }
   if (dtype == at::kFloat) {
     run<float>(out, query, rows, key, value, block_tables, context_lens, scale);

@@ -160,7 +160,9 @@ class RequestIdMiddleware:
             return
         structlog.contextvars.clear_contextvars()
         sent = Headers(scope=scope).get(REQUEST_ID_HEADER, "")
-        if sent and len(sent) <= MAX_REQUEST_ID_CHARS and sent.isascii() and sent.isprintable():
+        valid = (bool(sent) and len(sent) <= MAX_REQUEST_ID_CHARS and sent.isascii()
+                 and sent.isprintable())
+        if valid:
             structlog.contextvars.bind_contextvars(request_id=sent)
         started = False
 
@@ -172,10 +174,12 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_noting_start)
         except Exception:
-            log.exception("http_handler_failed", path=scope.get("path", ""))
-            if started:  # too late for a status: the server closes the connection
+            if started:  # a stream cut short (a client gone or stalled): the server closes it
                 raise
-            await error_response(500, "internal error: see the gateway's log")(scope, receive, send)
+            log.exception("http_handler_failed", path=scope.get("path", ""))
+            response = error_response(500, "internal error: see the gateway's log",
+                                      headers={REQUEST_ID_HEADER: sent} if valid else None)
+            await response(scope, receive, send)
 
 
 def create_app(api: HttpApi) -> FastAPI:
