@@ -56,7 +56,7 @@ class FusedSiluMLP(torch.nn.Module):
         self.down_proj = mlp.down_proj
         self.act_fn = mlp.act_fn
         self.kernel = kernel
-        gate, up = _onednn_weight(mlp.gate_proj), _onednn_weight(mlp.up_proj)
+        gate, up = onednn_weight(mlp.gate_proj), onednn_weight(mlp.up_proj)
         # NOTE: the epilogues round twice (silu(gate), then the product) where transformers
         # rounds four times (gate, up, silu, product): within bf16's tolerance of its output.
         self.epilogues = (gate, up) if gate is not None and up is not None else None
@@ -73,7 +73,7 @@ class FusedSiluMLP(torch.nn.Module):
         return self.down_proj(product.view(gate.shape))
 
 
-def _onednn_weight(linear: Any) -> OneDnnWeight | None:
+def onednn_weight(linear: Any) -> OneDnnWeight | None:
     """A linear layer's oneDNN-packed weight when it has one for every row count and no bias."""
     if isinstance(linear, PackedLinear) and linear.bias is None:
         return linear.onednn_weight()

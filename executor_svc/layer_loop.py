@@ -7,17 +7,36 @@ a causal mask the paged attention never reads): a bfloat16 decode step of a few 
 takes 3-9% less time without them (bench/README.md). This loop makes the same calls in the
 same order, so the logits are the same bits (tests/executor/test_layer_loop.py); any model
 it does not recognise keeps transformers' forward.
+
+A step of decode rows only goes through every layer in one C++ call instead
+(DecodeStack, cpu_kernels/csrc/decode_layers.cpp): the same ops in the same order, without
+the ~25 Python-level calls a layer that cost as much as the matmuls at decode sizes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
 from executor_svc.attention import STEP_KWARG
-from executor_svc.fused_layers import FusedRMSNorm, FusedRotaryAttention, FusedSiluMLP
+from executor_svc.attention.cpu_backend import KernelDecode
+from executor_svc.attention.torch_backend import TorchStepAttention
+from executor_svc.fused_layers import (
+    FusedRMSNorm,
+    FusedRotaryAttention,
+    FusedSiluMLP,
+    onednn_weight,
+)
+from executor_svc.packed_linear import (
+    MKL_PACKED_MAX_ROWS,
+    MKL_PACKED_MIN_ROWS,
+    MklWeight,
+    PackedLinear,
+)
 
 # The CausalLM classes whose forward is embed -> layers -> norm -> lm_head on kept rows, and
 # whose decoder layers are pre-norm attention then MLP, each with a residual add.
@@ -25,14 +44,91 @@ CAUSAL_LMS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausa
 DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
 
 
-class LayerLoop:
-    def __init__(self, model: PreTrainedModel) -> None:
-        self.model = model
-        self.decoder: Any = model.model
+@dataclass(frozen=True)
+class DecodeStack:
+    """Every layer's weights in the order decode_layers.cpp reads them, where every layer's
+    linears are packed as that kernel takes them (no bias, no adapters):
+    - bfloat16: oneDNN-packed, q/k/v as one matmul and the MLP in the epilogues;
+    - float32: MKL-packed (with their weights, for the rows MKL does not serve)."""
+
+    kernels: ModuleType
+    weights: tuple[torch.Tensor, ...]
+    num_heads: int
+    eps: float
+    scaling: float
 
     @classmethod
-    def of(cls, model: PreTrainedModel) -> LayerLoop | None:
-        """The loop for `model`, or None where one of its layers is not fused_layers' own."""
+    def of(cls, layers: Any, kernels: ModuleType | None) -> DecodeStack | None:
+        if kernels is None or not hasattr(kernels, "decode_layers"):
+            return None
+        weights: list[torch.Tensor] = []
+        eps, scaling, num_heads = set(), set(), set()
+        for layer in layers:
+            attention = layer.self_attn
+            linears = _packed_linears(layer)
+            if linears is None:
+                return None
+            weights += [layer.input_layernorm.weight, *linears[0],
+                        layer.post_attention_layernorm.weight, *linears[1]]
+            eps |= {layer.input_layernorm.variance_epsilon,
+                    layer.post_attention_layernorm.variance_epsilon}
+            scaling.add(attention.scaling)
+            num_heads.add(attention.q_proj.out_features // attention.head_dim)
+        if len(eps) != 1 or len(scaling) != 1 or len(num_heads) != 1:
+            return None
+        return cls(kernels, tuple(weights), num_heads.pop(), eps.pop(), scaling.pop())
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 step: TorchStepAttention, decode: KernelDecode) -> torch.Tensor:
+        """hidden [T, H], cos and sin [T, D] -> the last layer's hidden states [T, H]."""
+        return self.kernels.decode_layers(
+            hidden, cos, sin, self.weights, step.cache.kv, step.slot_mapping.tensor,
+            decode.token_index, decode.block_tables, decode.context_lens, self.num_heads,
+            self.eps, self.scaling, MKL_PACKED_MIN_ROWS, MKL_PACKED_MAX_ROWS)
+
+
+def _packed_linears(layer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """A layer's attention and MLP tensors as decode_layers.cpp takes them, or None."""
+    attention, mlp = layer.self_attn, layer.mlp
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
+                   mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if any(p.bias is not None for p in projections):
+        return None
+    dtype = attention.q_proj.weight.dtype
+    if dtype == torch.bfloat16:
+        o, down = onednn_weight(attention.o_proj), onednn_weight(mlp.down_proj)
+        if attention.qkv is None or mlp.epilogues is None or o is None or down is None:
+            return None
+        gate, up = mlp.epilogues
+        return [attention.qkv[0].packed, o.packed], [gate.packed, up.packed, down.packed]
+    pairs: list[torch.Tensor] = []  # each projection's weight, then its MKL-packed copy
+    for p in projections:
+        if (dtype != torch.float32 or not isinstance(p, PackedLinear)
+                or not isinstance(p.packed, MklWeight)
+                or (p.min_rows, p.max_rows) != (MKL_PACKED_MIN_ROWS, MKL_PACKED_MAX_ROWS)):
+            return None
+        pairs += [p.weight, p.packed.packed]
+    return pairs[:8], pairs[8:]
+
+
+def _decode_only(step: object) -> KernelDecode | None:
+    """The step's decode rows when it has nothing else (no prompt rows) for the C++ kernel."""
+    if (isinstance(step, TorchStepAttention) and isinstance(step.decode, KernelDecode)
+            and not step.fresh_prefills and not step.prefill_spans):
+        return step.decode
+    return None
+
+
+class LayerLoop:
+    def __init__(self, model: PreTrainedModel, kernels: ModuleType | None = None) -> None:
+        self.model = model
+        self.decoder: Any = model.model
+        self.decode_stack = DecodeStack.of(self.decoder.layers, kernels)
+
+    @classmethod
+    def of(cls, model: PreTrainedModel, kernels: ModuleType | None = None) -> LayerLoop | None:
+        """The loop for `model`, or None where one of its layers is not fused_layers' own;
+        with the CPU `kernels`, bfloat16 decode steps run through DecodeStack."""
         if type(model).__name__ not in CAUSAL_LMS:
             return None
         decoder = getattr(model, "model", None)
@@ -46,7 +142,7 @@ class LayerLoop:
                     and isinstance(layer.post_attention_layernorm, FusedRMSNorm)
                     and isinstance(layer.mlp, FusedSiluMLP)):
                 return None
-        return cls(model)
+        return cls(model, kernels)
 
     def __call__(self, attention_step: object, input_ids: torch.Tensor,
                  positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -56,6 +152,12 @@ class LayerLoop:
         with torch.inference_mode():
             hidden = decoder.embed_tokens(input_ids[None])  # [1, T, H]
             rotary = decoder.rotary_emb(hidden, positions[None])  # cos, sin [1, T, D]
+            decode = None if self.decode_stack is None else _decode_only(attention_step)
+            if decode is not None and self.decode_stack is not None:
+                cos, sin = (r[0].contiguous() for r in rotary)
+                assert isinstance(attention_step, TorchStepAttention)
+                hidden = self.decode_stack(hidden[0], cos, sin, attention_step, decode)[None]
+                return self.model.lm_head(decoder.norm(hidden)[:, keep])[0]
             for layer in decoder.layers:
                 residual = hidden
                 hidden, _ = layer.self_attn(layer.input_layernorm(hidden), rotary, None, **step)

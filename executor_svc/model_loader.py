@@ -290,7 +290,7 @@ def load_model(
         device=device,
         eos_token_ids=_eos_ids(directory, config),
         adapters=adapters,
-        layer_loop=LayerLoop.of(model) if fused else None,
+        layer_loop=LayerLoop.of(model, kernels) if fused else None,
     )
     log.info(
         "model_loaded",

@@ -5,6 +5,8 @@
 - fused_ops.cpp: RMSNorm, silu(gate) * up and rotary q/k in one pass each (fused_layers.py);
 - sampling.cpp: each row's argmax and log-sum-exp in one pass for the sampler (sampler.py);
 - packed_gemm.cpp: float32 linear layers through MKL's packed GEMM (packed_linear.py);
+- decode_layers.cpp: a bfloat16 decode step through every decoder layer in one call
+  (layer_loop.py);
 - simd.h: float32 vectors and bfloat16 conversions that compile for any x86 level;
 - bindings.cpp: the Python module that exposes them.
 
@@ -38,7 +40,7 @@ log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp", CSRC / "sampling.cpp",
-           CSRC / "packed_gemm.cpp", CSRC / "bindings.cpp"]
+           CSRC / "packed_gemm.cpp", CSRC / "decode_layers.cpp", CSRC / "bindings.cpp"]
 BUILD_DIR = REPO_ROOT / "build" / "cpu_kernels"
 # NOTE: fast-math lets gcc vectorise expf (glibc's libmvec) and reorder the dot products'
 # sums; the kernel produces no infinities or NaNs for it to mishandle (scores are finite and

@@ -4,12 +4,13 @@ same fused modules: the same logits, bit for bit, on prefill, chunked and decode
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 
 import pytest
 import torch
 
-from executor_svc.layer_loop import LayerLoop
+from executor_svc.layer_loop import DecodeStack, LayerLoop
 from executor_svc.runner import ModelRunner
 from executor_svc.step import StepRequest
 
@@ -57,3 +58,113 @@ def test_layer_loop_only_for_fused_decoders(make_runner: Callable[..., ModelRunn
         assert LayerLoop.of(model) is None
     finally:
         model.model.layers[1].mlp = fused_mlp
+
+
+class _Counted:
+    """Counts the C++ stack's calls, so that a test knows which path a step took."""
+
+    def __init__(self, stack: DecodeStack) -> None:
+        self.stack, self.calls = stack, 0
+
+    def __call__(self, *args: object) -> torch.Tensor:
+        self.calls += 1
+        return self.stack(*args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("preset", "dtype"), [
+    ("tiny-llama", "bfloat16"), ("tiny-mistral", "bfloat16"), ("tiny-llama-hd128", "bfloat16"),
+    ("tiny-llama", "float32"), ("tiny-llama-hd128", "float32"),
+])
+def test_decode_stack_gives_the_python_loops_bits(
+    make_runner: Callable[..., ModelRunner], preset: str, dtype: str
+) -> None:
+    """Decode steps through the C++ decode stack against the Python layer loop: the same
+    logits, bit for bit, step after step (each step reads the K/V the stack wrote before),
+    with one row (float32: F.linear) and several (MKL's packed GEMM)."""
+    stacked = make_runner(preset, dtype=dtype, backend="cpu")
+    looped = make_runner(preset, dtype=dtype, backend="cpu")
+    loop = stacked.loaded.layer_loop
+    assert loop is not None and loop.decode_stack is not None
+    counted = _Counted(loop.decode_stack)
+    loop.decode_stack = counted  # type: ignore[assignment]
+    reference = looped.loaded.layer_loop
+    assert reference is not None
+    reference.decode_stack = None
+    prompts = random_prompts(stacked.info.vocab_size, [9, 40, 4, 17], seed=5)
+    drivers = {"stacked": Driver.scattered(stacked), "looped": Driver.scattered(looped)}
+    feeds = [dict(zip(("r0", "r1", "r2", "r3"), prompts, strict=True))]
+    feeds += [{f"r{i}": [11 + step + i] for i in range(4)} for step in range(6)]
+    feeds += [{"r1": [3], "r3": [4]}, {"r2": [5]}]  # fewer rows than before
+    for feed in feeds:
+        logits = {}
+        for name, runner in (("stacked", stacked), ("looped", looped)):
+            seqs = tuple(drivers[name].work(rid, tokens, sample=True)
+                         for rid, tokens in feed.items())
+            logits[name] = runner.run_forward(StepRequest(seqs=seqs)).logits
+        assert torch.equal(logits["stacked"], logits["looped"])
+    assert counted.calls == len(feeds) - 1  # every step but the prompts'
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_stack_only_where_every_linear_is_packed_for_it(
+    make_runner: Callable[..., ModelRunner], dtype: str
+) -> None:
+    # q/k/v with a bias (Qwen2): its decode steps keep the Python loop.
+    qwen2 = make_runner("tiny-qwen2", dtype=dtype, backend="cpu").loaded.layer_loop
+    assert qwen2 is not None and qwen2.decode_stack is None
+    llama = make_runner("tiny-llama", dtype=dtype, backend="cpu").loaded.layer_loop
+    assert llama is not None and llama.decode_stack is not None
+    layer = llama.model.model.layers[0]
+    down = layer.mlp.down_proj
+    layer.mlp.down_proj = torch.nn.Linear(down.in_features, down.out_features, bias=False)
+    assert DecodeStack.of(llama.model.model.layers, llama.decode_stack.kernels) is None
+
+
+def _stack_inputs(runner: ModelRunner, tokens: int = 2) -> dict[str, object]:
+    loop = runner.loaded.layer_loop
+    assert loop is not None and loop.decode_stack is not None
+    stack = loop.decode_stack
+    hidden_size, head_dim = runner.loaded.config.hidden_size, runner.loaded.config.head_dim
+    kv = runner.cache.kv
+    return {
+        "hidden": torch.randn(tokens, hidden_size).bfloat16(),
+        "cos": torch.ones(tokens, head_dim).bfloat16(),
+        "sin": torch.zeros(tokens, head_dim).bfloat16(),
+        "weights": list(stack.weights), "kv": kv,
+        "slots": torch.arange(tokens, dtype=torch.long),
+        "rows": torch.arange(tokens, dtype=torch.long),
+        "tables": torch.zeros(tokens, 1, dtype=torch.int32),
+        "lens": torch.ones(tokens, dtype=torch.int32),
+        "num_heads": stack.num_heads, "eps": stack.eps, "scale": stack.scaling,
+        "mkl_min_rows": 2, "mkl_max_rows": 512,
+    }
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"slots": torch.tensor([0, -1])}, "a slot is outside the cache"),
+    ({"slots": torch.tensor([0, 10**9])}, "a slot is outside the cache"),
+    ({"slots": torch.tensor([0])}, "slots must be [T] int64"),
+    ("drop_weight", "takes 7 weights for each of the cache's"),
+    ("double_hidden", "hidden must be bfloat16 (oneDNN-packed layers) or float32"),
+    ("float_hidden", "the cache must be [L, 2, NB, S, Hkv, D], contiguous, of hidden's dtype"),
+    ("float_cache", "the cache must be [L, 2, NB, S, Hkv, D], contiguous, of hidden's dtype"),
+    ({"lens": torch.tensor([1, 0], dtype=torch.int32)}, "context"),
+])
+def test_decode_stack_refuses_bad_inputs(
+    make_runner: Callable[..., ModelRunner], change: object, message: str
+) -> None:
+    runner = make_runner("tiny-llama", dtype="bfloat16", backend="cpu")
+    inputs = _stack_inputs(runner)
+    if change == "drop_weight":
+        inputs["weights"] = inputs["weights"][:-1]  # type: ignore[index]
+    elif change == "double_hidden":
+        inputs["hidden"] = inputs["hidden"].double()  # type: ignore[attr-defined]
+    elif change == "float_hidden":
+        inputs["hidden"] = inputs["hidden"].float()  # type: ignore[attr-defined]
+    elif change == "float_cache":
+        inputs["kv"] = inputs["kv"].float()  # type: ignore[attr-defined]
+    else:
+        inputs.update(change)  # type: ignore[call-overload]
+    kernels = runner.loaded.layer_loop.decode_stack.kernels  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        kernels.decode_layers(*inputs.values())

@@ -9,6 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_,
         "rotary position embedding of q and k, in place (float32 or bfloat16)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, row by row (float32 or bfloat16)");
+  m.def("decode_layers", &decode_layers, py::call_guard<py::gil_scoped_release>(),
+        "a decode step through every fused bfloat16 decoder layer (executor_svc/layer_loop.py)");
   m.def("argmax_logsumexp", &argmax_logsumexp,
         "each row's first maximal id and its log-sum-exp (float32 or bfloat16 logits)");
   m.def("mkl_packed_gemm_available", &mkl_packed_gemm_available,

@@ -13,6 +13,13 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 
+// decode_layers.cpp
+torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
+                            std::vector<torch::Tensor> weights, torch::Tensor kv,
+                            torch::Tensor slots, torch::Tensor rows, torch::Tensor block_tables,
+                            torch::Tensor context_lens, int64_t num_heads, double eps,
+                            double scale, int64_t mkl_min_rows, int64_t mkl_max_rows);
+
 // sampling.cpp
 std::vector<torch::Tensor> argmax_logsumexp(torch::Tensor logits);
 
