@@ -48,7 +48,8 @@ DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2De
 class DecodeStack:
     """Every layer's weights in the order decode_layers.cpp reads them, where every layer's
     linears are packed as that kernel takes them (no bias, no adapters):
-    - bfloat16: oneDNN-packed, q/k/v as one matmul and the MLP in the epilogues;
+    - bfloat16: oneDNN-packed, q/k/v as one matmul and the MLP in the epilogues (with their
+      plain weights, which one row reads through MKL's bf16 GEMM);
     - float32: MKL-packed (with their weights, for the rows MKL does not serve)."""
 
     kernels: ModuleType
@@ -64,14 +65,13 @@ class DecodeStack:
         weights: list[torch.Tensor] = []
         eps, scaling, num_heads = set(), set(), set()
         for layer in layers:
-            attention = layer.self_attn
-            linears = _packed_linears(layer)
-            if linears is None:
+            tensors = _layer_tensors(layer)
+            if tensors is None:
                 return None
-            weights += [layer.input_layernorm.weight, *linears[0],
-                        layer.post_attention_layernorm.weight, *linears[1]]
+            weights += tensors
             eps |= {layer.input_layernorm.variance_epsilon,
                     layer.post_attention_layernorm.variance_epsilon}
+            attention = layer.self_attn
             scaling.add(attention.scaling)
             num_heads.add(attention.q_proj.out_features // attention.head_dim)
         if len(eps) != 1 or len(scaling) != 1 or len(num_heads) != 1:
@@ -87,9 +87,10 @@ class DecodeStack:
             self.eps, self.scaling, MKL_PACKED_MIN_ROWS, MKL_PACKED_MAX_ROWS)
 
 
-def _packed_linears(layer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-    """A layer's attention and MLP tensors as decode_layers.cpp takes them, or None."""
+def _layer_tensors(layer: Any) -> list[torch.Tensor] | None:
+    """A layer's tensors in decode_layers.cpp's order, or None where it cannot take them."""
     attention, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
                    mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if any(p.bias is not None for p in projections):
@@ -99,8 +100,11 @@ def _packed_linears(layer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]
         o, down = onednn_weight(attention.o_proj), onednn_weight(mlp.down_proj)
         if attention.qkv is None or mlp.epilogues is None or o is None or down is None:
             return None
+        if not all(p.weight.is_contiguous() for p in projections):  # MKL's one-row path
+            return None
         gate, up = mlp.epilogues
-        return [attention.qkv[0].packed, o.packed], [gate.packed, up.packed, down.packed]
+        return [norms[0], attention.qkv[0].packed, o.packed, norms[1], gate.packed, up.packed,
+                down.packed, *(p.weight for p in projections)]
     pairs: list[torch.Tensor] = []  # each projection's weight, then its MKL-packed copy
     for p in projections:
         if (dtype != torch.float32 or not isinstance(p, PackedLinear)
@@ -108,7 +112,7 @@ def _packed_linears(layer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]
                 or (p.min_rows, p.max_rows) != (MKL_PACKED_MIN_ROWS, MKL_PACKED_MAX_ROWS)):
             return None
         pairs += [p.weight, p.packed.packed]
-    return pairs[:8], pairs[8:]
+    return [norms[0], *pairs[:8], norms[1], *pairs[8:]]
 
 
 def _decode_only(step: object) -> KernelDecode | None:

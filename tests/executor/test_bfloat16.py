@@ -18,18 +18,20 @@ from executor_svc.step import StepRequest
 from .oracle import Driver, random_prompts, reference_logits, reference_model
 
 
-@pytest.mark.parametrize(
-    ("preset", "backend"), [("tiny-llama", "cpu"), ("tiny-llama", "torch"), ("tiny-qwen2", "cpu")]
-)
+@pytest.mark.parametrize(("preset", "backend", "lengths"), [
+    ("tiny-llama", "cpu", [5, 33, 20]), ("tiny-llama", "torch", [5, 33, 20]),
+    ("tiny-qwen2", "cpu", [5, 33, 20]), ("tiny-llama", "cpu", [29]),
+])
 def test_bfloat16_decode_logits_track_transformers_in_bfloat16(
-    make_runner: Callable[..., ModelRunner], preset: str, backend: str
+    make_runner: Callable[..., ModelRunner], preset: str, backend: str, lengths: list[int]
 ) -> None:
-    # Three prompts prefilled, then four decode steps fed transformers' own greedy tokens: at
-    # every step each row's logits are within bf16 rounding of the dense bf16 forward. (Qwen2:
-    # q/k/v biases, concatenated into the fused q/k/v projection's.)
+    # Prompts prefilled, then four decode steps fed transformers' own greedy tokens: at every
+    # step each row's logits are within bf16 rounding of the dense bf16 forward. (Qwen2: q/k/v
+    # biases, concatenated into the fused q/k/v projection's. One prompt: its decode steps'
+    # single row takes MKL's bf16 GEMM in the decode stack.)
     runner = make_runner(preset, dtype="bfloat16", backend=backend)
     reference = reference_model(runner).to(torch.bfloat16)
-    prompts = random_prompts(runner.info.vocab_size, [5, 33, 20], seed=2)
+    prompts = random_prompts(runner.info.vocab_size, lengths, seed=2)
     driver = Driver.scattered(runner)
     seqs = tuple(driver.work(f"r{i}", p, sample=True) for i, p in enumerate(prompts))
     logits = runner.run_forward(StepRequest(seqs=seqs)).logits  # [3, V] bf16

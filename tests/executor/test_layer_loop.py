@@ -80,7 +80,8 @@ def test_decode_stack_gives_the_python_loops_bits(
 ) -> None:
     """Decode steps through the C++ decode stack against the Python layer loop: the same
     logits, bit for bit, step after step (each step reads the K/V the stack wrote before),
-    with one row (float32: F.linear) and several (MKL's packed GEMM)."""
+    with several rows and, in float32, one (F.linear; in bfloat16 one row takes MKL's bf16
+    GEMM, its sums in another order: test_decode_stack_one_bf16_row_tracks_the_python_loop)."""
     stacked = make_runner(preset, dtype=dtype, backend="cpu")
     looped = make_runner(preset, dtype=dtype, backend="cpu")
     loop = stacked.loaded.layer_loop
@@ -94,7 +95,9 @@ def test_decode_stack_gives_the_python_loops_bits(
     drivers = {"stacked": Driver.scattered(stacked), "looped": Driver.scattered(looped)}
     feeds = [dict(zip(("r0", "r1", "r2", "r3"), prompts, strict=True))]
     feeds += [{f"r{i}": [11 + step + i] for i in range(4)} for step in range(6)]
-    feeds += [{"r1": [3], "r3": [4]}, {"r2": [5]}]  # fewer rows than before
+    feeds += [{"r1": [3], "r3": [4]}]  # fewer rows than before
+    if dtype == "float32":
+        feeds += [{"r2": [5]}]
     for feed in feeds:
         logits = {}
         for name, runner in (("stacked", stacked), ("looped", looped)):
@@ -103,6 +106,33 @@ def test_decode_stack_gives_the_python_loops_bits(
             logits[name] = runner.run_forward(StepRequest(seqs=seqs)).logits
         assert torch.equal(logits["stacked"], logits["looped"])
     assert counted.calls == len(feeds) - 1  # every step but the prompts'
+
+
+def test_decode_stack_one_bf16_row_tracks_the_python_loop(
+    make_runner: Callable[..., ModelRunner]
+) -> None:
+    """A lone sequence's bf16 decode steps (MKL's bf16 GEMM on the plain weights) within bf16
+    rounding of the Python loop's (oneDNN), step after step; the greedy tokens the same."""
+    stacked = make_runner("tiny-llama", dtype="bfloat16", backend="cpu")
+    looped = make_runner("tiny-llama", dtype="bfloat16", backend="cpu")
+    assert stacked.loaded.layer_loop is not None and looped.loaded.layer_loop is not None
+    assert stacked.loaded.layer_loop.decode_stack is not None
+    counted = _Counted(stacked.loaded.layer_loop.decode_stack)
+    stacked.loaded.layer_loop.decode_stack = counted  # type: ignore[assignment]
+    looped.loaded.layer_loop.decode_stack = None
+    prompt = random_prompts(stacked.info.vocab_size, [23], seed=9)[0]
+    drivers = {"stacked": Driver.scattered(stacked), "looped": Driver.scattered(looped)}
+    tokens = {"stacked": list(prompt), "looped": list(prompt)}
+    for step in range(8):
+        logits = {}
+        for name, runner in (("stacked", stacked), ("looped", looped)):
+            feed = tokens[name] if step == 0 else tokens[name][-1:]
+            work = drivers[name].work("r0", feed, sample=True)
+            logits[name] = runner.run_forward(StepRequest(seqs=(work,))).logits[0].float()
+            tokens[name].append(int(logits[name].argmax()))
+        torch.testing.assert_close(logits["stacked"], logits["looped"], atol=0.05, rtol=0.02)
+    assert tokens["stacked"] == tokens["looped"]
+    assert counted.calls == 7
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -144,7 +174,7 @@ def _stack_inputs(runner: ModelRunner, tokens: int = 2) -> dict[str, object]:
     ({"slots": torch.tensor([0, -1])}, "a slot is outside the cache"),
     ({"slots": torch.tensor([0, 10**9])}, "a slot is outside the cache"),
     ({"slots": torch.tensor([0])}, "slots must be [T] int64"),
-    ("drop_weight", "takes 7 weights for each of the cache's"),
+    ("drop_weight", "takes 14 weights for each of the cache's"),
     ("double_hidden", "hidden must be bfloat16 (oneDNN-packed layers) or float32"),
     ("float_hidden", "the cache must be [L, 2, NB, S, Hkv, D], contiguous, of hidden's dtype"),
     ("float_cache", "the cache must be [L, 2, NB, S, Hkv, D], contiguous, of hidden's dtype"),

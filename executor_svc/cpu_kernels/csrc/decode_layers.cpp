@@ -14,7 +14,9 @@
 // loop calls them:
 //   bfloat16: oneDNN-packed weights through torch's own operator (mkldnn::_linear_pointwise),
 //     q/k/v as one matmul, the SiLU and the product in the gate and up matmuls' epilogues;
-//     7 tensors a layer: in_norm, qkv, o, post_norm, gate, up, down;
+//     one row (a lone sequence's step) through MKL's bf16 GEMM on the plain weights instead,
+//     rounded as oneDNN rounds (packed_gemm.cpp says why); 14 tensors a layer: in_norm, qkv,
+//     o, post_norm, gate, up, down packed, then the plain q, k, v, o, gate, up, down;
 //   float32: MKL-packed copies for min_rows..max_rows rows and F.linear otherwise
 //     (PackedLinear.forward), silu_mul between; 16 tensors a layer: in_norm, then each of q, k,
 //     v, o as (weight, packed), post_norm, then gate, up, down as (weight, packed).
@@ -22,12 +24,17 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <optional>
+#include <vector>
+
+#include "simd.h"
 
 namespace {
 
-constexpr int64_t kOneDnnWeightsPerLayer = 7;
+constexpr int64_t kOneDnnWeightsPerLayer = 14;
 constexpr int64_t kMklWeightsPerLayer = 16;
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, c10::string_view attr) {
@@ -49,6 +56,41 @@ at::Tensor linear_times(const at::Tensor& x, const at::Tensor& other, const at::
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const std::optional<at::Tensor>&, c10::string_view)>();
   return op.call(x, other, packed, std::nullopt, "mul");
+}
+
+enum class Epilogue { kNone, kSilu, kTimes };
+
+// One row [1, K] @ each weight^T, side by side, through MKL's bf16 GEMM; the epilogue applied
+// to the float32 products (SiLU, or times `other` [1, N]) and each rounded once to bf16, as
+// oneDNN's epilogues round.
+at::Tensor one_row(const at::Tensor& x, std::initializer_list<at::Tensor> weights,
+                   Epilogue epilogue = Epilogue::kNone, const at::Tensor* other = nullptr) {
+  int64_t width = 0;
+  for (const auto& w : weights) width += w.size(0);
+  thread_local std::vector<float> products;
+  products.resize(width);
+  float* p = products.data();
+  for (const auto& w : weights) {
+    mkl_bf16_linear_into(x, w, p, width);
+    p += w.size(0);
+  }
+  auto out = torch::empty({1, width}, x.options());
+  auto* dst = out.data_ptr<c10::BFloat16>();
+  const float* acc = products.data();
+  if (epilogue == Epilogue::kSilu) {
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) simd::narrow(acc[i] / (1.f + std::exp(-acc[i])), dst + i);
+  } else if (epilogue == Epilogue::kTimes) {
+    TORCH_CHECK(other != nullptr && other->numel() == width && other->is_contiguous(),
+                "the product's other factor must be [1, N], contiguous");
+    const auto* factor = other->data_ptr<c10::BFloat16>();
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) simd::narrow(acc[i] * simd::widen(factor[i]), dst + i);
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) simd::narrow(acc[i], dst + i);
+  }
+  return out;
 }
 
 // K and V rows [T, Hkv * D] (rows at any stride, each unit-strided) into their slots of one layer's cache
@@ -131,11 +173,21 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
   }
   const int64_t q_width = num_heads * shape.head_dim, kv_width = shape.num_kv_heads * shape.head_dim;
   const MklLinears mkl{mkl_min_rows, mkl_max_rows};
+  const bool one_row_mkl = shape.tokens == 1 && mkl_bf16_gemm_available();
   for (int64_t layer = 0; layer < layers; ++layer) {
     const torch::Tensor* w = weights.data() + layer * per_layer;
     const auto layer_kv = kv[layer];
     auto x = rms_norm(hidden, w[0], eps);
-    if (dtype == at::kBFloat16) {
+    if (dtype == at::kBFloat16 && one_row_mkl) {
+      auto qkv = one_row(x, {w[7], w[8], w[9]});
+      auto attended = attend(shape, qkv.narrow(1, 0, q_width), qkv.narrow(1, q_width, kv_width),
+                             qkv.narrow(1, q_width + kv_width, kv_width), cos, sin, layer_kv,
+                             slot_ids, rows, block_tables, context_lens);
+      hidden = hidden + one_row(attended, {w[10]});
+      x = rms_norm(hidden, w[3], eps);
+      auto gate = one_row(x, {w[11]}, Epilogue::kSilu);
+      hidden = hidden + one_row(one_row(x, {w[12]}, Epilogue::kTimes, &gate), {w[13]});
+    } else if (dtype == at::kBFloat16) {
       auto qkv = linear(x, w[1], "none");  // [T, q_width + 2 * kv_width]
       TORCH_CHECK(qkv.size(1) == q_width + 2 * kv_width, "the q/k/v weight's width is not ",
                   q_width + 2 * kv_width);

@@ -27,3 +27,6 @@ std::vector<torch::Tensor> argmax_logsumexp(torch::Tensor logits);
 bool mkl_packed_gemm_available();
 torch::Tensor mkl_pack_weight(torch::Tensor weight);
 torch::Tensor mkl_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+bool mkl_bf16_gemm_available();
+void mkl_bf16_linear_into(const torch::Tensor& x, const torch::Tensor& weight, float* out,
+                          int64_t ldc);
