@@ -132,7 +132,7 @@ class LayerLoop:
     @classmethod
     def of(cls, model: PreTrainedModel, kernels: ModuleType | None = None) -> LayerLoop | None:
         """The loop for `model`, or None where one of its layers is not fused_layers' own;
-        with the CPU `kernels`, bfloat16 decode steps run through DecodeStack."""
+        with the CPU `kernels`, decode steps run through DecodeStack where it applies."""
         if type(model).__name__ not in CAUSAL_LMS:
             return None
         decoder = getattr(model, "model", None)

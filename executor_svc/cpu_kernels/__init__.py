@@ -5,8 +5,8 @@
 - fused_ops.cpp: RMSNorm, silu(gate) * up and rotary q/k in one pass each (fused_layers.py);
 - sampling.cpp: each row's argmax and log-sum-exp in one pass for the sampler (sampler.py);
 - packed_gemm.cpp: float32 linear layers through MKL's packed GEMM (packed_linear.py);
-- decode_layers.cpp: a bfloat16 decode step through every decoder layer in one call
-  (layer_loop.py);
+- decode_layers.cpp: a decode step through every decoder layer in one call, bfloat16 or
+  float32 (layer_loop.py);
 - simd.h: float32 vectors and bfloat16 conversions that compile for any x86 level;
 - bindings.cpp: the Python module that exposes them.
 

@@ -34,7 +34,7 @@ def test_bfloat16_decode_logits_track_transformers_in_bfloat16(
     prompts = random_prompts(runner.info.vocab_size, lengths, seed=2)
     driver = Driver.scattered(runner)
     seqs = tuple(driver.work(f"r{i}", p, sample=True) for i, p in enumerate(prompts))
-    logits = runner.run_forward(StepRequest(seqs=seqs)).logits  # [3, V] bf16
+    logits = runner.run_forward(StepRequest(seqs=seqs)).logits  # [prompts, V] bf16
     histories = [list(p) for p in prompts]
     for _ in range(4):
         for row, history in enumerate(histories):

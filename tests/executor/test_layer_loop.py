@@ -114,6 +114,8 @@ def test_decode_stack_one_bf16_row_tracks_the_python_loop(
     """A lone sequence's bf16 decode steps (MKL's bf16 GEMM on the plain weights) within bf16
     rounding of the Python loop's (oneDNN), step after step; the greedy tokens the same."""
     stacked = make_runner("tiny-llama", dtype="bfloat16", backend="cpu")
+    assert stacked.loaded.layer_loop is not None and stacked.loaded.layer_loop.decode_stack
+    assert stacked.loaded.layer_loop.decode_stack.kernels.mkl_bf16_gemm_available()
     looped = make_runner("tiny-llama", dtype="bfloat16", backend="cpu")
     assert stacked.loaded.layer_loop is not None and looped.loaded.layer_loop is not None
     assert stacked.loaded.layer_loop.decode_stack is not None
@@ -130,7 +132,9 @@ def test_decode_stack_one_bf16_row_tracks_the_python_loop(
             work = drivers[name].work("r0", feed, sample=True)
             logits[name] = runner.run_forward(StepRequest(seqs=(work,))).logits[0].float()
             tokens[name].append(int(logits[name].argmax()))
-        torch.testing.assert_close(logits["stacked"], logits["looped"], atol=0.05, rtol=0.02)
+        # Relative to the logits' own size: a broken epilogue moves them by several percent.
+        gap = (logits["stacked"] - logits["looped"]).norm() / logits["looped"].norm()
+        assert gap < 0.01, f"step {step}: {gap:.4f}"
     assert tokens["stacked"] == tokens["looped"]
     assert counted.calls == 7
 
@@ -142,6 +146,9 @@ def test_decode_stack_only_where_every_linear_is_packed_for_it(
     # q/k/v with a bias (Qwen2): its decode steps keep the Python loop.
     qwen2 = make_runner("tiny-qwen2", dtype=dtype, backend="cpu").loaded.layer_loop
     assert qwen2 is not None and qwen2.decode_stack is None
+    # LoRA wraps the projections for its adapters: every step keeps the Python loop.
+    lora = make_runner("tiny-llama", dtype=dtype, backend="cpu", enable_lora=True)
+    assert lora.loaded.layer_loop is None or lora.loaded.layer_loop.decode_stack is None
     llama = make_runner("tiny-llama", dtype=dtype, backend="cpu").loaded.layer_loop
     assert llama is not None and llama.decode_stack is not None
     layer = llama.model.model.layers[0]
@@ -178,7 +185,9 @@ def _stack_inputs(runner: ModelRunner, tokens: int = 2) -> dict[str, object]:
     ("double_hidden", "hidden must be bfloat16 (oneDNN-packed layers) or float32"),
     ("float_hidden", "the cache must be [L, 2, NB, S, Hkv, D], contiguous, of hidden's dtype"),
     ("float_cache", "the cache must be [L, 2, NB, S, Hkv, D], contiguous, of hidden's dtype"),
-    ({"lens": torch.tensor([1, 0], dtype=torch.int32)}, "context"),
+    # (Refused inside layer 0's attention, after its K/V were written, as the Python path.)
+    ({"lens": torch.tensor([1, 0], dtype=torch.int32)}, "a context length is outside 1.."),
+    ({"num_heads": 1}, "the q/k/v weight's width is not"),
 ])
 def test_decode_stack_refuses_bad_inputs(
     make_runner: Callable[..., ModelRunner], change: object, message: str

@@ -10,7 +10,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rotary position embedding of q and k, in place (float32 or bfloat16)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, row by row (float32 or bfloat16)");
   m.def("decode_layers", &decode_layers, py::call_guard<py::gil_scoped_release>(),
-        "a decode step through every fused bfloat16 decoder layer (executor_svc/layer_loop.py)");
+        "a decode step through every fused decoder layer, bfloat16 or float32 (layer_loop.py)");
+  m.def("mkl_bf16_gemm_available", &mkl_bf16_gemm_available,
+        "whether torch's build exports MKL's bfloat16 GEMM (the decode stack's one-row path)");
   m.def("argmax_logsumexp", &argmax_logsumexp,
         "each row's first maximal id and its log-sum-exp (float32 or bfloat16 logits)");
   m.def("mkl_packed_gemm_available", &mkl_packed_gemm_available,

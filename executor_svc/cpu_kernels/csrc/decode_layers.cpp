@@ -15,7 +15,7 @@
 //   bfloat16: oneDNN-packed weights through torch's own operator (mkldnn::_linear_pointwise),
 //     q/k/v as one matmul, the SiLU and the product in the gate and up matmuls' epilogues;
 //     one row (a lone sequence's step) through MKL's bf16 GEMM on the plain weights instead,
-//     rounded as oneDNN rounds (packed_gemm.cpp says why); 14 tensors a layer: in_norm, qkv,
+//     rounded as oneDNN rounds (one_row; packed_gemm.cpp has the timings); 14 tensors a layer: in_norm, qkv,
 //     o, post_norm, gate, up, down packed, then the plain q, k, v, o, gate, up, down;
 //   float32: MKL-packed copies for min_rows..max_rows rows and F.linear otherwise
 //     (PackedLinear.forward), silu_mul between; 16 tensors a layer: in_norm, then each of q, k,
@@ -127,7 +127,7 @@ struct MklLinears {
 
 struct Shape {
   int64_t tokens, num_heads, num_kv_heads, head_dim, num_slots;
-  double eps, scale;
+  double scale;
 };
 
 // Writes the step's K/V into `layer_kv`, then returns the attention's output [T, Hq * D].
@@ -135,6 +135,9 @@ at::Tensor attend(const Shape& s, const at::Tensor& q, const at::Tensor& k, cons
                   const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& layer_kv,
                   const int64_t* slots, const at::Tensor& rows, const at::Tensor& block_tables,
                   const at::Tensor& context_lens) {
+  TORCH_CHECK(q.size(1) == s.num_heads * s.head_dim && k.size(1) == s.num_kv_heads * s.head_dim &&
+                  v.sizes() == k.sizes(),
+              "a layer's q, k and v widths disagree with num_heads and the cache's heads");
   auto q_heads = q.view({s.tokens, s.num_heads, s.head_dim});
   rotary_(q_heads, k.view({s.tokens, s.num_kv_heads, s.head_dim}), cos, sin);
   write_kv(layer_kv, k, v, slots, s.num_slots);
@@ -163,7 +166,7 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
               per_layer, " weights for each of the cache's ", layers, " layers, got ",
               weights.size());
   const Shape shape{hidden.size(0), num_heads, kv.size(4), kv.size(5), kv.size(2) * kv.size(3),
-                    eps, scale};
+                    scale};
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
                   slots.size(0) == shape.tokens,
               "slots must be [T] int64, one per token");
@@ -178,25 +181,24 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
     const torch::Tensor* w = weights.data() + layer * per_layer;
     const auto layer_kv = kv[layer];
     auto x = rms_norm(hidden, w[0], eps);
-    if (dtype == at::kBFloat16 && one_row_mkl) {
-      auto qkv = one_row(x, {w[7], w[8], w[9]});
-      auto attended = attend(shape, qkv.narrow(1, 0, q_width), qkv.narrow(1, q_width, kv_width),
-                             qkv.narrow(1, q_width + kv_width, kv_width), cos, sin, layer_kv,
-                             slot_ids, rows, block_tables, context_lens);
-      hidden = hidden + one_row(attended, {w[10]});
-      x = rms_norm(hidden, w[3], eps);
-      auto gate = one_row(x, {w[11]}, Epilogue::kSilu);
-      hidden = hidden + one_row(one_row(x, {w[12]}, Epilogue::kTimes, &gate), {w[13]});
-    } else if (dtype == at::kBFloat16) {
-      auto qkv = linear(x, w[1], "none");  // [T, q_width + 2 * kv_width]
+    if (dtype == at::kBFloat16) {
+      // [T, q_width + 2 * kv_width]
+      auto qkv = one_row_mkl ? one_row(x, {w[7], w[8], w[9]}) : linear(x, w[1], "none");
       TORCH_CHECK(qkv.size(1) == q_width + 2 * kv_width, "the q/k/v weight's width is not ",
                   q_width + 2 * kv_width);
       auto attended = attend(shape, qkv.narrow(1, 0, q_width), qkv.narrow(1, q_width, kv_width),
                              qkv.narrow(1, q_width + kv_width, kv_width), cos, sin, layer_kv,
                              slot_ids, rows, block_tables, context_lens);
-      hidden = hidden + linear(attended, w[2], "none");
-      x = rms_norm(hidden, w[3], eps);
-      hidden = hidden + linear(linear_times(x, linear(x, w[4], "swish"), w[5]), w[6], "none");
+      if (one_row_mkl) {
+        hidden = hidden + one_row(attended, {w[10]});
+        x = rms_norm(hidden, w[3], eps);
+        auto gate = one_row(x, {w[11]}, Epilogue::kSilu);
+        hidden = hidden + one_row(one_row(x, {w[12]}, Epilogue::kTimes, &gate), {w[13]});
+      } else {
+        hidden = hidden + linear(attended, w[2], "none");
+        x = rms_norm(hidden, w[3], eps);
+        hidden = hidden + linear(linear_times(x, linear(x, w[4], "swish"), w[5]), w[6], "none");
+      }
     } else {
       auto attended = attend(shape, mkl(x, w[1], w[2]), mkl(x, w[3], w[4]), mkl(x, w[5], w[6]),
                              cos, sin, layer_kv, slot_ids, rows, block_tables, context_lens);
