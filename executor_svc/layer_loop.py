@@ -115,11 +115,12 @@ def _layer_tensors(layer: Any) -> list[torch.Tensor] | None:
     return [norms[0], *pairs[:8], norms[1], *pairs[8:]]
 
 
-def _decode_only(step: object) -> KernelDecode | None:
-    """The step's decode rows when it has nothing else (no prompt rows) for the C++ kernel."""
+def _decode_only(step: object) -> tuple[TorchStepAttention, KernelDecode] | None:
+    """The step and its decode rows when it has nothing else (no prompt rows) for the C++
+    kernel."""
     if (isinstance(step, TorchStepAttention) and isinstance(step.decode, KernelDecode)
             and not step.fresh_prefills and not step.prefill_spans):
-        return step.decode
+        return step, step.decode
     return None
 
 
@@ -157,16 +158,16 @@ class LayerLoop:
             hidden = decoder.embed_tokens(input_ids[None])  # [1, T, H]
             rotary = decoder.rotary_emb(hidden, positions[None])  # cos, sin [1, T, D]
             decode = None if self.decode_stack is None else _decode_only(attention_step)
-            if decode is not None and self.decode_stack is not None:
+            if self.decode_stack is not None and decode is not None:
                 cos, sin = (r[0].contiguous() for r in rotary)
-                assert isinstance(attention_step, TorchStepAttention)
-                hidden = self.decode_stack(hidden[0], cos, sin, attention_step, decode)[None]
-                return self.model.lm_head(decoder.norm(hidden)[:, keep])[0]
-            for layer in decoder.layers:
-                residual = hidden
-                hidden, _ = layer.self_attn(layer.input_layernorm(hidden), rotary, None, **step)
-                hidden = residual + hidden
-                residual = hidden
-                hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+                hidden = self.decode_stack(hidden[0], cos, sin, *decode)[None]
+            else:
+                for layer in decoder.layers:
+                    residual = hidden
+                    hidden, _ = layer.self_attn(layer.input_layernorm(hidden), rotary, None,
+                                                **step)
+                    hidden = residual + hidden
+                    residual = hidden
+                    hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
             hidden = decoder.norm(hidden)
             return self.model.lm_head(hidden[:, keep])[0]

@@ -38,13 +38,20 @@ def test_layer_loop_gives_transformers_forward_bits(
         {"r0": [7], "r1": prompts[1][10:], "r2": prompts[2]},
         {"r0": [8], "r1": [9], "r2": [10]},
     ]
+    runners = {"looped": looped, "plain": plain}
     for feed in feeds:
-        logits = {}
-        for name, runner in (("looped", looped), ("plain", plain)):
-            seqs = tuple(drivers[name].work(rid, tokens, sample=True)
-                         for rid, tokens in feed.items())
-            logits[name] = runner.run_forward(StepRequest(seqs=seqs)).logits
+        logits = _step_logits(runners, drivers, feed)
         assert torch.equal(logits["looped"], logits["plain"])
+
+
+def _step_logits(runners: dict[str, ModelRunner], drivers: dict[str, Driver],
+                 feed: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """One step of the same feed through each runner (its own driver's blocks): the logits."""
+    logits = {}
+    for name, runner in runners.items():
+        seqs = tuple(drivers[name].work(rid, tokens, sample=True) for rid, tokens in feed.items())
+        logits[name] = runner.run_forward(StepRequest(seqs=seqs)).logits
+    return logits
 
 
 def test_layer_loop_only_for_fused_decoders(make_runner: Callable[..., ModelRunner]) -> None:
@@ -98,12 +105,9 @@ def test_decode_stack_gives_the_python_loops_bits(
     feeds += [{"r1": [3], "r3": [4]}]  # fewer rows than before
     if dtype == "float32":
         feeds += [{"r2": [5]}]
+    runners = {"stacked": stacked, "looped": looped}
     for feed in feeds:
-        logits = {}
-        for name, runner in (("stacked", stacked), ("looped", looped)):
-            seqs = tuple(drivers[name].work(rid, tokens, sample=True)
-                         for rid, tokens in feed.items())
-            logits[name] = runner.run_forward(StepRequest(seqs=seqs)).logits
+        logits = _step_logits(runners, drivers, feed)
         assert torch.equal(logits["stacked"], logits["looped"])
     assert counted.calls == len(feeds) - 1  # every step but the prompts'
 
