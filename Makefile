@@ -131,6 +131,12 @@ gpu-check-dry: protos
 packaging-check: protos $(CLIENT_WHEELS)
 	$(PY) -m pytest -q -m packaging tests/client/test_client_packaging.py
 
+# The embedded model's real weights through a whole stack (tests/e2e/test_real_model.py): greedy,
+# drafted and LoRA outputs against transformers and PEFT; out of make test's 5 minutes, in CI.
+.PHONY: real-model-e2e
+real-model-e2e: protos
+	$(PY) -m pytest -q -m real_model tests/e2e/test_real_model.py
+
 .PHONY: loadgen-e2e
 loadgen-e2e: protos $(VLLM_VENV)/.installed $(GUIDELLM_VENV)/.installed
 	PAGEDKV_LOADGEN_REQUIRED=1 $(PY) -m pytest -q -m loadgen tests/e2e/test_load_generators.py
