@@ -99,6 +99,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             kinds.append("e2e")
         if not kinds:
             item.add_marker(pytest.mark.unit)
+    # Files that start processes first: --dist loadfile hands files out in this order, so the
+    # long ones start early and the last minute is short unit files on both workers, not one
+    # stack's file on one of them. (A file moves whole: its module fixtures start once.)
+    starts_processes = {item.path for item in items if item.get_closest_marker("e2e")}
+    items.sort(key=lambda item: item.path not in starts_processes)
 
 
 class UnitTestStartedSomething(AssertionError):
