@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import structlog
 import torch
 from transformers import PreTrainedModel
 
@@ -37,6 +38,8 @@ from executor_svc.packed_linear import (
     MklWeight,
     PackedLinear,
 )
+
+log = structlog.get_logger(__name__)
 
 # The CausalLM classes whose forward is embed -> layers -> norm -> lm_head on kept rows, and
 # whose decoder layers are pre-norm attention then MLP, each with a residual add.
@@ -75,6 +78,11 @@ class DecodeStack:
             scaling.add(attention.scaling)
             num_heads.add(attention.q_proj.out_features // attention.head_dim)
         if len(eps) != 1 or len(scaling) != 1 or len(num_heads) != 1:
+            return None
+        if weights[0].dtype == torch.bfloat16 and not kernels.onednn_linear_ops_available():
+            # Checked here, not at the first decode step, which would fail every step after.
+            log.warning("decode_stack_off", reason="this torch's oneDNN linear operators do "
+                        "not have the signatures decode_layers calls: the Python loop runs")
             return None
         return cls(kernels, tuple(weights), num_heads.pop(), eps.pop(), scaling.pop())
 

@@ -29,9 +29,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.model_dirs import DEFAULT_MODEL, PRESETS_DIR
 from pagedkv.gateway.v1 import gateway_pb2 as gpb
 from tools.launch import Stack
+from tools.make_lora_adapter import make_adapter
 
 pytestmark = pytest.mark.real_model  # make real-model-e2e (CI), out of make test's budget
-from tools.make_lora_adapter import make_adapter
 
 PROMPTS = [
     "The capital of France is",

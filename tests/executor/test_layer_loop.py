@@ -161,6 +161,34 @@ def test_decode_stack_only_where_every_linear_is_packed_for_it(
     assert DecodeStack.of(llama.model.model.layers, llama.decode_stack.kernels) is None
 
 
+class _OtherOneDnn:
+    """The CPU kernels as on a torch whose oneDNN linear signatures differ from decode_layers'
+    (the lookup that reports it runs for real: test_decode_stack_finds_its_onednn_ops)."""
+
+    def __init__(self, kernels: object) -> None:
+        self.kernels = kernels
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.kernels, name)
+
+    def onednn_linear_ops_available(self) -> bool:
+        return False
+
+
+def test_decode_stack_finds_its_onednn_ops_or_keeps_the_python_loop(
+        make_runner: Callable[..., ModelRunner]) -> None:
+    # This torch's operators match (looked up for real); a torch whose do not keeps the
+    # Python loop for bfloat16 from the start (float32 never calls them).
+    bf16 = make_runner("tiny-llama", dtype="bfloat16", backend="cpu").loaded.layer_loop
+    assert bf16 is not None and bf16.decode_stack is not None
+    kernels = bf16.decode_stack.kernels
+    assert kernels.onednn_linear_ops_available()
+    assert DecodeStack.of(bf16.decoder.layers, _OtherOneDnn(kernels)) is None  # type: ignore[arg-type]
+    fp32 = make_runner("tiny-llama", dtype="float32", backend="cpu").loaded.layer_loop
+    assert fp32 is not None
+    assert DecodeStack.of(fp32.decoder.layers, _OtherOneDnn(kernels)) is not None  # type: ignore[arg-type]
+
+
 def _stack_inputs(runner: ModelRunner, tokens: int = 2) -> dict[str, object]:
     loop = runner.loaded.layer_loop
     assert loop is not None and loop.decode_stack is not None

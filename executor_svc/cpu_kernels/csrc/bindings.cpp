@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up, row by row (float32 or bfloat16)");
   m.def("decode_layers", &decode_layers, py::call_guard<py::gil_scoped_release>(),
         "a decode step through every fused decoder layer, bfloat16 or float32 (layer_loop.py)");
+  m.def("onednn_linear_ops_available", &onednn_linear_ops_available,
+        "whether torch's oneDNN linear operators have the signatures decode_layers calls");
   m.def("mkl_bf16_gemm_available", &mkl_bf16_gemm_available,
         "whether torch's build exports MKL's bfloat16 GEMM (the decode stack's one-row path)");
   m.def("argmax_logsumexp", &argmax_logsumexp,

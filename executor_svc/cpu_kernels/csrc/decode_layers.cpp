@@ -37,25 +37,38 @@ namespace {
 constexpr int64_t kOneDnnWeightsPerLayer = 14;
 constexpr int64_t kMklWeightsPerLayer = 16;
 
+using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                           c10::string_view, c10::List<std::optional<at::Scalar>>,
+                           std::optional<c10::string_view>);
+using LinearTimesFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const std::optional<at::Tensor>&, c10::string_view);
+using LinearOp = c10::TypedOperatorHandle<LinearFn>;
+using LinearTimesOp = c10::TypedOperatorHandle<LinearTimesFn>;
+
+// torch's oneDNN linear operators, by the signatures this file calls them with: looked up once
+// (a torch whose signatures differ throws here, which onednn_linear_ops_available() reports).
+const LinearOp& linear_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                             .typed<LinearFn>();
+  return op;
+}
+
+const LinearTimesOp& linear_times_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "binary")
+                             .typed<LinearTimesFn>();
+  return op;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, c10::string_view attr) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                            c10::string_view, c10::List<std::optional<at::Scalar>>,
-                            std::optional<c10::string_view>)>();
-  return op.call(x, packed, std::nullopt, attr, c10::List<std::optional<at::Scalar>>(),
-                 c10::string_view(""));
+  return linear_op().call(x, packed, std::nullopt, attr, c10::List<std::optional<at::Scalar>>(),
+                          c10::string_view(""));
 }
 
 // (x @ W^T) * other, the product taken in float32 before it is rounded.
 at::Tensor linear_times(const at::Tensor& x, const at::Tensor& other, const at::Tensor& packed) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("mkldnn::_linear_pointwise", "binary")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const std::optional<at::Tensor>&, c10::string_view)>();
-  return op.call(x, other, packed, std::nullopt, "mul");
+  return linear_times_op().call(x, other, packed, std::nullopt, "mul");
 }
 
 enum class Epilogue { kNone, kSilu, kTimes };
@@ -148,6 +161,16 @@ at::Tensor attend(const Shape& s, const at::Tensor& q, const at::Tensor& k, cons
 }
 
 }  // namespace
+
+bool onednn_linear_ops_available() {
+  try {
+    linear_op();
+    linear_times_op();
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
 
 torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
                             std::vector<torch::Tensor> weights, torch::Tensor kv,

@@ -20,6 +20,8 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
                             torch::Tensor context_lens, int64_t num_heads, double eps,
                             double scale, int64_t mkl_min_rows, int64_t mkl_max_rows);
 
+bool onednn_linear_ops_available();
+
 // sampling.cpp
 std::vector<torch::Tensor> argmax_logsumexp(torch::Tensor logits);
 
