@@ -15,8 +15,9 @@
 //   bfloat16: oneDNN-packed weights through torch's own operator (mkldnn::_linear_pointwise),
 //     q/k/v as one matmul, the SiLU and the product in the gate and up matmuls' epilogues;
 //     one row (a lone sequence's step) through MKL's bf16 GEMM on the plain weights instead,
-//     rounded as oneDNN rounds (one_row; packed_gemm.cpp has the timings); 14 tensors a layer: in_norm, qkv,
-//     o, post_norm, gate, up, down packed, then the plain q, k, v, o, gate, up, down;
+//     rounded as oneDNN rounds (one_row; packed_gemm.cpp has the timings); 14 tensors a
+//     layer: in_norm, qkv, o, post_norm, gate, up, down packed, then the plain q, k, v, o,
+//     gate, up, down;
 //   float32: MKL-packed copies for min_rows..max_rows rows and F.linear otherwise
 //     (PackedLinear.forward), silu_mul between; 16 tensors a layer: in_norm, then each of q, k,
 //     v, o as (weight, packed), post_norm, then gate, up, down as (weight, packed).
@@ -106,8 +107,8 @@ at::Tensor one_row(const at::Tensor& x, std::initializer_list<at::Tensor> weight
   return out;
 }
 
-// K and V rows [T, Hkv * D] (rows at any stride, each unit-strided) into their slots of one layer's cache
-// [2, num_blocks, block_size, Hkv, D], as index_copy_ would.
+// K and V rows [T, Hkv * D] (rows at any stride, each unit-strided) into their slots of one
+// layer's cache [2, num_blocks, block_size, Hkv, D], as index_copy_ would.
 void write_kv(const at::Tensor& layer_kv, const at::Tensor& k, const at::Tensor& v,
               const int64_t* slots, int64_t num_slots) {
   const int64_t tokens = k.size(0), row = k.size(1);
@@ -197,7 +198,8 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
   for (int64_t t = 0; t < shape.tokens; ++t) {
     TORCH_CHECK(slot_ids[t] >= 0 && slot_ids[t] < shape.num_slots, "a slot is outside the cache");
   }
-  const int64_t q_width = num_heads * shape.head_dim, kv_width = shape.num_kv_heads * shape.head_dim;
+  const int64_t q_width = num_heads * shape.head_dim;
+  const int64_t kv_width = shape.num_kv_heads * shape.head_dim;
   const MklLinears mkl{mkl_min_rows, mkl_max_rows};
   const bool one_row_mkl = shape.tokens == 1 && mkl_bf16_gemm_available();
   for (int64_t layer = 0; layer < layers; ++layer) {
