@@ -47,11 +47,15 @@ class SideCalls(EngineState):
             self.fail(parent, Unavailable(f"fork failed ({exc.status})"))
 
     async def flush_housekeeping(self, plan: ScheduledStep) -> None:
-        """An idle engine: aborts, then frees and commits, go out without a step.
+        """An idle engine: the allocator's aborts, frees and commits, and the executor's
+        releases, go out without a step, the two services' calls side by side (neither
+        depends on the other's, and a request arriving now waits for both)."""
+        await asyncio.gather(self._flush_allocator(plan), self.flush_releases())
 
-        Aborts first: the Free confirms steps by id (commit_through_step_id), which may cover a
-        rejected batch whose requests are among the aborts, and an aborted request is never
-        committed. (A Step carries both, and the allocator skips the ones it aborts.)"""
+    async def _flush_allocator(self, plan: ScheduledStep) -> None:
+        """Aborts first: the Free confirms steps by id (commit_through_step_id), which may
+        cover a rejected batch whose requests are among the aborts, and an aborted request is
+        never committed. (A Step carries both, and the allocator skips the ones it aborts.)"""
         call = plan.call
         try:
             if call.abort_request_ids:
@@ -72,7 +76,6 @@ class SideCalls(EngineState):
             else:
                 self.recovery.restore_housekeeping(plan)
                 await asyncio.sleep(recovery.RETRY_PAUSE_S)
-        await self.flush_releases()
 
     async def flush_releases(self) -> None:
         """Executor releases with no Execute to ride on."""

@@ -511,6 +511,67 @@ def test_a_release_the_executor_refuses_waits_for_the_next_execute(tokenizer: To
     assert link.pool.all_free()
 
 
+def test_an_idle_engines_free_and_release_go_out_side_by_side(tokenizer: Tokenizer):
+    # A finished request's Free (allocator) and Release (executor) have no step to ride on.
+    # They go out at once, so a request arriving meanwhile waits for the slower of the two,
+    # not their sum: here the Free does not return until the Release has arrived.
+    eng, link = engine(tokenizer, num_blocks=64)
+    free, release = link.free, link.release
+    order: list[str] = []
+
+    async def free_after_release(commits: tuple[Commit, ...], request_ids: tuple[str, ...],
+                                 commit_through: int) -> int:
+        order.append("free sent")
+        for _ in range(100):
+            if "release" in order:
+                break
+            await asyncio.sleep(0.001)
+        order.append("free returns")
+        return await free(commits, request_ids, commit_through)
+
+    async def record_release(request_ids: list[str]) -> None:
+        order.append("release")
+        await release(request_ids)
+
+    link.free, link.release = free_after_release, record_release  # type: ignore[method-assign]
+    req = submit(eng, "a", [3] * 5, max_tokens=3)
+    asyncio.run(run_until_idle(eng))
+    assert order == ["free sent", "release", "free returns"]
+    assert [t for d in drain(req) for t in d.token_ids] == link.model.reference([3] * 5, 3)
+    assert link.pool.all_free() and not link.model.held
+
+
+def test_an_idle_free_the_allocator_refuses_is_sent_again_and_releases_still_go(
+        tokenizer: Tokenizer):
+    # The idle Free refused once (a transient error): the executor's releases, sent beside
+    # it, are not held back by it, and the Free goes out again until the pool is whole.
+    eng, link = engine(tokenizer, num_blocks=64)
+    free, release = link.free, link.release
+    refusals = [failure(grpc.StatusCode.INTERNAL, "try again")]
+    order: list[str] = []
+
+    async def refuse_once(commits: tuple[Commit, ...], request_ids: tuple[str, ...],
+                          commit_through: int) -> int:
+        if refusals:
+            order.append("free refused")
+            raise refusals.pop()
+        order.append("free")
+        return await free(commits, request_ids, commit_through)
+
+    async def record_release(request_ids: list[str]) -> None:
+        order.append("release")
+        await release(request_ids)
+
+    link.free, link.release = refuse_once, record_release  # type: ignore[method-assign]
+    req = submit(eng, "a", [3] * 5, max_tokens=3)
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(run_loop_until_idle(eng))
+    assert order == ["free refused", "release", "free"]
+    assert "allocator_free_failed" in [e["event"] for e in logs]
+    assert [t for d in drain(req) for t in d.token_ids] == link.model.reference([3] * 5, 3)
+    assert link.pool.all_free() and not link.model.held
+
+
 @DEPTHS
 def test_engine_streams_each_batchs_outputs_as_it_lands(tokenizer: Tokenizer, depth: int):
     # A landed batch's deltas are in the stream at once: at depth 2 while the next Execute

@@ -17,6 +17,7 @@ from gateway.api.frontend import Frontend, ModelInfo, PromptInput
 from gateway.api.sampling import ModelLimits, RawSampling, SamplingOptions
 from gateway.core.request_state import CompletionDelta, Request
 from gateway.engine.host import EngineHost
+from gateway.engine.loop import Engine
 from gateway.engine.router import Router
 from gateway.text.tokenizer import Tokenizer
 
@@ -51,6 +52,16 @@ def _hosted(tokenizer: Tokenizer, max_waiting: int = 8, depth: int = 2):  # type
     return host, eng, link, task
 
 
+def _until_idle(host: EngineHost, eng: Engine) -> None:
+    """Once the streams have their deltas, the engine may still be sending the frees and
+    releases that follow them: wait for those (on its loop) before looking at the pool."""
+    async def idle() -> None:
+        while eng.busy:
+            await asyncio.sleep(0.005)
+
+    asyncio.run_coroutine_threadsafe(idle(), host.loop).result(10)
+
+
 def _stop(host: EngineHost, task: asyncio.Task[None]) -> None:
     host.loop.call_soon_threadsafe(task.cancel)
     host.stop()
@@ -78,6 +89,7 @@ def test_requests_submitted_through_the_host_stream_back_to_the_callers_loop(
 
     try:
         results = asyncio.run(scenario())
+        _until_idle(host, eng)
     finally:
         _stop(host, task)
     assert engine_threads == {host.thread.ident}  # the steps ran on the engine thread
