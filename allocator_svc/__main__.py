@@ -18,6 +18,7 @@ from allocator_svc.recording import Recorder, RecordingOpenError, flush_periodic
 from allocator_svc.service import METHOD_ROLES, AllocatorServicer, sweep_leases
 from allocator_svc.settings import AllocatorSettings, parse_settings
 from common.auth import Access, certificate_roles, internal_authenticator
+from common.cpu_priority import lower_cpu_priority
 from common.logging import configure_logging
 from common.metrics import MetricsPortError, RpcMetrics, service_registry, start_metrics_server
 from common.server import run_until_signal, start_server
@@ -87,6 +88,7 @@ async def serve(settings: AllocatorSettings) -> None:
 def main() -> None:
     settings = parse_settings()
     configure_logging("allocator", json=settings.log_json, level=settings.log_level)
+    lower_cpu_priority(settings.nice)
     try:
         asyncio.run(serve(settings))
     except (MetricsPortError, RecordingOpenError) as exc:

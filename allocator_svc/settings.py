@@ -23,6 +23,7 @@ from common.config import (
     split_names,
     within,
 )
+from common.cpu_priority import MAX_NICE, NICE_DEFAULT, NICE_HELP, NICE_MUST
 from common.credentials import InternalAuth, add_internal_auth_flags, internal_auth_from_args
 from common.metrics import MetricsEndpoint, add_metrics_flags, metrics_endpoint
 from common.sharding import MAX_SHARDS
@@ -46,6 +47,7 @@ class AllocatorSettings:
     port_file: str | None = setting(None, "write the bound port here once serving")
     log_json: bool = setting(False, "JSON logs (containers)")
     log_level: str = setting("info", "debug, info, warning or error")
+    nice: int = setting(NICE_DEFAULT, NICE_HELP, check=within(0, MAX_NICE), must=NICE_MUST)
     max_blocks_per_pool: int = _count(_DEFAULTS.max_blocks_per_pool,
                                        "largest pool a client may register")
     max_blocks_per_tenant: int = setting(

@@ -8,6 +8,7 @@ import sys
 
 import structlog
 
+from common.cpu_priority import lower_cpu_priority
 from common.credentials import CredentialsError
 from common.logging import configure_logging
 from gateway.app import start_gateway
@@ -20,6 +21,7 @@ log = structlog.get_logger("gateway")
 async def main() -> int:
     settings = load_settings()
     configure_logging("gateway", json=settings.log_json, level=settings.log_level)
+    lower_cpu_priority(settings.nice)
     try:
         gateway = await start_gateway(settings)
     except (TokenizerLoadError, CredentialsError) as exc:

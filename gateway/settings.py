@@ -21,6 +21,7 @@ from common.config import (
     setting,
     within,
 )
+from common.cpu_priority import MAX_NICE, NICE_DEFAULT, NICE_HELP, NICE_MUST
 from common.credentials import InternalAuth, add_internal_auth_flags, internal_auth_from_args
 from common.model_dirs import DEFAULT_MODEL
 from common.sharding import MAX_SHARDS
@@ -196,6 +197,7 @@ class GatewaySettings:
         check=finite_at_least(0), must="a finite number of seconds >= 0")
     log_json: bool = setting(False, "JSON logs (containers)")
     log_level: str = setting("info", "debug, info, warning, error")
+    nice: int = setting(NICE_DEFAULT, NICE_HELP, check=within(0, MAX_NICE), must=NICE_MUST)
     # From the credential flags (common/credentials.py); in-process use needs none.
     internal_auth: InternalAuth = InternalAuth()
 

@@ -20,6 +20,8 @@ from common.credentials import (
     (["--max-lease-ttl-ms", "0"], "--max-lease-ttl-ms must be >= 1"),
     (["--default-lease-ttl-ms", "700000"], "--default-lease-ttl-ms must be <= --max-lease-ttl"),
     (["--port", "70000"], "--port must be in 0..65535"),
+    (["--nice", "20"], "--nice must be in 0..19, not 20"),
+    (["--nice", "-5"], "--nice must be in 0..19, not -5"),
     (["--metrics-port", "70000"], "--metrics-port must be in -1..65535 (0: any free port, "
                                   "-1: off), not 70000"),
     (["--metrics-port", "-2"], "--metrics-port must be in -1..65535"),

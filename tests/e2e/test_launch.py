@@ -58,6 +58,12 @@ def test_launch_starts_serves_and_stops_on_ctrl_c(tmp_path: Path):
         for name in ("allocator", "executor-0", "gateway"):
             log = (tmp_path / f"{name}.log").read_text()
             assert "server_stopped" in log or "gateway_stopped" in log, name
+            # The control plane runs behind the executor's threads on shared cores.
+            lowered = re.search(r"cpu_priority_lowered\s+nice=(\d+)", log)
+            if name == "executor-0":
+                assert lowered is None
+            else:
+                assert lowered and int(lowered.group(1)) == min(19, os.nice(0) + 10), name
     finally:
         stop_group(launch)
 

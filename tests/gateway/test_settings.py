@@ -38,6 +38,8 @@ def test_defaults_are_sensible():
         (["--max-prompt-bytes", "0"], "--max-prompt-bytes"),
         (["--http-port", "70000"], "--http-port"),
         (["--http-port", "-2"], "--http-port"),
+        (["--nice", "20"], "--nice must be in 0..19"),
+        (["--nice", "-1"], "--nice must be in 0..19"),
         (["--max-sse-buffer", "0"], "--max-sse-buffer"),
         (["--executor-dns", "executor"], "--executor-dns"),
         (["--executor-dns", "e:1", "--executor-addrs-file", "f"], "give one of them"),
