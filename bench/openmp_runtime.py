@@ -9,10 +9,12 @@ repeat), 64 requests of a workload at once through the unary gRPC API after 8 to
     .venv/bin/python -m bench.openmp_runtime --variants default,passive,bind,iomp \\
         --workload mixed --dtype bfloat16 --repeats 3
 
-Variants: default (torch's GNU OpenMP as it comes), passive (OMP_WAIT_POLICY=PASSIVE: idle
-threads sleep instead of spinning), bind (OMP_PROC_BIND=close, OMP_PLACES=cores), iomp
-(Intel OpenMP from .venv-vllm preloaded, KMP_AFFINITY compact; make bench-vllm builds it).
-Writes bench/results/openmp_runtime.json (medians and every repeat).
+Variants: default (torch's GNU OpenMP as it comes, the gateway and the allocator at their
+default --nice 10), passive (OMP_WAIT_POLICY=PASSIVE: idle threads sleep instead of
+spinning), bind (OMP_PROC_BIND=close, OMP_PLACES=cores), iomp (Intel OpenMP from .venv-vllm
+preloaded, KMP_AFFINITY compact; make bench-vllm builds it), nice0 (PAGEDKV_NICE=0: the
+gateway and the allocator at the executor's CPU priority). Writes
+bench/results/openmp_runtime.json (medians and every repeat; `--name` for another name).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "bind": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
     "iomp": {"LD_PRELOAD": str(IOMP), "KMP_AFFINITY": "granularity=fine,compact,1,0"},
+    "nice0": {"PAGEDKV_NICE": "0"},
 }
 WORKLOADS = {"mixed": mixed_requests, "equal": equal_requests}
 NUM_REQUESTS = 64
@@ -70,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--name", default="openmp_runtime", help="the results file's name")
     args = p.parse_args(argv)
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = {"tok_per_s": statistics.median(samples), "samples": samples}
         if base:
             rows[name]["ratio_to_default"] = [s / b for s, b in zip(samples, base, strict=True)]
-    path = write_results("openmp_runtime", {"benchmark": "openmp_runtime",
+    path = write_results(args.name, {"benchmark": "openmp_runtime",
                                             "workload": args.workload, "dtype": args.dtype,
                                             "num_requests": NUM_REQUESTS, "variants": rows})
     for name, row in rows.items():
