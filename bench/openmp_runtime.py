@@ -9,12 +9,12 @@ repeat), 64 requests of a workload at once through the unary gRPC API after 8 to
     .venv/bin/python -m bench.openmp_runtime --variants default,passive,bind,iomp \\
         --workload mixed --dtype bfloat16 --repeats 3
 
-Variants: default (torch's GNU OpenMP as it comes, the gateway and the allocator at their
-default --nice 10), passive (OMP_WAIT_POLICY=PASSIVE: idle threads sleep instead of
-spinning), bind (OMP_PROC_BIND=close, OMP_PLACES=cores), iomp (Intel OpenMP from .venv-vllm
-preloaded, KMP_AFFINITY compact; make bench-vllm builds it), nice0 (PAGEDKV_NICE=0: the
-gateway and the allocator at the executor's CPU priority). Writes
-bench/results/openmp_runtime.json (medians and every repeat; `--name` for another name).
+Variants: default (torch's GNU OpenMP as it comes, every service at --nice 0), passive
+(OMP_WAIT_POLICY=PASSIVE: idle threads sleep instead of spinning), bind (OMP_PROC_BIND=close,
+OMP_PLACES=cores), iomp (Intel OpenMP from .venv-vllm preloaded, KMP_AFFINITY compact; make
+bench-vllm builds it), nice10 (PAGEDKV_NICE=10: the gateway and the allocator behind the
+executor's threads). Writes bench/results/openmp_runtime.json (medians and every repeat;
+`--name` for another name).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "bind": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
     "iomp": {"LD_PRELOAD": str(IOMP), "KMP_AFFINITY": "granularity=fine,compact,1,0"},
-    "nice0": {"PAGEDKV_NICE": "0"},
+    "nice10": {"PAGEDKV_NICE": "10"},
 }
 WORKLOADS = {"mixed": mixed_requests, "equal": equal_requests}
 NUM_REQUESTS = 64
