@@ -49,8 +49,11 @@ class SideCalls(EngineState):
     async def flush_housekeeping(self, plan: ScheduledStep) -> None:
         """An idle engine: the allocator's aborts, frees and commits, and the executor's
         releases, go out without a step, the two services' calls side by side (neither
-        depends on the other's, and a request arriving now waits for both)."""
-        await asyncio.gather(self._flush_allocator(plan), self.flush_releases())
+        depends on the other's, and a request arriving now waits for both). A task group: a
+        bug in one cancels the other rather than leaving it running beside recovery."""
+        async with asyncio.TaskGroup() as both:
+            both.create_task(self._flush_allocator(plan))
+            both.create_task(self.flush_releases())
 
     async def _flush_allocator(self, plan: ScheduledStep) -> None:
         """Aborts first: the Free confirms steps by id (commit_through_step_id), which may
