@@ -511,12 +511,31 @@ def test_a_release_the_executor_refuses_waits_for_the_next_execute(tokenizer: To
     assert link.pool.all_free()
 
 
+def record_release(link: FakeLink, order: list[str]) -> None:
+    """The link's Release notes "release" in `order` as it goes out."""
+    release = link.release
+
+    async def recorded(request_ids: list[str]) -> None:
+        order.append("release")
+        await release(request_ids)
+
+    link.release = recorded  # type: ignore[method-assign]
+
+
+def assert_served_and_whole(link: FakeLink, req: Request, prompt: list[int],
+                            max_tokens: int) -> None:
+    """The request got the reference tokens, and nothing is left held anywhere."""
+    assert [t for d in drain(req) for t in d.token_ids] == link.model.reference(prompt,
+                                                                                 max_tokens)
+    assert link.pool.all_free() and not link.model.held
+
+
 def test_an_idle_engines_free_and_release_go_out_side_by_side(tokenizer: Tokenizer):
     # A finished request's Free (allocator) and Release (executor) have no step to ride on.
     # They go out at once, so a request arriving meanwhile waits for the slower of the two,
     # not their sum: here the Free does not return until the Release has arrived.
     eng, link = engine(tokenizer, num_blocks=64)
-    free, release = link.free, link.release
+    free = link.free
     order: list[str] = []
 
     async def free_after_release(commits: tuple[Commit, ...], request_ids: tuple[str, ...],
@@ -529,16 +548,12 @@ def test_an_idle_engines_free_and_release_go_out_side_by_side(tokenizer: Tokeniz
         order.append("free returns")
         return await free(commits, request_ids, commit_through)
 
-    async def record_release(request_ids: list[str]) -> None:
-        order.append("release")
-        await release(request_ids)
-
-    link.free, link.release = free_after_release, record_release  # type: ignore[method-assign]
+    link.free = free_after_release  # type: ignore[method-assign]
+    record_release(link, order)
     req = submit(eng, "a", [3] * 5, max_tokens=3)
     asyncio.run(run_until_idle(eng))
     assert order == ["free sent", "release", "free returns"]
-    assert [t for d in drain(req) for t in d.token_ids] == link.model.reference([3] * 5, 3)
-    assert link.pool.all_free() and not link.model.held
+    assert_served_and_whole(link, req, [3] * 5, 3)
 
 
 def test_an_idle_free_the_allocator_refuses_is_sent_again_and_releases_still_go(
@@ -546,7 +561,7 @@ def test_an_idle_free_the_allocator_refuses_is_sent_again_and_releases_still_go(
     # The idle Free refused once (a transient error): the executor's releases, sent beside
     # it, are not held back by it, and the Free goes out again until the pool is whole.
     eng, link = engine(tokenizer, num_blocks=64)
-    free, release = link.free, link.release
+    free = link.free
     refusals = [failure(grpc.StatusCode.INTERNAL, "try again")]
     order: list[str] = []
 
@@ -558,18 +573,14 @@ def test_an_idle_free_the_allocator_refuses_is_sent_again_and_releases_still_go(
         order.append("free")
         return await free(commits, request_ids, commit_through)
 
-    async def record_release(request_ids: list[str]) -> None:
-        order.append("release")
-        await release(request_ids)
-
-    link.free, link.release = refuse_once, record_release  # type: ignore[method-assign]
+    link.free = refuse_once  # type: ignore[method-assign]
+    record_release(link, order)
     req = submit(eng, "a", [3] * 5, max_tokens=3)
     with structlog.testing.capture_logs() as logs:
         asyncio.run(run_loop_until_idle(eng))
     assert order == ["free refused", "release", "free"]
     assert "allocator_free_failed" in [e["event"] for e in logs]
-    assert [t for d in drain(req) for t in d.token_ids] == link.model.reference([3] * 5, 3)
-    assert link.pool.all_free() and not link.model.held
+    assert_served_and_whole(link, req, [3] * 5, 3)
 
 
 @DEPTHS
