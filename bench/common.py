@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from common.cpu_info import cpu_flags, cpu_model, cpu_vendor
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -37,19 +39,9 @@ def machine() -> dict[str, Any]:
 def cpu() -> dict[str, Any]:
     """The CPU a figure came from: its model and the vector extensions that change which
     kernels run (figures from two CPUs are not comparable)."""
-    model, flags = platform.processor(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    except OSError:
-        pass
+    model, flags = cpu_model() or platform.processor(), cpu_flags()
     wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-    return {"model": model, "extensions": [f for f in wanted if f in flags]}
+    return {"model": model, "vendor": cpu_vendor(), "extensions": [f for f in wanted if f in flags]}
 
 
 def percentile(samples: list[float], q: float) -> float:

@@ -37,6 +37,7 @@ from executor_svc.packed_linear import (
     MKL_PACKED_MIN_ROWS,
     MklWeight,
     PackedLinear,
+    matmul_library,
 )
 
 log = structlog.get_logger(__name__)
@@ -51,15 +52,18 @@ DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2De
 class DecodeStack:
     """Every layer's weights in the order decode_layers.cpp reads them, where every layer's
     linears are packed as that kernel takes them (no bias, no adapters):
-    - bfloat16: oneDNN-packed, q/k/v as one matmul and the MLP in the epilogues (with their
-      plain weights, which one row reads through MKL's bf16 GEMM);
-    - float32: MKL-packed (with their weights, for the rows MKL does not serve)."""
+    - oneDNN (bfloat16; float32 off Intel CPUs): q/k/v as one matmul and the MLP in the
+      epilogues, with their plain weights (on Intel CPUs one bf16 row reads them through MKL's
+      bf16 GEMM);
+    - MKL (float32 on Intel CPUs): with their weights, for the rows MKL does not serve."""
 
     kernels: ModuleType
     weights: tuple[torch.Tensor, ...]
     num_heads: int
     eps: float
     scaling: float
+    onednn: bool
+    mkl_one_row: bool  # a lone bfloat16 row through MKL (Intel CPUs)
 
     @classmethod
     def of(cls, layers: Any, kernels: ModuleType | None) -> DecodeStack | None:
@@ -67,8 +71,9 @@ class DecodeStack:
             return None
         weights: list[torch.Tensor] = []
         eps, scaling, num_heads = set(), set(), set()
+        onednn = layers[0].self_attn.qkv is not None
         for layer in layers:
-            tensors = _layer_tensors(layer)
+            tensors = _layer_tensors(layer, onednn)
             if tensors is None:
                 return None
             weights += tensors
@@ -79,12 +84,13 @@ class DecodeStack:
             num_heads.add(attention.q_proj.out_features // attention.head_dim)
         if len(eps) != 1 or len(scaling) != 1 or len(num_heads) != 1:
             return None
-        if weights[0].dtype == torch.bfloat16 and not kernels.onednn_linear_ops_available():
+        if onednn and not kernels.onednn_linear_ops_available():
             # Checked here, not at the first decode step, which would fail every step after.
             log.warning("decode_stack_off", reason="this torch's oneDNN linear operators do "
                         "not have the signatures decode_layers calls: the Python loop runs")
             return None
-        return cls(kernels, tuple(weights), num_heads.pop(), eps.pop(), scaling.pop())
+        return cls(kernels, tuple(weights), num_heads.pop(), eps.pop(), scaling.pop(), onednn,
+                   matmul_library() == "mkl")
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  step: TorchStepAttention, decode: KernelDecode) -> torch.Tensor:
@@ -92,11 +98,13 @@ class DecodeStack:
         return self.kernels.decode_layers(
             hidden, cos, sin, self.weights, step.cache.kv, step.slot_mapping.tensor,
             decode.token_index, decode.block_tables, decode.context_lens, self.num_heads,
-            self.eps, self.scaling, MKL_PACKED_MIN_ROWS, MKL_PACKED_MAX_ROWS)
+            self.eps, self.scaling, self.onednn, self.mkl_one_row,
+            MKL_PACKED_MIN_ROWS, MKL_PACKED_MAX_ROWS)
 
 
-def _layer_tensors(layer: Any) -> list[torch.Tensor] | None:
-    """A layer's tensors in decode_layers.cpp's order, or None where it cannot take them."""
+def _layer_tensors(layer: Any, onednn: bool) -> list[torch.Tensor] | None:
+    """A layer's tensors in decode_layers.cpp's order for its oneDNN or MKL layout, or None
+    where it cannot take them."""
     attention, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
@@ -104,7 +112,7 @@ def _layer_tensors(layer: Any) -> list[torch.Tensor] | None:
     if any(p.bias is not None for p in projections):
         return None
     dtype = attention.q_proj.weight.dtype
-    if dtype == torch.bfloat16:
+    if onednn:
         o, down = onednn_weight(attention.o_proj), onednn_weight(mlp.down_proj)
         if attention.qkv is None or mlp.epilogues is None or o is None or down is None:
             return None

@@ -3,8 +3,10 @@
 Torch's fp32 linear on CPU calls MKL's sgemm on a [vocab, hidden] weight, re-laying it out on
 every call (figures: bench/README.md, "Executor CPU kernels"). So the weight is stored
 [hidden, vocab] (same values, read through a transpose) and also packed once for oneDNN,
-through the ops torch itself uses for CPU inference (packed_linear.py); a step with fewer
-than PACKED_MIN_ROWS rows uses the stored weight. Logits agree with nn.Linear within float
+through the ops torch itself uses for CPU inference (packed_linear.py); on Intel CPUs a step
+with fewer than PACKED_MIN_ROWS rows uses the stored weight (MKL's sgemm). Elsewhere MKL runs
+its slow generic code (a lone row 3.8 ms against oneDNN's 1.2 on an AMD EPYC), and oneDNN
+serves every row count. Logits agree with nn.Linear within float
 rounding (about 1e-6). (In bfloat16 the head is packed with every other linear layer by
 packed_linear.pack_linears.)
 
@@ -17,9 +19,9 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from executor_svc.packed_linear import PackedLinear, pack_weight
+from executor_svc.packed_linear import PackedLinear, matmul_library, pack_weight
 
-PACKED_MIN_ROWS = 4  # below this, sgemm on the [hidden, vocab] weight is faster
+PACKED_MIN_ROWS = 4  # below this, MKL's sgemm on the [hidden, vocab] weight is faster
 
 
 def speed_up_lm_head(model: PreTrainedModel) -> None:
@@ -36,4 +38,5 @@ def speed_up_lm_head(model: PreTrainedModel) -> None:
     head.weight = torch.nn.Parameter(stored.t(), requires_grad=False)  # [vocab, hidden] view
     packed = pack_weight(head.weight)
     if packed is not None:
-        model.set_output_embeddings(PackedLinear(head, packed, PACKED_MIN_ROWS, None))
+        min_rows = PACKED_MIN_ROWS if matmul_library() == "mkl" else 1
+        model.set_output_embeddings(PackedLinear(head, packed, min_rows, None))

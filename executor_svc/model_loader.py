@@ -34,7 +34,7 @@ from executor_svc.fused_layers import fuse_layers
 from executor_svc.layer_loop import LayerLoop
 from executor_svc.lm_head import speed_up_lm_head
 from executor_svc.lora import Adapters, LoraSpec
-from executor_svc.packed_linear import onednn_packs_bfloat16, pack_linears
+from executor_svc.packed_linear import matmul_library, onednn_packs_bfloat16, pack_linears
 
 log = structlog.get_logger(__name__)
 
@@ -241,6 +241,10 @@ def load_model(
     directory = Path(path)
     device = torch.device(device_flag)
     dtype = resolve_dtype(dtype_flag, device)
+    try:
+        library = matmul_library()
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
     register_attention()
     if not (directory / "config.json").is_file():
         raise ModelLoadError(
@@ -299,6 +303,7 @@ def load_model(
         weights=weights_source,
         dtype=dtype_name(dtype),
         device=str(device),
+        matmul_library=library if device.type == "cpu" else None,
         num_params=sum(p.numel() for p in model.parameters()),
         fused_modules=fused,
         layer_loop=loaded.layer_loop is not None,

@@ -3,27 +3,35 @@
 torch's CPU `F.linear` re-lays its weight out for the matmul library on every call (in a
 profile of a float32 decode step, MKL's weight copy `sgemm_scopy` took 12% of the executor's
 time). A weight packed once skips that:
-- float32: MKL's packed GEMM (`cblas_sgemm_pack` / `cblas_sgemm_compute`, through the CPU
-  kernels: cpu_kernels/csrc/packed_gemm.cpp) for 2 to MKL_PACKED_MAX_ROWS rows;
-- bfloat16: oneDNN's `_linear_pointwise` on a weight reordered once (`_reorder_linear_weight`,
-  the ops inductor's freezing pass uses) for every row count; its epilogue can also apply
-  SiLU, or multiply by another tensor, as the product is written (fused_layers.py's MLP).
+- bfloat16, and float32 off Intel CPUs: oneDNN's `_linear_pointwise` on a weight reordered
+  once (`_reorder_linear_weight`, the ops inductor's freezing pass uses) for every row count;
+  its epilogue can also apply SiLU, or multiply by another tensor, as the product is written
+  (fused_layers.py's MLP);
+- float32 on Intel CPUs: MKL's packed GEMM (`cblas_sgemm_pack` / `cblas_sgemm_compute`,
+  through the CPU kernels: cpu_kernels/csrc/packed_gemm.cpp) for 2 to MKL_PACKED_MAX_ROWS
+  rows.
 
-Measured on this project's CPU (two threads, SmolLM2-135M's seven shapes in each of 30 layers
+MKL takes its fast code paths on Intel CPUs only. On an AMD EPYC with AVX-512 its sgemm, packed
+or not, ran SmolLM2's four linear shapes 2.6-2.9x slower than oneDNN from 4 to 512 rows, and
+its head 3-8x slower (bench/README.md, "MKL or oneDNN"), so there every float32 linear layer
+goes through oneDNN (`matmul_library()`).
+
+Measured on an Intel Xeon (two threads, SmolLM2-135M's seven shapes in each of 30 layers
 cycled, so that weights come from DRAM as in the model; ms for all 210, F.linear / packed):
 
     rows          1      4      16     64     256     512    1,024   2,048
     F.linear    16.4   26.7    37.4   58.6   177    285     545    1,123
     MKL packed  17.5   22.2    30.1   49.3   160    282     554    1,182
 
-In the model a float32 decode step takes 13-15% less time at 4-64 sequences, with the same
-tokens (`python -m bench.fused_layers --baseline unpacked`); prefill chunks (more rows) keep
-F.linear. oneDNN's packing, tried first for float32, gained nothing on a whole step; in
+There a float32 decode step takes 13-15% less time at 4-64 sequences, with the same tokens
+(`python -m bench.fused_layers --baseline unpacked`); prefill chunks (more rows) keep
+F.linear. oneDNN's packing, tried first for float32, gained nothing on a whole step there; in
 bfloat16 it ran a decode step 14-23% faster (1, 16 and 64 sequences) with the same tokens.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
@@ -33,11 +41,16 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from common.cpu_info import cpu_vendor
+
 log = structlog.get_logger(__name__)
 
 ONEDNN_PACK_FOR_ROWS = 64  # the row count oneDNN lays the weight out for (16..256 the same)
 MKL_PACKED_MIN_ROWS = 2  # one row: F.linear was as fast (above), and batch-1 stays bit-equal
 MKL_PACKED_MAX_ROWS = 512  # float32: more rows (prefill chunks) take F.linear
+# "mkl" or "onednn" instead of the CPU's own choice (matmul_library): tests and A/Bs.
+MATMUL_LIBRARY_ENV = "PAGEDKV_MATMUL_LIBRARY"
+MATMUL_LIBRARIES = ("mkl", "onednn")
 # The packed product's agreement with F.linear, checked once per weight at load.
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -146,6 +159,19 @@ def _agrees(packed: PackedWeight, weight: torch.Tensor) -> bool:
     return False
 
 
+def matmul_library() -> str:
+    """Who computes the linear layers where MKL and oneDNN both could: "mkl" on Intel CPUs
+    (float32 of 2 to 512 rows, and decode_layers' lone bf16 row), "onednn" elsewhere, where
+    MKL runs its slow generic code; PAGEDKV_MATMUL_LIBRARY overrides."""
+    chosen = os.environ.get(MATMUL_LIBRARY_ENV, "").strip().lower()
+    if chosen:
+        if chosen not in MATMUL_LIBRARIES:
+            raise ValueError(f"{MATMUL_LIBRARY_ENV}={chosen!r}: choose one of "
+                             f"{', '.join(MATMUL_LIBRARIES)} (or unset it: the CPU decides)")
+        return chosen
+    return "mkl" if cpu_vendor() == "GenuineIntel" else "onednn"
+
+
 def onednn_packs_bfloat16() -> bool:
     """Whether oneDNN has bfloat16 kernels on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT;
     not on AVX2-only machines), as oneDNN itself says (it honours ONEDNN_MAX_CPU_ISA)."""
@@ -180,18 +206,21 @@ def mkl_pack_weight(weight: torch.Tensor, kernels: ModuleType) -> MklWeight | No
 
 def pack_linears(model: PreTrainedModel, kernels: ModuleType | None) -> int:
     """On CPU, every nn.Linear becomes a PackedLinear: bfloat16 through oneDNN at every row
-    count; float32 through MKL for decode-sized inputs when the CPU kernels are built
-    (`kernels`) and torch's build has it. Returns how many were packed (0 otherwise, logged
-    when MKL is missing)."""
+    count; float32, when the CPU kernels are built (`kernels`), through MKL for decode-sized
+    inputs on Intel CPUs and through oneDNN at every row count elsewhere (matmul_library).
+    Returns how many were packed (0 otherwise, logged when MKL is missing)."""
+    library = matmul_library()
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is not torch.nn.Linear:
                 continue  # the lm_head is a PackedLinear already (lm_head.py)
-            if child.weight.dtype == torch.bfloat16:
+            float32 = child.weight.dtype == torch.float32
+            if child.weight.dtype == torch.bfloat16 or (float32 and kernels is not None
+                                                        and library == "onednn"):
                 packed: PackedWeight | None = pack_weight(child.weight)
                 rows: tuple[int, int | None] = (1, None)
-            elif child.weight.dtype == torch.float32 and kernels is not None:
+            elif float32 and kernels is not None:
                 packed = mkl_pack_weight(child.weight, kernels)
                 rows = (MKL_PACKED_MIN_ROWS, MKL_PACKED_MAX_ROWS)
                 if packed is None and replaced == 0:

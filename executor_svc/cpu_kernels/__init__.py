@@ -34,6 +34,7 @@ from types import ModuleType
 
 import structlog
 
+from common.cpu_info import cpu_flags, cpu_model, cpuinfo
 from common.model_dirs import REPO_ROOT
 
 log = structlog.get_logger(__name__)
@@ -63,22 +64,12 @@ def source_digest(cpu: str | None = None) -> str:
     return digest.hexdigest()[:12]
 
 
-@lru_cache(maxsize=1)
 def native_cpu() -> str:
-    """What -march=native resolves from: this CPU's model and feature flags (/proc/cpuinfo's
-    first processor; elsewhere the platform's machine name)."""
-    model = flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not model:
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = " ".join(sorted(value.split()))
-                break
-    except OSError:
+    """What -march=native resolves from: this CPU's model and feature flags (elsewhere than
+    Linux, the platform's machine name)."""
+    if not cpuinfo():
         return platform.machine()
-    return f"{model}\0{flags}"
+    return f"{cpu_model()}\0{' '.join(sorted(cpu_flags()))}"
 
 
 @lru_cache(maxsize=1)

@@ -7,6 +7,7 @@ from types import ModuleType
 
 import pytest
 
+from executor_svc.packed_linear import MATMUL_LIBRARIES, MATMUL_LIBRARY_ENV
 from executor_svc.runner import ModelRunner, build_runner
 
 from .oracle import built_kernels, make_settings
@@ -29,3 +30,11 @@ def tiny_runner(make_runner: Callable[..., ModelRunner]) -> ModelRunner:
 def kernel() -> ModuleType:
     """The C++ CPU kernels (fails where they did not build)."""
     return built_kernels()
+
+
+@pytest.fixture(params=MATMUL_LIBRARIES)
+def matmul_library(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test with MKL and with oneDNN computing the linears, whichever the CPU picks:
+    an Intel machine still tests the oneDNN path other CPUs take, and the reverse."""
+    monkeypatch.setenv(MATMUL_LIBRARY_ENV, request.param)
+    return str(request.param)

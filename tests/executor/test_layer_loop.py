@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from executor_svc.layer_loop import DecodeStack, LayerLoop
+from executor_svc.packed_linear import MATMUL_LIBRARY_ENV
 from executor_svc.runner import ModelRunner
 from executor_svc.step import StepRequest
 
@@ -78,21 +79,27 @@ class _Counted:
         return self.stack(*args)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("preset", "dtype"), [
-    ("tiny-llama", "bfloat16"), ("tiny-mistral", "bfloat16"), ("tiny-llama-hd128", "bfloat16"),
-    ("tiny-llama", "float32"), ("tiny-llama-hd128", "float32"),
+@pytest.mark.parametrize(("preset", "dtype", "library"), [
+    ("tiny-llama", "bfloat16", "mkl"), ("tiny-mistral", "bfloat16", "mkl"),
+    ("tiny-llama-hd128", "bfloat16", "mkl"), ("tiny-llama", "bfloat16", "onednn"),
+    ("tiny-llama", "float32", "mkl"), ("tiny-llama-hd128", "float32", "mkl"),
+    ("tiny-llama", "float32", "onednn"), ("tiny-llama-hd128", "float32", "onednn"),
 ])
 def test_decode_stack_gives_the_python_loops_bits(
-    make_runner: Callable[..., ModelRunner], preset: str, dtype: str
+    make_runner: Callable[..., ModelRunner], monkeypatch: pytest.MonkeyPatch, preset: str,
+    dtype: str, library: str,
 ) -> None:
     """Decode steps through the C++ decode stack against the Python layer loop: the same
     logits, bit for bit, step after step (each step reads the K/V the stack wrote before),
-    with several rows and, in float32, one (F.linear; in bfloat16 one row takes MKL's bf16
-    GEMM, its sums in another order: test_decode_stack_one_bf16_row_tracks_the_python_loop)."""
+    with several rows and one, whichever library computes the linears (MKL's float32 layout,
+    or oneDNN's); except a lone bf16 row where MKL serves (its bf16 GEMM sums in another
+    order: test_decode_stack_one_bf16_row_tracks_the_python_loop)."""
+    monkeypatch.setenv(MATMUL_LIBRARY_ENV, library)
     stacked = make_runner(preset, dtype=dtype, backend="cpu")
     looped = make_runner(preset, dtype=dtype, backend="cpu")
     loop = stacked.loaded.layer_loop
     assert loop is not None and loop.decode_stack is not None
+    assert loop.decode_stack.onednn == (dtype == "bfloat16" or library == "onednn")
     counted = _Counted(loop.decode_stack)
     loop.decode_stack = counted  # type: ignore[assignment]
     reference = looped.loaded.layer_loop
@@ -103,7 +110,7 @@ def test_decode_stack_gives_the_python_loops_bits(
     feeds = [dict(zip(("r0", "r1", "r2", "r3"), prompts, strict=True))]
     feeds += [{f"r{i}": [11 + step + i] for i in range(4)} for step in range(6)]
     feeds += [{"r1": [3], "r3": [4]}]  # fewer rows than before
-    if dtype == "float32":
+    if dtype == "float32" or library == "onednn":
         feeds += [{"r2": [5]}]
     runners = {"stacked": stacked, "looped": looped}
     for feed in feeds:
@@ -113,10 +120,11 @@ def test_decode_stack_gives_the_python_loops_bits(
 
 
 def test_decode_stack_one_bf16_row_tracks_the_python_loop(
-    make_runner: Callable[..., ModelRunner]
+    make_runner: Callable[..., ModelRunner], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A lone sequence's bf16 decode steps (MKL's bf16 GEMM on the plain weights) within bf16
     rounding of the Python loop's (oneDNN), step after step; the greedy tokens the same."""
+    monkeypatch.setenv(MATMUL_LIBRARY_ENV, "mkl")  # the path Intel CPUs take
     stacked = make_runner("tiny-llama", dtype="bfloat16", backend="cpu")
     assert stacked.loaded.layer_loop is not None and stacked.loaded.layer_loop.decode_stack
     assert stacked.loaded.layer_loop.decode_stack.kernels.mkl_bf16_gemm_available()
@@ -145,7 +153,7 @@ def test_decode_stack_one_bf16_row_tracks_the_python_loop(
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_decode_stack_only_where_every_linear_is_packed_for_it(
-    make_runner: Callable[..., ModelRunner], dtype: str
+    make_runner: Callable[..., ModelRunner], matmul_library: str, dtype: str
 ) -> None:
     # q/k/v with a bias (Qwen2): its decode steps keep the Python loop.
     qwen2 = make_runner("tiny-qwen2", dtype=dtype, backend="cpu").loaded.layer_loop
@@ -176,17 +184,21 @@ class _OtherOneDnn:
 
 
 def test_decode_stack_finds_its_onednn_ops_or_keeps_the_python_loop(
-        make_runner: Callable[..., ModelRunner]) -> None:
+        make_runner: Callable[..., ModelRunner], monkeypatch: pytest.MonkeyPatch) -> None:
     # This torch's operators match (looked up for real); a torch whose do not keeps the
-    # Python loop for bfloat16 from the start (float32 never calls them).
+    # Python loop from the start wherever the layers are oneDNN-packed (bfloat16; float32
+    # off Intel CPUs), and float32 with MKL's layout never calls them.
     bf16 = make_runner("tiny-llama", dtype="bfloat16", backend="cpu").loaded.layer_loop
     assert bf16 is not None and bf16.decode_stack is not None
     kernels = bf16.decode_stack.kernels
     assert kernels.onednn_linear_ops_available()
     assert DecodeStack.of(bf16.decoder.layers, _OtherOneDnn(kernels)) is None  # type: ignore[arg-type]
-    fp32 = make_runner("tiny-llama", dtype="float32", backend="cpu").loaded.layer_loop
-    assert fp32 is not None
-    assert DecodeStack.of(fp32.decoder.layers, _OtherOneDnn(kernels)) is not None  # type: ignore[arg-type]
+    for library, stacks in (("mkl", True), ("onednn", False)):
+        monkeypatch.setenv(MATMUL_LIBRARY_ENV, library)
+        fp32 = make_runner("tiny-llama", dtype="float32", backend="cpu").loaded.layer_loop
+        assert fp32 is not None
+        stack = DecodeStack.of(fp32.decoder.layers, _OtherOneDnn(kernels))  # type: ignore[arg-type]
+        assert (stack is not None) == stacks
 
 
 def _stack_inputs(runner: ModelRunner, tokens: int = 2) -> dict[str, object]:
@@ -205,6 +217,7 @@ def _stack_inputs(runner: ModelRunner, tokens: int = 2) -> dict[str, object]:
         "tables": torch.zeros(tokens, 1, dtype=torch.int32),
         "lens": torch.ones(tokens, dtype=torch.int32),
         "num_heads": stack.num_heads, "eps": stack.eps, "scale": stack.scaling,
+        "onednn": stack.onednn, "mkl_one_row": stack.mkl_one_row,
         "mkl_min_rows": 2, "mkl_max_rows": 512,
     }
 
@@ -215,6 +228,7 @@ def _stack_inputs(runner: ModelRunner, tokens: int = 2) -> dict[str, object]:
     ({"slots": torch.tensor([0])}, "slots must be [T] int64"),
     ("drop_weight", "takes 14 weights for each of the cache's"),
     ("double_hidden", "hidden must be bfloat16 (oneDNN-packed layers) or float32"),
+    ({"onednn": False}, "hidden must be bfloat16 (oneDNN-packed layers) or float32"),
     ("float_hidden", "the cache must be [L, 2, NB, S, Hkv, D], contiguous, of hidden's dtype"),
     ("float_cache", "the cache must be [L, 2, NB, S, Hkv, D], contiguous, of hidden's dtype"),
     # (Refused inside layer 0's attention, after its K/V were written, as the Python path.)

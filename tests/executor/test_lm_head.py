@@ -20,8 +20,9 @@ def _model(tied: bool) -> torch.nn.Module:
     return model
 
 
-def test_lm_head_packed_matches_linear_on_few_and_many_rows() -> None:
-    # One row (stored weight) and 16 rows (packed oneDNN weight) give nn.Linear's logits.
+def test_lm_head_packed_matches_linear_on_few_and_many_rows(matmul_library: str) -> None:
+    # One row (the stored weight through MKL on Intel CPUs, oneDNN's packed one elsewhere) and
+    # 16 rows (oneDNN's) give nn.Linear's logits.
     model = _model(tied=False)
     linear = model.lm_head
     expected_state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -30,6 +31,7 @@ def test_lm_head_packed_matches_linear_on_few_and_many_rows() -> None:
         assert isinstance(model.lm_head, torch.nn.Linear)
         return
     assert isinstance(model.lm_head, PackedLinear)
+    assert model.lm_head.min_rows == (PACKED_MIN_ROWS if matmul_library == "mkl" else 1)
     for rows in (1, PACKED_MIN_ROWS, 16):
         hidden = torch.randn(1, rows, linear.in_features)  # [1, S, H]
         torch.testing.assert_close(model.lm_head(hidden), linear(hidden), rtol=1e-5, atol=1e-5)

@@ -195,16 +195,24 @@ def test_executors_without_lora_refuse_it(make_runner: Callable[..., ModelRunner
 
 
 def test_base_model_rows_are_the_base_models_bit_for_bit(
-    lora_runner: ModelRunner, make_runner: Callable[..., ModelRunner],
+    matmul_library: str, make_runner: Callable[..., ModelRunner],
     adapter_dirs: dict[str, Path]
 ) -> None:
     """Adapters change nothing for base-model rows: alone, and beside adapter rows in one
-    step, their logits equal those of an executor without LoRA given the same step."""
+    step, their logits equal those of an executor without LoRA given the same step. Bit for
+    bit where MKL computes float32 (Intel CPUs); where oneDNN does, the executor without LoRA
+    runs q/k/v as one matmul and SiLU in the gate's epilogue, which LoRA's wrapped projections
+    cannot, so the same sums round apart (float32 rounding; an adapter's delta is far larger)."""
+    lora_runner = make_runner(enable_lora=True, max_loras=2, max_lora_rank=16)
     for name in ("a", "b"):
         lora_runner.load_lora_adapter(name, str(adapter_dirs[name]))
     plain = make_runner()
     alone = new_request("r", "", tuple(range(3, 17)))
-    assert torch.equal(lora_runner.run_forward(alone).logits, plain.run_forward(alone).logits)
+    base_alone = lora_runner.run_forward(alone).logits, plain.run_forward(alone).logits
+    if matmul_library == "mkl":
+        assert torch.equal(*base_alone)
+    else:
+        torch.testing.assert_close(*base_alone, rtol=1e-5, atol=1e-5)
     rows = [("x", "a", (5, 6, 7, 8)), ("y", "", (9, 10, 11)), ("z", "b", (12, 13)),
             ("w", "", (14, 15, 16, 17, 18))]
 
@@ -216,8 +224,11 @@ def test_base_model_rows_are_the_base_models_bit_for_bit(
 
     got = lora_runner.run_forward(mixed(True)).logits
     want = plain.run_forward(mixed(False)).logits
-    assert torch.equal(got[[1, 3]], want[[1, 3]])  # the base rows
-    assert not torch.allclose(got[[0, 2]], want[[0, 2]])  # the adapter rows are not
+    if matmul_library == "mkl":
+        assert torch.equal(got[[1, 3]], want[[1, 3]])  # the base rows
+    else:
+        torch.testing.assert_close(got[[1, 3]], want[[1, 3]], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[[0, 2]], want[[0, 2]], rtol=1e-3, atol=1e-3)  # adapter rows
 
 
 def test_a_request_admitted_for_other_contents_is_refused(

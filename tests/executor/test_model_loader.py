@@ -34,6 +34,13 @@ def _config_only(tmp_path: Path, source: Path = TINY) -> Path:
     return target
 
 
+def test_loader_names_a_matmul_library_it_does_not_know(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDKV_MATMUL_LIBRARY", "openblas")
+    with pytest.raises(ModelLoadError, match="PAGEDKV_MATMUL_LIBRARY='openblas': choose one of "
+                                             "mkl, onednn"):
+        _load(TINY, "dummy")
+
+
 def test_loader_serves_a_config_only_preset_with_dummy_weights_and_a_warning() -> None:
     # tiny-llama ships no weights: auto gives seeded random ones and says so at WARNING.
     with structlog.testing.capture_logs() as logs:

@@ -15,10 +15,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from executor_svc import packed_linear
 from executor_svc.packed_linear import (
+    MATMUL_LIBRARY_ENV,
     MKL_PACKED_MAX_ROWS,
     MKL_PACKED_MIN_ROWS,
+    OneDnnWeight,
     PackedLinear,
+    matmul_library,
     mkl_pack_weight,
     onednn_packs_bfloat16,
     pack_concatenated,
@@ -82,11 +86,30 @@ def test_mkl_packed_linear_refuses_bad_input(mkl_kernel) -> None:  # type: ignor
         kernel.mkl_pack_weight(torch.randn(64, 32, dtype=torch.float64))
 
 
+@pytest.mark.parametrize(("vendor", "library"), [
+    ("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), ("", "onednn")])
+def test_mkl_computes_only_on_intel_cpus_unless_told(monkeypatch: pytest.MonkeyPatch,
+                                                     vendor: str, library: str) -> None:
+    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: vendor)
+    monkeypatch.delenv(MATMUL_LIBRARY_ENV, raising=False)
+    assert matmul_library() == library
+    for told in ("mkl", "onednn", " OneDNN "):
+        monkeypatch.setenv(MATMUL_LIBRARY_ENV, told)
+        assert matmul_library() == told.strip().lower()
+    monkeypatch.setenv(MATMUL_LIBRARY_ENV, "openblas")
+    with pytest.raises(ValueError, match=f"{MATMUL_LIBRARY_ENV}='openblas': choose one of "
+                                         "mkl, onednn"):
+        matmul_library()
+
+
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
-def test_float32_linears_are_packed_for_mkl_and_agree_with_linear(mkl_kernel, preset: str) -> None:  # type: ignore[no-untyped-def]
-    # Every linear layer (Qwen2's q/k/v with their bias) gets an MKL-packed copy used for
-    # MKL_PACKED_MIN_ROWS..MKL_PACKED_MAX_ROWS rows; fewer or more take F.linear itself.
-    # Parameters are unchanged.
+def test_float32_linears_are_packed_for_mkl_and_agree_with_linear(
+    mkl_kernel, monkeypatch: pytest.MonkeyPatch, preset: str  # type: ignore[no-untyped-def]
+) -> None:
+    # On Intel CPUs every linear layer (Qwen2's q/k/v with their bias) gets an MKL-packed copy
+    # used for MKL_PACKED_MIN_ROWS..MKL_PACKED_MAX_ROWS rows; fewer or more take F.linear
+    # itself. Parameters are unchanged.
+    monkeypatch.setenv(MATMUL_LIBRARY_ENV, "mkl")
     model = _model(preset=preset)
     plain = _linears(model)
     assert any(linear.bias is not None for linear in plain.values()) == (preset == "tiny-qwen2")
@@ -106,8 +129,37 @@ def test_float32_linears_are_packed_for_mkl_and_agree_with_linear(mkl_kernel, pr
             assert torch.equal(packed[name](x), linear(x))
 
 
-def test_float32_linears_keep_f_linear_without_the_kernels() -> None:
-    # A reference model (no CPU kernels) keeps transformers' layers.
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
+def test_float32_linears_are_packed_for_onednn_off_intel_and_agree_with_linear(
+    kernel, monkeypatch: pytest.MonkeyPatch, preset: str  # type: ignore[no-untyped-def]
+) -> None:
+    # Elsewhere every linear layer (biases too) gets a oneDNN-packed copy used for any number
+    # of rows, one to a prefill chunk's. Parameters are unchanged.
+    monkeypatch.setenv(MATMUL_LIBRARY_ENV, "onednn")
+    model = _model(preset=preset)
+    plain = _linears(model)
+    expected_state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert pack_linears(model, kernel) == len(plain)
+    packed = dict(model.named_modules())
+    state = model.state_dict()
+    assert list(state) == list(expected_state)
+    assert all(torch.equal(state[k], v) for k, v in expected_state.items())
+    for name, linear in plain.items():
+        layer = packed[name]
+        assert isinstance(layer, PackedLinear) and isinstance(layer.packed, OneDnnWeight)
+        assert (layer.min_rows, layer.max_rows) == (1, None)
+        for rows in (1, 2, 16, MKL_PACKED_MAX_ROWS + 1, 2048):
+            x = torch.randn(1, rows, linear.in_features)
+            # Same products, summed in another order: float rounding only.
+            torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("library", ["mkl", "onednn"])
+def test_float32_linears_keep_f_linear_without_the_kernels(
+    monkeypatch: pytest.MonkeyPatch, library: str
+) -> None:
+    # A reference model (no CPU kernels) keeps transformers' layers, whichever library.
+    monkeypatch.setenv(MATMUL_LIBRARY_ENV, library)
     model = _model()
     assert pack_linears(model, None) == 0
     assert not any(isinstance(m, PackedLinear) for m in model.modules())

@@ -11,16 +11,18 @@
 //   h = h + (silu(x @ Wgate^T) * (x @ Wup^T)) @ Wdown^T
 //
 // Each layer's linears are packed as packed_linear.py packs them, and called as the Python
-// loop calls them:
-//   bfloat16: oneDNN-packed weights through torch's own operator (mkldnn::_linear_pointwise),
-//     q/k/v as one matmul, the SiLU and the product in the gate and up matmuls' epilogues;
-//     one row (a lone sequence's step) through MKL's bf16 GEMM on the plain weights instead,
-//     rounded as oneDNN rounds (one_row; packed_gemm.cpp has the timings); 14 tensors a
-//     layer: in_norm, qkv, o, post_norm, gate, up, down packed, then the plain q, k, v, o,
-//     gate, up, down;
-//   float32: MKL-packed copies for min_rows..max_rows rows and F.linear otherwise
-//     (PackedLinear.forward), silu_mul between; 16 tensors a layer: in_norm, then each of q, k,
-//     v, o as (weight, packed), post_norm, then gate, up, down as (weight, packed).
+// loop calls them (`onednn` says which):
+//   oneDNN (bfloat16; float32 off Intel CPUs): oneDNN-packed weights through torch's own
+//     operator (mkldnn::_linear_pointwise), q/k/v as one matmul, the SiLU and the product in
+//     the gate and up matmuls' epilogues; with `mkl_one_row` (bfloat16 on Intel CPUs) one row
+//     (a lone sequence's step) through MKL's bf16 GEMM on the plain weights instead, rounded
+//     as oneDNN rounds (one_row; packed_gemm.cpp has the timings); 14 tensors a layer:
+//     in_norm, qkv, o, post_norm, gate, up, down packed, then the plain q, k, v, o, gate, up,
+//     down;
+//   MKL (float32 on Intel CPUs): MKL-packed copies for min_rows..max_rows rows and F.linear
+//     otherwise (PackedLinear.forward), silu_mul between; 16 tensors a layer: in_norm, then
+//     each of q, k, v, o as (weight, packed), post_norm, then gate, up, down as (weight,
+//     packed).
 #include "kernels.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -177,15 +179,16 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
                             std::vector<torch::Tensor> weights, torch::Tensor kv,
                             torch::Tensor slots, torch::Tensor rows, torch::Tensor block_tables,
                             torch::Tensor context_lens, int64_t num_heads, double eps,
-                            double scale, int64_t mkl_min_rows, int64_t mkl_max_rows) {
+                            double scale, bool onednn, bool mkl_one_row, int64_t mkl_min_rows,
+                            int64_t mkl_max_rows) {
   const auto dtype = hidden.scalar_type();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
-              "hidden must be bfloat16 (oneDNN-packed layers) or float32 (MKL-packed)");
+  TORCH_CHECK(dtype == at::kFloat || (dtype == at::kBFloat16 && onednn),
+              "hidden must be bfloat16 (oneDNN-packed layers) or float32 (oneDNN- or MKL-packed)");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be [T, H], contiguous");
   TORCH_CHECK(kv.dim() == 6 && kv.size(1) == 2 && kv.is_contiguous() && kv.scalar_type() == dtype,
               "the cache must be [L, 2, NB, S, Hkv, D], contiguous, of hidden's dtype");
   const int64_t layers = kv.size(0);
-  const int64_t per_layer = dtype == at::kBFloat16 ? kOneDnnWeightsPerLayer : kMklWeightsPerLayer;
+  const int64_t per_layer = onednn ? kOneDnnWeightsPerLayer : kMklWeightsPerLayer;
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == per_layer * layers, "decode_layers takes ",
               per_layer, " weights for each of the cache's ", layers, " layers, got ",
               weights.size());
@@ -201,12 +204,13 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
   const int64_t q_width = num_heads * shape.head_dim;
   const int64_t kv_width = shape.num_kv_heads * shape.head_dim;
   const MklLinears mkl{mkl_min_rows, mkl_max_rows};
-  const bool one_row_mkl = shape.tokens == 1 && mkl_bf16_gemm_available();
+  const bool one_row_mkl =
+      mkl_one_row && dtype == at::kBFloat16 && shape.tokens == 1 && mkl_bf16_gemm_available();
   for (int64_t layer = 0; layer < layers; ++layer) {
     const torch::Tensor* w = weights.data() + layer * per_layer;
     const auto layer_kv = kv[layer];
     auto x = rms_norm(hidden, w[0], eps);
-    if (dtype == at::kBFloat16) {
+    if (onednn) {
       // [T, q_width + 2 * kv_width]
       auto qkv = one_row_mkl ? one_row(x, {w[7], w[8], w[9]}) : linear(x, w[1], "none");
       TORCH_CHECK(qkv.size(1) == q_width + 2 * kv_width, "the q/k/v weight's width is not ",

@@ -18,7 +18,8 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
                             std::vector<torch::Tensor> weights, torch::Tensor kv,
                             torch::Tensor slots, torch::Tensor rows, torch::Tensor block_tables,
                             torch::Tensor context_lens, int64_t num_heads, double eps,
-                            double scale, int64_t mkl_min_rows, int64_t mkl_max_rows);
+                            double scale, bool onednn, bool mkl_one_row, int64_t mkl_min_rows,
+                            int64_t mkl_max_rows);
 
 bool onednn_linear_ops_available();
 
