@@ -5,8 +5,8 @@ every call (figures: bench/README.md, "Executor CPU kernels"). So the weight is 
 [hidden, vocab] (same values, read through a transpose) and also packed once for oneDNN,
 through the ops torch itself uses for CPU inference (packed_linear.py); on Intel CPUs a step
 with fewer than PACKED_MIN_ROWS rows uses the stored weight (MKL's sgemm). Elsewhere MKL runs
-its slow generic code (a lone row 3.8 ms against oneDNN's 1.2 on an AMD EPYC), and oneDNN
-serves every row count. Logits agree with nn.Linear within float
+its slow generic code (a lone row 4.1 ms against oneDNN's 1.9 on an AMD EPYC,
+bench.matmul_libraries), and oneDNN serves every row count. Logits agree with nn.Linear within float
 rounding (about 1e-6). (In bfloat16 the head is packed with every other linear layer by
 packed_linear.pack_linears.)
 

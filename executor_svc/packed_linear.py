@@ -12,9 +12,9 @@ time). A weight packed once skips that:
   rows.
 
 MKL takes its fast code paths on Intel CPUs only. On an AMD EPYC with AVX-512 its sgemm, packed
-or not, ran SmolLM2's four linear shapes 2.6-2.9x slower than oneDNN from 4 to 512 rows, and
-its head 3-8x slower (bench/README.md, "MKL or oneDNN"), so there every float32 linear layer
-goes through oneDNN (`matmul_library()`).
+or not, ran SmolLM2's layers 1.7-2.7x slower than oneDNN (1 to 2,048 rows) and its head 2-5x
+slower (`python -m bench.matmul_libraries`; bench/README.md, "MKL or oneDNN, by CPU"), so
+there every float32 linear layer goes through oneDNN (`matmul_library()`).
 
 Measured on an Intel Xeon (two threads, SmolLM2-135M's seven shapes in each of 30 layers
 cycled, so that weights come from DRAM as in the model; ms for all 210, F.linear / packed):

@@ -7,6 +7,7 @@ import json
 import torch
 
 from bench import common
+from common.cpu_info import cpu_vendor
 from executor_svc.cpu_kernels import MARCH
 
 
@@ -21,6 +22,7 @@ def test_a_results_file_records_its_cpu_threads_and_kernel_targets(  # type: ign
     assert written["figure"] == 1
     recorded = written["machine"]
     assert recorded["cpu"] == common.cpu() and recorded["cpu"]["model"]
+    assert recorded["cpu"]["vendor"] == cpu_vendor()  # what picks the matmul library
     assert recorded["torch_threads"] == torch.get_num_threads()
     assert recorded["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert recorded["kernel_march"] == MARCH
