@@ -109,6 +109,9 @@ class Service:
     # bound ports in, and the ports once read.
     http_port_files: dict[str, Path] = field(default_factory=dict)
     http_ports: dict[str, int] = field(default_factory=dict)
+    # The endpoints asked for "any free port" that no one needs to find again: a restart asks
+    # for any free port again (the old one may be another process's by then).
+    any_port_again: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -296,9 +299,14 @@ class Stack:
         log_path = os.path.join(self.spec.log_dir, f"{name}.log") if self.spec.log_dir else None
         run_in = tree or self.workdir
         role = {"allocator_svc": "allocator", "gateway": "gateway"}.get(module, "executor")
+        # Metrics ports asked as 0: scrapers find them through the launcher's listing, never
+        # configured in advance, so a restart need not win the old one back.
+        any_port = frozenset(flag for flag, value in (ports or {}).items()
+                             if flag == "--metrics-port" and value == 0)
         service = Service(name=name, process=self._spawn(argv, run_in, tree, log_path, role),
                           port_file=port_file, log_path=log_path, argv=argv, cwd=run_in,
-                          tree=tree, role=role, http_port_files=http_port_files)
+                          tree=tree, role=role, http_port_files=http_port_files,
+                          any_port_again=any_port)
         self.services.append(service)
         return service
 
@@ -319,8 +327,9 @@ class Stack:
                 out.close()
 
     def restart_exited(self) -> list[Service]:
-        """Restart every service that has exited, on the ports it had; returns them. Raises
-        StackError when one has exited RESTART_LIMIT times within RESTART_WINDOW_S."""
+        """Restart every service that has exited, on the ports it had (a metrics port asked as
+        any free one: any free one again); returns them. Raises StackError when one has exited
+        RESTART_LIMIT times within RESTART_WINDOW_S."""
         restarted = []
         for service in self.services:
             code = service.process.poll()
@@ -337,7 +346,8 @@ class Stack:
             if service.address:  # the same ports: the others know them
                 argv[argv.index("--port") + 1] = service.address.rsplit(":", 1)[1]
             for flag, port in service.http_ports.items():
-                if flag in argv:  # else the default port: the service takes it again
+                # (A flag not in argv: the default port, which the service takes again.)
+                if flag in argv and flag not in service.any_port_again:
                     argv[argv.index(flag) + 1] = str(port)
             for path in (service.port_file, *service.http_port_files.values()):
                 path.unlink(missing_ok=True)

@@ -12,8 +12,10 @@ The long outage, which needs a short wait for the allocator, has a stack of its 
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,6 +198,30 @@ def test_an_idle_gateway_registers_its_pool_with_a_restarted_allocator(
         assert time.monotonic() < deadline, "the pool was not registered again"
         time.sleep(0.2)
     assert "lease_lost" in recovered.new_gateway_log()
+
+
+def test_a_restart_whose_old_metrics_port_was_taken_meanwhile_takes_another(
+    stack: Stack, recovered: Recovered
+):
+    # The suite runs in parallel and every service binds port 0, so the port a dead
+    # service's /metrics had may be another's by its restart (it was once: "Address already
+    # in use", and the allocator could not come back). Its gRPC port is the same; /metrics,
+    # which no one was told in advance, moves.
+    allocator = stack.by_name("allocator")
+    old_metrics = allocator.http_ports["--metrics-port"]
+    address = stack.allocator_addr
+    stack.kill("allocator")
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", old_metrics))
+        squatter.listen()
+        assert [s.name for s in stack.restart_exited()] == ["allocator"]
+        assert stack.allocator_addr == address
+        new_metrics = allocator.http_ports["--metrics-port"]
+        assert new_metrics != old_metrics
+        with urllib.request.urlopen(f"http://127.0.0.1:{new_metrics}/metrics", timeout=10) as r:
+            assert b"pagedkv_allocator" in r.read()
+    wait_for(lambda: recovered.clients.pools(), "the pool registered again", 30)
 
 
 def test_an_allocator_that_hangs_past_the_lease_leaks_nothing(
