@@ -198,6 +198,16 @@ class SplitPrefillSpan:
         out[rows] = merged.transpose(0, 1)
 
 
+class FreshAttention(Protocol):
+    """Prompts with no cached prefix, each attending causally to its own new K/V."""
+
+    def run(
+        self, q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor, out: torch.Tensor,
+        scaling: float,
+    ) -> None:
+        """q, out [T, Hq, D] and new_k, new_v [T, Hkv, D] hold the whole step's rows."""
+
+
 @dataclass(frozen=True, slots=True)
 class FreshPrefillGroup:
     """Prompts with no cached prefix, attended in one causal SDPA call over their new K/V."""
@@ -372,7 +382,7 @@ class TorchStepAttention:
     gather: GatherBuffer  # the backend's: one step runs at a time
     slot_mapping: DeviceArray  # [T] long
     decode: DecodeAttention | None
-    fresh_prefills: list[FreshPrefillGroup]
+    fresh_prefills: list[FreshAttention]
     prefill_spans: list[MaskedPrefillSpan | SplitPrefillSpan]
 
     def forward(
@@ -422,14 +432,16 @@ class TorchBackend:
             gather=self.gather,
             slot_mapping=metadata.slot_mapping,
             decode=self.plan_decode(decode, metadata.block_size, cache) if decode else None,
-            fresh_prefills=_fresh_prefill_groups(
-                fresh, cache.device, FRESH_PADDING.get(cache.device.type, FRESH_PADDING["cuda"])
-            ),
+            fresh_prefills=self.plan_fresh(fresh, cache) if fresh else [],
             prefill_spans=[
                 _prefill_span(s, metadata.block_size, cache.spec.dtype, cache.device, split)
                 for s in after_prefix
             ],
         )
+
+    def plan_fresh(self, spans: list[SeqSpan], cache: KVCache) -> list[FreshAttention]:
+        padding = FRESH_PADDING.get(cache.device.type, FRESH_PADDING["cuda"])
+        return list(_fresh_prefill_groups(spans, cache.device, padding))
 
     def plan_decode(
         self, spans: list[SeqSpan], block_size: int, cache: KVCache

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
 import torch
 
-from executor_svc.attention.cpu_backend import CpuBackend
+from executor_svc.attention.cpu_backend import KERNEL_DTYPES, CpuBackend, KernelFreshPrefill
 from executor_svc.attention.metadata import SeqSpan
 from executor_svc.attention.torch_backend import TorchBackend
 from executor_svc.kv_cache import KVCache, KVCacheSpec
@@ -158,13 +159,120 @@ def test_cpu_backend_is_the_default_on_cpu(make_runner: Callable[..., ModelRunne
     assert make_runner("tiny-llama").info.backend == "cpu"
 
 
-def test_cpu_backend_long_context_greedy_matches_generate(
-    make_runner: Callable[..., ModelRunner],
+@pytest.mark.parametrize(("preset", "lengths", "num_blocks"), [
+    # One 1,500-token prompt beside short ones, decoded by the decode kernel (head dim 24:
+    # its prompts through SDPA).
+    ("tiny-qwen2", [1500, 3, 9, 40], 512),
+    # Prompts of several lengths prefilled together by the prefill kernel (head dim 128).
+    ("tiny-llama-hd128", [70, 3, 33, 9], 256),
+])
+def test_cpu_backend_greedy_matches_generate(
+    make_runner: Callable[..., ModelRunner], preset: str, lengths: list[int], num_blocks: int,
 ) -> None:
-    # One 1,500-token prompt beside short ones, decoded by the kernel: same tokens as generate.
-    runner = make_runner("tiny-qwen2", num_blocks=512, backend="cpu")
+    # The same tokens as transformers' generate.
+    runner = make_runner(preset, num_blocks=num_blocks, backend="cpu")
     reference = reference_model(runner)
-    prompts = random_prompts(runner.info.vocab_size, [1500, 3, 9, 40], seed=5)
+    prompts = random_prompts(runner.info.vocab_size, lengths, seed=5)
     got = Driver.scattered(runner).generate({f"r{i}": p for i, p in enumerate(prompts)}, 8)
     for i, prompt in enumerate(prompts):
         assert got[f"r{i}"] == reference_generate(reference, prompt, 8), f"prompt {i}"
+
+
+def _fresh_both(
+    num_kv_heads: int, group: int, head_dim: int, lengths: list[int], dtype: torch.dtype,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fresh prompts packed back to back (and 3 rows of no prompt after them) through torch's
+    grouped SDPA calls and through the kernel; the two outputs, NaN where no prompt wrote,
+    and the kernel's q, laid out as the model hands it over (a transposed view)."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths) + 3
+    spans, start = [], 0
+    for n in lengths:
+        spans.append(SeqSpan(start, n, n, ()))  # no cached prefix: context = its own rows
+        start += n
+    q = torch.randn(num_kv_heads * group, total, head_dim, generator=gen).to(dtype).transpose(0, 1)
+    k, v = (torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv")
+    spec = KVCacheSpec(1, num_kv_heads, head_dim, 16, dtype)
+    cache = KVCache.allocate(spec, 4, 0, torch.device("cpu"))
+    outs = []
+    for backend in (TorchBackend(), CpuBackend(built_kernels(), KERNEL_DTYPES)):
+        out = torch.full(q.shape, float("nan"), dtype=dtype)
+        planned = backend.plan_fresh(spans, cache)
+        assert isinstance(planned[0], KernelFreshPrefill) == isinstance(backend, CpuBackend)
+        for fresh in planned:
+            fresh.run(q, k, v, out, head_dim**-0.5)
+        outs.append(out)
+    return outs[0], outs[1], q
+
+
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim"),
+                         [(3, 3, 64), (2, 4, 128), (4, 1, 64)])
+def test_prefill_kernel_matches_sdpa_for_prompts_without_a_cached_prefix(
+    num_kv_heads: int, group: int, head_dim: int
+) -> None:
+    # Prompts of 1 token to several of the kernel's 32-row blocks (31, 32, 33 at its edges),
+    # grouped queries or not: within float rounding of torch's SDPA per group of prompts;
+    # rows of no prompt untouched.
+    lengths = [1, 5, 31, 32, 33, 100, 300]
+    reference, kernel, _ = _fresh_both(num_kv_heads, group, head_dim, lengths, torch.float32, 4)
+    torch.testing.assert_close(kernel, reference, atol=2e-5, rtol=1e-5, equal_nan=True)
+    assert bool(kernel[sum(lengths):].isnan().all())
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_kernel_bfloat16_within_bf16_rounding_of_sdpa(head_dim: int) -> None:
+    # bf16 rows, float32 arithmetic, the output rounded once: within a bf16 step of SDPA's
+    # (both round a float32 result).
+    lengths = [7, 64, 129]
+    reference, kernel, _ = _fresh_both(3, 3, head_dim, lengths, torch.bfloat16, 5)
+    rows = sum(lengths)
+    torch.testing.assert_close(kernel[:rows].float(), reference[:rows].float(), atol=2e-2,
+                               rtol=2e-2)
+
+
+def test_prefill_kernel_is_planned_for_its_dtypes_and_head_dims_only() -> None:
+    # bf16 too, but not where AMX computes it for torch's flash attention (unmeasured there).
+    spans = [SeqSpan(0, 20, 20, ()), SeqSpan(20, 5, 5, ())]
+    backend = CpuBackend(built_kernels())
+    amx = torch.cpu._is_amx_tile_supported()
+    for dtype, head_dim, kernel in ((torch.float32, 64, True), (torch.bfloat16, 128, not amx),
+                                    (torch.float32, 32, False), (torch.float16, 64, False)):
+        cache = KVCache.allocate(KVCacheSpec(1, 2, head_dim, 16, dtype), 4, 0,
+                                 torch.device("cpu"))
+        planned = backend.plan_fresh(spans, cache)
+        assert isinstance(planned[0], KernelFreshPrefill) == kernel
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("dtype", "q, k, v and out must share one dtype"),
+    ("double", "prefill_attention takes float32 or bfloat16 rows"),
+    ("head_dim", "prefill_attention takes head dims 64 and 128"),
+    ("heads", "the query heads must be a multiple of the KV heads"),
+    ("outside", "a prompt's rows are outside q"),
+    ("negative", "a prompt's rows are outside q"),
+    ("lengths", "starts and lengths must be [P] int64, contiguous"),
+    ("stride", "each head's D must be unit-strided"),
+])
+def test_prefill_kernel_refuses_bad_inputs(change: str, message: str) -> None:
+    kernel = built_kernels()
+    head_dim = 80 if change == "head_dim" else 64
+    q = torch.randn(10, 6 if change != "heads" else 5, head_dim)
+    k, v = torch.randn(10, 2, head_dim), torch.randn(10, 2, head_dim)
+    out = torch.empty_like(q)
+    starts, lengths = torch.tensor([0, 4]), torch.tensor([4, 6])
+    if change == "dtype":
+        k = k.bfloat16()
+    elif change == "double":
+        q, k, v, out = q.double(), k.double(), v.double(), out.double()
+    elif change == "outside":
+        lengths = torch.tensor([4, 7])
+    elif change == "negative":
+        starts = torch.tensor([-1, 4])
+    elif change == "lengths":
+        lengths = lengths.int()
+    elif change == "stride":
+        q = torch.randn(10, 6, 2 * head_dim)[:, :, ::2]
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        kernel.prefill_attention(out, q, k, v, starts, lengths, 0.125)
+

@@ -9,6 +9,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_,
         "rotary position embedding of q and k, in place (float32 or bfloat16)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, row by row (float32 or bfloat16)");
+  m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>(),
+        "causal attention of prompts with no cached prefix over their packed rows "
+        "(float32 or bfloat16)");
   m.def("decode_layers", &decode_layers, py::call_guard<py::gil_scoped_release>(),
         "a decode step through every fused decoder layer, bfloat16 or float32 (layer_loop.py)");
   m.def("onednn_linear_ops_available", &onednn_linear_ops_available,

@@ -13,6 +13,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 
+// prefill_attention.cpp
+void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                       torch::Tensor starts, torch::Tensor lengths, double scale);
+
 // decode_layers.cpp
 torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
                             std::vector<torch::Tensor> weights, torch::Tensor kv,
