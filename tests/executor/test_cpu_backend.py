@@ -182,12 +182,13 @@ def _fresh_both(
     num_kv_heads: int, group: int, head_dim: int, lengths: list[int], dtype: torch.dtype,
     seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fresh prompts packed back to back (and 3 rows of no prompt after them) through torch's
-    grouped SDPA calls and through the kernel; the two outputs, NaN where no prompt wrote,
-    and the kernel's q, laid out as the model hands it over (a transposed view)."""
+    """Fresh prompts packed back to back after 2 rows of no prompt (a step's decode rows come
+    first) and before 3 more, through torch's grouped SDPA calls and through the kernel; the
+    two outputs, NaN where no prompt wrote, and the kernel's q, laid out as the model hands
+    it over (a transposed view)."""
     gen = torch.Generator().manual_seed(seed)
-    total = sum(lengths) + 3
-    spans, start = [], 0
+    total = 2 + sum(lengths) + 3
+    spans, start = [], 2
     for n in lengths:
         spans.append(SeqSpan(start, n, n, ()))  # no cached prefix: context = its own rows
         start += n
@@ -217,7 +218,7 @@ def test_prefill_kernel_matches_sdpa_for_prompts_without_a_cached_prefix(
     lengths = [1, 5, 31, 32, 33, 100, 300]
     reference, kernel, _ = _fresh_both(num_kv_heads, group, head_dim, lengths, torch.float32, 4)
     torch.testing.assert_close(kernel, reference, atol=2e-5, rtol=1e-5, equal_nan=True)
-    assert bool(kernel[sum(lengths):].isnan().all())
+    assert bool(kernel[:2].isnan().all()) and bool(kernel[2 + sum(lengths):].isnan().all())
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -226,8 +227,8 @@ def test_prefill_kernel_bfloat16_within_bf16_rounding_of_sdpa(head_dim: int) -> 
     # (both round a float32 result).
     lengths = [7, 64, 129]
     reference, kernel, _ = _fresh_both(3, 3, head_dim, lengths, torch.bfloat16, 5)
-    rows = sum(lengths)
-    torch.testing.assert_close(kernel[:rows].float(), reference[:rows].float(), atol=2e-2,
+    rows = slice(2, 2 + sum(lengths))
+    torch.testing.assert_close(kernel[rows].float(), reference[rows].float(), atol=2e-2,
                                rtol=2e-2)
 
 
