@@ -13,7 +13,8 @@ from common.cpu_info import cpu_flags, cpu_model, cpu_vendor, cpuinfo
 
 def _lscpu() -> dict[str, str]:
     if shutil.which("lscpu") is None or not Path("/proc/cpuinfo").exists():
-        pytest.skip("needs Linux's /proc/cpuinfo and lscpu (util-linux): run on Linux")
+        pytest.skip("needs Linux's /proc/cpuinfo and lscpu (util-linux): run `.venv/bin/python "
+                    "-m pytest tests/common/test_cpu_info.py` on Linux")
     out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True,
                          env={"LC_ALL": "C"}).stdout
     return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines())}

@@ -60,6 +60,22 @@ def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
             if isinstance(module, torch.nn.Linear)}
 
 
+def _packed_with_the_same_parameters(
+    model: torch.nn.Module, kernels: object
+) -> tuple[dict[str, torch.nn.Linear], dict[str, torch.nn.Module]]:
+    """pack_linears on `model`: every linear layer replaced, the state_dict unchanged; the
+    layers before (by name) and the model's modules after."""
+    plain = _linears(model)
+    expected_state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert pack_linears(model, kernels) == len(plain)  # type: ignore[arg-type]
+    packed = dict(model.named_modules())
+    assert all(isinstance(packed[n], PackedLinear) for n in plain)
+    state = model.state_dict()
+    assert list(state) == list(expected_state)
+    assert all(torch.equal(state[k], v) for k, v in expected_state.items())
+    return plain, packed
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 17, 64, 511, 2048])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1536, 576), (192, 576), (576, 1536),
                                                              (7, 5)])
@@ -111,15 +127,8 @@ def test_float32_linears_are_packed_for_mkl_and_agree_with_linear(
     # itself. Parameters are unchanged.
     monkeypatch.setenv(MATMUL_LIBRARY_ENV, "mkl")
     model = _model(preset=preset)
-    plain = _linears(model)
+    plain, packed = _packed_with_the_same_parameters(model, mkl_kernel)
     assert any(linear.bias is not None for linear in plain.values()) == (preset == "tiny-qwen2")
-    expected_state = {k: v.clone() for k, v in model.state_dict().items()}
-    assert pack_linears(model, mkl_kernel) == len(plain)
-    packed = dict(model.named_modules())
-    assert all(isinstance(packed[n], PackedLinear) for n in plain)
-    state = model.state_dict()
-    assert list(state) == list(expected_state)
-    assert all(torch.equal(state[k], v) for k, v in expected_state.items())
     for name, linear in plain.items():
         for rows in (MKL_PACKED_MIN_ROWS, 16, MKL_PACKED_MAX_ROWS):
             x = torch.randn(1, rows, linear.in_features)  # the model's [1, T, H]
@@ -136,14 +145,7 @@ def test_float32_linears_are_packed_for_onednn_off_intel_and_agree_with_linear(
     # Elsewhere every linear layer (biases too) gets a oneDNN-packed copy used for any number
     # of rows, one to a prefill chunk's. Parameters are unchanged.
     monkeypatch.setenv(MATMUL_LIBRARY_ENV, "onednn")
-    model = _model(preset=preset)
-    plain = _linears(model)
-    expected_state = {k: v.clone() for k, v in model.state_dict().items()}
-    assert pack_linears(model, kernel) == len(plain)
-    packed = dict(model.named_modules())
-    state = model.state_dict()
-    assert list(state) == list(expected_state)
-    assert all(torch.equal(state[k], v) for k, v in expected_state.items())
+    plain, packed = _packed_with_the_same_parameters(_model(preset=preset), kernel)
     for name, linear in plain.items():
         layer = packed[name]
         assert isinstance(layer, PackedLinear) and isinstance(layer.packed, OneDnnWeight)

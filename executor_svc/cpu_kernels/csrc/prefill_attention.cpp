@@ -17,11 +17,9 @@
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 #include "simd.h"
