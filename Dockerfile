@@ -56,8 +56,9 @@ RUN pip install ${PIP_EXTRA_ARGS} gguf accelerate \
     && chmod -R a+rX models
 
 # The kernels before the rest of the sources (minutes of compiling, cached across edits):
-# they need only their own package and common/model_dirs.py.
-COPY common/__init__.py common/model_dirs.py ./common/
+# they need only their own package, common/model_dirs.py and common/cpu_info.py
+# (tests/deploy/test_compose_file.py imports them from exactly these files).
+COPY common/__init__.py common/model_dirs.py common/cpu_info.py ./common/
 COPY executor_svc/__init__.py ./executor_svc/
 COPY executor_svc/cpu_kernels ./executor_svc/cpu_kernels
 RUN python -m executor_svc.cpu_kernels

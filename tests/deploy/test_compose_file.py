@@ -4,7 +4,11 @@ checks for real, held here too, so a machine without Docker still catches a regr
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -71,3 +75,37 @@ def test_compose_gateway_health_needs_one_of_its_executors() -> None:
     test = gateway["healthcheck"]["test"]
     assert test[:4] == ["CMD", "python", "-m", "tools.health_probe"]
     assert f"--any-of={executors.split('=', 1)[1]}" in test
+
+
+def _kernel_stage_copies() -> list[tuple[list[str], str]]:
+    """The (sources, destination) of each COPY the kernels' build step sees, after the model."""
+    steps = [line for line in DOCKERFILE.splitlines() if re.match(r"[A-Z]+ ", line)]
+    build = next(i for i, s in enumerate(steps) if s == "RUN python -m executor_svc.cpu_kernels")
+    start = next(i for i, s in enumerate(steps) if s.startswith("COPY models "))
+    copies = [s.split()[1:] for s in steps[start + 1:build] if s.startswith("COPY ")]
+    return [(words[:-1], words[-1]) for words in copies]
+
+
+def test_dockerfile_kernel_stage_copies_every_module_the_kernels_import(tmp_path: Path) -> None:
+    # The image compiles the kernels from a subset of the sources (cached across edits): that
+    # subset, laid out as COPY lays it out, must import the package and hold every source.
+    copies = _kernel_stage_copies()
+    assert copies, "no COPY before the kernels' build step"
+    for sources, destination in copies:
+        target = tmp_path / destination
+        for source in sources:
+            path = ROOT / source
+            if path.is_dir():
+                shutil.copytree(path, target if len(sources) == 1 else target / path.name,
+                                dirs_exist_ok=True)
+            else:
+                target.mkdir(parents=True, exist_ok=True)
+                shutil.copy(path, target / path.name)
+    probe = ("import executor_svc.cpu_kernels as k; "
+             "missing = [str(p) for p in k.SOURCES if not p.is_file()]; "
+             "assert not missing, missing; print(k.source_digest())")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(r"[0-9a-f]{12}\n", result.stdout), result.stdout
