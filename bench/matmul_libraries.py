@@ -1,6 +1,7 @@
-"""Which library computes the executor's linear layers fastest on this CPU: MKL or oneDNN.
+"""Which library computes the executor's linear layers fastest on this CPU: MKL or oneDNN,
+and below how many rows the executor's own few-row kernel beats them.
 
-    .venv/bin/python -m bench.matmul_libraries [--repeats 3] [--rows 1,4,16,64,256,2048]
+    .venv/bin/python -m bench.matmul_libraries [--repeats 3] [--rows 1,2,4,16,64,256,2048]
 
 SmolLM2-135M's linear layers at its shapes (q, k, v, o, gate, up, down in each of 30 layers,
 random weights, so that they come from DRAM as in the model; then the 49,152-row head), two
@@ -8,10 +9,13 @@ threads, at each row count, float32 and bfloat16:
   f_linear   torch's F.linear (MKL's sgemm for float32, re-laying the weight out each call)
   mkl        MKL's packed GEMM (float32; the executor's CPU kernels, packed_linear.py)
   onednn     oneDNN's `_linear_pointwise` on a weight reordered once (packed_linear.py)
+  small      the plain weight through the CPU kernels' small_rows_linear (small_gemm.cpp),
+             at 1 to its SMALL_ROWS_MAX rows
 The libraries take turns within each repeat, their order rotating; medians of the repeats,
 ms for all 210 layers (and for the head). `packed_linear.matmul_library()` picks MKL on Intel
-CPUs and oneDNN elsewhere: this is the measurement that rule stands on, to rerun on a new
-kind of CPU. Writes bench/results/matmul_libraries.json (the CPU and its vendor recorded).
+CPUs and oneDNN elsewhere, and OneDnnWeight takes small_rows_linear up to SMALL_ROWS_MAX
+rows: these are the measurements those rules stand on, to rerun on a new kind of CPU.
+Writes bench/results/matmul_libraries.json (the CPU and its vendor recorded).
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ def linears(library: str, weights: list[torch.Tensor]) -> list[Linear] | None:
                   for w in weights]
         return [partial(_onednn_linear, packed=p) for p in packed]
     kernels = load_kernels()
+    if library == "small":
+        return None if kernels is None else [partial(_small_linear, kernels.small_rows_linear,
+                                                      weights=[w]) for w in weights]
     if weights[0].dtype != torch.float32 or kernels is None:
         return None
     if not kernels.mkl_packed_gemm_available():
@@ -60,6 +67,11 @@ def linears(library: str, weights: list[torch.Tensor]) -> list[Linear] | None:
 
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _small_linear(compute: Callable[..., torch.Tensor], x: torch.Tensor,
+                  weights: list[torch.Tensor]) -> torch.Tensor:
+    return compute(x, weights)
 
 
 def _mkl_linear(compute: Callable[..., torch.Tensor], x: torch.Tensor, packed: torch.Tensor,
@@ -80,13 +92,15 @@ def main() -> int:
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rows", default="1,4,16,64,256,2048")
+    parser.add_argument("--rows", default="1,2,4,16,64,256,2048")
     args = parser.parse_args()
     torch.set_num_threads(2)
     row_counts = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
     layer_shapes = [shape for _ in range(LAYERS) for shape in LAYER_SHAPES]
-    libraries = ("f_linear", "mkl", "onednn")
+    libraries = ("f_linear", "mkl", "onednn", "small")
+    kernels = load_kernels()
+    small_rows_max = 0 if kernels is None else kernels.SMALL_ROWS_MAX
     results: dict[str, dict[str, list[float]]] = {}
     table = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -97,8 +111,9 @@ def main() -> int:
         for part, weights in parts.items():
             calls = {lib: linears(lib, weights) for lib in libraries}
             widths = [w.shape[1] for w in weights]
-            present = [lib for lib in libraries if calls[lib] is not None]
             for rows in row_counts:
+                present = [lib for lib in libraries if calls[lib] is not None
+                           and (lib != "small" or rows <= small_rows_max)]
                 inputs = {k: torch.randn(rows, k, generator=gen).to(dtype)
                           for k in (HIDDEN, INTERMEDIATE)}
                 times: dict[str, list[float]] = {lib: [] for lib in present}

@@ -37,7 +37,6 @@ from executor_svc.packed_linear import (
     MKL_PACKED_MIN_ROWS,
     MklWeight,
     PackedLinear,
-    matmul_library,
 )
 
 log = structlog.get_logger(__name__)
@@ -53,8 +52,8 @@ class DecodeStack:
     """Every layer's weights in the order decode_layers.cpp reads them, where every layer's
     linears are packed as that kernel takes them (no bias, no adapters):
     - oneDNN (bfloat16; float32 off Intel CPUs): q/k/v as one matmul and the MLP in the
-      epilogues, with their plain weights (on Intel CPUs one bf16 row reads them through MKL's
-      bf16 GEMM);
+      epilogues, with their plain weights (a step of a few rows reads those, as OneDnnWeight
+      does);
     - MKL (float32 on Intel CPUs): with their weights, for the rows MKL does not serve."""
 
     kernels: ModuleType
@@ -63,7 +62,6 @@ class DecodeStack:
     eps: float
     scaling: float
     onednn: bool
-    mkl_one_row: bool  # a lone bfloat16 row through MKL (Intel CPUs)
 
     @classmethod
     def of(cls, layers: Any, kernels: ModuleType | None) -> DecodeStack | None:
@@ -89,8 +87,7 @@ class DecodeStack:
             log.warning("decode_stack_off", reason="this torch's oneDNN linear operators do "
                         "not have the signatures decode_layers calls: the Python loop runs")
             return None
-        return cls(kernels, tuple(weights), num_heads.pop(), eps.pop(), scaling.pop(), onednn,
-                   matmul_library() == "mkl")
+        return cls(kernels, tuple(weights), num_heads.pop(), eps.pop(), scaling.pop(), onednn)
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  step: TorchStepAttention, decode: KernelDecode) -> torch.Tensor:
@@ -98,8 +95,7 @@ class DecodeStack:
         return self.kernels.decode_layers(
             hidden, cos, sin, self.weights, step.cache.kv, step.slot_mapping.tensor,
             decode.token_index, decode.block_tables, decode.context_lens, self.num_heads,
-            self.eps, self.scaling, self.onednn, self.mkl_one_row,
-            MKL_PACKED_MIN_ROWS, MKL_PACKED_MAX_ROWS)
+            self.eps, self.scaling, self.onednn, MKL_PACKED_MIN_ROWS, MKL_PACKED_MAX_ROWS)
 
 
 def _layer_tensors(layer: Any, onednn: bool) -> list[torch.Tensor] | None:
@@ -116,7 +112,7 @@ def _layer_tensors(layer: Any, onednn: bool) -> list[torch.Tensor] | None:
         o, down = onednn_weight(attention.o_proj), onednn_weight(mlp.down_proj)
         if attention.qkv is None or mlp.epilogues is None or o is None or down is None:
             return None
-        if not all(p.weight.is_contiguous() for p in projections):  # MKL's one-row path
+        if not all(p.weight.is_contiguous() for p in projections):  # a few rows read them
             return None
         gate, up = mlp.epilogues
         return [norms[0], attention.qkv[0].packed, o.packed, norms[1], gate.packed, up.packed,

@@ -10,6 +10,8 @@ time). A weight packed once skips that:
 - float32 on Intel CPUs: MKL's packed GEMM (`cblas_sgemm_pack` / `cblas_sgemm_compute`,
   through the CPU kernels: cpu_kernels/csrc/packed_gemm.cpp) for 2 to MKL_PACKED_MAX_ROWS
   rows.
+A oneDNN-packed layer of 1 to SMALL_ROWS_MAX rows (a decode step of a few sequences) reads its
+plain weight through the CPU kernels' small_rows_linear instead (OneDnnWeight).
 
 MKL takes its fast code paths on Intel CPUs only. On an AMD EPYC with AVX-512 its sgemm, packed
 or not, ran SmolLM2's layers 1.7-2.7x slower than oneDNN (1 to 2,048 rows) and its head 2-5x
@@ -60,19 +62,49 @@ class PackedWeight(Protocol):
         """x [..., in] -> x @ weight^T + bias [..., out]."""
 
 
+# small_rows_linear's epilogues (cpu_kernels/csrc/small_gemm.cpp).
+_NONE, _SILU, _TIMES = 0, 1, 2
+
+
 @dataclass(frozen=True)
 class OneDnnWeight:
+    """oneDNN's packed copy of a weight; with the CPU kernels and the plain weights it was
+    packed from (side by side), inputs of 1 to SMALL_ROWS_MAX rows read those instead
+    (small_rows_linear): oneDNN spends ~20 us a call besides the bytes, most of a small
+    layer's time at a decode step of a few sequences (bench/README.md, "A few rows")."""
+
     packed: torch.Tensor  # oneDNN's layout
+    plain: tuple[torch.Tensor, ...] = ()  # [out_i, in] each, contiguous
+    kernels: ModuleType | None = None
+
+    def _few_rows(self, x: torch.Tensor) -> bool:
+        return (self.kernels is not None and bool(self.plain)
+                and x.numel() <= self.kernels.SMALL_ROWS_MAX * x.shape[-1])
+
+    def _small(self, x: torch.Tensor, bias: torch.Tensor | None, epilogue: int,
+               other: torch.Tensor | None = None) -> torch.Tensor:
+        assert self.kernels is not None
+        rows = x.reshape(-1, x.shape[-1])
+        if other is not None:
+            other = other.reshape(rows.shape[0], -1).contiguous()
+        out = self.kernels.small_rows_linear(rows, list(self.plain), bias, epilogue, other)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._few_rows(x):
+            return self._small(x, bias, _NONE)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     def linear_silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ weight^T), the SiLU applied in float32 before the product is rounded."""
+        if self._few_rows(x):
+            return self._small(x, None, _SILU)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "swish", [], "")
 
     def linear_times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x @ weight^T) * other, multiplied in float32 before the product is rounded."""
+        if self._few_rows(x):
+            return self._small(x, None, _TIMES, other)
         return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, None, "mul")
 
 
@@ -134,12 +166,16 @@ def pack_concatenated(
 ) -> tuple[OneDnnWeight, torch.Tensor | None] | None:
     """One oneDNN-packed weight (and bias) for layers that read the same input, their outputs
     side by side, where each is packed for oneDNN: one matmul instead of several (a call costs
-    ~20 us besides its bytes). Their own packed copies are dropped (they keep F.linear)."""
+    ~20 us besides its bytes); a few rows read their plain weights side by side where theirs
+    did. Their own packed copies are dropped (they keep F.linear)."""
     layers = [m for m in linears if isinstance(m, PackedLinear) and m.onednn_weight() is not None]
     biases = [m.bias for m in layers]
     if len(layers) != len(linears) or len({b is None for b in biases}) > 1:
         return None
-    packed = pack_weight(torch.cat([m.weight.detach() for m in layers]))
+    kernels = {own.kernels for m in layers if (own := m.onednn_weight()) is not None}
+    weights = tuple(m.weight.detach() for m in layers)
+    packed = pack_weight(torch.cat(weights), kernels.pop() if len(kernels) == 1 else None,
+                         weights)
     if packed is None:
         return None
     for m in layers:
@@ -150,13 +186,16 @@ def pack_concatenated(
 
 
 def _agrees(packed: PackedWeight, weight: torch.Tensor) -> bool:
-    probe = torch.randn(4, weight.shape[1], dtype=weight.dtype)
+    """The packed product against F.linear's at 2 rows and 8 (a few rows may take the plain
+    weight, more the packed one)."""
     tolerance = _TOLERANCE.get(weight.dtype, 1e-4)
-    got, expected = packed.linear(probe, None), F.linear(probe, weight)
-    if torch.allclose(got.float(), expected.float(), rtol=tolerance, atol=tolerance):
-        return True
-    log.warning("linear_not_packed", reason="packed product disagrees with F.linear")
-    return False
+    for rows in (2, 8):
+        probe = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+        got, expected = packed.linear(probe, None), F.linear(probe, weight)
+        if not torch.allclose(got.float(), expected.float(), rtol=tolerance, atol=tolerance):
+            log.warning("linear_not_packed", reason="packed product disagrees with F.linear")
+            return False
+    return True
 
 
 def matmul_library() -> str:
@@ -179,17 +218,23 @@ def onednn_packs_bfloat16() -> bool:
             and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
-def pack_weight(weight: torch.Tensor) -> OneDnnWeight | None:
-    """oneDNN's packed copy of a [out, in] weight, or None where torch cannot make one."""
+def pack_weight(
+    weight: torch.Tensor, kernels: ModuleType | None = None,
+    plain: tuple[torch.Tensor, ...] | None = None,
+) -> OneDnnWeight | None:
+    """oneDNN's packed copy of a [out, in] weight, or None where torch cannot make one; with
+    the CPU `kernels`, a few rows read the plain weight (or `plain`, the parts `weight` was
+    concatenated from) through them instead."""
     if not torch.backends.mkldnn.is_available():
         return None
     if weight.dtype == torch.bfloat16 and not onednn_packs_bfloat16():
         log.info("linears_not_packed", reason="this CPU has no oneDNN bfloat16 kernels "
                  "(AVX-512 BW/VL/DQ or AVX-NE-CONVERT); bfloat16 linear layers keep F.linear")
         return None
+    parts = tuple(p.contiguous() for p in (plain or (weight.detach(),))) if kernels else ()
     try:
-        packed = OneDnnWeight(torch.ops.mkldnn._reorder_linear_weight(weight,
-                                                                     ONEDNN_PACK_FOR_ROWS))
+        packed = OneDnnWeight(
+            torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_FOR_ROWS), parts, kernels)
         return packed if _agrees(packed, weight) else None
     except (AttributeError, RuntimeError) as exc:  # an op missing from this torch build
         log.warning("linear_not_packed", reason=str(exc)[:200])
@@ -218,7 +263,7 @@ def pack_linears(model: PreTrainedModel, kernels: ModuleType | None) -> int:
             float32 = child.weight.dtype == torch.float32
             if child.weight.dtype == torch.bfloat16 or (float32 and kernels is not None
                                                         and library == "onednn"):
-                packed: PackedWeight | None = pack_weight(child.weight)
+                packed: PackedWeight | None = pack_weight(child.weight, kernels)
                 rows: tuple[int, int | None] = (1, None)
             elif float32 and kernels is not None:
                 packed = mkl_pack_weight(child.weight, kernels)

@@ -16,8 +16,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a decode step through every fused decoder layer, bfloat16 or float32 (layer_loop.py)");
   m.def("onednn_linear_ops_available", &onednn_linear_ops_available,
         "whether torch's oneDNN linear operators have the signatures decode_layers calls");
-  m.def("mkl_bf16_gemm_available", &mkl_bf16_gemm_available,
-        "whether torch's build exports MKL's bfloat16 GEMM (the decode stack's one-row path)");
+  m.def("small_rows_linear", &small_rows_linear, py::call_guard<py::gil_scoped_release>(),
+        py::arg("x"), py::arg("weights"),
+        py::arg("bias") = py::none(), py::arg("epilogue") = 0, py::arg("other") = py::none(),
+        "x [M, K] @ the weights side by side ^T (+ bias), then none / SiLU / times other, for "
+        "1 to SMALL_ROWS_MAX rows on the plain weights (float32 or bfloat16)");
+  m.attr("SMALL_ROWS_MAX") = kSmallRowsMax;
   m.def("argmax_logsumexp", &argmax_logsumexp,
         "each row's first maximal id and its log-sum-exp (float32 or bfloat16 logits)");
   m.def("mkl_packed_gemm_available", &mkl_packed_gemm_available,

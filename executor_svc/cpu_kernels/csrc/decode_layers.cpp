@@ -14,11 +14,10 @@
 // loop calls them (`onednn` says which):
 //   oneDNN (bfloat16; float32 off Intel CPUs): oneDNN-packed weights through torch's own
 //     operator (mkldnn::_linear_pointwise), q/k/v as one matmul, the SiLU and the product in
-//     the gate and up matmuls' epilogues; with `mkl_one_row` (bfloat16 on Intel CPUs) one row
-//     (a lone sequence's step) through MKL's bf16 GEMM on the plain weights instead, rounded
-//     as oneDNN rounds (one_row; packed_gemm.cpp has the timings); 14 tensors a layer:
-//     in_norm, qkv, o, post_norm, gate, up, down packed, then the plain q, k, v, o, gate, up,
-//     down;
+//     the gate and up matmuls' epilogues; a step of 1 to kSmallRowsMax rows reads the plain
+//     weights through small_rows_linear instead (small_gemm.cpp), with the same epilogues, as
+//     OneDnnWeight does; 14 tensors a layer: in_norm, qkv, o, post_norm, gate, up, down
+//     packed, then the plain q, k, v, o, gate, up, down;
 //   MKL (float32 on Intel CPUs): MKL-packed copies for min_rows..max_rows rows and F.linear
 //     otherwise (PackedLinear.forward), silu_mul between; 16 tensors a layer: in_norm, then
 //     each of q, k, v, o as (weight, packed), post_norm, then gate, up, down as (weight,
@@ -29,7 +28,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <initializer_list>
 #include <optional>
 #include <vector>
 
@@ -74,39 +72,11 @@ at::Tensor linear_times(const at::Tensor& x, const at::Tensor& other, const at::
   return linear_times_op().call(x, other, packed, std::nullopt, "mul");
 }
 
-enum class Epilogue { kNone, kSilu, kTimes };
+enum Epilogue : int64_t { kNone = 0, kSilu = 1, kTimes = 2 };  // small_rows_linear's
 
-// One row [1, K] @ each weight^T, side by side, through MKL's bf16 GEMM; the epilogue applied
-// to the float32 products (SiLU, or times `other` [1, N]) and each rounded once to bf16, as
-// oneDNN's epilogues round.
-at::Tensor one_row(const at::Tensor& x, std::initializer_list<at::Tensor> weights,
-                   Epilogue epilogue = Epilogue::kNone, const at::Tensor* other = nullptr) {
-  int64_t width = 0;
-  for (const auto& w : weights) width += w.size(0);
-  thread_local std::vector<float> products;
-  products.resize(width);
-  float* p = products.data();
-  for (const auto& w : weights) {
-    mkl_bf16_linear_into(x, w, p, width);
-    p += w.size(0);
-  }
-  auto out = torch::empty({1, width}, x.options());
-  auto* dst = out.data_ptr<c10::BFloat16>();
-  const float* acc = products.data();
-  if (epilogue == Epilogue::kSilu) {
-#pragma omp simd
-    for (int64_t i = 0; i < width; ++i) simd::narrow(acc[i] / (1.f + std::exp(-acc[i])), dst + i);
-  } else if (epilogue == Epilogue::kTimes) {
-    TORCH_CHECK(other != nullptr && other->numel() == width && other->is_contiguous(),
-                "the product's other factor must be [1, N], contiguous");
-    const auto* factor = other->data_ptr<c10::BFloat16>();
-#pragma omp simd
-    for (int64_t i = 0; i < width; ++i) simd::narrow(acc[i] * simd::widen(factor[i]), dst + i);
-  } else {
-#pragma omp simd
-    for (int64_t i = 0; i < width; ++i) simd::narrow(acc[i], dst + i);
-  }
-  return out;
+at::Tensor small(const at::Tensor& x, std::vector<torch::Tensor> weights,
+                 Epilogue epilogue = kNone, const std::optional<at::Tensor>& other = std::nullopt) {
+  return small_rows_linear(x, weights, std::nullopt, epilogue, other);
 }
 
 // K and V rows [T, Hkv * D] (rows at any stride, each unit-strided) into their slots of one
@@ -179,7 +149,7 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
                             std::vector<torch::Tensor> weights, torch::Tensor kv,
                             torch::Tensor slots, torch::Tensor rows, torch::Tensor block_tables,
                             torch::Tensor context_lens, int64_t num_heads, double eps,
-                            double scale, bool onednn, bool mkl_one_row, int64_t mkl_min_rows,
+                            double scale, bool onednn, int64_t mkl_min_rows,
                             int64_t mkl_max_rows) {
   const auto dtype = hidden.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || (dtype == at::kBFloat16 && onednn),
@@ -204,25 +174,24 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
   const int64_t q_width = num_heads * shape.head_dim;
   const int64_t kv_width = shape.num_kv_heads * shape.head_dim;
   const MklLinears mkl{mkl_min_rows, mkl_max_rows};
-  const bool one_row_mkl =
-      mkl_one_row && dtype == at::kBFloat16 && shape.tokens == 1 && mkl_bf16_gemm_available();
+  const bool few_rows = shape.tokens <= kSmallRowsMax;
   for (int64_t layer = 0; layer < layers; ++layer) {
     const torch::Tensor* w = weights.data() + layer * per_layer;
     const auto layer_kv = kv[layer];
     auto x = rms_norm(hidden, w[0], eps);
     if (onednn) {
       // [T, q_width + 2 * kv_width]
-      auto qkv = one_row_mkl ? one_row(x, {w[7], w[8], w[9]}) : linear(x, w[1], "none");
+      auto qkv = few_rows ? small(x, {w[7], w[8], w[9]}) : linear(x, w[1], "none");
       TORCH_CHECK(qkv.size(1) == q_width + 2 * kv_width, "the q/k/v weight's width is not ",
                   q_width + 2 * kv_width);
       auto attended = attend(shape, qkv.narrow(1, 0, q_width), qkv.narrow(1, q_width, kv_width),
                              qkv.narrow(1, q_width + kv_width, kv_width), cos, sin, layer_kv,
                              slot_ids, rows, block_tables, context_lens);
-      if (one_row_mkl) {
-        hidden = hidden + one_row(attended, {w[10]});
+      if (few_rows) {
+        hidden = hidden + small(attended, {w[10]});
         x = rms_norm(hidden, w[3], eps);
-        auto gate = one_row(x, {w[11]}, Epilogue::kSilu);
-        hidden = hidden + one_row(one_row(x, {w[12]}, Epilogue::kTimes, &gate), {w[13]});
+        auto gate = small(x, {w[11]}, kSilu);
+        hidden = hidden + small(small(x, {w[12]}, kTimes, gate), {w[13]});
       } else {
         hidden = hidden + linear(attended, w[2], "none");
         x = rms_norm(hidden, w[3], eps);

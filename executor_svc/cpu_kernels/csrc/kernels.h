@@ -22,10 +22,16 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
                             std::vector<torch::Tensor> weights, torch::Tensor kv,
                             torch::Tensor slots, torch::Tensor rows, torch::Tensor block_tables,
                             torch::Tensor context_lens, int64_t num_heads, double eps,
-                            double scale, bool onednn, bool mkl_one_row, int64_t mkl_min_rows,
+                            double scale, bool onednn, int64_t mkl_min_rows,
                             int64_t mkl_max_rows);
 
 bool onednn_linear_ops_available();
+
+// small_gemm.cpp: linear layers of 1 to kSmallRowsMax rows on the plain weights.
+constexpr int64_t kSmallRowsMax = 4;
+torch::Tensor small_rows_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                                const std::optional<torch::Tensor>& bias, int64_t epilogue,
+                                const std::optional<torch::Tensor>& other);
 
 // sampling.cpp
 std::vector<torch::Tensor> argmax_logsumexp(torch::Tensor logits);
@@ -34,6 +40,3 @@ std::vector<torch::Tensor> argmax_logsumexp(torch::Tensor logits);
 bool mkl_packed_gemm_available();
 torch::Tensor mkl_pack_weight(torch::Tensor weight);
 torch::Tensor mkl_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
-bool mkl_bf16_gemm_available();
-void mkl_bf16_linear_into(const torch::Tensor& x, const torch::Tensor& weight, float* out,
-                          int64_t ldc);

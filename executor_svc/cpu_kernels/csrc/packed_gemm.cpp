@@ -14,14 +14,6 @@
 // (aarch64, a torch built without MKL) do not. So the symbols are looked up at run time:
 // where they are missing, mkl_packed_gemm_available() is false and the executor keeps F.linear.
 //
-//   mkl_bf16_gemm_available() -> bool
-//   mkl_bf16_linear_into(x [M, K] bfloat16, weight [N, K] bfloat16, out float32*, ldc)
-//       x @ weight^T in float32 through MKL's bfloat16 GEMM (cblas_gemm_bf16bf16f32), which
-//       takes the weight as it is. decode_layers.cpp calls it for one row, where it reads
-//       SmolLM2's 150 layer weights in 13 ms against oneDNN's 16 (its cost per call is ~1 us
-//       where oneDNN's `_linear_pointwise` spends ~13); from four rows it packs the weight on
-//       every call and is the slower.
-//
 // A packed buffer must stay where it was written (MKL's documentation: never copy it to another
 // address); the executor keeps it as a module attribute and never moves it.
 #include "kernels.h"
@@ -57,17 +49,6 @@ const Mkl& mkl() {
     m.compute = reinterpret_cast<Compute>(dlsym(RTLD_DEFAULT, "cblas_sgemm_compute"));
     return m;
   }();
-  return found;
-}
-
-// mkl_cblas.h's cblas_gemm_bf16bf16f32 (MKL_BF16 is a uint16_t).
-using GemmBf16 = void (*)(int layout, int transa, int transb, int m, int n, int k, float alpha,
-                          const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta,
-                          float* c, int ldc);
-
-GemmBf16 mkl_bf16() {
-  static const auto found =
-      reinterpret_cast<GemmBf16>(dlsym(RTLD_DEFAULT, "cblas_gemm_bf16bf16f32"));
   return found;
 }
 
@@ -112,23 +93,4 @@ torch::Tensor mkl_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t o
                 reinterpret_cast<const float*>(packed.data_ptr<uint8_t>()), k, 0.0f,
                 out.data_ptr<float>(), n);
   return out;
-}
-
-bool mkl_bf16_gemm_available() { return mkl_bf16() != nullptr; }
-
-void mkl_bf16_linear_into(const torch::Tensor& x, const torch::Tensor& weight, float* out,
-                          int64_t ldc) {
-  TORCH_CHECK(mkl_bf16() != nullptr, "MKL's bfloat16 GEMM is not in this torch build");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
-              "mkl_bf16_linear_into: x must be [M, K] bfloat16, unit-strided rows");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16 &&
-                  weight.is_contiguous() && weight.size(1) == x.size(1),
-              "mkl_bf16_linear_into: weight must be [N, K] bfloat16, contiguous, K as x's");
-  const int m = checked_int(x.size(0), "rows");
-  const int n = checked_int(weight.size(0), "out_features");
-  const int k = checked_int(x.size(1), "in_features");
-  mkl_bf16()(kRowMajor, kNoTrans, kTrans, m, n, k, 1.0f,
-             reinterpret_cast<const uint16_t*>(x.data_ptr()), checked_int(x.stride(0), "lda"),
-             reinterpret_cast<const uint16_t*>(weight.data_ptr()), k, 0.0f, out,
-             checked_int(ldc, "ldc"));
 }
