@@ -8,9 +8,10 @@ takes 3-9% less time without them (bench/README.md). This loop makes the same ca
 same order, so the logits are the same bits (tests/executor/test_layer_loop.py); any model
 it does not recognise keeps transformers' forward.
 
-A step of decode rows only goes through every layer in one C++ call instead
-(DecodeStack, cpu_kernels/csrc/decode_layers.cpp): the same ops in the same order, without
-the ~25 Python-level calls a layer that cost as much as the matmuls at decode sizes.
+A step of decode rows and prompts without a cached prefix (StackPlan) goes through every
+layer in one C++ call instead (LayerStack, cpu_kernels/csrc/layer_stack.cpp): the same ops in
+the same order, without the ~25 Python-level calls a layer that cost as much as the matmuls
+at decode sizes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from executor_svc.attention import STEP_KWARG
-from executor_svc.attention.cpu_backend import KernelDecode
+from executor_svc.attention.cpu_backend import KernelDecode, KernelFreshPrefill
 from executor_svc.attention.torch_backend import TorchStepAttention
 from executor_svc.fused_layers import (
     FusedRMSNorm,
@@ -48,8 +49,8 @@ DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2De
 
 
 @dataclass(frozen=True)
-class DecodeStack:
-    """Every layer's weights in the order decode_layers.cpp reads them, where every layer's
+class LayerStack:
+    """Every layer's weights in the order layer_stack.cpp reads them, where every layer's
     linears are packed as that kernel takes them (no bias, no adapters):
     - oneDNN (bfloat16; float32 off Intel CPUs): q/k/v as one matmul and the MLP in the
       epilogues, with their plain weights (a step of a few rows reads those, as OneDnnWeight
@@ -64,8 +65,8 @@ class DecodeStack:
     onednn: bool
 
     @classmethod
-    def of(cls, layers: Any, kernels: ModuleType | None) -> DecodeStack | None:
-        if kernels is None or not hasattr(kernels, "decode_layers"):
+    def of(cls, layers: Any, kernels: ModuleType | None) -> LayerStack | None:
+        if kernels is None or not hasattr(kernels, "layer_stack"):
             return None
         weights: list[torch.Tensor] = []
         eps, scaling, num_heads = set(), set(), set()
@@ -84,22 +85,61 @@ class DecodeStack:
             return None
         if onednn and not kernels.onednn_linear_ops_available():
             # Checked here, not at the first decode step, which would fail every step after.
-            log.warning("decode_stack_off", reason="this torch's oneDNN linear operators do "
-                        "not have the signatures decode_layers calls: the Python loop runs")
+            log.warning("layer_stack_off", reason="this torch's oneDNN linear operators do "
+                        "not have the signatures layer_stack calls: the Python loop runs")
             return None
         return cls(kernels, tuple(weights), num_heads.pop(), eps.pop(), scaling.pop(), onednn)
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 step: TorchStepAttention, decode: KernelDecode) -> torch.Tensor:
+                 plan: StackPlan) -> torch.Tensor:
         """hidden [T, H], cos and sin [T, D] -> the last layer's hidden states [T, H]."""
-        return self.kernels.decode_layers(
-            hidden, cos, sin, self.weights, step.cache.kv, step.slot_mapping.tensor,
-            decode.token_index, decode.block_tables, decode.context_lens, self.num_heads,
-            self.eps, self.scaling, self.onednn, MKL_PACKED_MIN_ROWS, MKL_PACKED_MAX_ROWS)
+        decode, fresh = plan.decode, plan.fresh
+        return self.kernels.layer_stack(
+            hidden, cos, sin, self.weights, plan.step.cache.kv, plan.step.slot_mapping.tensor,
+            _NO_ROWS if decode is None else decode.token_index,
+            _NO_TABLES if decode is None else decode.block_tables,
+            _NO_LENS if decode is None else decode.context_lens,
+            _NO_ROWS if fresh is None else fresh.starts,
+            _NO_ROWS if fresh is None else fresh.lengths,
+            self.num_heads, self.eps, self.scaling, self.onednn, MKL_PACKED_MIN_ROWS,
+            MKL_PACKED_MAX_ROWS)
+
+
+# A step's plan without decode rows, or without fresh prompts, passes these (never read).
+_NO_ROWS = torch.empty(0, dtype=torch.long)
+_NO_TABLES = torch.empty(0, 1, dtype=torch.int32)
+_NO_LENS = torch.empty(0, dtype=torch.int32)
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    """A step the C++ stack can take whole: decode rows through the paged decode kernel and
+    prompts without a cached prefix through the prefill kernel, nothing else."""
+
+    step: TorchStepAttention
+    decode: KernelDecode | None
+    fresh: KernelFreshPrefill | None
+
+    @classmethod
+    def of(cls, step: object) -> StackPlan | None:
+        if not isinstance(step, TorchStepAttention) or step.prefill_spans:
+            return None
+        decode = step.decode
+        if decode is not None and not isinstance(decode, KernelDecode):
+            return None
+        fresh: KernelFreshPrefill | None = None
+        if step.fresh_prefills:
+            (planned, *others) = step.fresh_prefills
+            if others or not isinstance(planned, KernelFreshPrefill):
+                return None
+            fresh = planned
+        if decode is None and fresh is None:
+            return None
+        return cls(step, decode, fresh)
 
 
 def _layer_tensors(layer: Any, onednn: bool) -> list[torch.Tensor] | None:
-    """A layer's tensors in decode_layers.cpp's order for its oneDNN or MKL layout, or None
+    """A layer's tensors in layer_stack.cpp's order for its oneDNN or MKL layout, or None
     where it cannot take them."""
     attention, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -127,25 +167,16 @@ def _layer_tensors(layer: Any, onednn: bool) -> list[torch.Tensor] | None:
     return [norms[0], *pairs[:8], norms[1], *pairs[8:]]
 
 
-def _decode_only(step: object) -> tuple[TorchStepAttention, KernelDecode] | None:
-    """The step and its decode rows when it has nothing else (no prompt rows) for the C++
-    kernel."""
-    if (isinstance(step, TorchStepAttention) and isinstance(step.decode, KernelDecode)
-            and not step.fresh_prefills and not step.prefill_spans):
-        return step, step.decode
-    return None
-
-
 class LayerLoop:
     def __init__(self, model: PreTrainedModel, kernels: ModuleType | None = None) -> None:
         self.model = model
         self.decoder: Any = model.model
-        self.decode_stack = DecodeStack.of(self.decoder.layers, kernels)
+        self.layer_stack = LayerStack.of(self.decoder.layers, kernels)
 
     @classmethod
     def of(cls, model: PreTrainedModel, kernels: ModuleType | None = None) -> LayerLoop | None:
         """The loop for `model`, or None where one of its layers is not fused_layers' own;
-        with the CPU `kernels`, decode steps run through DecodeStack where it applies."""
+        with the CPU `kernels`, steps run through LayerStack where it applies (StackPlan)."""
         if type(model).__name__ not in CAUSAL_LMS:
             return None
         decoder = getattr(model, "model", None)
@@ -169,10 +200,10 @@ class LayerLoop:
         with torch.inference_mode():
             hidden = decoder.embed_tokens(input_ids[None])  # [1, T, H]
             rotary = decoder.rotary_emb(hidden, positions[None])  # cos, sin [1, T, D]
-            decode = None if self.decode_stack is None else _decode_only(attention_step)
-            if self.decode_stack is not None and decode is not None:
+            plan = None if self.layer_stack is None else StackPlan.of(attention_step)
+            if self.layer_stack is not None and plan is not None:
                 cos, sin = (r[0].contiguous() for r in rotary)
-                hidden = self.decode_stack(hidden[0], cos, sin, *decode)[None]
+                hidden = self.layer_stack(hidden[0], cos, sin, plan)[None]
             else:
                 for layer in decoder.layers:
                     residual = hidden

@@ -200,7 +200,7 @@ def _agrees(packed: PackedWeight, weight: torch.Tensor) -> bool:
 
 def matmul_library() -> str:
     """Who computes the linear layers where MKL and oneDNN both could: "mkl" on Intel CPUs
-    (float32 of 2 to 512 rows, and decode_layers' lone bf16 row), "onednn" elsewhere, where
+    (float32 of 2 to 512 rows), "onednn" elsewhere, where
     MKL runs its slow generic code; PAGEDKV_MATMUL_LIBRARY overrides."""
     chosen = os.environ.get(MATMUL_LIBRARY_ENV, "").strip().lower()
     if chosen:

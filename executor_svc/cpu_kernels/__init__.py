@@ -6,8 +6,8 @@
 - sampling.cpp: each row's argmax and log-sum-exp in one pass for the sampler (sampler.py);
 - packed_gemm.cpp: float32 linear layers through MKL's packed GEMM (packed_linear.py);
 - small_gemm.cpp: linear layers of a few rows on the plain weights (packed_linear.py);
-- decode_layers.cpp: a decode step through every decoder layer in one call, bfloat16 or
-  float32 (layer_loop.py);
+- layer_stack.cpp: a step of decode rows and fresh prompts through every decoder layer in
+  one call, bfloat16 or float32 (layer_loop.py);
 - prefill_attention.cpp: causal attention of prompts with no cached prefix, over their packed
   rows (attention/torch_backend.py);
 - simd.h: float32 vectors and bfloat16 conversions that compile for any x86 level;
@@ -44,7 +44,7 @@ log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp", CSRC / "sampling.cpp",
-           CSRC / "packed_gemm.cpp", CSRC / "small_gemm.cpp", CSRC / "decode_layers.cpp",
+           CSRC / "packed_gemm.cpp", CSRC / "small_gemm.cpp", CSRC / "layer_stack.cpp",
            CSRC / "prefill_attention.cpp", CSRC / "bindings.cpp"]
 BUILD_DIR = REPO_ROOT / "build" / "cpu_kernels"
 # NOTE: fast-math lets gcc vectorise expf (glibc's libmvec) and reorder the dot products'

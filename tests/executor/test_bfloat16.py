@@ -28,7 +28,7 @@ def test_bfloat16_decode_logits_track_transformers_in_bfloat16(
     # Prompts prefilled, then four decode steps fed transformers' own greedy tokens: at every
     # step each row's logits are within bf16 rounding of the dense bf16 forward. (Qwen2: q/k/v
     # biases, concatenated into the fused q/k/v projection's. One prompt: its decode steps'
-    # single row takes MKL's bf16 GEMM in the decode stack.)
+    # single row takes small_rows_linear in the layer stack.)
     runner = make_runner(preset, dtype="bfloat16", backend=backend)
     reference = reference_model(runner).to(torch.bfloat16)
     prompts = random_prompts(runner.info.vocab_size, lengths, seed=2)

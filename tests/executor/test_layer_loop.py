@@ -10,7 +10,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from executor_svc.layer_loop import DecodeStack, LayerLoop
+from executor_svc.attention.cpu_backend import PREFILL_HEAD_DIMS, prefill_kernel_dtypes
+from executor_svc.layer_loop import LayerLoop, LayerStack
 from executor_svc.packed_linear import MATMUL_LIBRARY_ENV
 from executor_svc.runner import ModelRunner
 from executor_svc.step import StepRequest
@@ -71,7 +72,7 @@ def test_layer_loop_only_for_fused_decoders(make_runner: Callable[..., ModelRunn
 class _Counted:
     """Counts the C++ stack's calls, so that a test knows which path a step took."""
 
-    def __init__(self, stack: DecodeStack) -> None:
+    def __init__(self, stack: LayerStack) -> None:
         self.stack, self.calls = stack, 0
 
     def __call__(self, *args: object) -> torch.Tensor:
@@ -85,62 +86,70 @@ class _Counted:
     ("tiny-llama", "float32", "mkl"), ("tiny-llama-hd128", "float32", "mkl"),
     ("tiny-llama", "float32", "onednn"), ("tiny-llama-hd128", "float32", "onednn"),
 ])
-def test_decode_stack_gives_the_python_loops_bits(
+def test_layer_stack_gives_the_python_loops_bits(
     make_runner: Callable[..., ModelRunner], monkeypatch: pytest.MonkeyPatch, preset: str,
     dtype: str, library: str,
 ) -> None:
-    """Decode steps through the C++ decode stack against the Python layer loop: the same
-    logits, bit for bit, step after step (each step reads the K/V the stack wrote before),
-    at six rows and five (oneDNN's or MKL's packed weights) and at four, two and one (under
-    oneDNN, the plain weights through small_rows_linear), whichever library computes the
-    linears."""
+    """Steps through the C++ stack against the Python layer loop: the same logits, bit for
+    bit, step after step (each step reads the K/V the stack wrote before), at six rows and
+    five (oneDNN's or MKL's packed weights) and at four, two and one (under oneDNN, the plain
+    weights through small_rows_linear), whichever library computes the linears; prompts
+    (alone, or joining decode rows) go through it where the prefill kernel takes them, and a
+    chunk after a cached prefix never does."""
     monkeypatch.setenv(MATMUL_LIBRARY_ENV, library)
     stacked = make_runner(preset, dtype=dtype, backend="cpu")
     looped = make_runner(preset, dtype=dtype, backend="cpu")
     loop = stacked.loaded.layer_loop
-    assert loop is not None and loop.decode_stack is not None
-    assert loop.decode_stack.onednn == (dtype == "bfloat16" or library == "onednn")
-    assert loop.decode_stack.kernels.SMALL_ROWS_MAX == 4  # the feeds below straddle it
-    counted = _Counted(loop.decode_stack)
-    loop.decode_stack = counted  # type: ignore[assignment]
+    assert loop is not None and loop.layer_stack is not None
+    assert loop.layer_stack.onednn == (dtype == "bfloat16" or library == "onednn")
+    assert loop.layer_stack.kernels.SMALL_ROWS_MAX == 4  # the feeds below straddle it
+    counted = _Counted(loop.layer_stack)
+    loop.layer_stack = counted  # type: ignore[assignment]
     reference = looped.loaded.layer_loop
     assert reference is not None
-    reference.decode_stack = None
+    reference.layer_stack = None
     names = [f"r{i}" for i in range(6)]
-    prompts = random_prompts(stacked.info.vocab_size, [9, 40, 4, 17, 3, 21], seed=5)
+    prompts = random_prompts(stacked.info.vocab_size, [9, 40, 4, 17, 3, 21, 12], seed=5)
     drivers = {"stacked": Driver.scattered(stacked), "looped": Driver.scattered(looped)}
-    feeds = [dict(zip(names, prompts, strict=True))]
+    feeds = [dict(zip(names, prompts, strict=False))]
     feeds += [{name: [11 + step + i] for i, name in enumerate(names)} for step in range(4)]
     feeds += [{name: [7] for name in names[:5]}, {name: [8] for name in names[:4]}]
     feeds += [{"r1": [3], "r3": [4]}, {"r2": [5]}]  # fewer rows than before
+    feeds += [{"r0": [6], "r1": [6], "r6": prompts[6]}]  # a prompt joins two decode rows
+    feeds += [{"r2": [1, 2, 3], "r3": [9]}]  # a chunk after r2's cached tokens
+    prompt_feeds = (0, len(feeds) - 2)
+    fresh_kernel = (getattr(torch, dtype) in prefill_kernel_dtypes()
+                    and stacked.loaded.config.head_dim in PREFILL_HEAD_DIMS)
     runners = {"stacked": stacked, "looped": looped}
-    for feed in feeds:
+    for index, feed in enumerate(feeds):
+        before = counted.calls
         logits = _step_logits(runners, drivers, feed)
-        assert torch.equal(logits["stacked"], logits["looped"])
-    assert counted.calls == len(feeds) - 1  # every step but the prompts'
+        assert torch.equal(logits["stacked"], logits["looped"]), f"step {index}"
+        stacked_now = (fresh_kernel if index in prompt_feeds else index != len(feeds) - 1)
+        assert counted.calls - before == int(stacked_now), f"step {index}"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_decode_stack_only_where_every_linear_is_packed_for_it(
+def test_layer_stack_only_where_every_linear_is_packed_for_it(
     make_runner: Callable[..., ModelRunner], matmul_library: str, dtype: str
 ) -> None:
     # q/k/v with a bias (Qwen2): its decode steps keep the Python loop.
     qwen2 = make_runner("tiny-qwen2", dtype=dtype, backend="cpu").loaded.layer_loop
-    assert qwen2 is not None and qwen2.decode_stack is None
+    assert qwen2 is not None and qwen2.layer_stack is None
     # LoRA wraps the projections for its adapters: every step keeps the Python loop.
     lora = make_runner("tiny-llama", dtype=dtype, backend="cpu", enable_lora=True)
-    assert lora.loaded.layer_loop is None or lora.loaded.layer_loop.decode_stack is None
+    assert lora.loaded.layer_loop is None or lora.loaded.layer_loop.layer_stack is None
     llama = make_runner("tiny-llama", dtype=dtype, backend="cpu").loaded.layer_loop
-    assert llama is not None and llama.decode_stack is not None
+    assert llama is not None and llama.layer_stack is not None
     layer = llama.model.model.layers[0]
     down = layer.mlp.down_proj
     layer.mlp.down_proj = torch.nn.Linear(down.in_features, down.out_features, bias=False)
-    assert DecodeStack.of(llama.model.model.layers, llama.decode_stack.kernels) is None
+    assert LayerStack.of(llama.model.model.layers, llama.layer_stack.kernels) is None
 
 
 class _OtherOneDnn:
-    """The CPU kernels as on a torch whose oneDNN linear signatures differ from decode_layers'
-    (the lookup that reports it runs for real: test_decode_stack_finds_its_onednn_ops)."""
+    """The CPU kernels as on a torch whose oneDNN linear signatures differ from layer_stack'
+    (the lookup that reports it runs for real: test_layer_stack_finds_its_onednn_ops)."""
 
     def __init__(self, kernels: object) -> None:
         self.kernels = kernels
@@ -152,28 +161,28 @@ class _OtherOneDnn:
         return False
 
 
-def test_decode_stack_finds_its_onednn_ops_or_keeps_the_python_loop(
+def test_layer_stack_finds_its_onednn_ops_or_keeps_the_python_loop(
         make_runner: Callable[..., ModelRunner], monkeypatch: pytest.MonkeyPatch) -> None:
     # This torch's operators match (looked up for real); a torch whose do not keeps the
     # Python loop from the start wherever the layers are oneDNN-packed (bfloat16; float32
     # off Intel CPUs), and float32 with MKL's layout never calls them.
     bf16 = make_runner("tiny-llama", dtype="bfloat16", backend="cpu").loaded.layer_loop
-    assert bf16 is not None and bf16.decode_stack is not None
-    kernels = bf16.decode_stack.kernels
+    assert bf16 is not None and bf16.layer_stack is not None
+    kernels = bf16.layer_stack.kernels
     assert kernels.onednn_linear_ops_available()
-    assert DecodeStack.of(bf16.decoder.layers, _OtherOneDnn(kernels)) is None  # type: ignore[arg-type]
+    assert LayerStack.of(bf16.decoder.layers, _OtherOneDnn(kernels)) is None  # type: ignore[arg-type]
     for library, stacks in (("mkl", True), ("onednn", False)):
         monkeypatch.setenv(MATMUL_LIBRARY_ENV, library)
         fp32 = make_runner("tiny-llama", dtype="float32", backend="cpu").loaded.layer_loop
         assert fp32 is not None
-        stack = DecodeStack.of(fp32.decoder.layers, _OtherOneDnn(kernels))  # type: ignore[arg-type]
+        stack = LayerStack.of(fp32.decoder.layers, _OtherOneDnn(kernels))  # type: ignore[arg-type]
         assert (stack is not None) == stacks
 
 
 def _stack_inputs(runner: ModelRunner, tokens: int = 2) -> dict[str, object]:
     loop = runner.loaded.layer_loop
-    assert loop is not None and loop.decode_stack is not None
-    stack = loop.decode_stack
+    assert loop is not None and loop.layer_stack is not None
+    stack = loop.layer_stack
     hidden_size, head_dim = runner.loaded.config.hidden_size, runner.loaded.config.head_dim
     kv = runner.cache.kv
     return {
@@ -185,6 +194,8 @@ def _stack_inputs(runner: ModelRunner, tokens: int = 2) -> dict[str, object]:
         "rows": torch.arange(tokens, dtype=torch.long),
         "tables": torch.zeros(tokens, 1, dtype=torch.int32),
         "lens": torch.ones(tokens, dtype=torch.int32),
+        "fresh_starts": torch.empty(0, dtype=torch.long),
+        "fresh_lengths": torch.empty(0, dtype=torch.long),
         "num_heads": stack.num_heads, "eps": stack.eps, "scale": stack.scaling,
         "onednn": stack.onednn,
         "mkl_min_rows": 2, "mkl_max_rows": 512,
@@ -204,7 +215,7 @@ def _stack_inputs(runner: ModelRunner, tokens: int = 2) -> dict[str, object]:
     ({"lens": torch.tensor([1, 0], dtype=torch.int32)}, "a context length is outside 1.."),
     ({"num_heads": 1}, "the q/k/v weight's width is not"),
 ])
-def test_decode_stack_refuses_bad_inputs(
+def test_layer_stack_refuses_bad_inputs(
     make_runner: Callable[..., ModelRunner], change: object, message: str
 ) -> None:
     runner = make_runner("tiny-llama", dtype="bfloat16", backend="cpu")
@@ -219,6 +230,6 @@ def test_decode_stack_refuses_bad_inputs(
         inputs["kv"] = inputs["kv"].float()  # type: ignore[attr-defined]
     else:
         inputs.update(change)  # type: ignore[call-overload]
-    kernels = runner.loaded.layer_loop.decode_stack.kernels  # type: ignore[union-attr]
+    kernels = runner.loaded.layer_loop.layer_stack.kernels  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match=re.escape(message)):
-        kernels.decode_layers(*inputs.values())
+        kernels.layer_stack(*inputs.values())

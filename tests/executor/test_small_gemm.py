@@ -1,6 +1,6 @@
 """small_rows_linear (cpu_kernels/csrc/small_gemm.cpp), the few-row linear layers on the
 plain weights, against float64 products; and OneDnnWeight's choice between it and oneDNN.
-Whole-model parity through it (the decode stack's bits against the Python loop at 1 to 6
+Whole-model parity through it (the layer stack's bits against the Python loop at 1 to 6
 rows, greedy tokens equal to transformers' generate) is in test_layer_loop.py and
 test_cpu_backend.py."""
 

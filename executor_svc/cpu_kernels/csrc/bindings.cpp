@@ -12,10 +12,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>(),
         "causal attention of prompts with no cached prefix over their packed rows "
         "(float32 or bfloat16)");
-  m.def("decode_layers", &decode_layers, py::call_guard<py::gil_scoped_release>(),
-        "a decode step through every fused decoder layer, bfloat16 or float32 (layer_loop.py)");
+  m.def("layer_stack", &layer_stack, py::call_guard<py::gil_scoped_release>(),
+        "a step of decode rows and fresh prompts through every fused decoder layer, bfloat16 "
+        "or float32 (layer_loop.py)");
   m.def("onednn_linear_ops_available", &onednn_linear_ops_available,
-        "whether torch's oneDNN linear operators have the signatures decode_layers calls");
+        "whether torch's oneDNN linear operators have the signatures layer_stack calls");
   m.def("small_rows_linear", &small_rows_linear, py::call_guard<py::gil_scoped_release>(),
         py::arg("x"), py::arg("weights"),
         py::arg("bias") = py::none(), py::arg("epilogue") = 0, py::arg("other") = py::none(),

@@ -17,11 +17,12 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor 
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
                        torch::Tensor starts, torch::Tensor lengths, double scale);
 
-// decode_layers.cpp
-torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
+// layer_stack.cpp
+torch::Tensor layer_stack(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
                             std::vector<torch::Tensor> weights, torch::Tensor kv,
                             torch::Tensor slots, torch::Tensor rows, torch::Tensor block_tables,
-                            torch::Tensor context_lens, int64_t num_heads, double eps,
+                            torch::Tensor context_lens, torch::Tensor fresh_starts,
+                            torch::Tensor fresh_lengths, int64_t num_heads, double eps,
                             double scale, bool onednn, int64_t mkl_min_rows,
                             int64_t mkl_max_rows);
 

@@ -1,4 +1,5 @@
-// A decode step through every layer of a fused Llama-family decoder in one call.
+// A step of decode rows and fresh prompts through every layer of a fused Llama-family decoder
+// in one call.
 //
 // executor_svc/layer_loop.py runs a layer as ~25 Python-level calls (modules, views, ops).
 // At a decode step's sizes their dispatch is a large share of the step: SmolLM2-135M's 30
@@ -7,8 +8,12 @@
 // the same order from C++, so the hidden states are the same bits as the Python loop's:
 //
 //   x = rms_norm(h, in_norm); q, k, v = projections of x; rotary_(q, k); K/V written to their
-//   slots; a = paged decode attention; h = h + a @ Wo^T; x = rms_norm(h, post_norm);
-//   h = h + (silu(x @ Wgate^T) * (x @ Wup^T)) @ Wdown^T
+//   slots; a = paged decode attention of the decode rows, then prefill_attention of the
+//   prompts without a cached prefix (each over its own rows); h = h + a @ Wo^T;
+//   x = rms_norm(h, post_norm); h = h + (silu(x @ Wgate^T) * (x @ Wup^T)) @ Wdown^T
+//
+// (A 128-token prompt's step takes 43 ms here against 46-49 through the Python loop, bf16 on
+// an AMD EPYC; a chunk after a cached prefix keeps the Python loop.)
 //
 // Each layer's linears are packed as packed_linear.py packs them, and called as the Python
 // loop calls them (`onednn` says which):
@@ -116,20 +121,38 @@ struct Shape {
   double scale;
 };
 
-// Writes the step's K/V into `layer_kv`, then returns the attention's output [T, Hq * D].
+// A step's attention plan: its decode rows (`rows`, possibly none) read the paged cache; its
+// fresh prompts (`fresh_starts`/`fresh_lengths`, possibly none) attend over their own rows.
+struct Plan {
+  const int64_t* slots;
+  const at::Tensor& rows;
+  const at::Tensor& block_tables;
+  const at::Tensor& context_lens;
+  const at::Tensor& fresh_starts;
+  const at::Tensor& fresh_lengths;
+};
+
+// Writes the step's K/V into `layer_kv`, then returns the attention's output [T, Hq * D]:
+// TorchStepAttention.forward's order (K/V written, decode rows, then fresh prompts).
 at::Tensor attend(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& layer_kv,
-                  const int64_t* slots, const at::Tensor& rows, const at::Tensor& block_tables,
-                  const at::Tensor& context_lens) {
+                  const Plan& plan) {
   TORCH_CHECK(q.size(1) == s.num_heads * s.head_dim && k.size(1) == s.num_kv_heads * s.head_dim &&
                   v.sizes() == k.sizes(),
               "a layer's q, k and v widths disagree with num_heads and the cache's heads");
   auto q_heads = q.view({s.tokens, s.num_heads, s.head_dim});
-  rotary_(q_heads, k.view({s.tokens, s.num_kv_heads, s.head_dim}), cos, sin);
-  write_kv(layer_kv, k, v, slots, s.num_slots);
+  auto k_heads = k.view({s.tokens, s.num_kv_heads, s.head_dim});
+  rotary_(q_heads, k_heads, cos, sin);
+  write_kv(layer_kv, k, v, plan.slots, s.num_slots);
   auto out = torch::empty({s.tokens, s.num_heads, s.head_dim}, q.options());
-  paged_decode_attention(out, q_heads, rows, layer_kv[0], layer_kv[1], block_tables,
-                         context_lens, s.scale);
+  if (plan.rows.numel() > 0) {
+    paged_decode_attention(out, q_heads, plan.rows, layer_kv[0], layer_kv[1], plan.block_tables,
+                           plan.context_lens, s.scale);
+  }
+  if (plan.fresh_starts.numel() > 0) {
+    prefill_attention(out, q_heads, k_heads, v.view({s.tokens, s.num_kv_heads, s.head_dim}),
+                      plan.fresh_starts, plan.fresh_lengths, s.scale);
+  }
   return out.view({s.tokens, s.num_heads * s.head_dim});
 }
 
@@ -145,10 +168,11 @@ bool onednn_linear_ops_available() {
   }
 }
 
-torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
+torch::Tensor layer_stack(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
                             std::vector<torch::Tensor> weights, torch::Tensor kv,
                             torch::Tensor slots, torch::Tensor rows, torch::Tensor block_tables,
-                            torch::Tensor context_lens, int64_t num_heads, double eps,
+                            torch::Tensor context_lens, torch::Tensor fresh_starts,
+                            torch::Tensor fresh_lengths, int64_t num_heads, double eps,
                             double scale, bool onednn, int64_t mkl_min_rows,
                             int64_t mkl_max_rows) {
   const auto dtype = hidden.scalar_type();
@@ -159,7 +183,7 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
               "the cache must be [L, 2, NB, S, Hkv, D], contiguous, of hidden's dtype");
   const int64_t layers = kv.size(0);
   const int64_t per_layer = onednn ? kOneDnnWeightsPerLayer : kMklWeightsPerLayer;
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == per_layer * layers, "decode_layers takes ",
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == per_layer * layers, "layer_stack takes ",
               per_layer, " weights for each of the cache's ", layers, " layers, got ",
               weights.size());
   const Shape shape{hidden.size(0), num_heads, kv.size(4), kv.size(5), kv.size(2) * kv.size(3),
@@ -175,6 +199,7 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
   const int64_t kv_width = shape.num_kv_heads * shape.head_dim;
   const MklLinears mkl{mkl_min_rows, mkl_max_rows};
   const bool few_rows = shape.tokens <= kSmallRowsMax;
+  const Plan plan{slot_ids, rows, block_tables, context_lens, fresh_starts, fresh_lengths};
   for (int64_t layer = 0; layer < layers; ++layer) {
     const torch::Tensor* w = weights.data() + layer * per_layer;
     const auto layer_kv = kv[layer];
@@ -186,7 +211,7 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
                   q_width + 2 * kv_width);
       auto attended = attend(shape, qkv.narrow(1, 0, q_width), qkv.narrow(1, q_width, kv_width),
                              qkv.narrow(1, q_width + kv_width, kv_width), cos, sin, layer_kv,
-                             slot_ids, rows, block_tables, context_lens);
+                             plan);
       if (few_rows) {
         hidden = hidden + small(attended, {w[10]});
         x = rms_norm(hidden, w[3], eps);
@@ -199,7 +224,7 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
       }
     } else {
       auto attended = attend(shape, mkl(x, w[1], w[2]), mkl(x, w[3], w[4]), mkl(x, w[5], w[6]),
-                             cos, sin, layer_kv, slot_ids, rows, block_tables, context_lens);
+                             cos, sin, layer_kv, plan);
       hidden = hidden + mkl(attended, w[7], w[8]);
       x = rms_norm(hidden, w[9], eps);
       hidden = hidden + mkl(silu_mul(mkl(x, w[10], w[11]), mkl(x, w[12], w[13])), w[14], w[15]);
