@@ -72,7 +72,7 @@ class LayerStack:
         eps, scaling, num_heads = set(), set(), set()
         onednn = layers[0].self_attn.qkv is not None
         for layer in layers:
-            tensors = _layer_tensors(layer, onednn)
+            tensors = _layer_tensors(layer, onednn, kernels)
             if tensors is None:
                 return None
             weights += tensors
@@ -84,7 +84,7 @@ class LayerStack:
         if len(eps) != 1 or len(scaling) != 1 or len(num_heads) != 1:
             return None
         if onednn and not kernels.onednn_linear_ops_available():
-            # Checked here, not at the first decode step, which would fail every step after.
+            # Checked here, not at the first step it takes, which would fail every step after.
             log.warning("layer_stack_off", reason="this torch's oneDNN linear operators do "
                         "not have the signatures layer_stack calls: the Python loop runs")
             return None
@@ -138,7 +138,7 @@ class StackPlan:
         return cls(step, decode, fresh)
 
 
-def _layer_tensors(layer: Any, onednn: bool) -> list[torch.Tensor] | None:
+def _layer_tensors(layer: Any, onednn: bool, kernels: ModuleType) -> list[torch.Tensor] | None:
     """A layer's tensors in layer_stack.cpp's order for its oneDNN or MKL layout, or None
     where it cannot take them."""
     attention, mlp = layer.self_attn, layer.mlp
@@ -155,6 +155,9 @@ def _layer_tensors(layer: Any, onednn: bool) -> list[torch.Tensor] | None:
         if not all(p.weight.is_contiguous() for p in projections):  # a few rows read them
             return None
         gate, up = mlp.epilogues
+        packed = (attention.qkv[0], o, gate, up, down)
+        if not all(w.reads_plain_through(kernels) for w in packed):  # the stack's few rows do
+            return None
         return [norms[0], attention.qkv[0].packed, o.packed, norms[1], gate.packed, up.packed,
                 down.packed, *(p.weight for p in projections)]
     pairs: list[torch.Tensor] = []  # each projection's weight, then its MKL-packed copy

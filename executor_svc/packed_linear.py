@@ -62,7 +62,7 @@ class PackedWeight(Protocol):
         """x [..., in] -> x @ weight^T + bias [..., out]."""
 
 
-# small_rows_linear's epilogues (cpu_kernels/csrc/small_gemm.cpp).
+# small_rows_linear's epilogues (SmallRowsEpilogue, cpu_kernels/csrc/kernels.h).
 _NONE, _SILU, _TIMES = 0, 1, 2
 
 
@@ -79,7 +79,11 @@ class OneDnnWeight:
 
     def _few_rows(self, x: torch.Tensor) -> bool:
         return (self.kernels is not None and bool(self.plain)
-                and x.numel() <= self.kernels.SMALL_ROWS_MAX * x.shape[-1])
+                and 0 < x.numel() <= self.kernels.SMALL_ROWS_MAX * x.shape[-1])
+
+    def reads_plain_through(self, kernels: ModuleType) -> bool:
+        """Whether a few rows take `kernels`' small_rows_linear (as the C++ stack's do)."""
+        return self.kernels is kernels and bool(self.plain)
 
     def _small(self, x: torch.Tensor, bias: torch.Tensor | None, epilogue: int,
                other: torch.Tensor | None = None) -> torch.Tensor:

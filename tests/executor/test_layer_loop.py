@@ -109,15 +109,18 @@ def test_layer_stack_gives_the_python_loops_bits(
     assert reference is not None
     reference.layer_stack = None
     names = [f"r{i}" for i in range(6)]
-    prompts = random_prompts(stacked.info.vocab_size, [9, 40, 4, 17, 3, 21, 12], seed=5)
+    prompts = random_prompts(stacked.info.vocab_size, [9, 40, 4, 17, 3, 21, 12, 2, 530],
+                             seed=5)
     drivers = {"stacked": Driver.scattered(stacked), "looped": Driver.scattered(looped)}
     feeds = [dict(zip(names, prompts, strict=False))]
     feeds += [{name: [11 + step + i] for i, name in enumerate(names)} for step in range(4)]
     feeds += [{name: [7] for name in names[:5]}, {name: [8] for name in names[:4]}]
     feeds += [{"r1": [3], "r3": [4]}, {"r2": [5]}]  # fewer rows than before
     feeds += [{"r0": [6], "r1": [6], "r6": prompts[6]}]  # a prompt joins two decode rows
+    feeds += [{"r0": [2], "r7": prompts[7]}]  # three rows: the few-row linears and a prompt
+    feeds += [{"r8": prompts[8]}]  # past MKL's packed rows (512): F.linear there
     feeds += [{"r2": [1, 2, 3], "r3": [9]}]  # a chunk after r2's cached tokens
-    prompt_feeds = (0, len(feeds) - 2)
+    prompt_feeds = (0, len(feeds) - 4, len(feeds) - 3, len(feeds) - 2)
     fresh_kernel = (getattr(torch, dtype) in prefill_kernel_dtypes()
                     and stacked.loaded.config.head_dim in PREFILL_HEAD_DIMS)
     runners = {"stacked": stacked, "looped": looped}
@@ -141,14 +144,22 @@ def test_layer_stack_only_where_every_linear_is_packed_for_it(
     assert lora.loaded.layer_loop is None or lora.loaded.layer_loop.layer_stack is None
     llama = make_runner("tiny-llama", dtype=dtype, backend="cpu").loaded.layer_loop
     assert llama is not None and llama.layer_stack is not None
-    layer = llama.model.model.layers[0]
-    down = layer.mlp.down_proj
-    layer.mlp.down_proj = torch.nn.Linear(down.in_features, down.out_features, bias=False)
-    assert LayerStack.of(llama.model.model.layers, llama.layer_stack.kernels) is None
+    layers, kernels = llama.model.model.layers, llama.layer_stack.kernels
+    if llama.layer_stack.onednn:
+        # A fused q/k/v whose few rows would take oneDNN in the Python loop: the stack would
+        # read the plain weights and the bits would part.
+        qkv, bias = layers[1].self_attn.qkv
+        layers[1].self_attn.qkv = (dataclasses.replace(qkv, kernels=None), bias)
+        assert LayerStack.of(layers, kernels) is None
+        layers[1].self_attn.qkv = (qkv, bias)
+        assert LayerStack.of(layers, kernels) is not None
+    down = layers[0].mlp.down_proj
+    layers[0].mlp.down_proj = torch.nn.Linear(down.in_features, down.out_features, bias=False)
+    assert LayerStack.of(layers, kernels) is None
 
 
 class _OtherOneDnn:
-    """The CPU kernels as on a torch whose oneDNN linear signatures differ from layer_stack'
+    """The CPU kernels as on a torch whose oneDNN linear signatures differ from layer_stack's
     (the lookup that reports it runs for real: test_layer_stack_finds_its_onednn_ops)."""
 
     def __init__(self, kernels: object) -> None:
@@ -230,6 +241,28 @@ def test_layer_stack_refuses_bad_inputs(
         inputs["kv"] = inputs["kv"].float()  # type: ignore[attr-defined]
     else:
         inputs.update(change)  # type: ignore[call-overload]
+    kernels = runner.loaded.layer_loop.layer_stack.kernels  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        kernels.layer_stack(*inputs.values())
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"fresh_starts": torch.tensor([1]), "fresh_lengths": torch.tensor([5])},
+     "a prompt's rows are outside q"),
+    ({"fresh_starts": torch.tensor([0, 1]), "fresh_lengths": torch.tensor([1])},
+     "starts and lengths must be [P] int64"),
+    ({"fresh_starts": torch.tensor([0], dtype=torch.int32), "fresh_lengths": torch.tensor([2])},
+     "starts and lengths must be [P] int64"),
+])
+def test_layer_stack_refuses_bad_prompt_rows(
+    make_runner: Callable[..., ModelRunner], change: dict[str, torch.Tensor], message: str
+) -> None:
+    # A step of two fresh prompt rows (no decode rows), its prompts' rows described wrongly.
+    runner = make_runner("tiny-llama-hd128", dtype="bfloat16", backend="cpu")
+    inputs = _stack_inputs(runner)
+    inputs.update({"rows": torch.empty(0, dtype=torch.long),
+                   "tables": torch.empty(0, 1, dtype=torch.int32),
+                   "lens": torch.empty(0, dtype=torch.int32), **change})
     kernels = runner.loaded.layer_loop.layer_stack.kernels  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match=re.escape(message)):
         kernels.layer_stack(*inputs.values())

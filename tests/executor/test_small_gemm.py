@@ -59,7 +59,8 @@ def test_small_rows_linear_bits_do_not_depend_on_threads_or_grouping(
     # Each output is one thread's dot product in a fixed order: q/k/v side by side give the
     # bits of three calls, with one thread or two (the Python loop and the stack must agree).
     gen = torch.Generator().manual_seed(3)
-    weights = [torch.randn(n, 576, generator=gen).to(dtype) for n in (576, 192, 192)]
+    # Widths that leave a partial block of rows at each weight's end.
+    weights = [torch.randn(n, 576, generator=gen).to(dtype) for n in (577, 190, 193)]
     x = torch.randn(3, 576, generator=gen).to(dtype)
     together = kernel.small_rows_linear(x, weights)
     apart = torch.cat([kernel.small_rows_linear(x, [w]) for w in weights], dim=1)
@@ -140,3 +141,5 @@ def test_onednn_weight_reads_the_plain_weight_for_a_few_rows_only(
         else:
             assert torch.equal(with_kernels.linear_silu(x), without.linear_silu(x))
             assert torch.equal(with_kernels.linear_times(x, other), without.linear_times(x, other))
+    empty = torch.empty(1, 0, 64, dtype=dtype)  # no rows: oneDNN's empty product, no refusal
+    assert with_kernels.linear(empty, None).shape == (1, 0, 40)

@@ -19,17 +19,18 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
 
 // layer_stack.cpp
 torch::Tensor layer_stack(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
-                            std::vector<torch::Tensor> weights, torch::Tensor kv,
-                            torch::Tensor slots, torch::Tensor rows, torch::Tensor block_tables,
-                            torch::Tensor context_lens, torch::Tensor fresh_starts,
-                            torch::Tensor fresh_lengths, int64_t num_heads, double eps,
-                            double scale, bool onednn, int64_t mkl_min_rows,
-                            int64_t mkl_max_rows);
+                          std::vector<torch::Tensor> weights, torch::Tensor kv, torch::Tensor slots,
+                          torch::Tensor rows, torch::Tensor block_tables,
+                          torch::Tensor context_lens, torch::Tensor fresh_starts,
+                          torch::Tensor fresh_lengths, int64_t num_heads, double eps, double scale,
+                          bool onednn, int64_t mkl_min_rows, int64_t mkl_max_rows);
 
 bool onednn_linear_ops_available();
 
 // small_gemm.cpp: linear layers of 1 to kSmallRowsMax rows on the plain weights.
 constexpr int64_t kSmallRowsMax = 4;
+// What follows the product (packed_linear.py's _NONE, _SILU, _TIMES).
+enum SmallRowsEpilogue : int64_t { kNone = 0, kSilu = 1, kTimes = 2 };
 torch::Tensor small_rows_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                                 const std::optional<torch::Tensor>& bias, int64_t epilogue,
                                 const std::optional<torch::Tensor>& other);

@@ -77,10 +77,9 @@ at::Tensor linear_times(const at::Tensor& x, const at::Tensor& other, const at::
   return linear_times_op().call(x, other, packed, std::nullopt, "mul");
 }
 
-enum Epilogue : int64_t { kNone = 0, kSilu = 1, kTimes = 2 };  // small_rows_linear's
-
-at::Tensor small(const at::Tensor& x, std::vector<torch::Tensor> weights,
-                 Epilogue epilogue = kNone, const std::optional<at::Tensor>& other = std::nullopt) {
+at::Tensor small(const at::Tensor& x, const std::vector<torch::Tensor>& weights,
+                 SmallRowsEpilogue epilogue = kNone,
+                 const std::optional<at::Tensor>& other = std::nullopt) {
   return small_rows_linear(x, weights, std::nullopt, epilogue, other);
 }
 
@@ -169,12 +168,11 @@ bool onednn_linear_ops_available() {
 }
 
 torch::Tensor layer_stack(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
-                            std::vector<torch::Tensor> weights, torch::Tensor kv,
-                            torch::Tensor slots, torch::Tensor rows, torch::Tensor block_tables,
-                            torch::Tensor context_lens, torch::Tensor fresh_starts,
-                            torch::Tensor fresh_lengths, int64_t num_heads, double eps,
-                            double scale, bool onednn, int64_t mkl_min_rows,
-                            int64_t mkl_max_rows) {
+                          std::vector<torch::Tensor> weights, torch::Tensor kv, torch::Tensor slots,
+                          torch::Tensor rows, torch::Tensor block_tables,
+                          torch::Tensor context_lens, torch::Tensor fresh_starts,
+                          torch::Tensor fresh_lengths, int64_t num_heads, double eps, double scale,
+                          bool onednn, int64_t mkl_min_rows, int64_t mkl_max_rows) {
   const auto dtype = hidden.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || (dtype == at::kBFloat16 && onednn),
               "hidden must be bfloat16 (oneDNN-packed layers) or float32 (oneDNN- or MKL-packed)");

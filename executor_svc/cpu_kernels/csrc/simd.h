@@ -1,6 +1,7 @@
 // float32 vectors of the target's register width in gcc's vector extensions (16 lanes with
-// AVX-512, else 8: AVX2's register, SSE's two), with loads that widen bfloat16: one source that gcc compiles for whatever the build targets, so the kernels need
-// no per-instruction-set copies. (16 lanes on an AVX2 build, two registers each, ran the
+// AVX-512, else 8: AVX2's register, SSE's two), with loads that widen bfloat16: one source
+// that gcc compiles for whatever the build targets (one intrinsic where AVX-512 has it), so
+// the kernels need no per-instruction-set copies. (16 lanes on an AVX2 build, two registers each, ran the
 // decode attention 2.5x slower than 8: the fixed-size path's K rows no longer fit the 16
 // registers.)
 // Below them, the same conversions one element at a time, for loops gcc vectorises itself
@@ -8,7 +9,9 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <cstring>

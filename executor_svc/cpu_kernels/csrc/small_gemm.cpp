@@ -27,8 +27,6 @@ namespace {
 using simd::f32v;
 using simd::kLanes;
 
-enum Epilogue : int64_t { kNone = 0, kSilu = 1, kTimes = 2 };
-
 // Weight rows a task reads side by side: with M input rows, kRowsPerBlock * M accumulators.
 constexpr int64_t kRowsPerBlock = 4;
 
@@ -38,7 +36,7 @@ struct Output {
   int64_t ld;  // out's and other's row stride
   const T* bias;
   const T* other;
-  Epilogue epilogue;
+  SmallRowsEpilogue epilogue;
 
   void store(int64_t m, int64_t n, float sum) const {
     float v = sum + (bias ? simd::widen(bias[n]) : 0.f);
@@ -53,9 +51,10 @@ struct Output {
 
 // R output columns from n0 (weight rows w[n0..n0 + R)), for M input rows x already widened to
 // float32 [M, K]; written at `column + n0`. R and M are constants, so the R * M accumulators
-// stay in registers.
+// stay in registers. `ahead`: the rows to prefetch as these are read (the next block's, or
+// these again at the weight's end).
 template <typename T, int M, int R>
-void dot_rows(const float* x, const T* w, int64_t K, int64_t n0, int64_t column,
+void dot_rows(const float* x, const T* w, const T* ahead, int64_t K, int64_t n0, int64_t column,
               const Output<T>& o) {
   const int64_t vec_end = K - K % kLanes;
   f32v acc[R][M] = {};
@@ -63,7 +62,7 @@ void dot_rows(const float* x, const T* w, int64_t K, int64_t n0, int64_t column,
     f32v xv[M];
     for (int m = 0; m < M; ++m) xv[m] = simd::load(x + m * K + k);
     for (int r = 0; r < R; ++r) {
-      __builtin_prefetch(w + (n0 + R + r) * K + k);  // the next block's row, as far along
+      __builtin_prefetch(ahead + r * K + k);  // as far along
       const f32v wv = simd::load(w + (n0 + r) * K + k);
       for (int m = 0; m < M; ++m) acc[r][m] += wv * xv[m];
     }
@@ -83,9 +82,10 @@ void dot_block(const float* x, const T* w, int64_t K, int64_t n_begin, int64_t n
                int64_t column, const Output<T>& o) {
   int64_t n = n_begin;
   for (; n + kRowsPerBlock <= n_end; n += kRowsPerBlock) {
-    dot_rows<T, M, kRowsPerBlock>(x, w, K, n, column, o);
+    const int64_t next = n + 2 * kRowsPerBlock <= n_end ? n + kRowsPerBlock : n;
+    dot_rows<T, M, kRowsPerBlock>(x, w, w + next * K, K, n, column, o);
   }
-  for (; n < n_end; ++n) dot_rows<T, M, 1>(x, w, K, n, column, o);
+  for (; n < n_end; ++n) dot_rows<T, M, 1>(x, w, w + n * K, K, n, column, o);
 }
 
 template <typename T, int M>
@@ -157,14 +157,14 @@ torch::Tensor small_rows_linear(const torch::Tensor& x, const std::vector<torch:
     const Output<float> o{out.data_ptr<float>(), width,
                           has_bias ? bias->data_ptr<float>() : nullptr,
                           times ? other->data_ptr<float>() : nullptr,
-                          static_cast<Epilogue>(epilogue)};
+                          static_cast<SmallRowsEpilogue>(epilogue)};
     dispatch<float>(wide.data_ptr<float>(), M, weights, K, o);
   } else {
     using bf16 = c10::BFloat16;
     const Output<bf16> o{out.data_ptr<bf16>(), width,
                          has_bias ? bias->data_ptr<bf16>() : nullptr,
                          times ? other->data_ptr<bf16>() : nullptr,
-                         static_cast<Epilogue>(epilogue)};
+                         static_cast<SmallRowsEpilogue>(epilogue)};
     dispatch<bf16>(wide.data_ptr<float>(), M, weights, K, o);
   }
   return out;
