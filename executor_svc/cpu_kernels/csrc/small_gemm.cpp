@@ -76,13 +76,14 @@ void dot_rows(const float* x, const T* w, const T* ahead, int64_t K, int64_t n0,
   }
 }
 
-// Output columns [n_begin, n_end) of one weight: kRowsPerBlock at a time, then one at a time.
+// Output columns [n_begin, n_end) of one weight of N rows: kRowsPerBlock at a time, each
+// block prefetching the next (within the weight), then one at a time.
 template <typename T, int M>
-void dot_block(const float* x, const T* w, int64_t K, int64_t n_begin, int64_t n_end,
-               int64_t column, const Output<T>& o) {
+void dot_block(const float* x, const T* w, int64_t N, int64_t K, int64_t n_begin,
+               int64_t n_end, int64_t column, const Output<T>& o) {
   int64_t n = n_begin;
   for (; n + kRowsPerBlock <= n_end; n += kRowsPerBlock) {
-    const int64_t next = n + 2 * kRowsPerBlock <= n_end ? n + kRowsPerBlock : n;
+    const int64_t next = n + 2 * kRowsPerBlock <= N ? n + kRowsPerBlock : n;
     dot_rows<T, M, kRowsPerBlock>(x, w, w + next * K, K, n, column, o);
   }
   for (; n < n_end; ++n) dot_rows<T, M, 1>(x, w, w + n * K, K, n, column, o);
@@ -101,7 +102,7 @@ void linear_rows(const float* x, const std::vector<torch::Tensor>& weights, int6
 #pragma omp for schedule(static) nowait
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t n = b * kRowsPerBlock;
-        dot_block<T, M>(x, w, K, n, std::min(N, n + kRowsPerBlock), column, o);
+        dot_block<T, M>(x, w, N, K, n, std::min(N, n + kRowsPerBlock), column, o);
       }
       column += N;
     }
