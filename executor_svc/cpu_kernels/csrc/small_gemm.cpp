@@ -17,6 +17,8 @@
 #include "kernels.h"
 #include "simd.h"
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -92,7 +94,7 @@ void dot_block(const float* x, const T* w, int64_t N, int64_t K, int64_t n_begin
 template <typename T, int M>
 void linear_rows(const float* x, const std::vector<torch::Tensor>& weights, int64_t K,
                  const Output<T>& o) {
-#pragma omp parallel
+#pragma omp parallel num_threads(at::get_num_threads())  // torch's count, as the others
   {
     int64_t column = 0;
     for (const auto& weight : weights) {
