@@ -62,16 +62,13 @@ class PackedWeight(Protocol):
         """x [..., in] -> x @ weight^T + bias [..., out]."""
 
 
-# small_rows_linear's epilogues (SmallRowsEpilogue, cpu_kernels/csrc/kernels.h).
-_NONE, _SILU, _TIMES = 0, 1, 2
-
-
 @dataclass(frozen=True)
 class OneDnnWeight:
     """oneDNN's packed copy of a weight; with the CPU kernels and the plain weights it was
     packed from (side by side), inputs of 1 to SMALL_ROWS_MAX rows read those instead
     (small_rows_linear): oneDNN spends ~20 us a call besides the bytes, most of a small
-    layer's time at a decode step of a few sequences (bench/README.md, "A few rows")."""
+    layer's time at a decode step of a few sequences (bench/README.md, "A few rows on the
+    plain weights")."""
 
     packed: torch.Tensor  # oneDNN's layout
     plain: tuple[torch.Tensor, ...] = ()  # [out_i, in] each, contiguous
@@ -85,30 +82,32 @@ class OneDnnWeight:
         """Whether a few rows take `kernels`' small_rows_linear (as the C++ stack's do)."""
         return self.kernels is kernels and bool(self.plain)
 
-    def _small(self, x: torch.Tensor, bias: torch.Tensor | None, epilogue: int,
+    def _small(self, x: torch.Tensor, bias: torch.Tensor | None, epilogue: str,
                other: torch.Tensor | None = None) -> torch.Tensor:
+        """`epilogue`: NONE, SILU or TIMES, the kernels' own values (SmallRowsEpilogue)."""
         assert self.kernels is not None
         rows = x.reshape(-1, x.shape[-1])
         if other is not None:
             other = other.reshape(rows.shape[0], -1).contiguous()
-        out = self.kernels.small_rows_linear(rows, list(self.plain), bias, epilogue, other)
+        out = self.kernels.small_rows_linear(rows, list(self.plain), bias,
+                                             getattr(self.kernels, f"EPILOGUE_{epilogue}"), other)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._few_rows(x):
-            return self._small(x, bias, _NONE)
+            return self._small(x, bias, "NONE")
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     def linear_silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ weight^T), the SiLU applied in float32 before the product is rounded."""
         if self._few_rows(x):
-            return self._small(x, None, _SILU)
+            return self._small(x, None, "SILU")
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "swish", [], "")
 
     def linear_times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x @ weight^T) * other, multiplied in float32 before the product is rounded."""
         if self._few_rows(x):
-            return self._small(x, None, _TIMES, other)
+            return self._small(x, None, "TIMES", other)
         return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, None, "mul")
 
 

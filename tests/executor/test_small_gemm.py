@@ -15,10 +15,16 @@ import torch.nn.functional as F
 
 from executor_svc.packed_linear import onednn_packs_bfloat16, pack_weight
 
-NONE, SILU, TIMES = 0, 1, 2
+NONE, SILU, TIMES = 0, 1, 2  # small_rows_linear's epilogue argument, as documented
 # float32's sums run in another order than float64's; in bf16 (8 significant bits) that can
 # round the result to the neighbouring value: one ulp, 2^-7 of it.
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-7, atol=1e-6)}
+
+
+def test_small_rows_linear_exports_its_epilogue_values(kernel: ModuleType) -> None:
+    # OneDnnWeight passes these by name; the documented values are the kernel's.
+    assert (kernel.EPILOGUE_NONE, kernel.EPILOGUE_SILU, kernel.EPILOGUE_TIMES) == (NONE, SILU,
+                                                                                   TIMES)
 
 
 def _reference(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None,
@@ -118,8 +124,9 @@ def test_small_rows_linear_refuses_bad_inputs(kernel: ModuleType, change: dict[s
 def test_onednn_weight_reads_the_plain_weight_for_a_few_rows_only(
         kernel: ModuleType, dtype: torch.dtype) -> None:
     if dtype == torch.bfloat16 and not onednn_packs_bfloat16():
-        pytest.skip("this CPU has no oneDNN bfloat16 kernels (AVX-512 BW/VL/DQ or "
-                    "AVX-NE-CONVERT): run this test on one that has")
+        pytest.skip("needs a CPU with oneDNN bfloat16 kernels (AVX-512 BW/VL/DQ or "
+                    "AVX-NE-CONVERT; see lscpu): run `.venv/bin/python -m pytest "
+                    "tests/executor/test_small_gemm.py` on one")
     gen = torch.Generator().manual_seed(11)
     weight = torch.randn(40, 64, generator=gen).to(dtype)
     with_kernels, without = pack_weight(weight, kernel), pack_weight(weight)

@@ -23,6 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] @ the weights side by side ^T (+ bias), then none / SiLU / times other, for "
         "1 to SMALL_ROWS_MAX rows on the plain weights (float32 or bfloat16)");
   m.attr("SMALL_ROWS_MAX") = kSmallRowsMax;
+  m.attr("EPILOGUE_NONE") = static_cast<int64_t>(kNone);
+  m.attr("EPILOGUE_SILU") = static_cast<int64_t>(kSilu);
+  m.attr("EPILOGUE_TIMES") = static_cast<int64_t>(kTimes);
   m.def("argmax_logsumexp", &argmax_logsumexp,
         "each row's first maximal id and its log-sum-exp (float32 or bfloat16 logits)");
   m.def("mkl_packed_gemm_available", &mkl_packed_gemm_available,

@@ -29,7 +29,7 @@ bool onednn_linear_ops_available();
 
 // small_gemm.cpp: linear layers of 1 to kSmallRowsMax rows on the plain weights.
 constexpr int64_t kSmallRowsMax = 4;
-// What follows the product (packed_linear.py's _NONE, _SILU, _TIMES).
+// What follows the product (the module's EPILOGUE_NONE, _SILU and _TIMES).
 enum SmallRowsEpilogue : int64_t { kNone = 0, kSilu = 1, kTimes = 2 };
 torch::Tensor small_rows_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                                 const std::optional<torch::Tensor>& bias, int64_t epilogue,
